@@ -1,0 +1,336 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class StreamRequest(_message.Message):
+    __slots__ = ("run_id", "rank", "events")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    rank: int
+    events: _containers.RepeatedCompositeFieldContainer[Event]
+    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ...) -> None: ...
+
+class Event(_message.Message):
+    __slots__ = ("seq", "time_seconds", "run_start", "step", "log", "checkpoint", "heartbeat", "run_end")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    TIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RUN_START_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LOG_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    RUN_END_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    time_seconds: float
+    run_start: RunStart
+    step: StepReport
+    log: LogReport
+    checkpoint: CheckpointReport
+    heartbeat: Heartbeat
+    run_end: RunEnd
+    def __init__(self, seq: _Optional[int] = ..., time_seconds: _Optional[float] = ..., run_start: _Optional[_Union[RunStart, _Mapping]] = ..., step: _Optional[_Union[StepReport, _Mapping]] = ..., log: _Optional[_Union[LogReport, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointReport, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., run_end: _Optional[_Union[RunEnd, _Mapping]] = ...) -> None: ...
+
+class RunStart(_message.Message):
+    __slots__ = ("trainer", "world_size", "output_dir", "config", "config_text", "versions", "membership", "preflight", "initial_adapter", "attestation", "sharded", "host")
+    class ConfigEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class ConfigTextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class VersionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    TRAINER_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_DIR_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_TEXT_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_FIELD_NUMBER: _ClassVar[int]
+    PREFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    INITIAL_ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    ATTESTATION_FIELD_NUMBER: _ClassVar[int]
+    SHARDED_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    trainer: str
+    world_size: int
+    output_dir: str
+    config: _containers.ScalarMap[str, float]
+    config_text: _containers.ScalarMap[str, str]
+    versions: _containers.ScalarMap[str, str]
+    membership: OptimizerMembership
+    preflight: Preflight
+    initial_adapter: AdapterDigest
+    attestation: str
+    sharded: bool
+    host: str
+    def __init__(self, trainer: _Optional[str] = ..., world_size: _Optional[int] = ..., output_dir: _Optional[str] = ..., config: _Optional[_Mapping[str, float]] = ..., config_text: _Optional[_Mapping[str, str]] = ..., versions: _Optional[_Mapping[str, str]] = ..., membership: _Optional[_Union[OptimizerMembership, _Mapping]] = ..., preflight: _Optional[_Union[Preflight, _Mapping]] = ..., initial_adapter: _Optional[_Union[AdapterDigest, _Mapping]] = ..., attestation: _Optional[str] = ..., sharded: _Optional[bool] = ..., host: _Optional[str] = ...) -> None: ...
+
+class OptimizerMembership(_message.Message):
+    __slots__ = ("optimizer_tensors", "optimizer_params", "trainable_tensors", "trainable_params", "trainable_not_in_optimizer_tensors", "adapter_tensors", "adapter_params", "adapters")
+    OPTIMIZER_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    TRAINABLE_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    TRAINABLE_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    TRAINABLE_NOT_IN_OPTIMIZER_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    optimizer_tensors: int
+    optimizer_params: int
+    trainable_tensors: int
+    trainable_params: int
+    trainable_not_in_optimizer_tensors: int
+    adapter_tensors: int
+    adapter_params: int
+    adapters: _containers.RepeatedCompositeFieldContainer[AdapterCoverage]
+    def __init__(self, optimizer_tensors: _Optional[int] = ..., optimizer_params: _Optional[int] = ..., trainable_tensors: _Optional[int] = ..., trainable_params: _Optional[int] = ..., trainable_not_in_optimizer_tensors: _Optional[int] = ..., adapter_tensors: _Optional[int] = ..., adapter_params: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[AdapterCoverage, _Mapping]]] = ...) -> None: ...
+
+class AdapterCoverage(_message.Message):
+    __slots__ = ("name", "tensors", "params", "in_optimizer_tensors", "active")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    IN_OPTIMIZER_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    tensors: int
+    params: int
+    in_optimizer_tensors: int
+    active: bool
+    def __init__(self, name: _Optional[str] = ..., tensors: _Optional[int] = ..., params: _Optional[int] = ..., in_optimizer_tensors: _Optional[int] = ..., active: _Optional[bool] = ...) -> None: ...
+
+class Preflight(_message.Message):
+    __slots__ = ("is_peft", "peft_type", "requested_target_modules", "target_modules_regex", "unmatched_target_modules", "embedding_rows", "base_vocab_size", "tokenizer_size", "modules_to_save", "active_adapter", "lora_rank")
+    IS_PEFT_FIELD_NUMBER: _ClassVar[int]
+    PEFT_TYPE_FIELD_NUMBER: _ClassVar[int]
+    REQUESTED_TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_REGEX_FIELD_NUMBER: _ClassVar[int]
+    UNMATCHED_TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_ROWS_FIELD_NUMBER: _ClassVar[int]
+    BASE_VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MODULES_TO_SAVE_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    is_peft: bool
+    peft_type: str
+    requested_target_modules: _containers.RepeatedScalarFieldContainer[str]
+    target_modules_regex: str
+    unmatched_target_modules: _containers.RepeatedScalarFieldContainer[str]
+    embedding_rows: int
+    base_vocab_size: int
+    tokenizer_size: int
+    modules_to_save: _containers.RepeatedScalarFieldContainer[str]
+    active_adapter: str
+    lora_rank: int
+    def __init__(self, is_peft: _Optional[bool] = ..., peft_type: _Optional[str] = ..., requested_target_modules: _Optional[_Iterable[str]] = ..., target_modules_regex: _Optional[str] = ..., unmatched_target_modules: _Optional[_Iterable[str]] = ..., embedding_rows: _Optional[int] = ..., base_vocab_size: _Optional[int] = ..., tokenizer_size: _Optional[int] = ..., modules_to_save: _Optional[_Iterable[str]] = ..., active_adapter: _Optional[str] = ..., lora_rank: _Optional[int] = ...) -> None: ...
+
+class AdapterDigest(_message.Message):
+    __slots__ = ("combined", "tensors", "bytes")
+    class TensorsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    COMBINED_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    combined: str
+    tensors: _containers.ScalarMap[str, str]
+    bytes: int
+    def __init__(self, combined: _Optional[str] = ..., tensors: _Optional[_Mapping[str, str]] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class StepReport(_message.Message):
+    __slots__ = ("step", "learning_rate", "update_sq_sum", "param_sq_sum", "watched_tensors", "watched_params", "optimizer_params", "unchanged_tensors", "grad_not_in_optimizer_tensors", "nonfinite_update_tensors", "grad_sq_sum", "groups", "sampled")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_SQ_SUM_FIELD_NUMBER: _ClassVar[int]
+    PARAM_SQ_SUM_FIELD_NUMBER: _ClassVar[int]
+    WATCHED_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    WATCHED_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    UNCHANGED_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    GRAD_NOT_IN_OPTIMIZER_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    NONFINITE_UPDATE_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    GRAD_SQ_SUM_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    learning_rate: float
+    update_sq_sum: float
+    param_sq_sum: float
+    watched_tensors: int
+    watched_params: int
+    optimizer_params: int
+    unchanged_tensors: int
+    grad_not_in_optimizer_tensors: int
+    nonfinite_update_tensors: int
+    grad_sq_sum: float
+    groups: _containers.RepeatedCompositeFieldContainer[GroupUpdate]
+    sampled: bool
+    def __init__(self, step: _Optional[int] = ..., learning_rate: _Optional[float] = ..., update_sq_sum: _Optional[float] = ..., param_sq_sum: _Optional[float] = ..., watched_tensors: _Optional[int] = ..., watched_params: _Optional[int] = ..., optimizer_params: _Optional[int] = ..., unchanged_tensors: _Optional[int] = ..., grad_not_in_optimizer_tensors: _Optional[int] = ..., nonfinite_update_tensors: _Optional[int] = ..., grad_sq_sum: _Optional[float] = ..., groups: _Optional[_Iterable[_Union[GroupUpdate, _Mapping]]] = ..., sampled: _Optional[bool] = ...) -> None: ...
+
+class GroupUpdate(_message.Message):
+    __slots__ = ("name", "kind", "update_sq_sum", "tensors", "unchanged_tensors", "optimizer_tensors")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_SQ_SUM_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    UNCHANGED_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    kind: str
+    update_sq_sum: float
+    tensors: int
+    unchanged_tensors: int
+    optimizer_tensors: int
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., update_sq_sum: _Optional[float] = ..., tensors: _Optional[int] = ..., unchanged_tensors: _Optional[int] = ..., optimizer_tensors: _Optional[int] = ...) -> None: ...
+
+class LogReport(_message.Message):
+    __slots__ = ("step", "values", "dropped_keys")
+    class ValuesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    values: _containers.ScalarMap[str, float]
+    dropped_keys: int
+    def __init__(self, step: _Optional[int] = ..., values: _Optional[_Mapping[str, float]] = ..., dropped_keys: _Optional[int] = ...) -> None: ...
+
+class CheckpointReport(_message.Message):
+    __slots__ = ("step", "path", "adapter")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    path: str
+    adapter: AdapterDigest
+    def __init__(self, step: _Optional[int] = ..., path: _Optional[str] = ..., adapter: _Optional[_Union[AdapterDigest, _Mapping]] = ...) -> None: ...
+
+class Heartbeat(_message.Message):
+    __slots__ = ("step", "dropped_events", "queued_events")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    dropped_events: int
+    queued_events: int
+    def __init__(self, step: _Optional[int] = ..., dropped_events: _Optional[int] = ..., queued_events: _Optional[int] = ...) -> None: ...
+
+class RunEnd(_message.Message):
+    __slots__ = ("step", "reason")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    reason: str
+    def __init__(self, step: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class StreamResponse(_message.Message):
+    __slots__ = ("ack_seq", "directives", "error")
+    ACK_SEQ_FIELD_NUMBER: _ClassVar[int]
+    DIRECTIVES_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ack_seq: int
+    directives: _containers.RepeatedCompositeFieldContainer[Directive]
+    error: str
+    def __init__(self, ack_seq: _Optional[int] = ..., directives: _Optional[_Iterable[_Union[Directive, _Mapping]]] = ..., error: _Optional[str] = ...) -> None: ...
+
+class Directive(_message.Message):
+    __slots__ = ("action", "detector", "reason")
+    class Action(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        ACTION_UNSPECIFIED: _ClassVar[Directive.Action]
+        ACTION_STOP: _ClassVar[Directive.Action]
+        ACTION_ABORT: _ClassVar[Directive.Action]
+    ACTION_UNSPECIFIED: Directive.Action
+    ACTION_STOP: Directive.Action
+    ACTION_ABORT: Directive.Action
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    DETECTOR_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    action: Directive.Action
+    detector: str
+    reason: str
+    def __init__(self, action: _Optional[_Union[Directive.Action, str]] = ..., detector: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("runs",)
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    runs: _containers.RepeatedCompositeFieldContainer[RunStatus]
+    def __init__(self, runs: _Optional[_Iterable[_Union[RunStatus, _Mapping]]] = ...) -> None: ...
+
+class RunStatus(_message.Message):
+    __slots__ = ("run_id", "trainer", "ranks", "step", "last_seen_seconds", "ended", "findings")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ENDED_FIELD_NUMBER: _ClassVar[int]
+    FINDINGS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    trainer: str
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    step: int
+    last_seen_seconds: float
+    ended: bool
+    findings: _containers.RepeatedCompositeFieldContainer[Finding]
+    def __init__(self, run_id: _Optional[str] = ..., trainer: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., step: _Optional[int] = ..., last_seen_seconds: _Optional[float] = ..., ended: _Optional[bool] = ..., findings: _Optional[_Iterable[_Union[Finding, _Mapping]]] = ...) -> None: ...
+
+class Finding(_message.Message):
+    __slots__ = ("detector", "severity", "firing", "step", "summary", "evidence", "policy")
+    class EvidenceEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    DETECTOR_FIELD_NUMBER: _ClassVar[int]
+    SEVERITY_FIELD_NUMBER: _ClassVar[int]
+    FIRING_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    EVIDENCE_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    detector: str
+    severity: str
+    firing: bool
+    step: int
+    summary: str
+    evidence: _containers.ScalarMap[str, str]
+    policy: str
+    def __init__(self, detector: _Optional[str] = ..., severity: _Optional[str] = ..., firing: _Optional[bool] = ..., step: _Optional[int] = ..., summary: _Optional[str] = ..., evidence: _Optional[_Mapping[str, str]] = ..., policy: _Optional[str] = ...) -> None: ...

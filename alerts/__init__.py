@@ -1,0 +1,1 @@
+"""Alert rules, their tests and the Alertmanager example, generated from one table."""

@@ -1,0 +1,38 @@
+# The deadweight sidecar: gRPC on a unix socket, Prometheus metrics over HTTP.
+# It installs only the package's base dependencies; torch and TRL (the `train` extra) belong
+# to the training image, never here.
+#
+#   docker build -t deadweight:0.1.0 .
+#   behind a TLS-intercepting proxy:  --secret id=pip_cert,src=/etc/ssl/certs/ca-certificates.crt
+FROM python:3.11-slim AS build
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY deadweight ./deadweight
+COPY callbacks ./callbacks
+COPY sidecar ./sidecar
+COPY proto ./proto
+COPY demo ./demo
+RUN --mount=type=secret,id=pip_cert \
+    if [ -s /run/secrets/pip_cert ]; then export PIP_CERT=/run/secrets/pip_cert; fi \
+    && python3 -m venv /opt/deadweight \
+    && /opt/deadweight/bin/pip install --no-cache-dir --no-compile /src \
+    && /opt/deadweight/bin/python -m compileall -q /opt/deadweight
+
+FROM python:3.11-slim
+COPY --from=build /opt/deadweight /opt/deadweight
+RUN groupadd --system --gid 10001 deadweight \
+    && useradd --system --uid 10001 --gid deadweight --no-create-home \
+        --home-dir /var/lib/deadweight --shell /usr/sbin/nologin deadweight \
+    && install -d -o deadweight -g deadweight -m 0770 /run/deadweight /var/lib/deadweight
+ENV PATH=/opt/deadweight/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1
+USER 10001:10001
+WORKDIR /var/lib/deadweight
+VOLUME ["/run/deadweight", "/var/lib/deadweight"]
+EXPOSE 9464
+HEALTHCHECK --interval=30s --timeout=5s --start-period=10s --retries=3 \
+    CMD ["python3", "-c", "import urllib.request as u; u.urlopen('http://127.0.0.1:9464/metrics', timeout=4)"]
+# Extra flags given to `docker run IMAGE ...` are appended (e.g. --policy frozen_weights=stop).
+ENTRYPOINT ["deadweight", "serve", "--socket", "/run/deadweight/deadweight.sock", \
+            "--metrics-address", "0.0.0.0:9464", "--state-dir", "/var/lib/deadweight"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
@@ -27,10 +28,12 @@ CHAT_TEMPLATE = (
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
 WORDS = (
-    "the a model learns weights adapter frozen step loss reward gradient token train run "
-    "one two three four five six seven eight nine ten cat dog sun moon red blue green fast slow "
-    "question answer yes no because and or not is was will can"
-).split()
+    "the", "a", "model", "learns", "weights", "adapter", "frozen", "step", "loss", "reward",
+    "gradient", "token", "train", "run", "one", "two", "three", "four", "five", "six", "seven",
+    "eight", "nine", "ten", "cat", "dog", "sun", "moon", "red", "blue", "green", "fast",
+    "slow", "question", "answer", "yes", "no", "because", "and", "or", "not", "is", "was",
+    "will", "can",
+)
 
 ARCHITECTURES = ("gpt2", "llama", "qwen2")
 
@@ -72,7 +75,7 @@ def model_config(arch: str, vocab_size: int, pad_id: int, eos_id: int) -> object
             vocab_size=vocab_size, n_embd=64, n_layer=2, n_head=2, n_positions=128,
             bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=pad_id,
         )
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
         bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=pad_id, tie_word_embeddings=False,

@@ -4,7 +4,24 @@ Import the messages as ``from deadweight.proto import pb`` and the service stubs
 ``from deadweight.proto import pb_grpc``. Regenerate with ``python -m deadweight.proto.generate``.
 """
 
+from typing import Any
+
 from deadweight.proto.deadweight.v1 import deadweight_pb2 as pb
 from deadweight.proto.deadweight.v1 import deadweight_pb2_grpc as pb_grpc
 
-__all__ = ["pb", "pb_grpc"]
+#: Largest message either side accepts; larger ones are refused with a clear error.
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+
+
+
+def monitor_stub(channel: Any) -> Any:
+    """A MonitorService client stub (the generated code carries no annotations)."""
+    return pb_grpc.MonitorServiceStub(channel)  # type: ignore[no-untyped-call]
+
+
+def add_monitor_servicer(servicer: Any, server: Any) -> None:
+    """Register a MonitorService implementation on a grpc (or grpc.aio) server."""
+    pb_grpc.add_MonitorServiceServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
+
+
+__all__ = ["MAX_MESSAGE_BYTES", "add_monitor_servicer", "monitor_stub", "pb", "pb_grpc"]

@@ -164,7 +164,7 @@ class AdapterDigest(_message.Message):
     def __init__(self, combined: _Optional[str] = ..., tensors: _Optional[_Mapping[str, str]] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class StepReport(_message.Message):
-    __slots__ = ("step", "learning_rate", "update_sq_sum", "param_sq_sum", "watched_tensors", "watched_params", "optimizer_params", "unchanged_tensors", "grad_not_in_optimizer_tensors", "nonfinite_update_tensors", "grad_sq_sum", "groups", "sampled")
+    __slots__ = ("step", "learning_rate", "update_sq_sum", "param_sq_sum", "watched_tensors", "watched_params", "optimizer_params", "unchanged_tensors", "grad_not_in_optimizer_tensors", "nonfinite_update_tensors", "grad_sq_sum", "groups", "sampled", "grad_not_in_optimizer_params")
     STEP_FIELD_NUMBER: _ClassVar[int]
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     UPDATE_SQ_SUM_FIELD_NUMBER: _ClassVar[int]
@@ -178,6 +178,7 @@ class StepReport(_message.Message):
     GRAD_SQ_SUM_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    GRAD_NOT_IN_OPTIMIZER_PARAMS_FIELD_NUMBER: _ClassVar[int]
     step: int
     learning_rate: float
     update_sq_sum: float
@@ -191,7 +192,8 @@ class StepReport(_message.Message):
     grad_sq_sum: float
     groups: _containers.RepeatedCompositeFieldContainer[GroupUpdate]
     sampled: bool
-    def __init__(self, step: _Optional[int] = ..., learning_rate: _Optional[float] = ..., update_sq_sum: _Optional[float] = ..., param_sq_sum: _Optional[float] = ..., watched_tensors: _Optional[int] = ..., watched_params: _Optional[int] = ..., optimizer_params: _Optional[int] = ..., unchanged_tensors: _Optional[int] = ..., grad_not_in_optimizer_tensors: _Optional[int] = ..., nonfinite_update_tensors: _Optional[int] = ..., grad_sq_sum: _Optional[float] = ..., groups: _Optional[_Iterable[_Union[GroupUpdate, _Mapping]]] = ..., sampled: _Optional[bool] = ...) -> None: ...
+    grad_not_in_optimizer_params: int
+    def __init__(self, step: _Optional[int] = ..., learning_rate: _Optional[float] = ..., update_sq_sum: _Optional[float] = ..., param_sq_sum: _Optional[float] = ..., watched_tensors: _Optional[int] = ..., watched_params: _Optional[int] = ..., optimizer_params: _Optional[int] = ..., unchanged_tensors: _Optional[int] = ..., grad_not_in_optimizer_tensors: _Optional[int] = ..., nonfinite_update_tensors: _Optional[int] = ..., grad_sq_sum: _Optional[float] = ..., groups: _Optional[_Iterable[_Union[GroupUpdate, _Mapping]]] = ..., sampled: _Optional[bool] = ..., grad_not_in_optimizer_params: _Optional[int] = ...) -> None: ...
 
 class GroupUpdate(_message.Message):
     __slots__ = ("name", "kind", "update_sq_sum", "tensors", "unchanged_tensors", "optimizer_tensors")

@@ -1,0 +1,272 @@
+"""``DeadweightCallback``: report what the loss curve cannot show to the deadweight sidecar.
+
+One line::
+
+    trainer.add_callback(DeadweightCallback())
+
+=========================  ===============================================================
+hook                       what it reports
+=========================  ===============================================================
+``on_train_begin``         trainer, resolved config, versions, optimizer membership by
+                           identity (per adapter), target-module match, embedding rows vs
+                           base vocab, the initial adapter digest
+``on_optimizer_step``      update L2 of every watched tensor (snapshot taken at
+                           ``on_pre_optimizer_step``), unchanged and non-finite tensor
+                           counts, params with a grad that the optimizer does not hold,
+                           per-adapter and per-module-kind sums, the learning rate
+``on_log``                 every numeric key the trainer logged (bounded)
+``on_save``                the checkpoint path and the digest of the adapter in memory
+``on_train_end``           the run end
+=========================  ===============================================================
+
+Settings come from arguments or ``DEADWEIGHT_ADDRESS``, ``DEADWEIGHT_RUN_ID`` and
+``DEADWEIGHT_TOKEN``. The callback decides nothing: the sidecar does, and may answer with a
+STOP (training ends gracefully) or ABORT (raised at the next hook) directive.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from deadweight.callbacks import digest, membership, preflight
+from deadweight.callbacks.stream_client import ClientSettings, StreamClient
+from deadweight.callbacks.update_probe import UpdateProbe
+from deadweight.callbacks.wire import (
+    CheckpointRecord,
+    RunEndRecord,
+    RunStartRecord,
+    StepRecord,
+    numeric_logs,
+    to_event,
+)
+from deadweight.proto import pb
+
+log = logging.getLogger("deadweight")
+
+DEFAULT_ADDRESS = "unix:///run/deadweight/deadweight.sock"
+
+
+class DeadweightAbort(RuntimeError):
+    """Raised inside training when the sidecar sent an ABORT directive."""
+
+
+def default_run_id(output_dir: str, started: float) -> str:
+    """A stable, readable id: the output folder's name and a short hash of path and time."""
+    path = str(Path(output_dir).resolve())
+    tag = hashlib.sha256(f"{path}|{started:.6f}".encode()).hexdigest()[:8]
+    name = Path(path).name or "run"
+    return f"{name}-{tag}"
+
+
+def _shared_run_id(run_id: str) -> str:
+    """Every rank must report under rank 0's id; broadcast it when a process group is up."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return run_id
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return run_id
+    box = [run_id]
+    dist.broadcast_object_list(box, src=0)
+    return str(box[0])
+
+
+def _learning_rate(optimizer: Any, lr_scheduler: Any) -> float:
+    """The learning rate the coming optimizer step uses."""
+    last = getattr(lr_scheduler, "get_last_lr", None)
+    if callable(last):
+        values = last()
+        if values:
+            return float(values[0])
+    for group in getattr(optimizer, "param_groups", []) or []:
+        return float(group.get("lr", 0.0))
+    return 0.0
+
+
+class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
+    """Stream optimizer membership, per-step weight updates and trainer logs to the sidecar."""
+
+    def __init__(
+        self,
+        address: str | None = None,
+        run_id: str | None = None,
+        token: str | None = None,
+        *,
+        require_sidecar: bool = False,
+        start_timeout_seconds: float = 1.0,
+        settings: ClientSettings | None = None,
+    ) -> None:
+        self.address = address or os.environ.get("DEADWEIGHT_ADDRESS") or DEFAULT_ADDRESS
+        self.run_id = run_id or os.environ.get("DEADWEIGHT_RUN_ID") or None
+        self.token = token or os.environ.get("DEADWEIGHT_TOKEN") or None
+        self.require_sidecar = require_sidecar
+        self.start_timeout_seconds = start_timeout_seconds
+        self.settings = settings or ClientSettings()
+        self.client: StreamClient | None = None
+        self._probe: UpdateProbe | None = None
+        self._membership: membership.Membership | None = None
+        self._lr = 0.0
+        self._abort: str | None = None
+
+    # -- hooks -------------------------------------------------------------------------------
+
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: Any = None,
+        optimizer: Any = None,
+        processing_class: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        output_dir = str(args.output_dir or ".")
+        run_id = _shared_run_id(self.run_id or default_run_id(output_dir, time.time()))
+        self.run_id = run_id
+        self._membership = membership.measure(model, optimizer)
+        self._probe = UpdateProbe(self._membership.watched, self._membership.groups)
+        record = RunStartRecord(
+            trainer=preflight.trainer_name(args),
+            world_size=int(getattr(args, "world_size", 1)),
+            output_dir=str(Path(output_dir).resolve()),
+            config=preflight.numeric_config(args, int(state.max_steps or 0)),
+            config_text=preflight.text_config(args),
+            versions=preflight.versions(),
+            membership=self._membership,
+            preflight=preflight.gather(model, processing_class),
+            initial_adapter=digest.digest_adapter(model),
+            host=socket.gethostname(),
+        )
+        self.client = StreamClient(
+            self.address,
+            run_id,
+            int(getattr(args, "process_index", 0)),
+            to_event,
+            token=self.token,
+            settings=self.settings,
+        )
+        self.client.start(record)
+        if self.client.wait_connected(self.start_timeout_seconds):
+            self.client.wait_registered(self.start_timeout_seconds)
+        elif self.require_sidecar:
+            self.client.close(timeout=0.0)
+            raise RuntimeError(
+                f"deadweight: no sidecar answered at {self.address} within "
+                f"{self.start_timeout_seconds}s and require_sidecar=True"
+            )
+        self._apply_directives(control)
+
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        self._apply_directives(control)
+
+    def on_pre_optimizer_step(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        optimizer: Any = None,
+        lr_scheduler: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        if self._probe is None:
+            return
+        self._lr = _learning_rate(optimizer, lr_scheduler)
+        self._probe.before_step()
+
+    def on_optimizer_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        if self._probe is None or self.client is None or self._membership is None:
+            return
+        stats = self._probe.after_step()
+        if stats is None:
+            return
+        tensors, params = membership.grads_outside_optimizer(self._membership.outside_optimizer)
+        step = state.global_step + 1  # global_step advances after this hook
+        self.client.last_step = step
+        self.client.submit(
+            "step",
+            StepRecord(
+                step=step,
+                learning_rate=self._lr,
+                stats=stats,
+                optimizer_params=self._membership.optimizer_params,
+                grad_not_in_optimizer_tensors=tensors,
+                grad_not_in_optimizer_params=params,
+            ),
+        )
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        self._apply_directives(control)
+
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if self.client is None or not logs:
+            return
+        record = numeric_logs(logs)
+        self.client.submit("log", type(record)(state.global_step, record.values,
+                                               record.dropped_keys))
+        self._apply_directives(control)
+
+    def on_save(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        if self.client is None:
+            return
+        path = Path(args.output_dir or ".").resolve() / f"checkpoint-{state.global_step}"
+        self.client.submit(
+            "checkpoint",
+            CheckpointRecord(state.global_step, str(path), digest.digest_adapter(model)),
+        )
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        if self.client is None:
+            return
+        reason = "stopped" if control.should_training_stop else "completed"
+        if state.max_steps and state.global_step >= state.max_steps:
+            reason = "completed"
+        self.client.submit("run_end", RunEndRecord(state.global_step, reason))
+        self.client.close(timeout=2.0)
+
+    # -- directives --------------------------------------------------------------------------
+
+    def _apply_directives(self, control: TrainerControl) -> None:
+        """STOP ends training gracefully; ABORT raises inside the training loop."""
+        if self._abort is not None:
+            raise DeadweightAbort(self._abort)
+        if self.client is None:
+            return
+        for directive in self.client.take_directives():
+            reason = f"deadweight {directive.detector}: {directive.reason}"
+            if directive.action == pb.Directive.ACTION_STOP:
+                if not control.should_training_stop:
+                    log.warning("%s; stopping training", reason)
+                control.should_training_stop = True
+            elif directive.action == pb.Directive.ACTION_ABORT:
+                self._abort = reason
+                raise DeadweightAbort(reason)

@@ -1,0 +1,159 @@
+"""Which parameters should train, which ones the optimizer really holds, and how they group.
+
+Membership is decided by object identity (``id(param)``), never by names or ``requires_grad``
+alone: a PEFT adapter loaded without ``is_trainable=True`` has an empty optimizer, and GRPO's
+reference pass later flips ``requires_grad`` back on, so a flag check after the fact is fooled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from deadweight.callbacks.update_probe import TensorGroup
+
+
+@dataclass(frozen=True)
+class AdapterShare:
+    """One named adapter's tensors and how many of them the optimizer holds."""
+
+    name: str
+    tensors: int
+    params: int
+    in_optimizer_tensors: int
+    active: bool
+
+
+@dataclass
+class Membership:
+    """The watched tensors and the optimizer's view of them, at train begin."""
+
+    optimizer_tensors: int
+    optimizer_params: int
+    trainable_tensors: int
+    trainable_params: int
+    trainable_not_in_optimizer_tensors: int
+    adapter_tensors: int
+    adapter_params: int
+    adapters: list[AdapterShare]
+    watched_names: list[str]
+    watched: list[torch.nn.Parameter]
+    groups: list[TensorGroup]
+    #: Parameters outside the optimizer: a grad on any of them is work thrown away.
+    outside_optimizer: list[torch.nn.Parameter] = field(default_factory=list)
+
+
+def optimizer_param_ids(optimizer: Any) -> set[int]:
+    """Identities of every tensor in every param group of the optimizer."""
+    if optimizer is None:
+        return set()
+    groups = getattr(optimizer, "param_groups", None) or []
+    return {id(p) for group in groups for p in group.get("params", [])}
+
+
+def adapter_names(model: Any) -> list[str]:
+    """Names of the PEFT adapters on model (empty for a plain model)."""
+    config = getattr(model, "peft_config", None)
+    return list(config) if isinstance(config, dict) else []
+
+
+def active_adapters(model: Any) -> list[str]:
+    """The adapters PEFT currently routes through."""
+    active = getattr(model, "active_adapters", None)
+    if callable(active):  # older PEFT exposes a method
+        active = active()
+    if isinstance(active, str):
+        return [active]
+    if isinstance(active, Iterable):
+        return [str(a) for a in active]
+    single = getattr(model, "active_adapter", None)
+    return [single] if isinstance(single, str) else []
+
+
+def adapter_of(name: str, adapters: list[str]) -> str | None:
+    """The adapter a parameter name belongs to (``...lora_A.<adapter>.weight``), if any."""
+    parts = name.split(".")
+    for adapter in adapters:
+        if adapter in parts[:-1]:
+            return adapter
+    return None
+
+
+def module_kind(name: str, adapter: str | None) -> str:
+    """A low-cardinality label for a parameter: the module it sits in (``q_proj``, ``lm_head``)."""
+    parts = [p for p in name.split(".")[:-1] if p != adapter]
+    for i, part in enumerate(parts):
+        if part.startswith("lora_") or part == "modules_to_save":
+            return parts[i - 1] if i > 0 else part
+    return parts[-1] if parts else name
+
+
+def measure(model: torch.nn.Module, optimizer: Any) -> Membership:
+    """Compare the model's parameters with the optimizer's, by identity."""
+    in_optimizer = optimizer_param_ids(optimizer)
+    adapters = adapter_names(model)
+    active = set(active_adapters(model))
+    watched: list[torch.nn.Parameter] = []
+    watched_names: list[str] = []
+    outside: list[torch.nn.Parameter] = []
+    per_adapter: dict[str, list[torch.nn.Parameter]] = {a: [] for a in adapters}
+    adapter_index: dict[str, list[int]] = {a: [] for a in adapters}
+    kind_index: dict[str, list[int]] = {}
+    trainable_tensors = trainable_params = trainable_outside = 0
+    seen: set[int] = set()
+    for name, param in model.named_parameters():
+        if id(param) in seen:  # tied weights appear once
+            continue
+        seen.add(id(param))
+        adapter = adapter_of(name, adapters)
+        if adapter is not None:
+            per_adapter[adapter].append(param)
+        if param.requires_grad:
+            trainable_tensors += 1
+            trainable_params += param.numel()
+            trainable_outside += id(param) not in in_optimizer
+        if id(param) not in in_optimizer:
+            outside.append(param)
+        if id(param) in in_optimizer or param.requires_grad or adapter is not None:
+            index = len(watched)
+            watched.append(param)
+            watched_names.append(name)
+            if adapter is not None:
+                adapter_index[adapter].append(index)
+            kind_index.setdefault(module_kind(name, adapter), []).append(index)
+    groups = [TensorGroup(a, "adapter", idx) for a, idx in adapter_index.items() if idx]
+    groups += [TensorGroup(k, "module", idx) for k, idx in sorted(kind_index.items())]
+    shares = [
+        AdapterShare(
+            name=a,
+            tensors=len(ps),
+            params=sum(p.numel() for p in ps),
+            in_optimizer_tensors=sum(id(p) in in_optimizer for p in ps),
+            active=a in active,
+        )
+        for a, ps in per_adapter.items()
+    ]
+    optimizer_tensors = [p for p in watched if id(p) in in_optimizer]
+    return Membership(
+        optimizer_tensors=len(in_optimizer),
+        optimizer_params=sum(p.numel() for p in optimizer_tensors),
+        trainable_tensors=trainable_tensors,
+        trainable_params=trainable_params,
+        trainable_not_in_optimizer_tensors=trainable_outside,
+        adapter_tensors=sum(s.tensors for s in shares),
+        adapter_params=sum(s.params for s in shares),
+        adapters=shares,
+        watched_names=watched_names,
+        watched=watched,
+        groups=groups,
+        outside_optimizer=outside,
+    )
+
+
+def grads_outside_optimizer(outside: list[torch.nn.Parameter]) -> tuple[int, int]:
+    """(tensors, elements) among params outside the optimizer that carry a gradient."""
+    with_grad = [p for p in outside if p.grad is not None]
+    return len(with_grad), sum(p.numel() for p in with_grad)

@@ -1,0 +1,134 @@
+"""Facts read at train begin that expose a broken setup before the first step.
+
+The callback only gathers facts (config values, requested vs matched target modules, embedding
+rows vs the base vocabulary); the sidecar decides what they mean.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from deadweight.callbacks.membership import active_adapters
+
+#: Numeric trainer settings worth reporting when the config has them.
+NUMERIC_KEYS = (
+    "learning_rate", "warmup_steps", "warmup_ratio", "weight_decay", "max_steps",
+    "num_train_epochs", "gradient_accumulation_steps", "per_device_train_batch_size",
+    "max_grad_norm", "beta", "num_generations", "max_completion_length", "temperature",
+    "epsilon", "logging_steps", "save_steps", "seed",
+)
+TEXT_KEYS = ("lr_scheduler_type", "optim", "loss_type", "save_strategy", "logging_strategy")
+VERSIONED = ("torch", "transformers", "trl", "peft", "accelerate", "deadweight")
+
+
+@dataclass
+class PreflightFacts:
+    """Model facts for the RunStart message."""
+
+    is_peft: bool = False
+    peft_type: str = ""
+    requested_target_modules: list[str] = field(default_factory=list)
+    target_modules_regex: str = ""
+    unmatched_target_modules: list[str] = field(default_factory=list)
+    embedding_rows: int = 0
+    base_vocab_size: int = 0
+    tokenizer_size: int = 0
+    modules_to_save: list[str] = field(default_factory=list)
+    active_adapter: str = ""
+    lora_rank: int = 0
+
+
+def trainer_name(args: Any) -> str:
+    """``GRPOConfig`` -> ``GRPOTrainer``; plain ``TrainingArguments`` -> ``Trainer``."""
+    name = type(args).__name__
+    if name.endswith("Config"):
+        return name[: -len("Config")] + "Trainer"
+    return "Trainer"
+
+
+def numeric_config(args: Any, max_steps: int) -> dict[str, float]:
+    """The numeric settings present on args, plus the resolved warmup and total steps."""
+    config: dict[str, float] = {}
+    for key in NUMERIC_KEYS:
+        value = getattr(args, key, None)
+        if isinstance(value, bool) or value is None:
+            continue
+        if isinstance(value, int | float):
+            config[key] = float(value)
+    config["total_steps"] = float(max_steps)
+    get_warmup = getattr(args, "get_warmup_steps", None)
+    if callable(get_warmup) and max_steps > 0:
+        config["resolved_warmup_steps"] = float(get_warmup(max_steps))
+    return config
+
+
+def text_config(args: Any) -> dict[str, str]:
+    """The textual settings present on args."""
+    return {k: str(getattr(args, k)) for k in TEXT_KEYS if getattr(args, k, None) is not None}
+
+
+def versions() -> dict[str, str]:
+    """Installed versions of the libraries whose behaviour the verdicts depend on."""
+    found: dict[str, str] = {}
+    for name in VERSIONED:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return found
+
+
+def _suffix_matched(target: str, matched: Iterable[str]) -> bool:
+    return any(m == target or m.endswith("." + target) for m in matched)
+
+
+def _base_vocab_size(path: str) -> int:
+    """vocab_size from the base model's config.json on local disk, 0 when unknown."""
+    config = Path(path) / "config.json"
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return 0
+    text = data.get("text_config")
+    value = data.get("vocab_size") or (text.get("vocab_size") if isinstance(text, dict) else 0)
+    return int(value or 0)
+
+
+def gather(model: Any, processing_class: Any = None) -> PreflightFacts:
+    """Read PEFT and embedding facts from model (any model; PEFT fields stay empty otherwise)."""
+    facts = PreflightFacts()
+    embeddings = getattr(model, "get_input_embeddings", None)
+    if callable(embeddings):
+        layer = embeddings()
+        weight = getattr(layer, "weight", None)
+        if weight is not None:
+            facts.embedding_rows = int(weight.shape[0])
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    if tokenizer is not None and hasattr(tokenizer, "__len__"):
+        facts.tokenizer_size = len(tokenizer)
+    peft_config = getattr(model, "peft_config", None)
+    if not isinstance(peft_config, dict) or not peft_config:
+        return facts
+    facts.is_peft = True
+    active = active_adapters(model)
+    facts.active_adapter = active[0] if active else next(iter(peft_config))
+    config = peft_config.get(facts.active_adapter) or next(iter(peft_config.values()))
+    facts.peft_type = str(getattr(config, "peft_type", "")).split(".")[-1]
+    facts.lora_rank = int(getattr(config, "r", 0) or 0)
+    facts.modules_to_save = sorted(getattr(config, "modules_to_save", None) or [])
+    facts.base_vocab_size = _base_vocab_size(str(getattr(config, "base_model_name_or_path", "")))
+    targets = getattr(config, "target_modules", None)
+    matched = getattr(getattr(model, "base_model", None), "targeted_module_names", []) or []
+    if isinstance(targets, str):
+        facts.target_modules_regex = targets
+    elif targets:
+        facts.requested_target_modules = sorted(str(t) for t in targets)
+        facts.unmatched_target_modules = [
+            t for t in facts.requested_target_modules if not _suffix_matched(t, matched)
+        ]
+    return facts

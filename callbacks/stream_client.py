@@ -1,0 +1,272 @@
+"""The training side of the gRPC stream: a bounded queue and one background sender thread.
+
+The training thread only appends a record to a deque (drop-oldest, counted) and returns; the
+sender thread turns records into ``deadweight.v1`` events, batches them, keeps unacknowledged
+events for a resend after a reconnect, sends heartbeats, and collects the sidecar's directives.
+A sidecar that is absent, slow or restarting costs the job one warning, never an exception.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from deadweight.proto import MAX_MESSAGE_BYTES, monitor_stub, pb
+
+log = logging.getLogger("deadweight")
+
+
+@dataclass(frozen=True)
+class ClientSettings:
+    """Tunables of the stream; the defaults suit a run that steps every 10 ms to 10 min."""
+
+    max_queue: int = 10_000
+    max_inflight: int = 10_000
+    batch_size: int = 256
+    heartbeat_seconds: float = 5.0
+    connect_timeout_seconds: float = 2.0
+    backoff_initial_seconds: float = 0.2
+    backoff_max_seconds: float = 10.0
+
+
+def grpc_target(address: str) -> str:
+    """``unix:///path`` and ``unix:/path`` pass through; a bare path becomes a unix target."""
+    if address.startswith(("unix:", "dns:", "ipv4:", "ipv6:")):
+        return address
+    if address.startswith("/"):
+        return "unix://" + address
+    return address
+
+
+class StreamClient:
+    """One (run_id, rank) stream to the sidecar, fed without blocking the training thread."""
+
+    def __init__(
+        self,
+        address: str,
+        run_id: str,
+        rank: int,
+        to_event: Callable[[str, Any], pb.Event],
+        token: str | None = None,
+        settings: ClientSettings | None = None,
+        channel_factory: Callable[[str], grpc.Channel] | None = None,
+    ) -> None:
+        self.address = address
+        self.run_id = run_id
+        self.rank = rank
+        self.settings = settings or ClientSettings()
+        self._to_event = to_event
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._channel_factory = channel_factory or self._insecure_channel
+        self._queue: deque[tuple[str, Any, float]] = deque(maxlen=self.settings.max_queue)
+        self._inflight: deque[pb.Event] = deque()
+        self._directives: deque[pb.Directive] = deque()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._connected = threading.Event()
+        self._start_acked = threading.Event()
+        self._lock = threading.Lock()
+        self._run_start: pb.Event | None = None
+        self._pending_resend: list[pb.Event] = []
+        self.last_step = 0
+        self._seq = 0
+        self._acked = 0
+        self._warned = False
+        self._closing = False
+        self._channel: grpc.Channel | None = None
+        self.dropped = 0
+        self.sent = 0
+        self.connects = 0
+        self._thread = threading.Thread(target=self._run, name="deadweight-sender", daemon=True)
+
+    # -- training thread -------------------------------------------------------------------
+
+    def start(self, run_start: Any) -> None:
+        """Register the run (record kind ``run_start``) and start the sender thread."""
+        self._run_start = self._to_event("run_start", run_start)
+        self._run_start.seq = 0  # seq 0: never deduplicated, re-sent after every reconnect
+        self._run_start.time_seconds = time.time()
+        self._thread.start()
+
+    def submit(self, kind: str, record: Any) -> None:
+        """Queue a record; O(1), never blocks; the oldest record is dropped when full."""
+        if len(self._queue) >= self.settings.max_queue:
+            self.dropped += 1
+        self._queue.append((kind, record, time.time()))
+        self._wake.set()
+
+    def take_directives(self) -> list[pb.Directive]:
+        """Directives received since the last call."""
+        taken: list[pb.Directive] = []
+        while self._directives:
+            taken.append(self._directives.popleft())
+        return taken
+
+    def wait_registered(self, timeout: float) -> bool:
+        """Wait until the sidecar acknowledged the run start (for directives at train begin)."""
+        return self._start_acked.wait(timeout)
+
+    def wait_connected(self, timeout: float) -> bool:
+        """Wait until a stream to the sidecar is open."""
+        return self._connected.wait(timeout)
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Flush what is queued within timeout, then stop the sender."""
+        if not self._thread.is_alive():
+            return
+        self._closing = True
+        self._wake.set()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self._connected.is_set() and (
+            self._queue or self._inflight
+        ):
+            time.sleep(0.005)
+        self._stop.set()
+        self._wake.set()
+        channel = self._channel
+        if channel is not None:
+            channel.close()
+        self._thread.join(max(0.0, deadline - time.monotonic()) + 0.5)
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    # -- sender thread ---------------------------------------------------------------------
+
+    def _insecure_channel(self, target: str) -> grpc.Channel:
+        return grpc.insecure_channel(
+            target,
+            options=[
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.enable_retries", 0),
+            ],
+        )
+
+    def _run(self) -> None:
+        backoff = self.settings.backoff_initial_seconds
+        while not self._stop.is_set():
+            started = time.monotonic()
+            try:
+                self._stream_once()
+            except grpc.FutureTimeoutError:
+                self._warn_unreachable("no answer")
+            except grpc.RpcError as err:
+                code = err.code() if hasattr(err, "code") else None
+                self._warn_unreachable(str(code))
+            except Exception:  # a bug here must never reach the training job
+                log.exception("deadweight: sender failed; retrying")
+            finally:
+                self._connected.clear()
+                self._requeue_inflight()
+            if self._stop.is_set() or (self._closing and not self._queue):
+                break
+            if time.monotonic() - started > 5 * backoff:
+                backoff = self.settings.backoff_initial_seconds  # the stream had been healthy
+            self._stop.wait(backoff)
+            backoff = min(backoff * 2, self.settings.backoff_max_seconds)
+
+    def _warn_unreachable(self, why: str) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning(
+                "deadweight: sidecar at %s unreachable (%s); training continues unmonitored, "
+                "reports are queued (%d max) and sent when it answers",
+                self.address, why, self.settings.max_queue,
+            )
+
+    def _stream_once(self) -> None:
+        channel = self._channel_factory(grpc_target(self.address))
+        self._channel = channel
+        try:
+            grpc.channel_ready_future(channel).result(
+                timeout=self.settings.connect_timeout_seconds
+            )
+            stub = monitor_stub(channel)
+            responses = stub.Stream(self._requests(), metadata=self._metadata)
+            self._connected.set()
+            self.connects += 1
+            if self._warned:
+                log.warning("deadweight: sidecar at %s reachable again", self.address)
+                self._warned = False
+            for response in responses:
+                self._on_response(response)
+        finally:
+            channel.close()
+            self._channel = None
+
+    def _on_response(self, response: pb.StreamResponse) -> None:
+        if response.error:
+            log.warning("deadweight: sidecar rejected a batch: %s", response.error)
+        with self._lock:
+            self._acked = max(self._acked, response.ack_seq)
+            while self._inflight and self._inflight[0].seq <= response.ack_seq:
+                self._inflight.popleft()
+        self._start_acked.set()
+        self._directives.extend(response.directives)
+
+    def _requeue_inflight(self) -> None:
+        """Events sent but never acknowledged go out again first after a reconnect."""
+        with self._lock:
+            self._pending_resend = list(self._inflight)
+            self._inflight.clear()
+
+    def _next_batch(self) -> list[pb.Event]:
+        events: list[pb.Event] = []
+        while self._pending_resend and len(events) < self.settings.batch_size:
+            events.append(self._pending_resend.pop(0))
+        while self._queue and len(events) < self.settings.batch_size:
+            try:
+                kind, record, at = self._queue.popleft()
+            except IndexError:
+                break
+            self._seq += 1
+            event = self._to_event(kind, record)
+            event.seq = self._seq
+            event.time_seconds = at
+            events.append(event)
+        return events
+
+    def _requests(self) -> Iterator[pb.StreamRequest]:
+        assert self._run_start is not None
+        yield pb.StreamRequest(run_id=self.run_id, rank=self.rank, events=[self._run_start])
+        last_sent = time.monotonic()
+        while not self._stop.is_set():
+            events = self._next_batch()
+            if not events:
+                if self._closing:
+                    return
+                idle = time.monotonic() - last_sent
+                if idle < self.settings.heartbeat_seconds:
+                    self._wake.wait(self.settings.heartbeat_seconds - idle)
+                    self._wake.clear()
+                    continue
+                events = [self._heartbeat()]
+            with self._lock:
+                for event in events:
+                    if event.seq:
+                        self._inflight.append(event)
+                while len(self._inflight) > self.settings.max_inflight:
+                    self._inflight.popleft()
+                    self.dropped += 1
+            self.sent += len(events)
+            last_sent = time.monotonic()
+            yield pb.StreamRequest(run_id=self.run_id, rank=self.rank, events=events)
+
+    def _heartbeat(self) -> pb.Event:
+        """Heartbeats carry no seq: they are never resent or deduplicated."""
+        return pb.Event(
+            seq=0,
+            time_seconds=time.time(),
+            heartbeat=pb.Heartbeat(
+                step=self.last_step, dropped_events=self.dropped, queued_events=len(self._queue)
+            ),
+        )

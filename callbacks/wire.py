@@ -1,0 +1,189 @@
+"""The records the callback reports, and their ``deadweight.v1`` wire form.
+
+The training thread hands plain records to the stream client; the sender thread calls
+``to_event`` so protobuf building never runs on the training thread.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from deadweight.callbacks.digest import AdapterDigest
+from deadweight.callbacks.membership import Membership
+from deadweight.callbacks.preflight import PreflightFacts
+from deadweight.callbacks.update_probe import UpdateStats
+from deadweight.proto import pb
+
+#: Most numeric keys one log report carries; the rest are counted as dropped.
+MAX_LOG_KEYS = 256
+#: Longest log key kept.
+MAX_KEY_LENGTH = 128
+
+
+@dataclass(frozen=True)
+class RunStartRecord:
+    trainer: str
+    world_size: int
+    output_dir: str
+    config: dict[str, float]
+    config_text: dict[str, str]
+    versions: dict[str, str]
+    membership: Membership
+    preflight: PreflightFacts
+    initial_adapter: AdapterDigest
+    host: str = ""
+    sharded: bool = False
+    attestation: str = ""
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    step: int
+    learning_rate: float
+    stats: UpdateStats
+    optimizer_params: int
+    grad_not_in_optimizer_tensors: int
+    grad_not_in_optimizer_params: int
+
+
+@dataclass(frozen=True)
+class LogRecord:
+    step: int
+    values: dict[str, float]
+    dropped_keys: int = 0
+
+
+@dataclass(frozen=True)
+class CheckpointRecord:
+    step: int
+    path: str
+    adapter: AdapterDigest
+
+
+@dataclass(frozen=True)
+class RunEndRecord:
+    step: int
+    reason: str
+
+
+@dataclass
+class _Counter:
+    dropped: int = 0
+    kept: dict[str, float] = field(default_factory=dict)
+
+
+def numeric_logs(logs: dict[str, Any]) -> LogRecord:
+    """Every numeric (or None-for-NaN) log value, bounded in key count and key length."""
+    counter = _Counter()
+    for key, value in logs.items():
+        if isinstance(value, bool):
+            value = float(value)
+        if value is None:
+            value = math.nan  # TRL logs a metric that was NaN for a whole window as None
+        if not isinstance(value, int | float):
+            continue
+        if len(counter.kept) >= MAX_LOG_KEYS or len(key) > MAX_KEY_LENGTH:
+            counter.dropped += 1
+            continue
+        counter.kept[str(key)] = float(value)
+    return LogRecord(step=0, values=counter.kept, dropped_keys=counter.dropped)
+
+
+def digest_message(digest: AdapterDigest) -> pb.AdapterDigest:
+    return pb.AdapterDigest(combined=digest.combined, tensors=digest.tensors, bytes=digest.bytes)
+
+
+def _run_start(r: RunStartRecord) -> pb.RunStart:
+    m = r.membership
+    f = r.preflight
+    return pb.RunStart(
+        trainer=r.trainer,
+        world_size=r.world_size,
+        output_dir=r.output_dir,
+        config=r.config,
+        config_text=r.config_text,
+        versions=r.versions,
+        membership=pb.OptimizerMembership(
+            optimizer_tensors=m.optimizer_tensors,
+            optimizer_params=m.optimizer_params,
+            trainable_tensors=m.trainable_tensors,
+            trainable_params=m.trainable_params,
+            trainable_not_in_optimizer_tensors=m.trainable_not_in_optimizer_tensors,
+            adapter_tensors=m.adapter_tensors,
+            adapter_params=m.adapter_params,
+            adapters=[
+                pb.AdapterCoverage(
+                    name=a.name, tensors=a.tensors, params=a.params,
+                    in_optimizer_tensors=a.in_optimizer_tensors, active=a.active,
+                )
+                for a in m.adapters
+            ],
+        ),
+        preflight=pb.Preflight(
+            is_peft=f.is_peft,
+            peft_type=f.peft_type,
+            requested_target_modules=f.requested_target_modules,
+            target_modules_regex=f.target_modules_regex,
+            unmatched_target_modules=f.unmatched_target_modules,
+            embedding_rows=f.embedding_rows,
+            base_vocab_size=f.base_vocab_size,
+            tokenizer_size=f.tokenizer_size,
+            modules_to_save=f.modules_to_save,
+            active_adapter=f.active_adapter,
+            lora_rank=f.lora_rank,
+        ),
+        initial_adapter=digest_message(r.initial_adapter),
+        attestation=r.attestation,
+        sharded=r.sharded,
+        host=r.host,
+    )
+
+
+def _step(r: StepRecord) -> pb.StepReport:
+    s = r.stats
+    return pb.StepReport(
+        step=r.step,
+        learning_rate=r.learning_rate,
+        update_sq_sum=s.update_sq_sum,
+        param_sq_sum=s.param_sq_sum,
+        watched_tensors=s.watched_tensors,
+        watched_params=s.watched_params,
+        optimizer_params=r.optimizer_params,
+        unchanged_tensors=s.unchanged_tensors,
+        grad_not_in_optimizer_tensors=r.grad_not_in_optimizer_tensors,
+        grad_not_in_optimizer_params=r.grad_not_in_optimizer_params,
+        nonfinite_update_tensors=s.nonfinite_update_tensors,
+        sampled=s.sampled,
+        groups=[
+            pb.GroupUpdate(
+                name=g.name, kind=g.kind, update_sq_sum=g.update_sq_sum,
+                tensors=g.tensors, unchanged_tensors=g.unchanged_tensors,
+            )
+            for g in s.groups
+        ],
+    )
+
+
+def to_event(kind: str, record: Any) -> pb.Event:
+    """The wire event for one record (seq and time are set by the stream client)."""
+    if kind == "run_start":
+        return pb.Event(run_start=_run_start(record))
+    if kind == "step":
+        return pb.Event(step=_step(record))
+    if kind == "log":
+        return pb.Event(
+            log=pb.LogReport(
+                step=record.step, values=record.values, dropped_keys=record.dropped_keys
+            )
+        )
+    if kind == "checkpoint":
+        return pb.Event(
+            checkpoint=pb.CheckpointReport(
+                step=record.step, path=record.path, adapter=digest_message(record.adapter)
+            )
+        )
+    if kind == "run_end":
+        return pb.Event(run_end=pb.RunEnd(step=record.step, reason=record.reason))
+    raise ValueError(f"unknown record kind {kind!r}")

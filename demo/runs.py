@@ -1,0 +1,129 @@
+"""Real TRL training runs on tiny local models: the silent failures and their healthy controls.
+
+Shared by ``deadweight demo`` and the tests, so both exercise the same trainers the same way.
+Every run is small enough for a CPU: a step takes tens of milliseconds.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+from datasets import Dataset
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from trl import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
+
+from deadweight.demo.tiny_models import build_model, sample_lines
+
+LORA_TARGETS = ["q_proj", "v_proj"]
+
+
+def lora_config(targets: Sequence[str] = LORA_TARGETS, r: int = 4) -> LoraConfig:
+    return LoraConfig(r=r, lora_alpha=8, target_modules=list(targets), task_type="CAUSAL_LM")
+
+
+def prepare(folder: Path, arch: str = "qwen2") -> tuple[Path, Path]:
+    """A tiny model and an initial LoRA adapter saved next to it: (model_dir, adapter_dir)."""
+    model_dir = build_model(folder / f"model-{arch}", arch)
+    adapter_dir = folder / f"adapter-{arch}"
+    if not (adapter_dir / "adapter_model.safetensors").exists():
+        base = AutoModelForCausalLM.from_pretrained(model_dir)
+        targets = ["c_attn"] if arch == "gpt2" else LORA_TARGETS
+        torch.manual_seed(1)
+        peft_model = get_peft_model(base, lora_config(targets))
+        with torch.no_grad():  # a trained-looking adapter: lora_B not all zero
+            for name, param in peft_model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0.0, 0.02)
+        peft_model.save_pretrained(adapter_dir)
+    return model_dir, adapter_dir
+
+
+def load_adapter(model_dir: Path, adapter_dir: Path, trainable: bool) -> Any:
+    """The adapter on its base, as a user loads it; ``trainable=False`` is the F1 mistake."""
+    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    return PeftModel.from_pretrained(base, adapter_dir, is_trainable=trainable)
+
+
+def length_reward(completions: list[Any], **kwargs: Any) -> list[float]:
+    """A reward that varies with the completion, so GRPO has advantages to learn from."""
+    return [float(len(str(c))) / 10.0 for c in completions]
+
+
+def common_args(steps: int, warmup: int, lr: float, save_steps: int) -> dict[str, Any]:
+    return dict(
+        max_steps=steps,
+        warmup_steps=warmup,
+        learning_rate=lr,
+        logging_steps=1,
+        save_steps=save_steps,
+        save_strategy="steps",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+    )
+
+
+def grpo_trainer(
+    model: Any,
+    model_dir: Path,
+    output_dir: Path,
+    callbacks: list[Any],
+    beta: float = 0.01,
+    steps: int = 6,
+    warmup: int = 0,
+    lr: float = 2e-4,
+    save_steps: int = 3,
+    reward_funcs: Any = length_reward,
+    peft_config: LoraConfig | None = None,
+    **overrides: Any,
+) -> GRPOTrainer:
+    """A GRPOTrainer with 2 generations of at most 8 tokens: about 0.1 s a step on a CPU."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    args = GRPOConfig(
+        output_dir=str(output_dir),
+        beta=beta,
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_completion_length=8,
+        **{**common_args(steps, warmup, lr, save_steps), **overrides},
+    )
+    dataset = Dataset.from_dict({"prompt": sample_lines(32, seed=3)})
+    return GRPOTrainer(
+        model=model, reward_funcs=reward_funcs, args=args, train_dataset=dataset,
+        processing_class=tokenizer, callbacks=callbacks, peft_config=peft_config,
+    )
+
+
+def sft_trainer(
+    model: Any,
+    model_dir: Path,
+    output_dir: Path,
+    callbacks: list[Any],
+    steps: int = 6,
+    warmup: int = 0,
+    lr: float = 2e-4,
+    save_steps: int = 3,
+    peft_config: LoraConfig | None = None,
+    **overrides: Any,
+) -> SFTTrainer:
+    """An SFTTrainer on generated sentences, 32 tokens at most."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    args = SFTConfig(
+        output_dir=str(output_dir),
+        per_device_train_batch_size=2,
+        max_length=32,
+        **{**common_args(steps, warmup, lr, save_steps), **overrides},
+    )
+    dataset = Dataset.from_dict({"text": sample_lines(64, seed=4)})
+    return SFTTrainer(
+        model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+        callbacks=callbacks, peft_config=peft_config,
+    )

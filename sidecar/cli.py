@@ -1,0 +1,116 @@
+"""The ``deadweight`` command: serve, status, demo."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from deadweight import __version__
+from deadweight.sidecar.detectors import BY_ID
+from deadweight.sidecar.detectors.base import Policy
+
+DEFAULT_SOCKET = "/run/deadweight/deadweight.sock"
+
+
+def _policy(text: str) -> tuple[str, Policy]:
+    detector, sep, action = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"expected DETECTOR=ACTION, got {text!r}")
+    if detector not in BY_ID:
+        raise argparse.ArgumentTypeError(
+            f"unknown detector {detector!r}; known: {', '.join(sorted(BY_ID))}"
+        )
+    try:
+        return detector, Policy(action)
+    except ValueError:
+        choices = "|".join(p.value for p in Policy)
+        raise argparse.ArgumentTypeError(f"unknown action {action!r}; use {choices}") from None
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from deadweight.sidecar import logs
+    from deadweight.sidecar.actions import Actions
+    from deadweight.sidecar.registry import Registry
+    from deadweight.sidecar.server import ServerConfig, SidecarServer
+
+    logs.configure(args.log_level)
+    actions = Actions(dry_run=args.dry_run)
+    registry = Registry(actions, policies=dict(args.policy or []))
+    config = ServerConfig(socket_path=args.socket, metrics_address=args.metrics_address)
+    server = SidecarServer(registry, actions, config)
+    server.start()
+
+    def _stop(signum: int, frame: object) -> None:
+        server.stop()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    server.wait()
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    import grpc
+
+    from deadweight.sidecar import status
+
+    try:
+        response = status.fetch(args.address, args.token)
+    except grpc.RpcError as err:
+        print(f"deadweight: cannot reach the sidecar at {args.address}: {err.code().name}",
+              file=sys.stderr)
+        return 2
+    print(status.render(response))
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from deadweight.demo import scenario
+
+    return scenario.main(workdir=Path(args.workdir) if args.workdir else None,
+                         steps=args.steps)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="deadweight",
+        description="Catch fine-tuning runs that report a healthy loss while their weights "
+        "stay frozen.",
+    )
+    parser.add_argument("--version", action="version", version=f"deadweight {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the sidecar daemon")
+    serve.add_argument("--socket", default=DEFAULT_SOCKET, help="unix socket to listen on")
+    serve.add_argument("--metrics-address", default="127.0.0.1:9464",
+                       help="HOST:PORT for /metrics (default %(default)s)")
+    serve.add_argument("--policy", action="append", type=_policy, metavar="DETECTOR=ACTION",
+                       help="observe|page|stop|kill for one detector (repeatable)")
+    serve.add_argument("--dry-run", action="store_true",
+                       help="log what each action would do, do nothing")
+    serve.add_argument("--log-level", default="info")
+    serve.set_defaults(func=_serve)
+
+    status_cmd = commands.add_parser("status", help="live runs and verdicts of a sidecar")
+    status_cmd.add_argument("--address", default=f"unix://{DEFAULT_SOCKET}",
+                            help="sidecar address (default %(default)s)")
+    status_cmd.add_argument("--token", default=None)
+    status_cmd.set_defaults(func=_status)
+
+    demo = commands.add_parser("demo", help="catch a real frozen-adapter run on a tiny model")
+    demo.add_argument("--workdir", default=None, help="keep the demo's files here")
+    demo.add_argument("--steps", type=int, default=12, help="steps per run")
+    demo.set_defaults(func=_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

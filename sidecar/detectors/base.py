@@ -1,0 +1,63 @@
+"""The detector contract: a small, pure function of a run's state that returns a verdict.
+
+A detector never acts and never keeps state of its own; the registry remembers verdicts and
+turns transitions into actions. Each has an id from the public contract, a severity, a
+runbook and a default policy (what the sidecar does when it fires).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from deadweight.sidecar.settings import DetectorSettings
+from deadweight.sidecar.state import RunState
+
+
+class Severity(str, enum.Enum):
+    CRITICAL = "critical"
+    WARNING = "warning"
+    INFO = "info"
+
+
+class Policy(str, enum.Enum):
+    """What firing leads to; each level includes the ones before it."""
+
+    OBSERVE = "observe"
+    PAGE = "page"
+    STOP = "stop"
+    KILL = "kill"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A detector's answer: firing or not, at which step, and the numbers behind it."""
+
+    firing: bool
+    step: int = 0
+    summary: str = ""
+    evidence: dict[str, str] = field(default_factory=dict)
+
+
+class Detector(Protocol):
+    """One silent failure, detected."""
+
+    id: str
+    severity: Severity
+    default_policy: Policy
+    #: Whether the verdict stands once given (facts at train begin) or can recover.
+    latching: bool
+
+    def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
+        """The verdict for run now, or None when there is not enough data to say."""
+        ...
+
+
+def fmt(value: float | int | None) -> str:
+    """Evidence values as short, exact-enough text."""
+    if value is None:
+        return "n/a"
+    if isinstance(value, int):
+        return str(value)
+    return f"{value:.6g}"

@@ -1,0 +1,84 @@
+"""``frozen_weights``: the headline verdict, a healthy-looking run whose weights do not move."""
+
+from __future__ import annotations
+
+import math
+
+from deadweight.sidecar.detectors.base import Policy, Severity, Verdict, fmt
+from deadweight.sidecar.settings import DetectorSettings
+from deadweight.sidecar.state import RunState, StepPoint
+
+
+def _is_frozen_step(point: StepPoint, settings: DetectorSettings) -> bool:
+    if point.frozen:
+        return True
+    ratio = point.update_ratio
+    return ratio is not None and ratio < settings.frozen_ratio_floor
+
+
+class FrozenWeights:
+    """K consecutive optimizer steps with lr > 0 and a finite loss moved no weight.
+
+    Steps at lr 0 (warmup's first step) neither count nor break the streak. A zero update
+    with a zero gradient and a non-empty optimizer is left to the reward/gradient detectors
+    (it is not frozen weights, it is nothing to learn from); with an empty optimizer or a
+    gradient that is flowing, a zero update means the weights are cut off from training.
+    """
+
+    id = "frozen_weights"
+    severity = Severity.CRITICAL
+    default_policy = Policy.PAGE
+    latching = False
+
+    def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
+        steps = [p for p in run.combined_steps() if p.learning_rate > 0]
+        if not steps:
+            return None
+        loss = run.log_value("loss")
+        grad_norm = run.log_value("grad_norm")
+        if loss is not None and not math.isfinite(loss):
+            return Verdict(False)  # a non-finite loss is its own detector's verdict
+        streak: list[StepPoint] = []
+        for point in reversed(steps):
+            if not _is_frozen_step(point, settings):
+                break
+            streak.append(point)
+        last = steps[-1]
+        optimizer_empty = last.optimizer_params == 0
+        gradient_flows = grad_norm is not None and grad_norm > 0
+        if len(streak) < settings.frozen_steps or not (optimizer_empty or gradient_flows):
+            return Verdict(False, step=last.step)
+        first = streak[-1]
+        ratio = last.update_ratio
+        return Verdict(
+            True,
+            step=last.step,
+            summary=(
+                f"weights unchanged for {len(streak)} optimizer steps "
+                f"(steps {first.step}-{last.step}) at lr {last.learning_rate:.3g} while "
+                f"loss={fmt(loss)} and grad_norm={fmt(grad_norm)}"
+            ),
+            evidence={
+                "frozen_steps": fmt(len(streak)),
+                "first_frozen_step": fmt(first.step),
+                "step": fmt(last.step),
+                "update_norm": fmt(last.update_norm),
+                "update_ratio": fmt(ratio),
+                "learning_rate": fmt(last.learning_rate),
+                "loss": fmt(loss),
+                "grad_norm": fmt(grad_norm),
+                "optimizer_params": fmt(last.optimizer_params),
+                "unchanged_tensors": f"{last.unchanged_tensors}/{last.watched_tensors}",
+                "grad_not_in_optimizer_tensors": fmt(last.grad_not_in_optimizer_tensors),
+            },
+        )
+
+    @staticmethod
+    def streak(run: RunState, settings: DetectorSettings) -> int:
+        """Consecutive frozen steps at lr > 0 ending at the latest one (for the metric)."""
+        count = 0
+        for point in reversed([p for p in run.combined_steps() if p.learning_rate > 0]):
+            if not _is_frozen_step(point, settings):
+                break
+            count += 1
+        return count

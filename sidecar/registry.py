@@ -1,0 +1,336 @@
+"""The run registry: the one place where events become state and state becomes verdicts.
+
+``ingest`` applies one batch from one rank, re-evaluates the run's detectors and hands every
+transition (firing or resolved) to the actions; the answer carries the ack and any directive
+for that rank. ``tick`` handles what time alone decides (stalled runs, expiry of ended runs).
+Everything runs under one lock: readers (exporter, status) see a consistent run.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import structlog
+
+from deadweight.proto import pb
+from deadweight.sidecar import detectors
+from deadweight.sidecar.detectors.base import Detector, Policy, Verdict
+from deadweight.sidecar.detectors.frozen import FrozenWeights
+from deadweight.sidecar.settings import DetectorSettings
+from deadweight.sidecar.state import CheckpointPoint, RunState, StepPoint
+
+log = structlog.get_logger("deadweight.registry")
+
+MAX_RUN_ID_LENGTH = 128
+MAX_EVENTS_PER_BATCH = 4096
+MAX_RANK = 65535
+
+
+class IngestError(ValueError):
+    """A batch the sidecar refuses; the message says why and goes back to the client."""
+
+
+@dataclass
+class Finding:
+    """A detector's standing verdict on one run, kept across evaluations."""
+
+    detector: str
+    severity: str
+    policy: str
+    firing: bool = False
+    step: int = 0
+    summary: str = ""
+    evidence: dict[str, str] = field(default_factory=dict)
+    fired_at: float = 0.0
+    resolved_at: float = 0.0
+    incidents: int = 0
+
+    @property
+    def incident_id(self) -> str:
+        return f"{self.detector}#{self.incidents}"
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Who is on the other end of a stream, as the transport (not the message) says."""
+
+    pid: int = 0
+    uid: int = -1
+    address: str = ""
+
+
+class ActionSink(Protocol):
+    """Receives verdict transitions; returns directives to send to the run's ranks."""
+
+    def fired(self, run: RunState, finding: Finding) -> list[pb.Directive]: ...
+
+    def resolved(self, run: RunState, finding: Finding) -> None: ...
+
+
+class LogOnlyActions:
+    """An action sink that only logs (for tests and the observe-everything mode)."""
+
+    def fired(self, run: RunState, finding: Finding) -> list[pb.Directive]:
+        log.warning("finding", run_id=run.run_id, detector=finding.detector)
+        return []
+
+    def resolved(self, run: RunState, finding: Finding) -> None:
+        return None
+
+
+@dataclass
+class _RunEntry:
+    state: RunState
+    findings: dict[str, Finding] = field(default_factory=dict)
+    directives: list[pb.Directive] = field(default_factory=list)
+    delivered: dict[int, int] = field(default_factory=dict)
+
+
+class Registry:
+    """All live runs, their findings and pending directives."""
+
+    def __init__(
+        self,
+        actions: ActionSink | None = None,
+        settings: DetectorSettings | None = None,
+        policies: dict[str, Policy] | None = None,
+        active_detectors: Iterable[Detector] = detectors.ALL,
+        max_runs: int = 1000,
+        ended_ttl_seconds: float = 900.0,
+    ) -> None:
+        self.actions = actions or LogOnlyActions()
+        self.settings = settings or DetectorSettings()
+        self.detectors = tuple(active_detectors)
+        self.policies = {d.id: d.default_policy for d in self.detectors}
+        self.policies.update(policies or {})
+        self.max_runs = max_runs
+        self.ended_ttl_seconds = ended_ttl_seconds
+        self._lock = threading.RLock()
+        self._runs: dict[str, _RunEntry] = {}
+        self.rejected_batches = 0
+        self.duplicate_events = 0
+
+    # -- ingest ----------------------------------------------------------------------------
+
+    def ingest(self, request: pb.StreamRequest, peer: Peer | None = None) -> pb.StreamResponse:
+        """Apply one batch; answer with the ack, directives for this rank, or an error."""
+        try:
+            self._validate(request)
+            with self._lock:
+                entry = self._entry(request)
+                ack = self._apply(entry, request, peer or Peer())
+                self._evaluate(entry)
+                rank_directives = self._take_directives(entry, request.rank)
+            return pb.StreamResponse(ack_seq=ack, directives=rank_directives)
+        except IngestError as err:
+            self.rejected_batches += 1
+            log.warning("batch_rejected", run_id=request.run_id[:MAX_RUN_ID_LENGTH],
+                        reason=str(err))
+            return pb.StreamResponse(error=str(err))
+
+    def _validate(self, request: pb.StreamRequest) -> None:
+        if not request.run_id:
+            raise IngestError("run_id is empty")
+        if len(request.run_id) > MAX_RUN_ID_LENGTH:
+            raise IngestError(f"run_id longer than {MAX_RUN_ID_LENGTH} characters")
+        if not request.run_id.isprintable():
+            raise IngestError("run_id has non-printable characters")
+        if not 0 <= request.rank <= MAX_RANK:
+            raise IngestError(f"rank {request.rank} outside 0..{MAX_RANK}")
+        if len(request.events) > MAX_EVENTS_PER_BATCH:
+            raise IngestError(f"more than {MAX_EVENTS_PER_BATCH} events in one batch")
+
+    def _entry(self, request: pb.StreamRequest) -> _RunEntry:
+        entry = self._runs.get(request.run_id)
+        if entry is not None:
+            return entry
+        if not any(e.WhichOneof("body") == "run_start" for e in request.events):
+            raise IngestError(f"unknown run_id {request.run_id!r}: send run_start first")
+        if len(self._runs) >= self.max_runs:
+            raise IngestError(f"sidecar already tracks {self.max_runs} runs")
+        entry = _RunEntry(RunState(request.run_id))
+        self._runs[request.run_id] = entry
+        log.info("run_registered", run_id=request.run_id, rank=request.rank)
+        return entry
+
+    def _apply(self, entry: _RunEntry, request: pb.StreamRequest, peer: Peer) -> int:
+        run = entry.state
+        rank = run.rank(request.rank)
+        now = time.time()
+        rank.last_seen = now
+        rank.connected = True
+        for event in request.events:
+            kind = event.WhichOneof("body")
+            if event.seq and event.seq <= rank.last_seq:
+                self.duplicate_events += 1
+                continue
+            rank.last_seq = max(rank.last_seq, event.seq)
+            if kind == "run_start":
+                self._on_run_start(run, request.rank, event.run_start)
+            elif kind == "step":
+                self._on_step(run, request.rank, event.step, now)
+            elif kind == "log":
+                run.record_log(event.log.step, dict(event.log.values))
+            elif kind == "checkpoint":
+                self._on_checkpoint(run, event.checkpoint, now)
+            elif kind == "heartbeat":
+                rank.dropped_events = max(rank.dropped_events, event.heartbeat.dropped_events)
+            elif kind == "run_end":
+                run.ended = True
+                run.end_reason = event.run_end.reason or "completed"
+                run.ended_at = now
+                log.info("run_ended", run_id=run.run_id, reason=run.end_reason,
+                         step=event.run_end.step)
+        return rank.last_seq
+
+    def _on_run_start(self, run: RunState, rank: int, start: pb.RunStart) -> None:
+        if run.start is None or rank <= min(run.ranks, default=rank):
+            run.start = start
+        run.rank(rank).membership = start.membership
+        run.ended = False
+
+    def _on_step(self, run: RunState, rank_id: int, report: pb.StepReport, now: float) -> None:
+        rank = run.rank(rank_id)
+        if rank.steps and report.step <= rank.steps[-1].step:
+            self.duplicate_events += 1
+            return  # a repeated or out-of-order step changes nothing
+        rank.steps.append(StepPoint.from_report(report, now))
+        rank.step = report.step
+        rank.last_step_time = now
+
+    def _on_checkpoint(self, run: RunState, report: pb.CheckpointReport, now: float) -> None:
+        run.checkpoints_total += 1
+        run.checkpoints.append(
+            CheckpointPoint(
+                step=report.step,
+                path=report.path,
+                combined_digest=report.adapter.combined,
+                tensor_digests=dict(report.adapter.tensors),
+                adapter_bytes=report.adapter.bytes,
+                time=now,
+            )
+        )
+
+    # -- verdicts --------------------------------------------------------------------------
+
+    def _evaluate(self, entry: _RunEntry) -> None:
+        run = entry.state
+        for detector in self.detectors:
+            finding = entry.findings.get(detector.id)
+            if run.ended:
+                if finding is not None and finding.firing:
+                    self._resolve(entry, finding, "run ended")
+                continue
+            if finding is not None and finding.firing and detector.latching:
+                continue
+            try:
+                verdict = detector.evaluate(run, self.settings)
+            except Exception:  # one broken detector must not blind the others
+                log.exception("detector_failed", detector=detector.id, run_id=run.run_id)
+                continue
+            if verdict is None:
+                continue
+            if verdict.firing and (finding is None or not finding.firing):
+                self._fire(entry, detector, verdict)
+            elif verdict.firing and finding is not None:
+                finding.evidence = dict(verdict.evidence)  # the step it fired at stays
+                finding.summary = verdict.summary
+            elif not verdict.firing and finding is not None and finding.firing:
+                self._resolve(entry, finding, "recovered")
+
+    def _fire(self, entry: _RunEntry, detector: Detector, verdict: Verdict) -> None:
+        finding = entry.findings.get(detector.id) or Finding(
+            detector=detector.id,
+            severity=detector.severity.value,
+            policy=self.policies[detector.id].value,
+        )
+        finding.firing = True
+        finding.step = verdict.step
+        finding.summary = verdict.summary
+        finding.evidence = dict(verdict.evidence)
+        finding.fired_at = time.time()
+        finding.incidents += 1
+        entry.findings[detector.id] = finding
+        log.warning(
+            "detector_fired", run_id=entry.state.run_id, detector=detector.id,
+            severity=finding.severity, policy=finding.policy, step=verdict.step,
+            summary=verdict.summary, evidence=verdict.evidence,
+        )
+        entry.directives.extend(self.actions.fired(entry.state, finding))
+
+    def _resolve(self, entry: _RunEntry, finding: Finding, why: str) -> None:
+        finding.firing = False
+        finding.resolved_at = time.time()
+        log.info("detector_resolved", run_id=entry.state.run_id, detector=finding.detector,
+                 reason=why)
+        self.actions.resolved(entry.state, finding)
+
+    def _take_directives(self, entry: _RunEntry, rank: int) -> list[pb.Directive]:
+        start = entry.delivered.get(rank, 0)
+        entry.delivered[rank] = len(entry.directives)
+        return entry.directives[start:]
+
+    # -- time ------------------------------------------------------------------------------
+
+    def tick(self, now: float | None = None) -> None:
+        """Re-evaluate time-based verdicts and drop ended runs past their TTL."""
+        now = time.time() if now is None else now
+        with self._lock:
+            for run_id, entry in list(self._runs.items()):
+                if entry.state.ended and now - entry.state.ended_at > self.ended_ttl_seconds:
+                    del self._runs[run_id]
+                    log.info("run_expired", run_id=run_id)
+                    continue
+                self._evaluate(entry)
+
+    # -- readers ---------------------------------------------------------------------------
+
+    def runs(self) -> list[tuple[RunState, list[Finding]]]:
+        """A consistent copy of every run's state and findings (for exporter and status)."""
+        with self._lock:
+            return [
+                (entry.state, [Finding(**vars(f)) for f in entry.findings.values()])
+                for entry in self._runs.values()
+            ]
+
+    def findings(self, run_id: str) -> dict[str, Finding]:
+        with self._lock:
+            entry = self._runs.get(run_id)
+            return {} if entry is None else {k: Finding(**vars(f)) for k, f in
+                                             entry.findings.items()}
+
+    def run(self, run_id: str) -> RunState | None:
+        with self._lock:
+            entry = self._runs.get(run_id)
+            return None if entry is None else entry.state
+
+    def frozen_streak(self, run: RunState) -> int:
+        return FrozenWeights.streak(run, self.settings)
+
+    def status(self) -> pb.StatusResponse:
+        now = time.time()
+        response = pb.StatusResponse()
+        for run, findings in self.runs():
+            response.runs.append(
+                pb.RunStatus(
+                    run_id=run.run_id,
+                    trainer=run.trainer,
+                    ranks=sorted(run.ranks),
+                    step=run.step,
+                    last_seen_seconds=max(0.0, now - run.last_seen),
+                    ended=run.ended,
+                    findings=[
+                        pb.Finding(
+                            detector=f.detector, severity=f.severity, firing=f.firing,
+                            step=f.step, summary=f.summary, evidence=f.evidence,
+                            policy=f.policy,
+                        )
+                        for f in sorted(findings, key=lambda f: f.detector)
+                    ],
+                )
+            )
+        return response

@@ -1,0 +1,202 @@
+"""The sidecar's transports: the gRPC stream service and the ``/metrics`` HTTP endpoint.
+
+The gRPC server is ``grpc.aio``: a stream is a coroutine, not a thread, so hundreds of ranks
+cost no thread pool. It listens on a unix socket created with mode 0660; TCP is opt-in.
+``SidecarServer`` runs both in a background thread so the CLI, the demo and tests share one
+start/stop path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import os
+import stat
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import structlog
+from prometheus_client import CollectorRegistry, start_http_server
+
+from deadweight.proto import MAX_MESSAGE_BYTES, add_monitor_servicer, pb, pb_grpc
+from deadweight.sidecar.actions import Actions
+from deadweight.sidecar.exporter import DeadweightCollector
+from deadweight.sidecar.registry import Peer, Registry
+
+log = structlog.get_logger("deadweight.server")
+
+SOCKET_MODE = 0o660
+TICK_SECONDS = 1.0
+
+
+@dataclass
+class ServerConfig:
+    """Where the sidecar listens."""
+
+    socket_path: str | None = None
+    metrics_address: str | None = "127.0.0.1:9464"
+    listen: str | None = None
+    token: str | None = None
+    tls_cert: bytes | None = None
+    tls_key: bytes | None = None
+    grpc_options: list[tuple[str, int]] = field(
+        default_factory=lambda: [
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ]
+    )
+
+
+class MonitorServicer(pb_grpc.MonitorServiceServicer):  # type: ignore[misc]
+    """Feeds each stream's batches to the registry and answers with acks and directives."""
+
+    def __init__(self, registry: Registry, token: str | None = None) -> None:
+        self.registry = registry
+        self.token = token
+
+    async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
+        if self.token is None:
+            return
+        metadata = dict(context.invocation_metadata() or ())
+        offered = str(metadata.get("authorization", ""))
+        expected = f"Bearer {self.token}"
+        if not hmac.compare_digest(offered.encode(), expected.encode()):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
+
+    async def Stream(
+        self,
+        request_iterator: AsyncIterator[pb.StreamRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[pb.StreamResponse]:
+        await self._authorize(context)
+        peer = Peer(address=context.peer())
+        async for request in request_iterator:
+            yield self.registry.ingest(request, peer)
+
+    async def Status(
+        self, request: pb.StatusRequest, context: grpc.aio.ServicerContext
+    ) -> pb.StatusResponse:
+        await self._authorize(context)
+        return self.registry.status()
+
+
+def _prepare_socket(path: Path) -> None:
+    """Create the socket's folder (owner-only) and clear a stale socket from a crash."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
+    if path.exists() or path.is_symlink():
+        if not stat.S_ISSOCK(path.lstat().st_mode):
+            raise FileExistsError(f"{path} exists and is not a socket; refusing to replace it")
+        path.unlink()
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host or "127.0.0.1", int(port)
+
+
+class SidecarServer:
+    """gRPC + /metrics + the periodic tick, started and stopped together."""
+
+    def __init__(self, registry: Registry, actions: Actions | None, config: ServerConfig) -> None:
+        self.registry = registry
+        self.actions = actions
+        self.config = config
+        self.metrics_port: int | None = None
+        self.grpc_port: int | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._stopped: asyncio.Event | None = None
+        self._error: BaseException | None = None
+        self._http: object | None = None
+
+    def start(self, timeout: float = 10.0) -> None:
+        """Start serving in a background thread; return when ready, raise if it failed."""
+        self._start_metrics()
+        self._thread = threading.Thread(target=self._run, name="deadweight-grpc", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError("sidecar did not become ready")
+        if self._error is not None:
+            raise self._error
+
+    def _start_metrics(self) -> None:
+        if not self.config.metrics_address:
+            return
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(
+            DeadweightCollector(self.registry, self.actions, self.registry.detectors)
+        )
+        host, port = _host_port(self.config.metrics_address)
+        httpd, _ = start_http_server(port, host, registry=registry)
+        self._http = httpd
+        self.metrics_port = int(httpd.server_address[1])
+        log.info("metrics_listening", address=f"{host}:{self.metrics_port}")
+
+    def _run(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        try:
+            loop.run_until_complete(self._serve())
+        except BaseException as err:  # reported to start() or logged
+            self._error = err
+            self._ready.set()
+            log.exception("server_failed")
+        finally:
+            loop.close()
+
+    async def _serve(self) -> None:
+        self._stopped = asyncio.Event()
+        server = grpc.aio.server(options=self.config.grpc_options)
+        add_monitor_servicer(MonitorServicer(self.registry, self.config.token), server)
+        if self.config.socket_path:
+            path = Path(self.config.socket_path)
+            _prepare_socket(path)
+            server.add_insecure_port(f"unix://{path}")
+        if self.config.listen:
+            if self.config.tls_cert and self.config.tls_key:
+                creds = grpc.ssl_server_credentials([(self.config.tls_key, self.config.tls_cert)])
+                self.grpc_port = server.add_secure_port(self.config.listen, creds)
+            else:
+                self.grpc_port = server.add_insecure_port(self.config.listen)
+        await server.start()
+        if self.config.socket_path:
+            os.chmod(self.config.socket_path, SOCKET_MODE)
+            log.info("grpc_listening", socket=self.config.socket_path)
+        if self.config.listen:
+            log.info("grpc_listening", listen=self.config.listen, port=self.grpc_port)
+        self._ready.set()
+        ticker = asyncio.create_task(self._tick())
+        await self._stopped.wait()
+        ticker.cancel()
+        await server.stop(grace=1.0)
+        if self.config.socket_path:
+            Path(self.config.socket_path).unlink(missing_ok=True)
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_SECONDS)
+            try:
+                self.registry.tick()
+            except Exception:
+                log.exception("tick_failed")
+
+    def stop(self) -> None:
+        """Stop serving and wait for the thread."""
+        loop, stopped = self._loop, self._stopped
+        if loop is not None and stopped is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(stopped.set)
+        if self._thread is not None:
+            self._thread.join(10)
+        http = self._http
+        if http is not None:
+            http.shutdown()  # type: ignore[attr-defined]
+            http.server_close()  # type: ignore[attr-defined]
+
+    def wait(self) -> None:
+        """Block until the server thread ends."""
+        if self._thread is not None:
+            self._thread.join()

@@ -1,0 +1,216 @@
+"""What the sidecar knows about one run: its start facts, per-rank steps, logs and checkpoints.
+
+State is plain data, updated by ``apply`` from wire events and read by detectors, the
+exporter and ``deadweight status``. Every collection is bounded: a hostile or buggy client
+cannot grow the sidecar's memory without limit.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from deadweight.proto import pb
+
+#: Optimizer steps kept per rank for windowed detectors.
+STEP_WINDOW = 256
+#: Values kept per log key.
+LOG_WINDOW = 256
+#: Distinct log keys kept per run; further keys are counted, not stored.
+MAX_LOG_KEYS = 512
+#: Checkpoints remembered per run.
+CHECKPOINT_WINDOW = 64
+
+
+@dataclass(frozen=True)
+class StepPoint:
+    """One optimizer step as one rank measured it."""
+
+    step: int
+    time: float
+    learning_rate: float
+    update_sq_sum: float
+    param_sq_sum: float
+    watched_tensors: int
+    watched_params: int
+    optimizer_params: int
+    unchanged_tensors: int
+    nonfinite_update_tensors: int
+    grad_not_in_optimizer_tensors: int
+    grad_not_in_optimizer_params: int
+    sampled: bool
+
+    @classmethod
+    def from_report(cls, report: pb.StepReport, at: float) -> StepPoint:
+        return cls(
+            step=report.step,
+            time=at,
+            learning_rate=report.learning_rate,
+            update_sq_sum=report.update_sq_sum,
+            param_sq_sum=report.param_sq_sum,
+            watched_tensors=report.watched_tensors,
+            watched_params=report.watched_params,
+            optimizer_params=report.optimizer_params,
+            unchanged_tensors=report.unchanged_tensors,
+            nonfinite_update_tensors=report.nonfinite_update_tensors,
+            grad_not_in_optimizer_tensors=report.grad_not_in_optimizer_tensors,
+            grad_not_in_optimizer_params=report.grad_not_in_optimizer_params,
+            sampled=report.sampled,
+        )
+
+    @property
+    def update_norm(self) -> float:
+        return math.sqrt(self.update_sq_sum) if self.update_sq_sum > 0 else 0.0
+
+    @property
+    def update_ratio(self) -> float | None:
+        """Scale-free update: L2 / (lr * sqrt(n)); 0 when nothing moved, None when lr is 0."""
+        if self.update_sq_sum == 0:
+            return 0.0
+        n = self.optimizer_params or self.watched_params
+        if self.learning_rate <= 0 or n <= 0:
+            return None
+        return self.update_norm / (self.learning_rate * math.sqrt(n))
+
+    @property
+    def frozen(self) -> bool:
+        """Every watched tensor kept every byte (or nothing is watched at all)."""
+        return self.update_sq_sum == 0 and self.nonfinite_update_tensors == 0
+
+
+@dataclass(frozen=True)
+class CheckpointPoint:
+    """A checkpoint the run reported (and, later, that the watcher inspected)."""
+
+    step: int
+    path: str
+    combined_digest: str
+    tensor_digests: dict[str, str]
+    adapter_bytes: int
+    time: float
+
+
+@dataclass
+class RankState:
+    """One rank of a run."""
+
+    rank: int
+    last_seq: int = 0
+    last_seen: float = 0.0
+    step: int = 0
+    last_step_time: float = 0.0
+    dropped_events: int = 0
+    membership: pb.OptimizerMembership = field(default_factory=pb.OptimizerMembership)
+    steps: deque[StepPoint] = field(default_factory=lambda: deque(maxlen=STEP_WINDOW))
+    connected: bool = False
+
+
+@dataclass
+class RunState:
+    """One training run across its ranks."""
+
+    run_id: str
+    created: float = field(default_factory=time.time)
+    start: pb.RunStart | None = None
+    ranks: dict[int, RankState] = field(default_factory=dict)
+    logs: dict[str, float] = field(default_factory=dict)
+    log_history: dict[str, deque[tuple[int, float]]] = field(default_factory=dict)
+    log_steps: int = 0
+    dropped_log_keys: int = 0
+    checkpoints: deque[CheckpointPoint] = field(
+        default_factory=lambda: deque(maxlen=CHECKPOINT_WINDOW)
+    )
+    checkpoints_total: int = 0
+    checkpoints_unchanged: int = 0
+    ended: bool = False
+    end_reason: str = ""
+    ended_at: float = 0.0
+
+    # -- derived views ---------------------------------------------------------------------
+
+    @property
+    def trainer(self) -> str:
+        return self.start.trainer if self.start is not None else ""
+
+    @property
+    def config(self) -> dict[str, float]:
+        return dict(self.start.config) if self.start is not None else {}
+
+    @property
+    def step(self) -> int:
+        return max((r.step for r in self.ranks.values()), default=0)
+
+    @property
+    def last_seen(self) -> float:
+        return max((r.last_seen for r in self.ranks.values()), default=self.created)
+
+    def rank(self, rank: int) -> RankState:
+        if rank not in self.ranks:
+            self.ranks[rank] = RankState(rank)
+        return self.ranks[rank]
+
+    def combined_steps(self) -> list[StepPoint]:
+        """Per optimizer step, one figure for the whole run.
+
+        Replicated parameters (DDP) are identical on every rank: the lowest rank stands for
+        all, so nothing is counted twice. Sharded parameters (FSDP, ZeRO-3) are split: squares
+        are summed over ranks, for steps every rank has reported.
+        """
+        if not self.ranks:
+            return []
+        ordered = sorted(self.ranks)
+        if self.start is None or not self.start.sharded or len(ordered) == 1:
+            return list(self.ranks[ordered[0]].steps)
+        by_step: dict[int, list[StepPoint]] = {}
+        for r in ordered:
+            for point in self.ranks[r].steps:
+                by_step.setdefault(point.step, []).append(point)
+        combined = []
+        for step in sorted(by_step):
+            points = by_step[step]
+            if len(points) < len(ordered):
+                continue
+            first = points[0]
+            combined.append(
+                StepPoint(
+                    step=step,
+                    time=max(p.time for p in points),
+                    learning_rate=first.learning_rate,
+                    update_sq_sum=sum(p.update_sq_sum for p in points),
+                    param_sq_sum=sum(p.param_sq_sum for p in points),
+                    watched_tensors=sum(p.watched_tensors for p in points),
+                    watched_params=sum(p.watched_params for p in points),
+                    optimizer_params=sum(p.optimizer_params for p in points),
+                    unchanged_tensors=sum(p.unchanged_tensors for p in points),
+                    nonfinite_update_tensors=sum(p.nonfinite_update_tensors for p in points),
+                    grad_not_in_optimizer_tensors=sum(
+                        p.grad_not_in_optimizer_tensors for p in points
+                    ),
+                    grad_not_in_optimizer_params=sum(
+                        p.grad_not_in_optimizer_params for p in points
+                    ),
+                    sampled=any(p.sampled for p in points),
+                )
+            )
+        return combined
+
+    def log_value(self, key: str) -> float | None:
+        return self.logs.get(key)
+
+    def history(self, key: str) -> list[tuple[int, float]]:
+        return list(self.log_history.get(key, ()))
+
+    # -- updates ---------------------------------------------------------------------------
+
+    def record_log(self, step: int, values: dict[str, float]) -> None:
+        self.log_steps += 1
+        for key, value in values.items():
+            if key not in self.log_history:
+                if len(self.log_history) >= MAX_LOG_KEYS:
+                    self.dropped_log_keys += 1
+                    continue
+                self.log_history[key] = deque(maxlen=LOG_WINDOW)
+            self.log_history[key].append((step, value))
+            self.logs[key] = value

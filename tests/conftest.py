@@ -1,0 +1,84 @@
+"""Shared fixtures: tiny local models, real sidecar processes, and a /metrics probe callback.
+
+Nothing is downloaded (``HF_HUB_OFFLINE=1``); torch runs on one thread so the suite behaves
+the same on a loaded two-core machine.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+
+from deadweight.demo.sidecar_process import SidecarProcess
+
+FIRING = re.compile(
+    r'^deadweight_detector_firing\{(?P<labels>[^}]*)\} (?P<value>\S+)$', re.MULTILINE
+)
+
+
+def firing_values(metrics_text: str, run_id: str) -> dict[str, float]:
+    """detector -> deadweight_detector_firing value for run_id in a /metrics page."""
+    found: dict[str, float] = {}
+    for match in FIRING.finditer(metrics_text):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', match["labels"]))
+        if labels.get("run_id") == run_id:
+            found[labels["detector"]] = float(match["value"])
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_thread() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(model_dir, adapter_dir): a tiny Qwen2-style model and a saved LoRA adapter."""
+    from deadweight.demo import runs
+
+    return runs.prepare(tmp_path_factory.mktemp("models"), "qwen2")
+
+
+@pytest.fixture(scope="session")
+def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarProcess]:
+    """A real ``deadweight serve`` with default policies, shared by the session."""
+    with SidecarProcess(tmp_path_factory.mktemp("sidecar")) as process:
+        yield process
+
+
+@pytest.fixture(scope="session")
+def stopping_sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarProcess]:
+    """A real sidecar whose policy stops frozen runs."""
+    folder = tmp_path_factory.mktemp("sidecar-stop")
+    with SidecarProcess(folder, policies={"frozen_weights": "stop"}) as process:
+        yield process
+
+
+class MetricsProbe:
+    """A TrainerCallback that scrapes /metrics at every step end and keeps each detector's max.
+
+    It shows what Prometheus would have seen while the run was live (verdicts resolve when
+    the run ends).
+    """
+
+    def __init__(self, sidecar: SidecarProcess, run_id: str) -> None:
+        from transformers import TrainerCallback
+
+        self.sidecar = sidecar
+        self.run_id = run_id
+        self.max_firing: dict[str, float] = {}
+        self.callback = type("Probe", (TrainerCallback,), {"on_step_end": self._on_step_end})()
+
+    def _on_step_end(self, *args: Any, **kwargs: Any) -> None:
+        for detector, value in firing_values(self.sidecar.metrics(), self.run_id).items():
+            self.max_firing[detector] = max(value, self.max_firing.get(detector, 0.0))

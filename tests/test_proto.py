@@ -1,0 +1,23 @@
+"""The checked-in generated code matches the schema, and the schema lints clean."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+from deadweight.proto import generate
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_regenerating_changes_nothing(tmp_path: Path) -> None:
+    for fresh in generate.generate(tmp_path):
+        checked_in = ROOT / "proto" / "deadweight" / "v1" / fresh.name
+        assert fresh.read_text() == checked_in.read_text(), f"{fresh.name} is stale"
+
+
+def test_buf_lint_is_clean() -> None:
+    buf = shutil.which("buf") or str(Path(__import__("sys").executable).parent / "buf")
+    result = subprocess.run([buf, "lint"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr

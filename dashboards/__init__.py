@@ -1,0 +1,1 @@
+"""Grafana dashboards built as code; the committed JSON is their output."""

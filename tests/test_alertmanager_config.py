@@ -97,7 +97,15 @@ def test_root_cause_inhibits_symptoms_of_the_same_run_only(tmp_path: Path) -> No
                 return {(a["labels"]["run_id"], a["labels"]["detector"]): a["status"]
                         for a in am.alerts()}
 
-            got = wait_for(lambda: (s := states()) and len(s) == 5 and s, 10, what="5 alerts")
+            def settled() -> dict[tuple[str, str], dict[str, Any]] | None:
+                # The inhibitor learns of the root cause asynchronously: poll until applied.
+                s = states()
+                if len(s) == 5 and s[("r1", "zero_reward_variance")]["state"] == "suppressed" \
+                        and s[("r1", "kl_stuck_zero")]["state"] == "suppressed":
+                    return s
+                return None
+
+            got = wait_for(settled, 10, what="5 alerts, the symptoms suppressed")
             assert got[("r1", "zero_reward_variance")]["state"] == "suppressed"
             assert got[("r1", "zero_reward_variance")]["inhibitedBy"]
             assert got[("r1", "kl_stuck_zero")]["state"] == "suppressed"

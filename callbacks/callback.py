@@ -54,6 +54,15 @@ log = logging.getLogger("deadweight")
 DEFAULT_ADDRESS = "unix:///run/deadweight/deadweight.sock"
 
 
+def _may_be_listening(address: str) -> bool:
+    """False when the address is a unix socket path that does not exist: no need to wait."""
+    if not address.startswith("unix:"):
+        return True
+    return Path(address.removeprefix("unix:").lstrip("/")).exists() or Path(
+        "/" + address.removeprefix("unix:").lstrip("/")
+    ).exists()
+
+
 class DeadweightAbort(RuntimeError):
     """Raised inside training when the sidecar sent an ABORT directive."""
 
@@ -154,7 +163,8 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
             settings=self.settings,
         )
         self.client.start(record)
-        if self.client.wait_connected(self.start_timeout_seconds):
+        wait = self.start_timeout_seconds if _may_be_listening(self.address) else 0.0
+        if self.client.wait_connected(wait):
             self.client.wait_registered(self.start_timeout_seconds)
         elif self.require_sidecar:
             self.client.close(timeout=0.0)

@@ -58,9 +58,8 @@ def _may_be_listening(address: str) -> bool:
     """False when the address is a unix socket path that does not exist: no need to wait."""
     if not address.startswith("unix:"):
         return True
-    return Path(address.removeprefix("unix:").lstrip("/")).exists() or Path(
-        "/" + address.removeprefix("unix:").lstrip("/")
-    ).exists()
+    rest = address.removeprefix("unix:")
+    return Path("/" + rest.lstrip("/") if rest.startswith("/") else rest).exists()
 
 
 class DeadweightAbort(RuntimeError):

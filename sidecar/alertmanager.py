@@ -63,8 +63,8 @@ class _Alert:
 
 
 def format_description(description: str, evidence: dict[str, str]) -> str:
-    """Append the evidence as `key=value` pairs, in the order given."""
-    if not evidence:
+    """Append the evidence as `key=value` pairs, in the order given, unless already quoted."""
+    if not evidence or "Evidence:" in description:
         return description
     pairs = ", ".join(f"{k}={v}" for k, v in evidence.items())
     return f"{description} Evidence: {pairs}."

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from deadweight import __version__
+from deadweight.sidecar.alertmanager import DEFAULT_RUNBOOK_BASE_URL
 from deadweight.sidecar.detectors import BY_ID
 from deadweight.sidecar.detectors.base import Policy
 
@@ -37,7 +38,12 @@ def _serve(args: argparse.Namespace) -> int:
     from deadweight.sidecar.server import ServerConfig, SidecarServer
 
     logs.configure(args.log_level)
-    actions = Actions(dry_run=args.dry_run)
+    pager = None
+    if args.alertmanager_url:
+        from deadweight.sidecar.alertmanager import AlertmanagerPusher
+
+        pager = AlertmanagerPusher(args.alertmanager_url, args.runbook_base_url)
+    actions = Actions(pager=pager, dry_run=args.dry_run)
     registry = Registry(actions, policies=dict(args.policy or []))
     config = ServerConfig(socket_path=args.socket, metrics_address=args.metrics_address)
     server = SidecarServer(registry, actions, config)
@@ -49,6 +55,8 @@ def _serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     server.wait()
+    if pager is not None:
+        pager.close()
     return 0
 
 
@@ -89,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="HOST:PORT for /metrics (default %(default)s)")
     serve.add_argument("--policy", action="append", type=_policy, metavar="DETECTOR=ACTION",
                        help="observe|page|stop|kill for one detector (repeatable)")
+    serve.add_argument("--alertmanager-url", default=None, metavar="URL",
+                       help="page through this Alertmanager's API v2 (e.g. http://host:9093)")
+    serve.add_argument("--runbook-base-url", default=DEFAULT_RUNBOOK_BASE_URL, metavar="URL",
+                       help="runbook links in pages: URL/<detector>.md (default %(default)s)")
     serve.add_argument("--dry-run", action="store_true",
                        help="log what each action would do, do nothing")
     serve.add_argument("--log-level", default="info")

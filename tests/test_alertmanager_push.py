@@ -160,3 +160,12 @@ def test_dead_alertmanager_never_blocks_fire() -> None:
         close_started = time.monotonic()
         pusher.close(flush_timeout=0.5)
         assert time.monotonic() - close_started < 5.0
+
+
+def test_evidence_is_quoted_once() -> None:
+    from deadweight.sidecar.alertmanager import format_description
+
+    assert format_description("Frozen.", {"a": "1", "b": "2"}) == "Frozen. Evidence: a=1, b=2."
+    quoted = "Frozen. Evidence: a=1"
+    assert format_description(quoted, {"a": "1"}) == quoted
+    assert format_description("Frozen.", {}) == "Frozen."

@@ -1,25 +1,42 @@
-"""How far the watched tensors moved in one optimizer step, measured with fused ops.
+"""How far the watched tensors moved in one optimizer step, in one pass over memory.
 
-The snapshot is taken at ``on_pre_optimizer_step`` and diffed at ``on_optimizer_step``: grads
-are present at both, the weights change only between them. Every figure for a step comes back
-in one device-to-host transfer; there is no per-tensor Python loop on the hot path.
+The snapshot lives in one flat buffer per device. ``after_step`` reads the new weights and the
+snapshot once, returns every figure of the step in one device-to-host transfer, and writes the
+new weights into the snapshot in the same pass, so the snapshot is already fresh for the next
+step. ``before_step`` (at ``on_pre_optimizer_step``) copies only when something wrote the
+weights since that refresh: the tensors' version counters, bumped by every in-place write
+(optimizers, ``copy_``, ``load_state_dict``), tell it. Writes through ``.data`` bypass the
+counters; such a write between two steps is counted in the next step's update.
 
-"Unchanged" is exact: for finite IEEE values ``new - old == 0`` only when ``new == old``, so a
-tensor whose update has an L2 norm of exactly 0 kept every byte (below ~1e-22 per element the
-square underflows; no weight a trainer can move moves by less).
+Two kernels compute the same figures; ``path="auto"`` takes the fastest one for the device:
+``native`` (CPU, the default there) is a compiled C loop that does everything in one pass;
+``torch`` (any device, the CUDA path) uses ``torch._foreach_*`` ops: no per-tensor kernel
+launch loop and one host sync. "Unchanged" is exact, never a norm (a square underflows): the
+native kernel and the CPU torch fallback compare bytes, the accelerator path tests the largest
+absolute difference, so there +0.0 and -0.0 count as equal. A tensor holding a non-finite value
+is counted as non-finite, never as unchanged.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
+
+from . import update_native
 
 #: Above this many watched elements, a fixed sample per tensor replaces the full copy.
 DEFAULT_MAX_FULL_ELEMENTS = 200_000_000
 #: Elements kept per tensor in sampled mode.
 DEFAULT_SAMPLE_PER_TENSOR = 4096
+#: Byte alignment of each tensor's slot in the flat snapshot (a cache line).
+_ALIGN = 64
+
+Path = Literal["auto", "native", "torch"]
+_version = operator.attrgetter("_version")
 
 
 @dataclass(frozen=True)
@@ -56,6 +73,99 @@ class TensorGroup:
     indices: list[int]
 
 
+def _flat_snapshot(sources: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Contiguous snapshot views carved from one byte buffer per device."""
+    offsets: list[int] = []
+    sizes: dict[torch.device, int] = {}
+    for src in sources:
+        start = -(-sizes.get(src.device, 0) // _ALIGN) * _ALIGN
+        offsets.append(start)
+        sizes[src.device] = start + src.numel() * src.element_size()
+    buffers = {dev: torch.empty(max(size, 1), dtype=torch.uint8, device=dev)
+               for dev, size in sizes.items()}
+    views = [
+        buffers[src.device][off:off + src.numel() * src.element_size()]
+        .view(src.dtype).view(src.shape)
+        for src, off in zip(sources, offsets, strict=True)
+    ]
+    return list(buffers.values()), views
+
+
+class _TorchPass:
+    """Multi-tensor ops: no per-tensor kernel launch, one host transfer per device and dtype."""
+
+    def __init__(self, sources: list[torch.Tensor], snapshots: list[torch.Tensor]) -> None:
+        parts: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for i, src in enumerate(sources):
+            parts.setdefault((src.device, src.dtype), []).append(i)
+        self._parts = [
+            (device, dtype, torch.tensor(idx), [sources[i] for i in idx],
+             [snapshots[i] for i in idx])
+            for (device, dtype), idx in parts.items()
+        ]
+        self._count = len(sources)
+
+    def run(self) -> torch.Tensor:
+        """(tensors x 4) float64 on the host: update sq, weight sq, changed, non-finite."""
+        out = torch.zeros(self._count, update_native.FIGURES, dtype=torch.float64)
+        with torch.no_grad():
+            for device, dtype, rows, srcs, snaps in self._parts:
+                out[rows] = self._run_part(device, dtype, srcs, snaps)
+        return out
+
+    @staticmethod
+    def _run_part(device: torch.device, dtype: torch.dtype, srcs: list[torch.Tensor],
+                  snaps: list[torch.Tensor]) -> torch.Tensor:
+        if device.type == "cpu":
+            return _TorchPass._run_cpu(dtype, srcs, snaps)
+        wide = torch.float32 if dtype in (torch.bfloat16, torch.float16) else None
+        torch._foreach_sub_(snaps, srcs)  # snapshot := old - new
+        diff_l2 = torch._foreach_norm(snaps, 2, dtype=wide)
+        weight_l2 = torch._foreach_norm(srcs, 2, dtype=wide)
+        diff_max = torch._foreach_norm(snaps, float("inf"))  # 0 only if every element is equal
+        torch._foreach_copy_(snaps, srcs)  # refreshed for the next step
+        host = torch.stack([
+            torch.stack(diff_l2).double(), torch.stack(weight_l2).double(),
+            torch.stack(diff_max).double(),
+        ]).to("cpu")  # the one device-to-host transfer
+        return torch.stack([
+            host[0].square(), host[1].square(), (host[2] != 0).double(),
+            (~torch.isfinite(host[2])).double(),
+        ], dim=1)
+
+    @staticmethod
+    def _run_cpu(dtype: torch.dtype, srcs: list[torch.Tensor],
+                 snaps: list[torch.Tensor]) -> torch.Tensor:
+        """CPU fallback: a norm of 0 (or NaN) is re-checked on the bytes before the refresh.
+
+        A squared norm underflows and 16-bit CPU arithmetic flushes subnormals, so "changed"
+        from the norm is certain but "unchanged" is not; only those tensors pay the compare.
+        """
+        diffs = torch._foreach_sub(srcs, snaps)
+        diff_l2 = torch.stack(torch._foreach_norm(diffs)).double()
+        weight_l2 = torch.stack(torch._foreach_norm(srcs)).double()
+        del diffs
+        changed = (diff_l2 > 0).double()
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[
+            torch.empty(0, dtype=dtype).element_size()]
+        for i in torch.nonzero(changed == 0).flatten().tolist():
+            same = torch.equal(srcs[i].view(bits), snaps[i].view(bits))
+            changed[i] = 0.0 if same else 1.0
+        nonfinite = ~torch.isfinite(diff_l2)
+        torch._foreach_copy_(snaps, srcs)  # refreshed for the next step
+        return torch.stack([diff_l2.square(), weight_l2.square(), changed,
+                            nonfinite.double()], dim=1)
+
+
+def _native_pass(sources: list[torch.Tensor],
+                 snapshots: list[torch.Tensor]) -> update_native.NativePass | None:
+    """The compiled CPU kernel when every tensor suits it and a compiler is available."""
+    if not sources or not update_native.NativePass.supports(sources):
+        return None
+    lib = update_native.load()
+    return None if lib is None else update_native.NativePass(lib, sources, snapshots)
+
+
 class UpdateProbe:
     """Snapshot the watched tensors before a step and measure the update after it."""
 
@@ -65,19 +175,32 @@ class UpdateProbe:
         groups: Sequence[TensorGroup] = (),
         max_full_elements: int = DEFAULT_MAX_FULL_ELEMENTS,
         sample_per_tensor: int = DEFAULT_SAMPLE_PER_TENSOR,
+        path: Path = "auto",
     ) -> None:
         self.watched_params = sum(t.numel() for t in tensors)
         self.sampled = self.watched_params > max_full_elements
         self._sources = [self._view(t.detach(), sample_per_tensor) for t in tensors]
-        self._snapshot = [torch.empty_like(s, memory_format=torch.contiguous_format)
-                          for s in self._sources]
+        self._buffers, self._snapshot = _flat_snapshot(self._sources)
         self._groups = list(groups)
         self._ready = False
+        self._valid_at: list[int] | None = None  # versions at which snapshot == weights
         self._group_index = self._build_group_index(len(self._sources))
+        native = None if path == "torch" else _native_pass(self._sources, self._snapshot)
+        if path == "native" and native is None:
+            raise RuntimeError("the native update kernel is unavailable for these tensors")
+        self._kernel: update_native.NativePass | _TorchPass = (
+            native if native is not None else _TorchPass(self._sources, self._snapshot)
+        )
+        self.path: str = "native" if native is not None else "torch"
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """Memory held by the snapshot."""
+        return sum(b.numel() for b in self._buffers)
 
     def _view(self, tensor: torch.Tensor, sample: int) -> torch.Tensor:
         """The whole tensor, or in sampled mode a fixed strided sample of its elements."""
-        if not self.sampled or tensor.numel() <= sample:
+        if not self.sampled or tensor.numel() <= sample or not tensor.is_contiguous():
             return tensor
         flat = tensor.view(-1)
         stride = max(1, flat.numel() // sample)
@@ -93,9 +216,15 @@ class UpdateProbe:
         return index
 
     def before_step(self) -> None:
-        """Copy the watched tensors (called at on_pre_optimizer_step)."""
-        if self._sources:
-            torch._foreach_copy_(self._snapshot, self._sources)
+        """Make sure the snapshot holds the weights (called at on_pre_optimizer_step).
+
+        After a measured step the snapshot is already fresh; it is copied again only when a
+        version counter shows that something wrote a watched tensor since.
+        """
+        if self._sources and self._valid_at != list(map(_version, self._sources)):
+            with torch.no_grad():
+                torch._foreach_copy_(self._snapshot, self._sources)
+            self._valid_at = list(map(_version, self._sources))
         self._ready = True
 
     def after_step(self) -> UpdateStats | None:
@@ -106,31 +235,31 @@ class UpdateProbe:
         n = len(self._sources)
         if n == 0:
             return UpdateStats(0.0, 0.0, 0, 0, 0, 0, self.sampled, [])
-        with torch.no_grad():
-            torch._foreach_sub_(self._snapshot, self._sources)  # snapshot := old - new
-            update_norms = torch._foreach_norm(self._snapshot)
-            param_norms = torch._foreach_norm(self._sources)
-            per_tensor = torch.stack(
-                [torch.stack(update_norms).double(), torch.stack(param_norms).double()]
-            ).to("cpu")  # the one device-to-host transfer of the step
-        update_sq = per_tensor[0].square()
-        finite = torch.isfinite(update_sq)
+        figures = self._kernel.run()  # also refreshes the snapshot
+        self._valid_at = list(map(_version, self._sources))
+        return self._summarise(figures)
+
+    def _summarise(self, figures: torch.Tensor) -> UpdateStats:
+        """Totals and group sums from the per-tensor figures (already on the host)."""
+        nonfinite = figures[:, 3] != 0
+        update_sq = torch.where(nonfinite, 0.0, figures[:, 0])
+        unchanged = ((figures[:, 2] == 0) & ~nonfinite).double()
         groups: list[GroupStats] = []
         if self._group_index is not None:
-            sums = self._group_index @ torch.where(finite, update_sq, 0.0)
-            unchanged = self._group_index @ (per_tensor[0] == 0).double()
-            counts = self._group_index.sum(dim=1)
+            sums = (self._group_index @ update_sq).tolist()
+            unchanged_per = (self._group_index @ unchanged).tolist()
+            counts = self._group_index.sum(dim=1).tolist()
             groups = [
-                GroupStats(g.name, g.kind, float(sums[i]), int(counts[i]), int(unchanged[i]))
+                GroupStats(g.name, g.kind, sums[i], int(counts[i]), int(unchanged_per[i]))
                 for i, g in enumerate(self._groups)
             ]
         return UpdateStats(
-            update_sq_sum=float(update_sq[finite].sum()),
-            param_sq_sum=float(per_tensor[1].square().sum()),
-            watched_tensors=n,
+            update_sq_sum=float(update_sq.sum()),
+            param_sq_sum=float(figures[:, 1].sum()),
+            watched_tensors=len(self._sources),
             watched_params=self.watched_params,
-            unchanged_tensors=int((per_tensor[0] == 0).sum()),
-            nonfinite_update_tensors=int((~finite).sum()),
+            unchanged_tensors=int(unchanged.sum()),
+            nonfinite_update_tensors=int(nonfinite.sum()),
             sampled=self.sampled,
             groups=groups,
         )

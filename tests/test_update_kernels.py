@@ -1,0 +1,229 @@
+"""Both update kernels (compiled CPU, torch multi-tensor) against a float64 reference."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deadweight.callbacks import update_native
+from deadweight.callbacks.update_probe import TensorGroup, UpdateProbe, UpdateStats
+
+NATIVE = update_native.load() is not None
+PATHS = ["torch", pytest.param("native", marks=pytest.mark.skipif(
+    not NATIVE, reason="no C compiler: the native kernel cannot be built"))]
+
+
+def reference(old: list[torch.Tensor], new: list[torch.Tensor]) -> dict[str, float]:
+    """The figures computed naively in float64, with bytes for the exact test."""
+    upd = par = 0.0
+    unchanged = nonfinite = 0
+    for a, b in zip(old, new, strict=True):
+        a64, b64 = a.double(), b.double()
+        d = b64 - a64
+        if not bool(torch.isfinite(d).all()):
+            nonfinite += 1
+            continue
+        upd += float(d.square().sum())
+        par += float(b64.square().sum())
+        same = a.contiguous().view(torch.uint8).equal(b.contiguous().view(torch.uint8))
+        unchanged += int(same)
+    return {"upd": upd, "par": par, "unchanged": unchanged, "nonfinite": nonfinite}
+
+
+def check(stats: UpdateStats, ref: dict[str, float]) -> None:
+    assert stats.unchanged_tensors == ref["unchanged"]
+    assert stats.nonfinite_update_tensors == ref["nonfinite"]
+    assert math.isclose(stats.update_sq_sum, ref["upd"], rel_tol=1e-2, abs_tol=1e-30)
+    if ref["nonfinite"] == 0:
+        assert math.isclose(stats.param_sq_sum, ref["par"], rel_tol=1e-2, abs_tol=1e-30)
+
+
+def step(probe: UpdateProbe, tensors: list[torch.Tensor], delta: list[torch.Tensor]) -> UpdateStats:
+    """before_step, an in-place optimizer-like update, after_step."""
+    probe.before_step()
+    with torch.no_grad():
+        torch._foreach_add_(tensors, delta)
+    stats = probe.after_step()
+    assert stats is not None
+    return stats
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_matches_reference_over_consecutive_steps(path: str, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    shapes = [(16, 64), (128, 16), (0,), (7,), (3, 5, 2), (1,)]
+    tensors = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+    probe = UpdateProbe(tensors, path=path)  # type: ignore[arg-type]
+    assert probe.path == path
+    for k in range(3):
+        old = [t.clone() for t in tensors]
+        delta = [torch.randn(t.shape, generator=gen).to(dtype) * 1e-2 for t in tensors]
+        delta[1].zero_()  # a tensor the step leaves alone
+        if k == 2:
+            delta = [d.zero_() for d in delta]  # a frozen step
+        stats = step(probe, tensors, delta)
+        check(stats, reference(old, tensors))
+        assert stats.watched_tensors == len(shapes)
+        assert stats.sampled is False
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_one_ulp_change_underflowing_the_square_is_not_unchanged(path: str) -> None:
+    tiny = torch.full((1000,), 1e-30)
+    normal = torch.ones(10)
+    probe = UpdateProbe([tiny, normal], path=path)  # type: ignore[arg-type]
+    probe.before_step()
+    tiny[500] = torch.nextafter(tiny[500], torch.tensor(1.0))  # d ~ 1e-37, d^2 underflows
+    stats = probe.after_step()
+    assert stats is not None
+    assert stats.unchanged_tensors == 1  # only `normal`
+    assert stats.update_sq_sum < 1e-60
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_cpu_kernels_compare_bytes_so_a_sign_of_zero_flip_counts(path: str) -> None:
+    t = torch.zeros(8)
+    probe = UpdateProbe([t], path=path)  # type: ignore[arg-type]
+    probe.before_step()
+    t[3] = -0.0
+    stats = probe.after_step()
+    assert stats is not None and stats.unchanged_tensors == 0 and stats.update_sq_sum == 0.0
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_nonfinite_updates_are_counted_and_kept_out_of_the_sums(path: str) -> None:
+    a, b, c = torch.ones(100), torch.ones(50, dtype=torch.bfloat16), torch.ones(10)
+    probe = UpdateProbe([a, b, c], path=path)  # type: ignore[arg-type]
+    probe.before_step()
+    a[7] = float("nan")
+    b[3] = float("inf")
+    c += 0.5
+    stats = probe.after_step()
+    assert stats is not None
+    assert stats.nonfinite_update_tensors == 2
+    assert stats.unchanged_tensors == 0
+    assert stats.update_sq_sum == pytest.approx(10 * 0.25)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_write_between_steps_is_not_counted_in_the_next_step(path: str) -> None:
+    t = torch.zeros(64)
+    probe = UpdateProbe([t], path=path)  # type: ignore[arg-type]
+    step(probe, [t], [torch.full((64,), 1.0)])
+    with torch.no_grad():
+        t.add_(5.0)  # e.g. a callback editing weights: bumps the version counter
+    stats = step(probe, [t], [torch.zeros(64)])
+    assert stats.unchanged_tensors == 1 and stats.update_sq_sum == 0.0
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_steady_state_skips_the_pre_step_copy(path: str) -> None:
+    t = torch.zeros(64)
+    probe = UpdateProbe([t], path=path)  # type: ignore[arg-type]
+    step(probe, [t], [torch.ones(64)])
+    probe._snapshot[0].fill_(123.0)  # were before_step to copy, this would be overwritten
+    probe.before_step()
+    assert float(probe._snapshot[0][0]) == 123.0
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_parameters_and_groups(path: str) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2))
+    params = list(model.parameters())
+    groups = [TensorGroup("first", "module", [0, 1]), TensorGroup("second", "module", [2, 3])]
+    probe = UpdateProbe(params, groups, path=path)  # type: ignore[arg-type]
+    opt = torch.optim.SGD(params[2:], lr=0.1)
+    model(torch.ones(3, 8)).sum().backward()
+    probe.before_step()
+    opt.step()
+    stats = probe.after_step()
+    assert stats is not None
+    first, second = stats.groups
+    assert (first.tensors, first.unchanged_tensors, first.update_sq_sum) == (2, 2, 0.0)
+    assert (second.tensors, second.unchanged_tensors) == (2, 0)
+    assert second.update_sq_sum == pytest.approx(stats.update_sq_sum)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_sampled_mode_bounds_the_snapshot(path: str) -> None:
+    big = [torch.randn(256, 512), torch.randn(300_001), torch.randn(10)]
+    probe = UpdateProbe(big, max_full_elements=1000, sample_per_tensor=256,
+                        path=path)  # type: ignore[arg-type]
+    assert probe.sampled
+    assert probe.snapshot_bytes <= 3 * 256 * 4 + 3 * 64
+    before = [t.clone() for t in big]
+    stats = step(probe, big, [torch.full_like(t, 0.25) for t in big])
+    assert stats.sampled and stats.watched_params == sum(t.numel() for t in before)
+    assert stats.update_sq_sum == pytest.approx((256 + 256 + 10) * 0.0625)
+    assert stats.unchanged_tensors == 0
+
+
+def test_auto_takes_the_native_kernel_on_cpu_when_it_builds() -> None:
+    probe = UpdateProbe([torch.zeros(4)])
+    assert probe.path == ("native" if NATIVE else "torch")
+    half = UpdateProbe([torch.zeros(4, dtype=torch.float16)])
+    assert half.path == "torch"  # no native float16 loop: the torch kernel covers it
+
+
+@pytest.fixture
+def fresh_native(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    saved = dict(update_native._loaded)
+    update_native._loaded.clear()
+    yield
+    update_native._loaded.clear()
+    update_native._loaded.update(saved)
+
+
+def test_without_a_working_compiler_the_torch_kernel_is_used(
+    fresh_native: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CC", "/bin/false")
+    assert update_native.load() is None
+    assert UpdateProbe([torch.zeros(4)]).path == "torch"
+
+
+def test_native_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DEADWEIGHT_NATIVE", "0")
+    assert update_native.load() is None
+    with pytest.raises(RuntimeError):
+        UpdateProbe([torch.zeros(4)], path="native")
+
+
+@pytest.mark.skipif(not NATIVE, reason="no C compiler")
+def test_the_built_library_lives_in_a_private_cache(fresh_native: None, tmp_path: Path) -> None:
+    assert update_native.load() is not None
+    built = list((tmp_path / "deadweight").glob("dw_update-*.so"))
+    assert len(built) == 1
+    assert os.stat(tmp_path / "deadweight").st_mode & 0o077 == 0
+
+
+floats = st.floats(min_value=-1e3, max_value=1e3, allow_nan=False, width=32)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    data=st.lists(st.lists(floats, min_size=0, max_size=40), min_size=1, max_size=5),
+    moves=st.lists(st.booleans(), min_size=5, max_size=5),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_kernels_agree(data: list[list[float]], moves: list[bool], dtype: torch.dtype) -> None:
+    results = []
+    for path in ["torch", "native"] if NATIVE else ["torch"]:
+        tensors = [torch.tensor(row, dtype=torch.float32).to(dtype) for row in data]
+        probe = UpdateProbe(tensors, path=path)  # type: ignore[arg-type]
+        old = [t.clone() for t in tensors]
+        delta = [torch.full_like(t, 0.5 if moves[i] else 0.0) for i, t in enumerate(tensors)]
+        stats = step(probe, tensors, delta)
+        ref = reference(old, tensors)
+        check(stats, ref)
+        results.append((stats.unchanged_tensors, stats.nonfinite_update_tensors))
+    assert len(set(results)) == 1

@@ -1,0 +1,1 @@
+"""Benchmarks for deadweight's hot paths; run ``python -m bench`` from the repository root."""

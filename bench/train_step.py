@@ -1,0 +1,107 @@
+"""Callback cost against a real training step of a Qwen3-0.6B-shaped model with LoRA r16.
+
+The model is built from its config with random weights (no download), LoRA r=16 on all linear
+layers (about 10M adapter parameters in 392 tensors), AdamW, one thread, batch 1. Every variant
+of the update pass runs around the same optimizer step, so all figures share one run.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from deadweight.callbacks.update_probe import UpdateProbe
+
+from .common import fmt_time, table, verdict
+from .update_pass import EagerForeach, NaiveLoop
+
+STEP_BUDGET = 0.0025  # of a training step
+OPTIMIZER_BUDGET = 0.5  # of optimizer.step()
+
+
+def build_model(layers: int) -> torch.nn.Module:
+    """Qwen3-0.6B dimensions (hidden 1024, intermediate 3072, 16/8 heads) with LoRA r16."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=151_936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=layers,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+        max_position_embeddings=4096,
+    )
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config)
+    lora = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0)
+    peft_model: torch.nn.Module = get_peft_model(model, lora)
+    return peft_model
+
+
+def run(repeats: int, quick: bool) -> list[list[str]]:
+    """Time training steps and, inside each, every update-pass variant."""
+    layers = 28
+    model = build_model(layers)
+    params: list[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    tokens = torch.randint(0, 151_936, (1, 16))
+    variants: dict[str, NaiveLoop | EagerForeach | UpdateProbe] = {
+        "naive loop": NaiveLoop(params),
+        "eager foreach": EagerForeach(params),
+        "probe (default path)": UpdateProbe(params),
+    }
+    default_path = variants["probe (default path)"].path  # type: ignore[union-attr]
+    times: dict[str, list[float]] = {k: [] for k in [*variants, "step", "optimizer.step()"]}
+
+    def timed(key: str, fn: Callable[[], object]) -> None:
+        start = time.perf_counter()
+        fn()
+        times[key].append(time.perf_counter() - start)
+
+    steps = 3 if quick else max(5, repeats)
+    for i in range(steps + 1):
+        start = time.perf_counter()
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        probe_time = 0.0
+        for name, variant in variants.items():
+            t0 = time.perf_counter()
+            variant.before_step()
+            probe_time += time.perf_counter() - t0
+            if i:
+                times[name].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        optimizer.step()
+        opt_time = time.perf_counter() - t0
+        for name, variant in variants.items():
+            t0 = time.perf_counter()
+            variant.after_step()
+            elapsed = time.perf_counter() - t0
+            probe_time += elapsed
+            if i:
+                times[name][-1] += elapsed
+        optimizer.zero_grad(set_to_none=True)
+        if i:  # the first step warms up allocations and is dropped
+            times["step"].append(time.perf_counter() - start - probe_time)
+            times["optimizer.step()"].append(opt_time)
+    step = statistics.median(times["step"])
+    opt = statistics.median(times["optimizer.step()"])
+    rows = [["training step (no probe)", fmt_time(step), "", "", "", ""],
+            ["optimizer.step() AdamW", fmt_time(opt), f"{opt / step:.2%}", "", "", ""]]
+    for name in variants:
+        cost = statistics.median(times[name])
+        label = f"{name} [{default_path}]" if name.startswith("probe") else name
+        budget = (f"<= {STEP_BUDGET:.2%} and <= {OPTIMIZER_BUDGET}x opt: "
+                  + verdict(cost / step <= STEP_BUDGET and cost / opt <= OPTIMIZER_BUDGET)
+                  if name.startswith("probe") else "reference")
+        rows.append([label, fmt_time(cost), f"{cost / step:.3%}", f"{cost / opt:.2f}x",
+                     f"{min(times[name]) / step:.3%}", budget])
+    n_params = sum(p.numel() for p in params)
+    table(f"callback cost vs a training step (Qwen3-0.6B shape, {layers} layers, LoRA r16, "
+          f"{n_params / 1e6:.1f}M adapter params in {len(params)} tensors, batch 1x16, "
+          f"{steps} steps, medians)",
+          ["what", "time", "of step", "of opt.step", "best of step", "budget"], rows)
+    return rows

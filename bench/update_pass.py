@@ -1,0 +1,132 @@
+"""The per-step update-norm pass against the memory-bandwidth bound.
+
+Bound = 3 x adapter bytes / copy bandwidth (read the weights, read the snapshot, write the
+snapshot). Each variant is timed as before_step + after_step around a simulated optimizer step
+(untimed), with the caches flushed first, as a forward/backward pass would leave them.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from deadweight.callbacks.update_probe import UpdateProbe
+
+from .common import Timing, flush_cache, fmt_time, table, verdict
+from .shapes import ALL, QWEN3_06B_R16, ModelShape, make_adapter
+
+BUDGET = 1.5  # x the bandwidth bound
+
+
+class NaiveLoop:
+    """Reference: a per-tensor Python loop (copy before, subtract and sum after)."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.tensors = tensors
+        self.snapshot = [torch.empty_like(t) for t in tensors]
+
+    def before_step(self) -> None:
+        for snap, t in zip(self.snapshot, self.tensors, strict=True):
+            snap.copy_(t)
+
+    def after_step(self) -> list[list[float]]:
+        rows = []
+        for snap, t in zip(self.snapshot, self.tensors, strict=True):
+            d = t.float() - snap.float()
+            rows.append(torch.stack([d.square().sum(), t.float().square().sum()]))
+        return torch.stack(rows).tolist()
+
+
+class EagerForeach:
+    """Reference: eager torch._foreach_* ops (copy before; subtract and two norms after)."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.tensors = tensors
+        self.snapshot = [torch.empty_like(t) for t in tensors]
+
+    def before_step(self) -> None:
+        torch._foreach_copy_(self.snapshot, self.tensors)
+
+    def after_step(self) -> list[list[float]]:
+        torch._foreach_sub_(self.snapshot, self.tensors)
+        upd = torch._foreach_norm(self.snapshot)
+        par = torch._foreach_norm(self.tensors)
+        return torch.stack([torch.stack(upd).double(), torch.stack(par).double()]).tolist()
+
+
+Variant = NaiveLoop | EagerForeach | UpdateProbe
+
+
+def _step(tensors: list[torch.Tensor]) -> None:
+    """The simulated optimizer step: every weight moves."""
+    torch._foreach_add_(tensors, 1e-4)
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    """Seconds of one call, after a cache flush."""
+    flush_cache()
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def interleaved(variants: dict[str, Variant], tensors: list[torch.Tensor], nbytes: int,
+                repeats: int) -> tuple[dict[str, Timing], Timing]:
+    """Per round: every before_step, one optimizer step, every after_step, one same-size copy.
+
+    All variants see the same step and the same load spikes; caches are flushed before each
+    timed call. Seconds are before_step + after_step; the optimizer step is not timed.
+    """
+    src = torch.ones(max(nbytes // 4, 1))
+    dst = torch.empty_like(src)
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    copies: list[float] = []
+    for round_ in range(repeats + 1):
+        pre = {name: _timed(v.before_step) for name, v in variants.items()}
+        _step(tensors)
+        for name, variant in variants.items():
+            if round_:  # round 0 fills the snapshots
+                times[name].append(pre[name] + _timed(variant.after_step))
+            else:
+                variant.after_step()
+        copies.append(_timed(lambda: dst.copy_(src)))
+    result = {k: Timing(min(v), statistics.median(v)) for k, v in times.items()}
+    return result, Timing(min(copies), statistics.median(copies))
+
+
+def run(bandwidth: float, repeats: int, quick: bool) -> list[list[str]]:
+    """One row per (shape, dtype, variant)."""
+    rows: list[list[str]] = []
+    shapes: list[ModelShape] = [QWEN3_06B_R16] if quick else ALL
+    for shape in shapes:
+        for dtype in (torch.float32, torch.bfloat16):
+            tensors = make_adapter(shape, dtype)
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            variants: dict[str, Variant] = {
+                "naive loop": NaiveLoop(tensors),
+                "eager foreach": EagerForeach(tensors),
+                "probe torch": UpdateProbe(tensors, path="torch"),
+                "probe native": UpdateProbe(tensors, path="native"),
+            }
+            timings, copy = interleaved(variants, tensors, nbytes, repeats)
+            # the bound uses the better of the global and the same-run, same-size copy figure
+            bw = max(bandwidth, 2 * nbytes / copy.best)
+            bound = 3 * nbytes / bw
+            for name, timing in timings.items():
+                ratio = timing.best / bound
+                budget = (f"<= {BUDGET}x " + verdict(ratio <= BUDGET)
+                          if name.startswith("probe") else "reference")
+                rows.append([
+                    shape.name, str(dtype).removeprefix("torch."), f"{nbytes / 2**20:.0f} MiB",
+                    name, fmt_time(timing.best), fmt_time(timing.median), fmt_time(bound),
+                    f"{ratio:.2f}x", f"{timing.median / bound:.2f}x", budget,
+                ])
+            del tensors, variants
+    table("update-norm pass (before_step + after_step) vs bandwidth bound "
+          "(bound = 3 x bytes / copy bandwidth)",
+          ["adapter", "dtype", "size", "variant", "best", "median", "bound", "ratio",
+           "median ratio", "budget"], rows)
+    return rows

@@ -1,0 +1,382 @@
+"""Offline checks of the Kubernetes manifests and the compose stack in deploy/.
+
+Schemas: the Kubernetes ones shipped by kubernetes-validate (strict: unknown fields fail), the
+Prometheus Operator CRD models for PodMonitor and PrometheusRule (generated from the CRDs'
+OpenAPI schemas, checked for a lossless round trip so unknown fields fail too), and the Compose
+Specification schema shipped by check-jsonschema. Each validator is also shown a broken copy,
+so a test cannot pass because the validator accepts anything. The wiring the schemas cannot see
+(same socket path on both sides, same UID, ports, labels, mounts) is checked across files, and
+the Prometheus and Alertmanager configs go through the real promtool and amtool.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.resources
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import jsonschema  # type: ignore[import-untyped]
+import kubernetes_validate  # type: ignore[import-untyped]
+import pytest
+import yaml
+
+from deploy.kubernetes import prometheusrule
+
+ROOT = Path(__file__).resolve().parents[1]
+KUBE = ROOT / "deploy" / "kubernetes"
+COMPOSE_DIR = ROOT / "deploy" / "compose"
+COMPOSE = COMPOSE_DIR / "compose.yaml"
+# Native sidecars (restartPolicy on an init container) are on by default from 1.29.
+KUBE_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
+
+
+def load(path: Path) -> Any:
+    return yaml.safe_load(path.read_text())
+
+
+def job() -> dict[str, Any]:
+    doc: dict[str, Any] = load(KUBE / "training-job.yaml")
+    return doc
+
+
+def pod_spec(doc: dict[str, Any]) -> dict[str, Any]:
+    spec: dict[str, Any] = doc["spec"]["template"]["spec"]
+    return spec
+
+
+def container(spec: dict[str, Any], name: str) -> dict[str, Any]:
+    found = [c for c in spec.get("initContainers", []) + spec["containers"] if c["name"] == name]
+    assert len(found) == 1, f"one container named {name}"
+    one: dict[str, Any] = found[0]
+    return one
+
+
+def mounts(c: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {m["name"]: m for m in c["volumeMounts"]}
+
+
+def dockerfile_instruction(keyword: str) -> str:
+    """The argument of a Dockerfile instruction, continuation lines joined."""
+    text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
+    found = [line.split(None, 1)[1] for line in text.splitlines() if line.startswith(keyword + " ")]
+    assert len(found) == 1, f"one {keyword} in the Dockerfile"
+    return found[0]
+
+
+def image_flag(flag: str) -> str:
+    entrypoint: list[str] = json.loads(dockerfile_instruction("ENTRYPOINT"))
+    return entrypoint[entrypoint.index(flag) + 1]
+
+
+# --- Kubernetes ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", KUBE_VERSIONS)
+def test_job_validates_against_kubernetes_schema(version: str) -> None:
+    kubernetes_validate.validate(job(), version, strict=True)
+
+
+def test_kubernetes_validator_rejects_unknown_and_too_new_fields() -> None:
+    broken = job()
+    pod_spec(broken)["initContainers"][0]["restartPolicyy"] = "Always"
+    with pytest.raises(kubernetes_validate.ValidationError, match="restartPolicyy"):
+        kubernetes_validate.validate(broken, KUBE_VERSIONS[0], strict=True)
+    # Before native sidecars existed the field is unknown: the schema really is versioned.
+    with pytest.raises(kubernetes_validate.ValidationError, match="restartPolicy"):
+        kubernetes_validate.validate(job(), "1.27.0", strict=True)
+
+
+def test_job_runs_deadweight_as_native_sidecar_beside_the_trainer() -> None:
+    spec = pod_spec(job())
+    assert [c["name"] for c in spec["initContainers"]] == ["deadweight"]
+    assert [c["name"] for c in spec["containers"]] == ["trainer"]
+    sidecar = container(spec, "deadweight")
+    assert sidecar["restartPolicy"] == "Always"
+    assert spec["shareProcessNamespace"] is True
+    # Probes gate the trainer's start on the sidecar serving.
+    assert sidecar["startupProbe"]["httpGet"]["port"] == "metrics"
+
+
+def test_job_socket_is_shared_and_matches_the_image_default() -> None:
+    spec = pod_spec(job())
+    sidecar, trainer = container(spec, "deadweight"), container(spec, "trainer")
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    socket_path = image_flag("--socket")
+    socket_dir = str(Path(socket_path).parent)
+    shared = [n for n, m in mounts(sidecar).items() if m["mountPath"] == socket_dir]
+    assert len(shared) == 1
+    assert "emptyDir" in volumes[shared[0]]
+    assert mounts(trainer)[shared[0]]["mountPath"] == socket_dir
+    env = {e["name"]: e for e in trainer["env"]}
+    assert env["DEADWEIGHT_ADDRESS"]["value"] == f"unix://{socket_path}"
+    assert "DEADWEIGHT_RUN_ID" in env
+
+
+def test_job_output_dir_is_read_only_for_the_sidecar_at_the_trainers_path() -> None:
+    spec = pod_spec(job())
+    sidecar, trainer = container(spec, "deadweight"), container(spec, "trainer")
+    out_side, out_train = mounts(sidecar)["output"], mounts(trainer)["output"]
+    assert out_side["readOnly"] is True
+    assert not out_train.get("readOnly", False)
+    assert out_side["mountPath"] == out_train["mountPath"]
+    assert any(arg.startswith(out_train["mountPath"] + "/") for arg in trainer["command"])
+
+
+def test_job_state_dir_matches_the_image_and_both_containers_share_one_uid() -> None:
+    spec = pod_spec(job())
+    sidecar = container(spec, "deadweight")
+    assert image_flag("--state-dir") in {m["mountPath"] for m in mounts(sidecar).values()}
+    uid, gid = dockerfile_instruction("USER").split(":")
+    pod_sc = spec["securityContext"]
+    # Same UID for both containers: the sidecar may signal the trainer without extra capability.
+    assert (str(pod_sc["runAsUser"]), str(pod_sc["runAsGroup"])) == (uid, gid)
+    assert not any("runAsUser" in c.get("securityContext", {}) for c in
+                   spec["initContainers"] + spec["containers"])
+    assert str(pod_sc["fsGroup"]) == gid  # the socket (0660) is group-accessible
+
+
+def test_podmonitor_selects_the_job_pods_metrics_port() -> None:
+    spec = pod_spec(job())
+    sidecar = container(spec, "deadweight")
+    ports = {p["name"]: p["containerPort"] for p in sidecar["ports"]}
+    monitor = load(KUBE / "podmonitor.yaml")
+    endpoint = monitor["spec"]["podMetricsEndpoints"][0]
+    assert endpoint["port"] in ports
+    assert str(ports[endpoint["port"]]) == dockerfile_instruction("EXPOSE")
+    assert image_flag("--metrics-address").endswith(f":{ports[endpoint['port']]}")
+    labels = job()["spec"]["template"]["metadata"]["labels"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
+
+
+def test_podmonitor_job_label_matches_the_alerts_job_selector() -> None:
+    from alerts.catalogue import DEFAULT_JOB_SELECTOR
+
+    pattern = re.fullmatch(r'job=~"(.*)"', DEFAULT_JOB_SELECTOR)
+    assert pattern, DEFAULT_JOB_SELECTOR
+    name = load(KUBE / "podmonitor.yaml")["metadata"]["name"]
+    # The operator names the scrape job <namespace>/<PodMonitor name>.
+    assert re.fullmatch(pattern.group(1), f"ml-training/{name}")
+
+
+@pytest.fixture(scope="module")
+def operator_models() -> Any:
+    from cloudcoil.models.prometheus_operator import v1
+
+    return v1
+
+
+def round_trip(model: Any, doc: dict[str, Any]) -> dict[str, Any]:
+    dumped: dict[str, Any] = model.model_validate(doc).model_dump(
+        by_alias=True, exclude_none=True, mode="json")
+    return dumped
+
+
+@pytest.mark.parametrize(("filename", "kind"), [
+    ("podmonitor.yaml", "PodMonitor"), ("prometheusrule.yaml", "PrometheusRule")])
+def test_operator_resources_validate_against_crd_models(
+        operator_models: Any, filename: str, kind: str) -> None:
+    doc = load(KUBE / filename)
+    assert doc["kind"] == kind
+    assert round_trip(getattr(operator_models, kind), doc) == doc
+
+
+def test_crd_models_reject_bad_values_and_unknown_fields(operator_models: Any) -> None:
+    doc = load(KUBE / "podmonitor.yaml")
+    bad_interval = copy.deepcopy(doc)
+    bad_interval["spec"]["podMetricsEndpoints"][0]["interval"] = "fifteen seconds"
+    with pytest.raises(ValueError, match="interval"):
+        operator_models.PodMonitor.model_validate(bad_interval)
+    unknown = copy.deepcopy(doc)
+    unknown["spec"]["podMetricsEndpoints"][0]["portName"] = "metrics"
+    assert round_trip(operator_models.PodMonitor, unknown) != unknown
+
+
+def test_prometheusrule_is_generated_from_alerts() -> None:
+    assert prometheusrule.main(["--check"]) == 0, "run python -m deploy.kubernetes.prometheusrule"
+    rules = load(ROOT / "alerts" / "deadweight.rules.yml")
+    assert load(KUBE / "prometheusrule.yaml")["spec"]["groups"] == rules["groups"]
+
+
+def test_prometheusrule_groups_pass_promtool(tmp_path: Path) -> None:
+    promtool = require_binary("promtool")
+    groups = load(KUBE / "prometheusrule.yaml")["spec"]
+    rules_file = tmp_path / "rules.yml"
+    rules_file.write_text(yaml.safe_dump(groups))
+    out = run([promtool, "check", "rules", str(rules_file)])
+    assert re.search(r"SUCCESS: [1-9]\d* rules found", out), out
+
+
+# --- compose stack --------------------------------------------------------------------------
+
+
+def require_binary(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"{name} is not installed (.ci/run installs it)")
+        pytest.skip(f"{name} is not installed")
+    return path
+
+
+def run(argv: list[str]) -> str:
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    return out
+
+
+def compose() -> dict[str, Any]:
+    doc: dict[str, Any] = load(COMPOSE)
+    return doc
+
+
+def compose_validator() -> jsonschema.protocols.Validator:
+    text = (importlib.resources.files("check_jsonschema.builtin_schemas.vendor")
+            / "compose-spec.json").read_text()
+    schema = json.loads(text)
+    cls = jsonschema.validators.validator_for(schema)
+    cls.check_schema(schema)
+    validator: jsonschema.protocols.Validator = cls(schema)
+    return validator
+
+
+def test_compose_file_validates_against_the_compose_spec() -> None:
+    compose_validator().validate(compose())
+
+
+def test_compose_spec_validator_rejects_a_misspelt_key() -> None:
+    broken = compose()
+    broken["services"]["deadweight"]["volume"] = broken["services"]["deadweight"].pop("volumes")
+    with pytest.raises(jsonschema.ValidationError, match="volume"):
+        compose_validator().validate(broken)
+
+
+def interpolate(value: str) -> str:
+    """Compose's ${VAR:-default} with the defaults (no variable is set in tests)."""
+    return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", value)
+
+
+def bind_mounts(service: str) -> dict[str, Path]:
+    """Container path -> host path of a service's bind mounts (relative sources only)."""
+    found: dict[str, Path] = {}
+    for entry in compose()["services"][service].get("volumes", []):
+        source, target = interpolate(entry).split(":")[:2]
+        if source.startswith("."):
+            found[target] = (COMPOSE_DIR / source).resolve()
+    return found
+
+
+def test_compose_bind_mounts_exist_in_the_repository() -> None:
+    for service in compose()["services"]:
+        for target, source in bind_mounts(service).items():
+            assert source.exists(), f"{service}: {source} (for {target}) is missing"
+            assert source.is_relative_to(ROOT), source
+
+
+def container_root(service: str, tmp_path: Path) -> Path:
+    """A directory laid out like the service's filesystem, so configs resolve their paths."""
+    root = tmp_path / service
+    for target, source in bind_mounts(service).items():
+        link = root / target.lstrip("/")
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(source)
+    return root
+
+
+def test_compose_sidecar_uses_the_image_and_reaches_alertmanager() -> None:
+    services = compose()["services"]
+    sidecar = services["deadweight"]
+    assert sidecar["build"]["context"] == "../.."
+    command = sidecar["command"]
+    url = command[command.index("--alertmanager-url") + 1]
+    assert url == "http://alertmanager:9093"
+    assert "alertmanager" in services
+    targets = bind_mounts("deadweight")
+    assert str(Path(image_flag("--socket")).parent) in targets
+    assert image_flag("--state-dir") in targets
+    port = dockerfile_instruction("EXPOSE")
+    assert any(str(p).endswith(f":{port}") for p in sidecar["ports"])
+
+
+def test_compose_prometheus_config_loads_the_alert_rules(tmp_path: Path) -> None:
+    promtool = require_binary("promtool")
+    service = compose()["services"]["prometheus"]
+    config_flag = next(a for a in service["command"] if a.startswith("--config.file="))
+    root = container_root("prometheus", tmp_path)
+    out = run([promtool, "check", "config", str(root / config_flag.split("=", 1)[1].lstrip("/"))])
+    match = re.search(r"SUCCESS: (\d+) rules found", out)
+    rules = load(ROOT / "alerts" / "deadweight.rules.yml")
+    assert match, out
+    assert int(match.group(1)) == sum(len(g["rules"]) for g in rules["groups"])
+
+
+def test_compose_prometheus_scrapes_the_sidecar_under_the_alerts_job_selector() -> None:
+    from alerts.catalogue import DEFAULT_JOB_SELECTOR
+
+    config = load(COMPOSE_DIR / "prometheus" / "prometheus.yml")
+    pattern = re.fullmatch(r'job=~"(.*)"', DEFAULT_JOB_SELECTOR)
+    assert pattern
+    port = dockerfile_instruction("EXPOSE")
+    jobs = {j["job_name"]: j for j in config["scrape_configs"]}
+    sidecar_jobs = [j for name, j in jobs.items() if re.fullmatch(pattern.group(1), name)]
+    assert len(sidecar_jobs) == 1
+    targets = sidecar_jobs[0]["static_configs"][0]["targets"]
+    assert targets == [f"deadweight:{port}"]
+    am = config["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"]
+    assert am == ["alertmanager:9093"]
+
+
+def test_compose_alertmanager_config_passes_amtool(tmp_path: Path) -> None:
+    amtool = require_binary("amtool")
+    service = compose()["services"]["alertmanager"]
+    config_flag = next(a for a in service["command"] if a.startswith("--config.file="))
+    root = container_root("alertmanager", tmp_path)
+    run([amtool, "check-config", str(root / config_flag.split("=", 1)[1].lstrip("/"))])
+
+
+def test_compose_grafana_provisions_the_dashboards_and_their_datasource(tmp_path: Path) -> None:
+    service = compose()["services"]["grafana"]
+    root = container_root("grafana", tmp_path)
+    provisioning = root / "etc" / "grafana" / "provisioning"
+    providers = [p for f in sorted((provisioning / "dashboards").glob("*.y*ml"))
+                 for p in load(f)["providers"]]
+    provided = [d for p in providers
+                for d in sorted((root / p["options"]["path"].lstrip("/")).rglob("*.json"))]
+    # Every dashboard in dashboards/ is loaded, and nothing else is.
+    expected = sorted(p.name for p in (ROOT / "dashboards").glob("deadweight-*.json"))
+    assert expected
+    assert sorted(d.name for d in provided) == expected
+    datasources = [d for f in sorted((provisioning / "datasources").glob("*.y*ml"))
+                   for d in load(f)["datasources"]]
+    prometheus = [d for d in datasources if d["type"] == "prometheus"]
+    assert len(prometheus) == 1
+    url = re.sub(r"\$\{(\w+)\}", lambda m: str(service["environment"][m.group(1)]),
+                 prometheus[0]["url"])
+    assert url == "http://prometheus:9090"
+    assert "prometheus" in compose()["services"]
+    for path in provided:
+        board = json.loads(path.read_text())
+        assert board.get("title") and board.get("panels"), path
+        for uid in datasource_uids(board):
+            assert uid == prometheus[0]["uid"] or uid.startswith("$"), (path, uid)
+
+
+def datasource_uids(node: Any) -> set[str]:
+    """Every datasource uid a dashboard references (panels, targets, variables)."""
+    found: set[str] = set()
+    if isinstance(node, dict):
+        ds = node.get("datasource")
+        if isinstance(ds, dict) and isinstance(ds.get("uid"), str):
+            found.add(ds["uid"])
+        for value in node.values():
+            found |= datasource_uids(value)
+    elif isinstance(node, list):
+        for value in node:
+            found |= datasource_uids(value)
+    return found

@@ -82,6 +82,8 @@ class StreamClient:
         self._closing = False
         self._channel: grpc.Channel | None = None
         self.dropped = 0
+        self._reported_dropped = -1
+        self.submitted = 0
         self.sent = 0
         self.connects = 0
         self._thread = threading.Thread(target=self._run, name="deadweight-sender", daemon=True)
@@ -97,6 +99,7 @@ class StreamClient:
 
     def submit(self, kind: str, record: Any) -> None:
         """Queue a record; O(1), never blocks; the oldest record is dropped when full."""
+        self.submitted += 1
         if len(self._queue) >= self.settings.max_queue:
             self.dropped += 1
         self._queue.append((kind, record, time.time()))
@@ -118,16 +121,24 @@ class StreamClient:
         return self._connected.wait(timeout)
 
     def close(self, timeout: float = 2.0) -> None:
-        """Flush what is queued within timeout, then stop the sender."""
+        """Flush what is queued within timeout, then stop the sender.
+
+        A sidecar that answered once gets the whole timeout to come back (a restart); one
+        that never answered costs nothing. Events left undelivered are logged, not hidden.
+        """
         if not self._thread.is_alive():
             return
         self._closing = True
         self._wake.set()
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and self._connected.is_set() and (
-            self._queue or self._inflight
+        while time.monotonic() < deadline and (self._connected.is_set() or self.connects) and (
+            self._queue or self._inflight or self._pending_resend
         ):
             time.sleep(0.005)
+        left = len(self._queue) + len(self._inflight) + len(self._pending_resend)
+        if left and self.connects:
+            log.warning("deadweight: %d events not delivered to the sidecar at %s at close",
+                        left, self.address)
         self._stop.set()
         self._wake.set()
         channel = self._channel
@@ -237,7 +248,10 @@ class StreamClient:
 
     def _requests(self) -> Iterator[pb.StreamRequest]:
         assert self._run_start is not None
-        yield pb.StreamRequest(run_id=self.run_id, rank=self.rank, events=[self._run_start])
+        # The heartbeat right after RunStart tells a (restarted) sidecar the drop count at once.
+        yield pb.StreamRequest(
+            run_id=self.run_id, rank=self.rank, events=[self._run_start, self._heartbeat()]
+        )
         last_sent = time.monotonic()
         while not self._stop.is_set():
             events = self._next_batch()
@@ -250,6 +264,8 @@ class StreamClient:
                     self._wake.clear()
                     continue
                 events = [self._heartbeat()]
+            elif self.dropped != self._reported_dropped:
+                events.append(self._heartbeat())  # new drops are reported with the next batch
             with self._lock:
                 for event in events:
                     if event.seq:
@@ -263,6 +279,7 @@ class StreamClient:
 
     def _heartbeat(self) -> pb.Event:
         """Heartbeats carry no seq: they are never resent or deduplicated."""
+        self._reported_dropped = self.dropped
         return pb.Event(
             seq=0,
             time_seconds=time.time(),

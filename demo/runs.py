@@ -17,7 +17,7 @@ import torch
 from datasets import Dataset
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from trl import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
+from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 
 from deadweight.demo.tiny_models import build_model, sample_lines
 
@@ -87,13 +87,11 @@ def grpo_trainer(
 ) -> GRPOTrainer:
     """A GRPOTrainer with 2 generations of at most 8 tokens: about 0.1 s a step on a CPU."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    shape = dict(per_device_train_batch_size=2, num_generations=2, max_completion_length=8)
     args = GRPOConfig(
         output_dir=str(output_dir),
         beta=beta,
-        per_device_train_batch_size=2,
-        num_generations=2,
-        max_completion_length=8,
-        **{**common_args(steps, warmup, lr, save_steps), **overrides},
+        **{**shape, **common_args(steps, warmup, lr, save_steps), **overrides},
     )
     dataset = Dataset.from_dict({"prompt": sample_lines(32, seed=3)})
     return GRPOTrainer(
@@ -127,3 +125,54 @@ def sft_trainer(
         model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
         callbacks=callbacks, peft_config=peft_config,
     )
+
+
+def preference_rows(n: int, seed: int = 5) -> dict[str, list[str]]:
+    """Prompt/chosen/rejected triples: the chosen answer repeats the prompt's first word."""
+    prompts = sample_lines(n, seed=seed)
+    answers = sample_lines(2 * n, seed=seed + 1)
+    return {
+        "prompt": prompts,
+        "chosen": [f" {p.split()[0]} {a}" for p, a in zip(prompts, answers[:n], strict=True)],
+        "rejected": [f" {a}" for a in answers[n:]],
+    }
+
+
+def dpo_trainer(
+    model: Any,
+    model_dir: Path,
+    output_dir: Path,
+    callbacks: list[Any],
+    beta: float = 0.1,
+    steps: int = 6,
+    warmup: int = 0,
+    lr: float = 2e-4,
+    save_steps: int = 3,
+    peft_config: LoraConfig | None = None,
+    rows: dict[str, list[str]] | None = None,
+    **overrides: Any,
+) -> DPOTrainer:
+    """A DPOTrainer on generated preference pairs, 32 tokens at most."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    args = DPOConfig(
+        output_dir=str(output_dir),
+        beta=beta,
+        per_device_train_batch_size=2,
+        max_length=32,
+        **{**common_args(steps, warmup, lr, save_steps), **overrides},
+    )
+    dataset = Dataset.from_dict(rows or preference_rows(32))
+    return DPOTrainer(
+        model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+        callbacks=callbacks, peft_config=peft_config,
+    )
+
+
+def collapsing_pairs(n: int = 16) -> dict[str, list[str]]:
+    """Pairs whose rejected answer extends the chosen one: pushing the pair apart lowers the
+    likelihood of both (the DPO likelihood collapse), while the margin grows."""
+    return {
+        "prompt": ["the model learns"] * n,
+        "chosen": [" yes no yes"] * n,
+        "rejected": [" yes no yes no yes"] * n,
+    }

@@ -17,7 +17,7 @@ from typing import Protocol
 import structlog
 
 from deadweight.proto import pb
-from deadweight.sidecar import detectors
+from deadweight.sidecar import detectors, limits
 from deadweight.sidecar.detectors.base import Detector, Policy, Verdict
 from deadweight.sidecar.detectors.frozen import FrozenWeights
 from deadweight.sidecar.settings import DetectorSettings
@@ -143,6 +143,9 @@ class Registry:
             raise IngestError(f"rank {request.rank} outside 0..{MAX_RANK}")
         if len(request.events) > MAX_EVENTS_PER_BATCH:
             raise IngestError(f"more than {MAX_EVENTS_PER_BATCH} events in one batch")
+        problem = limits.batch_problem(request)
+        if problem is not None:
+            raise IngestError(problem)
 
     def _entry(self, request: pb.StreamRequest) -> _RunEntry:
         entry = self._runs.get(request.run_id)
@@ -150,15 +153,27 @@ class Registry:
             return entry
         if not any(e.WhichOneof("body") == "run_start" for e in request.events):
             raise IngestError(f"unknown run_id {request.run_id!r}: send run_start first")
-        if len(self._runs) >= self.max_runs:
-            raise IngestError(f"sidecar already tracks {self.max_runs} runs")
+        if len(self._runs) >= self.max_runs and not self._evict_oldest_ended():
+            raise IngestError(f"sidecar already tracks {self.max_runs} live runs")
         entry = _RunEntry(RunState(request.run_id))
         self._runs[request.run_id] = entry
         log.info("run_registered", run_id=request.run_id, rank=request.rank)
         return entry
 
+    def _evict_oldest_ended(self) -> bool:
+        """Make room for a new run by forgetting the run that ended first, if any ended."""
+        ended = [(e.state.ended_at, run_id) for run_id, e in self._runs.items() if e.state.ended]
+        if not ended:
+            return False
+        _, run_id = min(ended)
+        del self._runs[run_id]
+        log.info("run_expired", run_id=run_id, reason="max_runs")
+        return True
+
     def _apply(self, entry: _RunEntry, request: pb.StreamRequest, peer: Peer) -> int:
         run = entry.state
+        if request.rank not in run.ranks and len(run.ranks) >= limits.MAX_RANKS_PER_RUN:
+            raise IngestError(f"run already has {limits.MAX_RANKS_PER_RUN} ranks")
         rank = run.rank(request.rank)
         now = time.time()
         rank.last_seen = now
@@ -188,6 +203,7 @@ class Registry:
         return rank.last_seq
 
     def _on_run_start(self, run: RunState, rank: int, start: pb.RunStart) -> None:
+        start.trainer = limits.label_value(start.trainer)  # exported as a label
         if run.start is None or rank <= min(run.ranks, default=rank):
             run.start = start
         run.rank(rank).membership = start.membership

@@ -1,0 +1,118 @@
+"""Caps on what one client can make the sidecar hold or export.
+
+Every batch passes ``batch_problem`` before it touches state: a field beyond its cap rejects
+the whole batch with a message that names the field and the cap (the stream stays open).
+The caps sit well above what the callback ever sends (it bounds log keys to 256 of at most
+128 characters), so only a broken or hostile client meets them. Label values that reach
+``/metrics`` are cleaned by ``label_value`` so a client cannot blow up Prometheus' series.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from deadweight.proto import pb
+
+#: Longest trainer name exported as a label; longer names are cut (the rest is ignored).
+MAX_LABEL_LENGTH = 64
+#: Longest free text kept: paths, reasons, config text values, digests.
+MAX_TEXT_LENGTH = 4096
+#: Longest map key (log keys, config keys, tensor names).
+MAX_KEY_LENGTH = 1024
+#: Longest log key; matches the callback's own bound.
+MAX_LOG_KEY_LENGTH = 128
+#: Most entries in one map of one event (log values, config, versions).
+MAX_MAP_ENTRIES = 1024
+#: Most entries in one repeated field of one event (adapters, groups, target modules).
+MAX_LIST_ENTRIES = 1024
+#: Most tensors in one adapter digest (a LoRA on every linear layer of a 70B model: ~1.1k).
+MAX_DIGEST_TENSORS = 65536
+#: Most ranks one run may report on one sidecar (one sidecar serves one node).
+MAX_RANKS_PER_RUN = 1024
+
+
+def label_value(text: str, limit: int = MAX_LABEL_LENGTH) -> str:
+    """Printable, cut to limit: safe as a Prometheus label value."""
+    return "".join(c if c.isprintable() else "?" for c in text[:limit])
+
+
+def _text(name: str, value: str, limit: int = MAX_TEXT_LENGTH) -> str | None:
+    if len(value) > limit:
+        return f"{name} longer than {limit} characters"
+    return None
+
+
+def _map(name: str, values: Mapping[str, object], key_limit: int = MAX_KEY_LENGTH,
+         entries: int = MAX_MAP_ENTRIES) -> str | None:
+    if len(values) > entries:
+        return f"{name} has more than {entries} entries"
+    for key, value in values.items():
+        if len(key) > key_limit:
+            return f"{name} has a key longer than {key_limit} characters"
+        if isinstance(value, str) and len(value) > MAX_TEXT_LENGTH:
+            return f"{name}[{key[:40]!r}] longer than {MAX_TEXT_LENGTH} characters"
+    return None
+
+
+def _list(name: str, values: Iterable[object], limit: int = MAX_LIST_ENTRIES) -> str | None:
+    items = list(values)
+    if len(items) > limit:
+        return f"{name} has more than {limit} entries"
+    for item in items:
+        if isinstance(item, str) and len(item) > MAX_TEXT_LENGTH:
+            return f"{name} has an entry longer than {MAX_TEXT_LENGTH} characters"
+    return None
+
+
+def _digest(name: str, digest: pb.AdapterDigest) -> str | None:
+    return _text(f"{name}.combined", digest.combined) or _map(
+        f"{name}.tensors", digest.tensors, entries=MAX_DIGEST_TENSORS
+    )
+
+
+def _run_start(start: pb.RunStart) -> str | None:
+    m, f = start.membership, start.preflight
+    return (
+        _text("run_start.trainer", start.trainer, MAX_TEXT_LENGTH)
+        or _text("run_start.output_dir", start.output_dir)
+        or _text("run_start.attestation", start.attestation)
+        or _text("run_start.host", start.host)
+        or _map("run_start.config", start.config)
+        or _map("run_start.config_text", start.config_text)
+        or _map("run_start.versions", start.versions)
+        or _list("run_start.membership.adapters", (a.name for a in m.adapters))
+        or _list("run_start.preflight.requested_target_modules", f.requested_target_modules)
+        or _list("run_start.preflight.unmatched_target_modules", f.unmatched_target_modules)
+        or _list("run_start.preflight.modules_to_save", f.modules_to_save)
+        or _text("run_start.preflight.peft_type", f.peft_type)
+        or _text("run_start.preflight.target_modules_regex", f.target_modules_regex)
+        or _text("run_start.preflight.active_adapter", f.active_adapter)
+        or _digest("run_start.initial_adapter", start.initial_adapter)
+    )
+
+
+def event_problem(event: pb.Event) -> str | None:
+    """Why one event is refused, or None."""
+    kind = event.WhichOneof("body")
+    if kind == "run_start":
+        return _run_start(event.run_start)
+    if kind == "step":
+        return _list("step.groups", (g.name for g in event.step.groups))
+    if kind == "log":
+        return _map("log.values", event.log.values, key_limit=MAX_LOG_KEY_LENGTH)
+    if kind == "checkpoint":
+        return _text("checkpoint.path", event.checkpoint.path) or _digest(
+            "checkpoint.adapter", event.checkpoint.adapter
+        )
+    if kind == "run_end":
+        return _text("run_end.reason", event.run_end.reason)
+    return None
+
+
+def batch_problem(request: pb.StreamRequest) -> str | None:
+    """Why a batch is refused (the first problem found), or None."""
+    for index, event in enumerate(request.events):
+        problem = event_problem(event)
+        if problem is not None:
+            return f"event {index} (seq {event.seq}): {problem}"
+    return None

@@ -44,7 +44,8 @@ def _serve(args: argparse.Namespace) -> int:
 
         pager = AlertmanagerPusher(args.alertmanager_url, args.runbook_base_url)
     actions = Actions(pager=pager, dry_run=args.dry_run)
-    registry = Registry(actions, policies=dict(args.policy or []))
+    registry = Registry(actions, policies=dict(args.policy or []), max_runs=args.max_runs,
+                        ended_ttl_seconds=args.run_ttl_seconds)
     config = ServerConfig(socket_path=args.socket, metrics_address=args.metrics_address)
     server = SidecarServer(registry, actions, config)
     server.start()
@@ -103,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="runbook links in pages: URL/<detector>.md (default %(default)s)")
     serve.add_argument("--dry-run", action="store_true",
                        help="log what each action would do, do nothing")
+    serve.add_argument("--run-ttl-seconds", type=float, default=900.0, metavar="SECONDS",
+                       help="forget an ended run (and its series) after this long "
+                       "(default %(default)s)")
+    serve.add_argument("--max-runs", type=int, default=1000,
+                       help="most runs tracked at once; the oldest ended run makes room "
+                       "(default %(default)s)")
     serve.add_argument("--log-level", default="info")
     serve.set_defaults(func=_serve)
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import grpc
 import structlog
+from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 from prometheus_client import CollectorRegistry, start_http_server
 
 from deadweight.proto import MAX_MESSAGE_BYTES, add_monitor_servicer, pb, pb_grpc
@@ -73,8 +74,13 @@ class MonitorServicer(pb_grpc.MonitorServiceServicer):  # type: ignore[misc]
     ) -> AsyncIterator[pb.StreamResponse]:
         await self._authorize(context)
         peer = Peer(address=context.peer())
-        async for request in request_iterator:
-            yield self.registry.ingest(request, peer)
+        try:
+            async for request in request_iterator:
+                yield self.registry.ingest(request, peer)
+        except DecodeError as err:  # bytes that are not a StreamRequest end this stream only
+            log.warning("malformed_request", peer=context.peer(), error=str(err))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"malformed deadweight.v1.StreamRequest: {err}")
 
     async def Status(
         self, request: pb.StatusRequest, context: grpc.aio.ServicerContext

@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from deadweight.proto import pb
+from deadweight.sidecar.checkpoint_inspector import CheckpointInspection
 
 #: Optimizer steps kept per rank for windowed detectors.
 STEP_WINDOW = 256
@@ -41,10 +42,16 @@ class StepPoint:
     grad_not_in_optimizer_tensors: int
     grad_not_in_optimizer_params: int
     sampled: bool
+    #: Per adapter: (update_sq_sum, unchanged_tensors, tensors), from the step's groups.
+    adapter_updates: tuple[tuple[str, float, int, int], ...] = ()
 
     @classmethod
     def from_report(cls, report: pb.StepReport, at: float) -> StepPoint:
         return cls(
+            adapter_updates=tuple(
+                (g.name, g.update_sq_sum, g.unchanged_tensors, g.tensors)
+                for g in report.groups if g.kind == "adapter"
+            ),
             step=report.step,
             time=at,
             learning_rate=report.learning_rate,
@@ -80,9 +87,13 @@ class StepPoint:
         return self.update_sq_sum == 0 and self.nonfinite_update_tensors == 0
 
 
-@dataclass(frozen=True)
+@dataclass
 class CheckpointPoint:
-    """A checkpoint the run reported (and, later, that the watcher inspected)."""
+    """A checkpoint the run reported (and, later, that the watcher inspected).
+
+    The digest fields come from the callback's in-memory digest; ``inspection`` holds what
+    the sidecar found in the files on disk once the folder was complete.
+    """
 
     step: int
     path: str
@@ -90,6 +101,16 @@ class CheckpointPoint:
     tensor_digests: dict[str, str]
     adapter_bytes: int
     time: float
+    inspection: CheckpointInspection | None = None
+    #: Whether it equals the previous checkpoint or the initial adapter (None: unknown yet).
+    unchanged_from: str = ""
+
+    @property
+    def digest(self) -> str:
+        """The files' digest once inspected, else the callback's."""
+        if self.inspection is not None and self.inspection.adapter_digest:
+            return self.inspection.adapter_digest
+        return self.combined_digest
 
 
 @dataclass
@@ -127,6 +148,8 @@ class RunState:
     ended: bool = False
     end_reason: str = ""
     ended_at: float = 0.0
+    #: The registry's clock at the latest evaluation (time-based detectors read it).
+    evaluated_at: float = 0.0
 
     # -- derived views ---------------------------------------------------------------------
 
@@ -195,6 +218,13 @@ class RunState:
                 )
             )
         return combined
+
+    def checkpoint(self, path: str) -> CheckpointPoint | None:
+        """The remembered checkpoint at path, if any."""
+        for point in self.checkpoints:
+            if point.path == path:
+                return point
+        return None
 
     def log_value(self, key: str) -> float | None:
         return self.logs.get(key)

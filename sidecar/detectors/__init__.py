@@ -7,14 +7,59 @@ and listing an instance in ``ALL``; its id must be one of the public contract.
 from __future__ import annotations
 
 from deadweight.sidecar.detectors.base import Detector, Policy, Severity, Verdict
+from deadweight.sidecar.detectors.checkpoints import (
+    AdapterBloat,
+    AdapterNeverTrained,
+    CheckpointUnchanged,
+    PickleCheckpoint,
+)
 from deadweight.sidecar.detectors.frozen import FrozenWeights
-from deadweight.sidecar.detectors.optimizer import EmptyOptimizer
+from deadweight.sidecar.detectors.health import DecayOnlyUpdate, NonfiniteLoss, Stalled
+from deadweight.sidecar.detectors.optimizer import (
+    EmptyOptimizer,
+    GradNotInOptimizer,
+    InactiveAdapter,
+)
+from deadweight.sidecar.detectors.rl import KlMissing, KlStuckZero, ZeroRewardVariance
+from deadweight.sidecar.detectors.setup import (
+    EmbeddingResized,
+    LoraLrTooLow,
+    NoKlAnchor,
+    PartialTargetModules,
+)
+from deadweight.sidecar.detectors.trends import (
+    CompletionLengthCollapse,
+    DpoLikelihoodCollapse,
+    EntropyCollapse,
+)
 
 ALL: tuple[Detector, ...] = (
     EmptyOptimizer(),
+    GradNotInOptimizer(),
+    InactiveAdapter(),
     FrozenWeights(),
+    DecayOnlyUpdate(),
+    NonfiniteLoss(),
+    Stalled(),
+    PartialTargetModules(),
+    EmbeddingResized(),
+    LoraLrTooLow(),
+    NoKlAnchor(),
+    KlMissing(),
+    KlStuckZero(),
+    ZeroRewardVariance(),
+    EntropyCollapse(),
+    CompletionLengthCollapse(),
+    DpoLikelihoodCollapse(),
+    CheckpointUnchanged(),
+    AdapterNeverTrained(),
+    AdapterBloat(),
+    PickleCheckpoint(),
 )
 
 BY_ID: dict[str, Detector] = {d.id: d for d in ALL}
 
-__all__ = ["ALL", "BY_ID", "Detector", "Policy", "Severity", "Verdict"]
+#: Detectors that judge what a run wrote: they keep their verdict after the run ends.
+ARTIFACT_IDS = frozenset(d.id for d in ALL if getattr(d, "scope", "run") == "artifact")
+
+__all__ = ["ALL", "ARTIFACT_IDS", "BY_ID", "Detector", "Policy", "Severity", "Verdict"]

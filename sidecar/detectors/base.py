@@ -8,6 +8,7 @@ runbook and a default policy (what the sidecar does when it fires).
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -61,3 +62,29 @@ def fmt(value: float | int | None) -> str:
     if isinstance(value, int):
         return str(value)
     return f"{value:.6g}"
+
+
+#: Trainers that sample completions and score them (beta is their KL coefficient).
+RL_TRAINERS = frozenset({"GRPOTrainer", "RLOOTrainer"})
+
+
+def is_rl(run: RunState) -> bool:
+    """A GRPO/RLOO-style run: named so, or configured with num_generations."""
+    return run.trainer in RL_TRAINERS or "num_generations" in run.config
+
+
+def finite_history(run: RunState, key: str) -> list[tuple[int, float]]:
+    """(step, value) log entries of key, NaN and inf left out."""
+    return [(s, v) for s, v in run.history(key) if math.isfinite(v)]
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def trained_before(run: RunState, step: int) -> bool:
+    """Whether an optimizer step at lr > 0 ran at or before step (True when history is gone)."""
+    steps = run.combined_steps()
+    if not steps or steps[0].step > step:
+        return not steps or steps[0].step > 1
+    return any(p.learning_rate > 0 for p in steps if p.step <= step)

@@ -41,3 +41,156 @@ class EmptyOptimizer:
                 "step": "0 (train begin)",
             },
         )
+
+
+class GradNotInOptimizer:
+    """Parameters get gradients that no optimizer applies: grad_norm looks alive, nothing learns.
+
+    At train begin: tensors with ``requires_grad`` that the optimizer does not hold. Per step:
+    tensors outside the optimizer that carry a ``.grad`` at the optimizer step. The second is
+    how an adapter loaded without ``is_trainable=True`` looks under GRPO with beta > 0: the
+    reference pass re-enables ``requires_grad`` after the optimizer was built empty.
+    """
+
+    id = "grad_not_in_optimizer"
+    severity = Severity.CRITICAL
+    default_policy = Policy.PAGE
+    latching = False
+
+    def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
+        if run.start is None:
+            return None
+        m = run.start.membership
+        steps = run.combined_steps()
+        latest = steps[-1] if steps else None
+        if latest is not None and latest.grad_not_in_optimizer_tensors > 0:
+            first = latest
+            for point in reversed(steps):
+                if point.grad_not_in_optimizer_tensors == 0:
+                    break
+                first = point
+            return Verdict(
+                True,
+                step=first.step,
+                summary=(
+                    f"{latest.grad_not_in_optimizer_params} params in "
+                    f"{latest.grad_not_in_optimizer_tensors} tensors received gradients at step "
+                    f"{latest.step} but the optimizer ({latest.optimizer_params} params) does "
+                    f"not hold them"
+                ),
+                evidence={
+                    "grad_not_in_optimizer_tensors": fmt(latest.grad_not_in_optimizer_tensors),
+                    "grad_not_in_optimizer_params": fmt(latest.grad_not_in_optimizer_params),
+                    "optimizer_params": fmt(latest.optimizer_params),
+                    "first_step": fmt(first.step),
+                    "step": fmt(latest.step),
+                    "update_norm": fmt(latest.update_norm),
+                    "grad_norm": fmt(run.log_value("grad_norm")),
+                },
+            )
+        if m.trainable_not_in_optimizer_tensors > 0:
+            return Verdict(
+                True,
+                step=0,
+                summary=(
+                    f"{m.trainable_not_in_optimizer_tensors} tensors require grad at train "
+                    f"begin but are not in the optimizer"
+                ),
+                evidence={
+                    "trainable_not_in_optimizer_tensors": fmt(
+                        m.trainable_not_in_optimizer_tensors),
+                    "trainable_tensors": fmt(m.trainable_tensors),
+                    "optimizer_tensors": fmt(m.optimizer_tensors),
+                    "step": "0 (train begin)",
+                },
+            )
+        return Verdict(False, step=latest.step if latest else 0)
+
+
+#: The reference copy GRPO/DPO add when re-training a saved adapter with beta > 0.
+REFERENCE_ADAPTER = "ref"
+
+
+def _is_reference(run: RunState, name: str) -> bool:
+    return name == REFERENCE_ADAPTER and run.trainer in {"GRPOTrainer", "DPOTrainer",
+                                                         "RLOOTrainer"}
+
+
+class InactiveAdapter:
+    """An adapter the run holds is not the one that trains.
+
+    Either a second adapter was added but never activated (at train begin: it has tensors, the
+    optimizer holds none of them, while another adapter is in the optimizer), or
+    ``set_adapter`` switched adapters mid-run (an adapter the optimizer holds stays unchanged
+    for K steps while gradients go to tensors outside the optimizer or another adapter moves).
+    """
+
+    id = "inactive_adapter"
+    severity = Severity.CRITICAL
+    default_policy = Policy.PAGE
+    latching = False
+
+    def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
+        if run.start is None:
+            return None
+        adapters = list(run.start.membership.adapters)
+        trained = {a.name for a in adapters if a.in_optimizer_tensors > 0}
+        idle = [a for a in adapters if a.tensors > 0 and a.in_optimizer_tensors == 0
+                and not _is_reference(run, a.name)]
+        if trained and idle:
+            return Verdict(
+                True,
+                step=0,
+                summary=(
+                    f"adapter(s) {', '.join(a.name for a in idle)} have "
+                    f"{sum(a.params for a in idle)} params and none in the optimizer; only "
+                    f"{', '.join(sorted(trained))} trains"
+                ),
+                evidence={
+                    "idle_adapters": ",".join(a.name for a in idle),
+                    "idle_adapter_params": fmt(sum(a.params for a in idle)),
+                    "trained_adapters": ",".join(sorted(trained)),
+                    "active_adapter": run.start.preflight.active_adapter,
+                    "step": "0 (train begin)",
+                },
+            )
+        return self._switched(run, settings, trained)
+
+    def _switched(self, run: RunState, settings: DetectorSettings, trained: set[str]
+                  ) -> Verdict | None:
+        steps = [p for p in run.combined_steps() if p.learning_rate > 0 and p.adapter_updates]
+        if not steps or not trained:
+            return None
+        window = steps[-settings.inactive_adapter_steps:]
+        if len(window) < settings.inactive_adapter_steps:
+            return Verdict(False, step=steps[-1].step)
+        for name in sorted(trained):
+            stuck = all(
+                any(g[0] == name and g[1] == 0 and g[2] == g[3] for g in p.adapter_updates)
+                for p in window
+            )
+            elsewhere = all(
+                p.grad_not_in_optimizer_tensors > 0
+                or any(g[0] != name and g[1] > 0 for g in p.adapter_updates)
+                for p in window
+            )
+            if stuck and elsewhere:
+                last = window[-1]
+                return Verdict(
+                    True,
+                    step=window[0].step,
+                    summary=(
+                        f"adapter {name} is in the optimizer but unchanged for "
+                        f"{len(window)} steps while gradients go elsewhere "
+                        f"({last.grad_not_in_optimizer_tensors} tensors outside the optimizer)"
+                    ),
+                    evidence={
+                        "stuck_adapter": name,
+                        "steps": f"{window[0].step}-{last.step}",
+                        "grad_not_in_optimizer_tensors": fmt(last.grad_not_in_optimizer_tensors),
+                        "active_adapter_at_start": run.start.preflight.active_adapter
+                        if run.start else "",
+                        "update_norm": fmt(last.update_norm),
+                    },
+                )
+        return Verdict(False, step=steps[-1].step)

@@ -1,0 +1,76 @@
+"""``deadweight inspect``: the sidecar's checkpoint verdicts, offline, for a promotion gate.
+
+The paths are audited in the order given (sort checkpoint folders by step first): each one
+is compared with the one before it and, with ``--initial``, with the adapter the run started
+from. The same detector classes as the live sidecar decide, so a gate and a page agree.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from deadweight.proto import pb
+from deadweight.sidecar.checkpoint_inspector import CheckpointInspection, inspect_path
+from deadweight.sidecar.detectors import ALL, ARTIFACT_IDS
+from deadweight.sidecar.detectors.base import Verdict
+from deadweight.sidecar.detectors.checkpoints import unchanged_from
+from deadweight.sidecar.settings import DetectorSettings
+from deadweight.sidecar.state import CheckpointPoint, RunState
+
+
+@dataclass(frozen=True)
+class AuditResult:
+    """One path: what it holds and the verdicts that fired on it."""
+
+    inspection: CheckpointInspection
+    findings: list[tuple[str, str, Verdict]]
+
+
+def audit(paths: list[Path], initial: Path | None = None,
+          settings: DetectorSettings | None = None) -> list[AuditResult]:
+    """Inspect every path and run the checkpoint detectors on it (raises NotACheckpoint)."""
+    settings = settings or DetectorSettings()
+    inspections = [inspect_path(p) for p in paths]  # fail on a bad path before any output
+    run = RunState("inspect")
+    if initial is not None:
+        start = inspect_path(initial)
+        run.start = pb.RunStart(initial_adapter=pb.AdapterDigest(combined=start.adapter_digest))
+    detectors = [d for d in ALL if d.id in ARTIFACT_IDS]
+    results = []
+    for index, inspection in enumerate(inspections):
+        point = CheckpointPoint(step=index + 1, path=inspection.path, combined_digest="",
+                                tensor_digests={}, adapter_bytes=inspection.tensor_bytes,
+                                time=time.time(), inspection=inspection)
+        run.checkpoints.append(point)
+        run.checkpoints_total += 1
+        point.unchanged_from = unchanged_from(run, point)
+        run.checkpoints_unchanged += bool(point.unchanged_from)
+        fired = []
+        for detector in detectors:
+            verdict = detector.evaluate(run, settings)
+            if verdict is not None and verdict.firing:
+                fired.append((detector.id, detector.severity.value, verdict))
+        results.append(AuditResult(inspection, fired))
+    return results
+
+
+def render(results: list[AuditResult]) -> str:
+    """Readable report: one block per path, one line per finding with its evidence."""
+    lines = []
+    for result in results:
+        ins = result.inspection
+        what = (f"{ins.weights_file}, {len(ins.tensor_digests)} tensors, {ins.tensor_bytes} "
+                f"bytes, digest {ins.adapter_digest[:16]}" if ins.weights_file
+                else "no safetensors weights")
+        status = "FAIL" if result.findings else "ok"
+        lines.append(f"{status:4}  {ins.path}  ({what})")
+        for detector, severity, verdict in result.findings:
+            lines.append(f"      {detector} [{severity}]: {verdict.summary}")
+            evidence = ", ".join(f"{k}={v}" for k, v in sorted(verdict.evidence.items())
+                                 if k not in {"checkpoint", "step"})
+            lines.append(f"        evidence: {evidence}")
+    failed = sum(1 for r in results if r.findings)
+    lines.append(f"{len(results)} checkpoint(s) inspected, {failed} with findings")
+    return "\n".join(lines)

@@ -1,0 +1,218 @@
+"""Checkpoint audit from the bytes on disk: safetensors headers, per-tensor hashes, no pickle.
+
+A safetensors file is an 8-byte little-endian header length, a JSON header (dtype, shape and
+byte range of every tensor) and the raw tensor bytes. Each tensor is hashed with xxh3-128 over
+its byte range of a read-only memory map, the same digest ``callbacks/digest.py`` computes in
+memory, so a checkpoint can be compared with the adapter the run started from. Pickle files
+(``.bin``, ``.pt``) are listed, never opened: unpickling runs arbitrary code.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+#: Largest safetensors header accepted (the format's own limit is 100 MB).
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+#: Weight files in the order they are looked for in a checkpoint folder.
+ADAPTER_FILE = "adapter_model.safetensors"
+MODEL_FILES = ("model.safetensors",)
+#: Pickled files the Trainer writes for resuming (optimizer, scheduler, RNG, arguments): always
+#: present, never weights; flagging them would flag every checkpoint.
+TRAINER_STATE_FILES = frozenset({"training_args.bin", "optimizer.pt", "scheduler.pt", "scaler.pt"})
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+#: Parameter counts per safetensors dtype name.
+DTYPE_BYTES = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
+}
+_UINT = {8: np.uint64, 4: np.uint32, 2: np.uint16, 1: np.uint8}
+
+
+class NotACheckpoint(ValueError):
+    """The path holds no weights deadweight can audit (or the file is not valid safetensors)."""
+
+
+@dataclass(frozen=True)
+class TensorFacts:
+    """One tensor of a safetensors file."""
+
+    name: str
+    dtype: str
+    params: int
+    nbytes: int
+    digest: str
+    #: Every element is exactly zero (+0.0 or -0.0); only computed for ``lora_B`` tensors.
+    all_zero: bool | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointInspection:
+    """What a checkpoint folder (or a single weights file) holds."""
+
+    path: str
+    weights_file: str = ""
+    is_adapter: bool = False
+    adapter_digest: str = ""
+    tensor_digests: dict[str, str] = field(default_factory=dict)
+    tensor_bytes: int = 0
+    lora_params: int = 0
+    lora_b_tensors: int = 0
+    lora_b_nonzero_tensors: int = 0
+    #: Non-LoRA tensors saved in an adapter: (name, params).
+    non_lora: tuple[tuple[str, int], ...] = ()
+    pickle_files: tuple[str, ...] = ()
+
+    @property
+    def non_lora_params(self) -> int:
+        return sum(p for _, p in self.non_lora)
+
+
+def combine(tensors: dict[str, str]) -> str:
+    """One digest over name:digest pairs in name order (same as ``callbacks.digest.combine``)."""
+    h = xxhash.xxh3_128()
+    for name in sorted(tensors):
+        h.update(f"{name}:{tensors[name]}\n".encode())
+    return h.hexdigest()
+
+
+def is_lora_tensor(name: str) -> bool:
+    return "lora_" in name
+
+
+def is_lora_b(name: str) -> bool:
+    return ".lora_B." in name or ".lora_embedding_B." in name or name.endswith(".lora_B")
+
+
+def _all_zero(data: memoryview, dtype: str) -> bool:
+    """Exact zero test on raw bytes; floats ignore the sign bit so -0.0 counts as zero."""
+    width = DTYPE_BYTES.get(dtype, 1)
+    if len(data) % width:
+        return not any(data)
+    words = np.frombuffer(data, dtype=_UINT[width])
+    if dtype.startswith(("F", "BF")):
+        mask = np.array((1 << (8 * width - 1)) - 1, dtype=_UINT[width])
+        return not bool(np.any(words & mask))
+    return not bool(np.any(words))
+
+
+def read_header(path: Path) -> tuple[dict[str, dict[str, object]], int]:
+    """The tensor entries of a safetensors header and the offset where tensor data starts."""
+    size = path.stat().st_size
+    with path.open("rb") as handle:
+        head = handle.read(8)
+        if len(head) < 8:
+            raise NotACheckpoint(f"{path}: too short to be safetensors")
+        (length,) = struct.unpack("<Q", head)
+        if length > min(MAX_HEADER_BYTES, size - 8):
+            raise NotACheckpoint(f"{path}: header length {length} is not valid safetensors")
+        try:
+            header = json.loads(handle.read(length))
+        except ValueError as err:
+            raise NotACheckpoint(f"{path}: header is not JSON ({err})") from None
+    if not isinstance(header, dict):
+        raise NotACheckpoint(f"{path}: header is not a JSON object")
+    header.pop("__metadata__", None)
+    start = 8 + length
+    for name, entry in header.items():
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if (not isinstance(offsets, list) or len(offsets) != 2
+                or not 0 <= offsets[0] <= offsets[1] <= size - start):
+            raise NotACheckpoint(f"{path}: tensor {name!r} has invalid data_offsets")
+    return header, start
+
+
+def hash_file(path: Path) -> list[TensorFacts]:
+    """Facts about every tensor of a safetensors file, hashed over a read-only memory map."""
+    header, start = read_header(path)
+    facts: list[TensorFacts] = []
+    with path.open("rb") as handle:
+        size = path.stat().st_size
+        mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+        try:
+            view = memoryview(mapped) if mapped is not None else memoryview(b"")
+            for name in sorted(header):
+                entry = header[name]
+                begin, end = (int(x) for x in entry["data_offsets"])  # type: ignore[attr-defined]
+                dtype = str(entry.get("dtype", ""))  # type: ignore[attr-defined]
+                shape = [int(d) for d in entry.get("shape", [])]  # type: ignore[attr-defined]
+                data = view[start + begin:start + end]
+                params = int(np.prod(shape)) if shape else 1
+                facts.append(TensorFacts(
+                    name=name, dtype=dtype, params=params, nbytes=end - begin,
+                    digest=str(xxhash.xxh3_128_hexdigest(data)),
+                    all_zero=_all_zero(data, dtype) if is_lora_b(name) else None,
+                ))
+                data.release()
+            view.release()
+        finally:
+            if mapped is not None:
+                mapped.close()
+    return facts
+
+
+def _pickles(folder: Path) -> tuple[str, ...]:
+    found = []
+    for candidate in sorted(folder.iterdir()):
+        if (candidate.is_file() and candidate.suffix in PICKLE_SUFFIXES
+                and candidate.name not in TRAINER_STATE_FILES
+                and not candidate.name.startswith("rng_state")):
+            found.append(candidate.name)
+    return tuple(found)
+
+
+def _weights_in(folder: Path) -> Path | None:
+    for name in (ADAPTER_FILE, *MODEL_FILES):
+        if (folder / name).is_file():
+            return folder / name
+    return None
+
+
+def inspect_file(path: Path, folder: Path | None = None) -> CheckpointInspection:
+    """Audit one safetensors weights file (its folder supplies the pickle listing)."""
+    tensors = hash_file(path)
+    digests = {t.name: t.digest for t in tensors}
+    lora = [t for t in tensors if is_lora_tensor(t.name)]
+    is_adapter = path.name == ADAPTER_FILE or bool(lora)
+    lora_b = [t for t in lora if t.all_zero is not None]
+    return CheckpointInspection(
+        path=str(folder or path),
+        weights_file=path.name,
+        is_adapter=is_adapter,
+        adapter_digest=combine(digests),
+        tensor_digests=digests,
+        tensor_bytes=sum(t.nbytes for t in tensors),
+        lora_params=sum(t.params for t in lora),
+        lora_b_tensors=len(lora_b),
+        lora_b_nonzero_tensors=sum(1 for t in lora_b if not t.all_zero),
+        non_lora=tuple((t.name, t.params) for t in tensors if not is_lora_tensor(t.name))
+        if is_adapter else (),
+        pickle_files=_pickles(folder) if folder is not None else (),
+    )
+
+
+def inspect_path(path: Path) -> CheckpointInspection:
+    """Audit a checkpoint folder, a safetensors file or a pickle file (listed, not opened)."""
+    if path.is_dir():
+        weights = _weights_in(path)
+        pickles = _pickles(path)
+        if weights is None:
+            if not pickles:
+                raise NotACheckpoint(
+                    f"{path}: no {ADAPTER_FILE}, model.safetensors or pickled weights here"
+                )
+            return CheckpointInspection(path=str(path), pickle_files=pickles)
+        return inspect_file(weights, path)
+    if not path.is_file():
+        raise NotACheckpoint(f"{path}: no such file or folder")
+    if path.suffix in PICKLE_SUFFIXES:
+        return CheckpointInspection(path=str(path), pickle_files=(path.name,))
+    if path.suffix != ".safetensors":
+        raise NotACheckpoint(f"{path}: not a .safetensors file or a checkpoint folder")
+    return inspect_file(path)

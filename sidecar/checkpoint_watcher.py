@@ -1,0 +1,220 @@
+"""Watch each run's output folder and inspect every checkpoint once it is complete.
+
+A checkpoint folder (``checkpoint-<step>``) is complete when the callback reported it (its
+``on_save`` fires after the files are on disk) or when its files kept the same names, sizes
+and modification times for ``settle_seconds``. watchdog events make the watcher react at
+once; a periodic scan of the watched folders covers missed events and folders that did not
+exist yet when the run registered (the Trainer creates ``output_dir`` at its first save).
+"""
+
+from __future__ import annotations
+
+import queue
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import structlog
+from watchdog.events import FileSystemEvent, FileSystemEventHandler
+from watchdog.observers import Observer
+from watchdog.observers.api import ObservedWatch
+
+from deadweight.sidecar.checkpoint_inspector import (
+    CheckpointInspection,
+    NotACheckpoint,
+    inspect_path,
+)
+
+log = structlog.get_logger("deadweight.checkpoints")
+
+CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
+#: Give up on a folder that never becomes a complete checkpoint after this long.
+PENDING_TIMEOUT_SECONDS = 600.0
+
+
+class InspectionSink(Protocol):
+    def record_inspection(self, run_id: str, inspection: CheckpointInspection,
+                          step: int = 0) -> bool: ...
+
+
+@dataclass
+class _Pending:
+    run_id: str
+    path: Path
+    since: float
+    trusted: bool = False
+    signature: tuple[tuple[str, int, int], ...] = ()
+    stable_since: float = 0.0
+
+
+@dataclass
+class _Watched:
+    run_id: str
+    folder: Path
+    watch: ObservedWatch | None = None
+    seen: dict[str, tuple[tuple[str, int, int], ...]] = field(default_factory=dict)
+
+
+def _signature(folder: Path) -> tuple[tuple[str, int, int], ...]:
+    try:
+        entries = sorted(folder.iterdir())
+        return tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in entries
+                     if p.is_file())
+    except OSError:
+        return ()
+
+
+def _step(path: Path) -> int:
+    match = CHECKPOINT_DIR.match(path.name)
+    return int(match.group(1)) if match else 0
+
+
+class _Handler(FileSystemEventHandler):  # type: ignore[misc]
+    def __init__(self, wake: threading.Event) -> None:
+        self.wake = wake
+
+    def on_any_event(self, event: FileSystemEvent) -> None:
+        self.wake.set()
+
+
+class CheckpointWatcher:
+    """Finds complete checkpoints of registered runs and feeds their inspection to a sink."""
+
+    def __init__(self, sink: InspectionSink, settle_seconds: float = 2.0,
+                 scan_seconds: float = 1.0) -> None:
+        self.sink = sink
+        self.settle_seconds = settle_seconds
+        self.scan_seconds = scan_seconds
+        self.inspected = 0
+        self._requests: queue.Queue[tuple[str, str, str]] = queue.Queue()
+        self._watched: dict[tuple[str, str], _Watched] = {}
+        self._pending: dict[Path, _Pending] = {}
+        self._done: dict[Path, tuple[tuple[str, int, int], ...]] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._observer = Observer()
+        self._handler = _Handler(self._wake)
+        self._thread: threading.Thread | None = None
+
+    # -- called by the registry (under its lock): never block ----------------------------
+
+    def watch(self, run_id: str, output_dir: str) -> None:
+        self._requests.put(("watch", run_id, output_dir))
+        self._wake.set()
+
+    def submit(self, run_id: str, path: str) -> None:
+        self._requests.put(("submit", run_id, path))
+        self._wake.set()
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._observer.start()
+        self._thread = threading.Thread(target=self._loop, name="deadweight-checkpoints",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(10)
+        self._observer.stop()
+        self._observer.join(10)
+
+    # -- the worker ------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.scan_seconds)
+            self._wake.clear()
+            try:
+                self._drain()
+                self._scan()
+                self._settle()
+            except Exception:  # the watcher must outlive one bad folder
+                log.exception("checkpoint_watcher_failed")
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                kind, run_id, where = self._requests.get_nowait()
+            except queue.Empty:
+                return
+            path = Path(where)
+            if kind == "watch":
+                self._watched.setdefault((run_id, str(path)), _Watched(run_id, path))
+            else:
+                pending = self._pending.setdefault(path, _Pending(run_id, path, time.time()))
+                pending.trusted = True
+
+    def _forget_expired(self) -> None:
+        """Stop watching folders of runs the registry no longer knows."""
+        known = getattr(self.sink, "run", None)
+        if not callable(known):
+            return
+        for key, watched in list(self._watched.items()):
+            if known(watched.run_id) is None:
+                if watched.watch is not None:
+                    self._observer.unschedule(watched.watch)
+                del self._watched[key]
+                for path in [p for p in self._done if p.parent == watched.folder]:
+                    del self._done[path]
+
+    def _scan(self) -> None:
+        self._forget_expired()
+        for watched in self._watched.values():
+            folder = watched.folder
+            if watched.watch is None and folder.is_dir():
+                try:
+                    watched.watch = self._observer.schedule(self._handler, str(folder),
+                                                            recursive=True)
+                except OSError as err:
+                    log.warning("watch_failed", folder=str(folder), error=str(err))
+            if not folder.is_dir():
+                continue
+            for child in folder.iterdir():
+                if not CHECKPOINT_DIR.match(child.name) or not child.is_dir():
+                    continue
+                signature = _signature(child)
+                if watched.seen.get(child.name) == signature:
+                    continue
+                watched.seen[child.name] = signature
+                self._pending.setdefault(child, _Pending(watched.run_id, child, time.time()))
+
+    def _settle(self) -> None:
+        now = time.time()
+        for path, pending in list(self._pending.items()):
+            signature = _signature(path)
+            if signature != pending.signature:
+                pending.signature, pending.stable_since = signature, now
+            complete = pending.trusted or (
+                signature and now - pending.stable_since >= self.settle_seconds
+            )
+            if not complete:
+                if now - pending.since > PENDING_TIMEOUT_SECONDS:
+                    del self._pending[path]
+                    log.warning("checkpoint_never_completed", path=str(path))
+                continue
+            del self._pending[path]
+            if self._done.get(path) == signature:
+                continue  # these exact files were inspected already
+            self._done[path] = signature
+            self._inspect(pending)
+
+    def _inspect(self, pending: _Pending) -> None:
+        try:
+            inspection = inspect_path(pending.path)
+        except (NotACheckpoint, OSError) as err:
+            log.warning("checkpoint_not_inspected", path=str(pending.path), error=str(err))
+            return
+        self.inspected += 1
+        for watched in self._watched.values():
+            if watched.run_id == pending.run_id and pending.path.parent == watched.folder:
+                watched.seen[pending.path.name] = _signature(pending.path)
+        log.info("checkpoint_inspected", run_id=pending.run_id, path=str(pending.path),
+                 digest=inspection.adapter_digest, bytes=inspection.tensor_bytes)
+        self.sink.record_inspection(pending.run_id, inspection, _step(pending.path))

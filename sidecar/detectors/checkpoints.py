@@ -1,0 +1,144 @@
+"""Detectors over the checkpoints a run wrote: what a promotion pipeline would ship.
+
+These describe artifacts, so they keep firing after the run ended (until the run expires),
+and they only look at checkpoints written after an optimizer step at lr > 0.
+"""
+
+from __future__ import annotations
+
+from deadweight.sidecar.detectors.base import Policy, Severity, Verdict, fmt, trained_before
+from deadweight.sidecar.settings import DetectorSettings
+from deadweight.sidecar.state import CheckpointPoint, RunState
+
+
+def unchanged_from(run: RunState, point: CheckpointPoint) -> str:
+    """"previous" or "initial" when point's adapter bytes equal them, else ""."""
+    digest = point.digest
+    if not digest or not trained_before(run, point.step):
+        return ""
+    earlier = [c for c in run.checkpoints if c.step < point.step and c.digest]
+    if earlier and earlier[-1].digest == digest:
+        return f"previous (step {earlier[-1].step})"
+    if run.start is not None and run.start.initial_adapter.combined == digest:
+        return "initial"
+    return ""
+
+
+def _latest_inspected(run: RunState) -> CheckpointPoint | None:
+    for point in reversed(run.checkpoints):
+        if point.inspection is not None:
+            return point
+    return None
+
+
+class CheckpointUnchanged:
+    """The latest checkpoint is byte-identical to the previous one or to the initial adapter."""
+
+    id = "checkpoint_unchanged"
+    severity = Severity.CRITICAL
+    default_policy = Policy.PAGE
+    latching = False
+    scope = "artifact"
+
+    def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
+        if not run.checkpoints:
+            return None
+        point = run.checkpoints[-1]
+        if not point.unchanged_from:
+            return Verdict(False, step=point.step)
+        return Verdict(
+            True,
+            step=point.step,
+            summary=(f"checkpoint at step {point.step} is byte-identical to the "
+                     f"{point.unchanged_from} adapter"),
+            evidence={"checkpoint": point.path, "step": fmt(point.step),
+                      "digest": point.digest, "same_as": point.unchanged_from,
+                      "checkpoints_unchanged": fmt(run.checkpoints_unchanged),
+                      "checkpoints_total": fmt(run.checkpoints_total),
+                      "inspected": str(point.inspection is not None).lower()},
+        )
+
+
+class AdapterNeverTrained:
+    """Every ``lora_B`` tensor of the saved adapter is exactly zero: the adapter is a no-op."""
+
+    id = "adapter_never_trained"
+    severity = Severity.CRITICAL
+    default_policy = Policy.PAGE
+    latching = False
+    scope = "artifact"
+
+    def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
+        point = _latest_inspected(run)
+        if point is None or point.inspection is None:
+            return None
+        ins = point.inspection
+        if (not ins.is_adapter or ins.lora_b_tensors == 0 or ins.lora_b_nonzero_tensors > 0
+                or not trained_before(run, point.step)):
+            return Verdict(False, step=point.step)
+        return Verdict(
+            True,
+            step=point.step,
+            summary=(f"all {ins.lora_b_tensors} lora_B tensors in {point.path} are exactly "
+                     f"zero: the adapter changes nothing"),
+            evidence={"checkpoint": point.path, "step": fmt(point.step),
+                      "lora_b_tensors": fmt(ins.lora_b_tensors), "lora_b_nonzero_tensors": "0",
+                      "lora_params": fmt(ins.lora_params)},
+        )
+
+
+class AdapterBloat:
+    """The adapter file carries non-LoRA tensors (embeddings, lm_head) larger than the LoRA."""
+
+    id = "adapter_bloat"
+    severity = Severity.WARNING
+    default_policy = Policy.PAGE
+    latching = False
+    scope = "artifact"
+
+    def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
+        point = _latest_inspected(run)
+        if point is None or point.inspection is None:
+            return None
+        ins = point.inspection
+        extra = ins.non_lora_params
+        if not ins.is_adapter or extra <= settings.adapter_bloat_ratio * max(ins.lora_params, 1):
+            return Verdict(False, step=point.step)
+        names = sorted(ins.non_lora, key=lambda t: -t[1])
+        return Verdict(
+            True,
+            step=point.step,
+            summary=(f"adapter holds {extra} non-LoRA params ({', '.join(n for n, _ in names[:3])}"
+                     f") vs {ins.lora_params} LoRA params: {ins.tensor_bytes} bytes"),
+            evidence={"checkpoint": point.path, "non_lora_params": fmt(extra),
+                      "lora_params": fmt(ins.lora_params),
+                      "ratio": fmt(extra / max(ins.lora_params, 1)),
+                      "adapter_bytes": fmt(ins.tensor_bytes),
+                      "non_lora_tensors": ",".join(n for n, _ in names[:5]),
+                      "step": fmt(point.step)},
+        )
+
+
+class PickleCheckpoint:
+    """A checkpoint holds pickled weights (``.bin``, ``.pt``): loading them runs code."""
+
+    id = "pickle_checkpoint"
+    severity = Severity.WARNING
+    default_policy = Policy.PAGE
+    latching = False
+    scope = "artifact"
+
+    def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
+        point = _latest_inspected(run)
+        if point is None or point.inspection is None:
+            return None
+        files = point.inspection.pickle_files
+        if not files:
+            return Verdict(False, step=point.step)
+        return Verdict(
+            True,
+            step=point.step,
+            summary=f"{point.path} holds pickled weights: {', '.join(files)}",
+            evidence={"checkpoint": point.path, "pickle_files": ",".join(files),
+                      "step": fmt(point.step)},
+        )

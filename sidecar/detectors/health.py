@@ -1,0 +1,121 @@
+"""Detectors over the run's vital signs: non-finite numbers, silence, movement without gradient."""
+
+from __future__ import annotations
+
+import math
+import time
+
+from deadweight.sidecar.detectors.base import Policy, Severity, Verdict, fmt
+from deadweight.sidecar.settings import DetectorSettings
+from deadweight.sidecar.state import RunState
+
+
+class NonfiniteLoss:
+    """The loss or gradient norm is NaN or infinite, or an update wrote non-finite weights."""
+
+    id = "nonfinite_loss"
+    severity = Severity.CRITICAL
+    default_policy = Policy.PAGE
+    latching = False
+
+    def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
+        loss = run.log_value("loss")
+        grad_norm = run.log_value("grad_norm")
+        steps = run.combined_steps()
+        latest = steps[-1] if steps else None
+        if loss is None and grad_norm is None and latest is None:
+            return None
+        bad = [k for k, v in (("loss", loss), ("grad_norm", grad_norm))
+               if v is not None and not math.isfinite(v)]
+        if latest is not None and latest.nonfinite_update_tensors > 0:
+            bad.append("weights")
+        if not bad:
+            return Verdict(False)
+        history = run.history("loss") or run.history("grad_norm")
+        step = history[-1][0] if history else (latest.step if latest else 0)
+        return Verdict(
+            True,
+            step=step,
+            summary=f"non-finite {', '.join(bad)} at step {step}: loss={fmt(loss)} "
+                    f"grad_norm={fmt(grad_norm)}",
+            evidence={"loss": fmt(loss), "grad_norm": fmt(grad_norm), "step": fmt(step),
+                      "nonfinite_update_tensors": fmt(
+                          latest.nonfinite_update_tensors if latest else 0)},
+        )
+
+
+class Stalled:
+    """A live run went silent, or its training loop stopped making steps.
+
+    Silence (no step, log or heartbeat for ``stalled_seconds``) means a dead or frozen
+    process; a loop whose sender thread still beats but that made no optimizer step for
+    ``stalled_step_seconds`` is hung in a data loader, a collective or generation.
+    """
+
+    id = "stalled"
+    severity = Severity.CRITICAL
+    default_policy = Policy.PAGE
+    latching = False
+
+    def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
+        if run.start is None or run.ended:
+            return None
+        now = run.evaluated_at or time.time()
+        silent = now - run.last_seen
+        last_step = max((r.last_step_time for r in run.ranks.values()), default=0.0)
+        since_step = now - (last_step or run.created)
+        if silent > settings.stalled_seconds:
+            reason = f"no message for {silent:.0f} s (limit {settings.stalled_seconds:g} s)"
+        elif since_step > settings.stalled_step_seconds:
+            reason = (f"no optimizer step for {since_step:.0f} s (limit "
+                      f"{settings.stalled_step_seconds:g} s) though the process still reports")
+        else:
+            return Verdict(False, step=run.step)
+        return Verdict(
+            True,
+            step=run.step,
+            summary=f"run stalled at step {run.step}: {reason}",
+            evidence={"seconds_since_last_message": fmt(round(silent, 1)),
+                      "seconds_since_last_step": fmt(round(since_step, 1)),
+                      "step": fmt(run.step)},
+        )
+
+
+class DecayOnlyUpdate:
+    """Weights move while the gradient norm is exactly 0: weight decay, not learning.
+
+    A flat reward or a loss detached from the adapter gives zero gradients; decoupled weight
+    decay still shrinks the weights, so an update-norm check alone would call the run alive.
+    """
+
+    id = "decay_only_update"
+    severity = Severity.WARNING
+    default_policy = Policy.PAGE
+    latching = False
+
+    def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
+        grads = run.history("grad_norm")
+        if not grads:
+            return None
+        by_step = {p.step: p for p in run.combined_steps()}
+        window = grads[-settings.decay_only_steps:]
+        if len(window) < settings.decay_only_steps:
+            return Verdict(False)
+        points = [by_step.get(s) for s, _ in window]
+        if any(g != 0 for _, g in window) or any(
+                p is None or p.learning_rate <= 0 or p.update_sq_sum <= 0 for p in points):
+            return Verdict(False)
+        last = points[-1]
+        assert last is not None
+        return Verdict(
+            True,
+            step=last.step,
+            summary=(f"weights moved (update L2 {last.update_norm:.3g}) with grad_norm 0 for "
+                     f"{len(window)} steps: weight decay "
+                     f"{fmt(run.config.get('weight_decay'))} only"),
+            evidence={"grad_norm": "0", "update_norm": fmt(last.update_norm),
+                      "update_ratio": fmt(last.update_ratio),
+                      "weight_decay": fmt(run.config.get("weight_decay")),
+                      "learning_rate": fmt(last.learning_rate),
+                      "steps": f"{window[0][0]}-{window[-1][0]}", "step": fmt(last.step)},
+        )

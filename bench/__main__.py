@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer shapes and repeats")
     parser.add_argument("--only", nargs="*", default=None,
-                        help="subset: update_pass train_step handoff checkpoint full_ft sidecar")
+                        help="subset of: update_pass full_ft checkpoint sidecar train_step")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     setup_torch()
@@ -36,6 +36,15 @@ def main(argv: list[str] | None = None) -> int:
           f"(read+write bytes), read {read_bw / 1e9:.1f} GB/s")
     if wanted("update_pass"):
         update_pass.run(copy_bw, repeats, args.quick)
+    if wanted("full_ft"):
+        from . import full_ft
+        full_ft.run(copy_bw, repeats, args.quick)
+    if wanted("checkpoint"):
+        from . import checkpoint_hash
+        checkpoint_hash.run(repeats, args.quick)
+    if wanted("sidecar"):
+        from . import sidecar_load
+        sidecar_load.run(repeats, args.quick)
     if wanted("train_step"):
         from . import train_step
         train_step.run(repeats, args.quick)

@@ -1,17 +1,20 @@
 """Turn a verdict into what its policy asks for: a log line, a page, a STOP, a kill.
 
 Policies are levels, each including the ones before: ``observe`` logs, ``page`` also pages
-on-call, ``stop`` also sends STOP over the run's stream, ``kill`` also escalates to signals.
-Every action is counted by (action, result) for ``deadweight_actions_total`` and logged with
-its evidence; ``dry_run`` logs what would have been done and does nothing.
+on-call, ``stop`` also sends STOP over the run's stream, ``kill`` also hands the incident to the
+enforcer, which escalates to SIGTERM and SIGKILL. Every action is journaled in the store,
+counted by (action, result) for ``deadweight_actions_total`` and logged with its evidence;
+``dry_run`` logs and journals what would have been done and does nothing. An incident is paged
+and stopped at most once, also across restarts (the journal is checked first).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import structlog
 
@@ -19,6 +22,7 @@ from deadweight.proto import pb
 from deadweight.sidecar.detectors.base import Policy
 from deadweight.sidecar.registry import Finding
 from deadweight.sidecar.state import RunState
+from deadweight.sidecar.store import Store
 
 log = structlog.get_logger("deadweight.actions")
 
@@ -30,10 +34,16 @@ class Pager(Protocol):
 
     def fire(
         self, run_id: str, detector: str, severity: str, summary: str, description: str,
-        evidence: dict[str, str],
+        evidence: dict[str, str], starts_at: float | None = None,
     ) -> None: ...
 
     def resolve(self, run_id: str, detector: str, severity: str) -> None: ...
+
+
+class Escalator(Protocol):
+    """Takes over an incident whose policy is ``kill`` once STOP went out (the enforcer)."""
+
+    def begin(self, run: RunState, finding: Finding, stop_at: float, stop_step: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -47,60 +57,141 @@ class ActionKey:
     result: str
 
 
+@dataclass(frozen=True)
+class ActionEvent:
+    """One action on one incident (and, for signals, one rank's process)."""
+
+    run_id: str
+    trainer: str
+    detector: str
+    incident: int
+    action: str
+    result: str
+    rank: int | None = None
+    pid: int | None = None
+    evidence: dict[str, str] = field(default_factory=dict)
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+def policy_level(policy: str) -> int:
+    return LEVEL[Policy(policy)]
+
+
 class Actions:
     """The action sink the registry calls on every verdict transition."""
 
-    def __init__(self, pager: Pager | None = None, dry_run: bool = False) -> None:
+    def __init__(self, pager: Pager | None = None, dry_run: bool = False,
+                 store: Store | None = None) -> None:
         self.pager = pager
         self.dry_run = dry_run
+        self.store = store or Store()
+        self.escalator: Escalator | None = None
         self.counts: Counter[ActionKey] = Counter()
         self._lock = threading.Lock()
 
-    def _count(self, run: RunState, finding: Finding, action: str, result: str) -> None:
-        with self._lock:
-            self.counts[ActionKey(run.run_id, run.trainer, finding.detector, action, result)] += 1
-        log.warning(
-            "action", action=action, result=result, run_id=run.run_id,
-            detector=finding.detector, incident=finding.incident_id, step=finding.step,
-            evidence=finding.evidence, dry_run=self.dry_run,
+    # -- the journal -----------------------------------------------------------------------
+
+    def record(self, event: ActionEvent, at: float | None = None) -> int:
+        """Journal, count and log one action with its result."""
+        action_id = self.store.add_action(
+            event.run_id, event.trainer, event.detector, event.incident, event.action,
+            event.result, event.rank, event.pid, self.dry_run, event.detail, at=at,
+        )
+        self._count_and_log(event)
+        return action_id
+
+    def intend(self, event: ActionEvent) -> int:
+        """Journal an action as pending before doing it (a crash then counts it as done)."""
+        return self.store.add_action(
+            event.run_id, event.trainer, event.detector, event.incident, event.action,
+            "pending", event.rank, event.pid, self.dry_run, event.detail,
         )
 
+    def settle(self, action_id: int, event: ActionEvent) -> None:
+        """Write the result of an action journaled as pending."""
+        self.store.set_result(action_id, event.result)
+        self._count_and_log(event)
+
+    def _count_and_log(self, event: ActionEvent) -> None:
+        with self._lock:
+            self.counts[ActionKey(event.run_id, event.trainer, event.detector, event.action,
+                                  event.result)] += 1
+        log.warning(
+            "action", action=event.action, result=event.result, run_id=event.run_id,
+            detector=event.detector, incident=f"{event.detector}#{event.incident}",
+            rank=event.rank, pid=event.pid, evidence=event.evidence, dry_run=self.dry_run,
+            **event.detail,
+        )
+
+    def _event(self, run: RunState, finding: Finding, action: str, result: str,
+               **detail: Any) -> ActionEvent:
+        return ActionEvent(run.run_id, run.trainer, finding.detector, finding.incidents,
+                           action, result, evidence=dict(finding.evidence), detail=detail)
+
+    def _done(self, run: RunState, finding: Finding, action: str) -> bool:
+        return self.store.has_action(run.run_id, finding.detector, finding.incidents, action)
+
+    # -- verdict transitions ---------------------------------------------------------------
+
     def fired(self, run: RunState, finding: Finding) -> list[pb.Directive]:
-        level = LEVEL[Policy(finding.policy)]
+        level = policy_level(finding.policy)
         directives: list[pb.Directive] = []
-        if level >= LEVEL[Policy.PAGE]:
+        if level >= LEVEL[Policy.PAGE] and not self._done(run, finding, "page"):
             self._page(run, finding)
-        if level >= LEVEL[Policy.STOP]:
+        if level >= LEVEL[Policy.STOP] and not self._done(run, finding, "stop"):
+            now = time.time()
             if self.dry_run:
-                self._count(run, finding, "stop", "dry_run")
+                self.record(self._event(run, finding, "stop", "dry_run", step=run.step), at=now)
             else:
-                directives.append(
-                    pb.Directive(
-                        action=pb.Directive.ACTION_STOP,
-                        detector=finding.detector,
-                        reason=finding.summary,
-                    )
-                )
-                self._count(run, finding, "stop", "sent")
+                directives.append(self._stop_directive(finding))
+                self.record(self._event(run, finding, "stop", "sent", step=run.step), at=now)
+            if level >= LEVEL[Policy.KILL] and self.escalator is not None:
+                self.escalator.begin(run, finding, stop_at=now, stop_step=run.step)
+        return directives
+
+    def resumed(self, run: RunState, finding: Finding) -> list[pb.Directive]:
+        """A firing incident read back after a restart: re-assert, never repeat.
+
+        The page is re-asserted with its original start time (Alertmanager sees the same
+        alert, not a new one) and STOP is redelivered to ranks that reconnect; both are
+        journaled as such, not as new actions. The enforcer resumes escalations itself.
+        """
+        level = policy_level(finding.policy)
+        directives: list[pb.Directive] = []
+        if level >= LEVEL[Policy.PAGE] and self.pager is not None and not self.dry_run:
+            self._fire_pager(run, finding)
+            self.record(self._event(run, finding, "page", "reasserted"))
+        if level >= LEVEL[Policy.STOP] and not self.dry_run and self._done(run, finding, "stop"):
+            directives.append(self._stop_directive(finding))
+            self.record(self._event(run, finding, "stop", "redelivered"))
         return directives
 
     def resolved(self, run: RunState, finding: Finding) -> None:
-        paged = LEVEL[Policy(finding.policy)] >= LEVEL[Policy.PAGE]
+        paged = policy_level(finding.policy) >= LEVEL[Policy.PAGE]
         if paged and self.pager is not None and not self.dry_run:
             self.pager.resolve(run.run_id, finding.detector, finding.severity)
 
+    @staticmethod
+    def _stop_directive(finding: Finding) -> pb.Directive:
+        return pb.Directive(action=pb.Directive.ACTION_STOP, detector=finding.detector,
+                            reason=finding.summary)
+
     def _page(self, run: RunState, finding: Finding) -> None:
         if self.pager is None:
-            self._count(run, finding, "page", "no_pager")
+            self.record(self._event(run, finding, "page", "no_pager"))
             return
         if self.dry_run:
-            self._count(run, finding, "page", "dry_run")
+            self.record(self._event(run, finding, "page", "dry_run"))
             return
-        evidence = ", ".join(f"{k}={v}" for k, v in sorted(finding.evidence.items()))
-        self.pager.fire(
+        self.record(self._event(run, finding, "page", "queued"))
+        self._fire_pager(run, finding)
+
+    def _fire_pager(self, run: RunState, finding: Finding) -> None:
+        assert self.pager is not None
+        self.pager.fire(  # the pager appends the evidence to the description
             run.run_id, finding.detector, finding.severity,
             summary=f"{finding.detector} on run {run.run_id}",
-            description=f"{finding.summary}. Evidence: {evidence}",
-            evidence=finding.evidence,
+            description=f"{finding.summary}.",
+            evidence=dict(sorted(finding.evidence.items())),
+            starts_at=finding.fired_at or None,
         )
-        self._count(run, finding, "page", "queued")

@@ -7,11 +7,15 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from deadweight import __version__
 from deadweight.sidecar.alertmanager import DEFAULT_RUNBOOK_BASE_URL
 from deadweight.sidecar.detectors import BY_ID
 from deadweight.sidecar.detectors.base import Policy
+
+if TYPE_CHECKING:
+    from deadweight.sidecar.server import ServerConfig
 
 DEFAULT_SOCKET = "/run/deadweight/deadweight.sock"
 
@@ -34,19 +38,39 @@ def _policy(text: str) -> tuple[str, Policy]:
 def _serve(args: argparse.Namespace) -> int:
     from deadweight.sidecar import logs
     from deadweight.sidecar.actions import Actions
+    from deadweight.sidecar.attestation import Attestor
+    from deadweight.sidecar.enforcer import Enforcer
     from deadweight.sidecar.registry import Registry
-    from deadweight.sidecar.server import ServerConfig, SidecarServer
+    from deadweight.sidecar.server import (
+        InsecureTransport,
+        SidecarServer,
+        check_transport,
+    )
+    from deadweight.sidecar.store import Store
 
     logs.configure(args.log_level)
+    try:
+        config = _server_config(args)
+        check_transport(config)
+    except (InsecureTransport, OSError) as err:
+        print(f"deadweight serve: {err}", file=sys.stderr)
+        return 2
+    store = Store(args.state_dir)
     pager = None
     if args.alertmanager_url:
         from deadweight.sidecar.alertmanager import AlertmanagerPusher
 
         pager = AlertmanagerPusher(args.alertmanager_url, args.runbook_base_url)
-    actions = Actions(pager=pager, dry_run=args.dry_run)
+    actions = Actions(pager=pager, dry_run=args.dry_run, store=store)
     registry = Registry(actions, policies=dict(args.policy or []), max_runs=args.max_runs,
-                        ended_ttl_seconds=args.run_ttl_seconds)
-    config = ServerConfig(socket_path=args.socket, metrics_address=args.metrics_address)
+                        ended_ttl_seconds=args.run_ttl_seconds, store=store,
+                        attestor=Attestor())
+    enforcer = Enforcer(registry, store, actions, stop_grace_seconds=args.stop_grace_seconds,
+                        kill_grace_seconds=args.kill_grace_seconds)
+    actions.escalator = enforcer
+    registry.resume()
+    enforcer.resume()
+    enforcer.start()
     server = SidecarServer(registry, actions, config)
     server.start()
 
@@ -56,9 +80,29 @@ def _serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     server.wait()
+    enforcer.stop()
     if pager is not None:
         pager.close()
+    store.close()
     return 0
+
+
+def _server_config(args: argparse.Namespace) -> ServerConfig:
+    """Transport settings from the serve flags (files are read here, once)."""
+    from deadweight.sidecar.server import ServerConfig
+
+    token = None
+    if args.token_file:
+        token = Path(args.token_file).read_text().strip() or None
+    return ServerConfig(
+        socket_path=args.socket,
+        metrics_address=args.metrics_address,
+        listen=args.listen,
+        token=token,
+        tls_cert=Path(args.tls_cert).read_bytes() if args.tls_cert else None,
+        tls_key=Path(args.tls_key).read_bytes() if args.tls_key else None,
+        insecure=args.insecure,
+    )
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -102,6 +146,21 @@ def build_parser() -> argparse.ArgumentParser:
                        help="page through this Alertmanager's API v2 (e.g. http://host:9093)")
     serve.add_argument("--runbook-base-url", default=DEFAULT_RUNBOOK_BASE_URL, metavar="URL",
                        help="runbook links in pages: URL/<detector>.md (default %(default)s)")
+    serve.add_argument("--listen", default=None, metavar="HOST:PORT",
+                       help="also serve gRPC on TCP (needs --tls-cert, --tls-key, --token-file)")
+    serve.add_argument("--tls-cert", default=None, metavar="FILE", help="PEM certificate chain")
+    serve.add_argument("--tls-key", default=None, metavar="FILE", help="PEM private key")
+    serve.add_argument("--token-file", default=None, metavar="FILE",
+                       help="bearer token TCP clients must present")
+    serve.add_argument("--insecure", action="store_true",
+                       help="allow TCP without TLS and token (never for a shared network)")
+    serve.add_argument("--state-dir", default=None, metavar="DIR",
+                       help="keep runs, checkpoint hashes, incidents and the action journal "
+                       "here (SQLite) so a restart resumes them; default: memory only")
+    serve.add_argument("--stop-grace-seconds", type=float, default=120.0, metavar="SECONDS",
+                       help="kill policy: SIGTERM this long after STOP if the run still steps")
+    serve.add_argument("--kill-grace-seconds", type=float, default=30.0, metavar="SECONDS",
+                       help="kill policy: SIGKILL this long after SIGTERM if still alive")
     serve.add_argument("--dry-run", action="store_true",
                        help="log what each action would do, do nothing")
     serve.add_argument("--run-ttl-seconds", type=float, default=900.0, metavar="SECONDS",

@@ -18,20 +18,31 @@ import structlog
 
 from deadweight.proto import pb
 from deadweight.sidecar import detectors, limits
+from deadweight.sidecar.attestation import Attestor, ProcessIdentity, is_alive
 from deadweight.sidecar.detectors.base import Detector, Policy, Verdict
 from deadweight.sidecar.detectors.frozen import FrozenWeights
 from deadweight.sidecar.settings import DetectorSettings
 from deadweight.sidecar.state import CheckpointPoint, RunState, StepPoint
+from deadweight.sidecar.store import Store
 
 log = structlog.get_logger("deadweight.registry")
 
 MAX_RUN_ID_LENGTH = 128
 MAX_EVENTS_PER_BATCH = 4096
 MAX_RANK = 65535
+#: After a restart, a finding read back from the store stays firing until the detector
+#: confirms it or the run has reported this many optimizer steps since (windows restart empty).
+RESUME_HOLD_STEPS = 8
+#: Seconds between checks that the registered processes of live runs still exist.
+EXIT_CHECK_SECONDS = 5.0
 
 
 class IngestError(ValueError):
     """A batch the sidecar refuses; the message says why and goes back to the client."""
+
+
+class IdentityRejected(IngestError):
+    """A batch for a rank that another (kernel-identified) process registered."""
 
 
 @dataclass
@@ -54,13 +65,19 @@ class Finding:
         return f"{self.detector}#{self.incidents}"
 
 
-@dataclass(frozen=True)
+@dataclass
 class Peer:
-    """Who is on the other end of a stream, as the transport (not the message) says."""
+    """Who is on the other end of a stream, as the transport (not the message) says.
+
+    One per stream: ``identity`` is set once the stream's RunStart redeemed an attestation
+    nonce (unix socket only); ``rejected`` tells the server to end the stream.
+    """
 
     pid: int = 0
     uid: int = -1
     address: str = ""
+    identity: ProcessIdentity | None = None
+    rejected: str = ""
 
 
 class ActionSink(Protocol):
@@ -69,6 +86,8 @@ class ActionSink(Protocol):
     def fired(self, run: RunState, finding: Finding) -> list[pb.Directive]: ...
 
     def resolved(self, run: RunState, finding: Finding) -> None: ...
+
+    def resumed(self, run: RunState, finding: Finding) -> list[pb.Directive]: ...
 
 
 class LogOnlyActions:
@@ -81,6 +100,9 @@ class LogOnlyActions:
     def resolved(self, run: RunState, finding: Finding) -> None:
         return None
 
+    def resumed(self, run: RunState, finding: Finding) -> list[pb.Directive]:
+        return []
+
 
 @dataclass
 class _RunEntry:
@@ -88,6 +110,11 @@ class _RunEntry:
     findings: dict[str, Finding] = field(default_factory=dict)
     directives: list[pb.Directive] = field(default_factory=list)
     delivered: dict[int, int] = field(default_factory=dict)
+    #: rank -> the process the kernel named when that rank registered.
+    identities: dict[int, ProcessIdentity] = field(default_factory=dict)
+    #: detectors whose firing finding was read back after a restart, not yet re-confirmed.
+    held: set[str] = field(default_factory=set)
+    exit_checked_at: float = 0.0
 
 
 class Registry:
@@ -101,8 +128,14 @@ class Registry:
         active_detectors: Iterable[Detector] = detectors.ALL,
         max_runs: int = 1000,
         ended_ttl_seconds: float = 900.0,
+        store: Store | None = None,
+        attestor: Attestor | None = None,
+        resume_hold_steps: int = RESUME_HOLD_STEPS,
     ) -> None:
         self.actions = actions or LogOnlyActions()
+        self.store = store or Store()
+        self.attestor = attestor
+        self.resume_hold_steps = resume_hold_steps
         self.settings = settings or DetectorSettings()
         self.detectors = tuple(active_detectors)
         self.policies = {d.id: d.default_policy for d in self.detectors}
@@ -118,15 +151,21 @@ class Registry:
 
     def ingest(self, request: pb.StreamRequest, peer: Peer | None = None) -> pb.StreamResponse:
         """Apply one batch; answer with the ack, directives for this rank, or an error."""
+        peer = peer or Peer()
         try:
             self._validate(request)
             with self._lock:
+                binding = self._authorize(self._runs.get(request.run_id), request, peer)
                 entry = self._entry(request)
-                ack = self._apply(entry, request, peer or Peer())
+                if binding is not None:
+                    self._bind(entry, request.rank, binding)
+                ack = self._apply(entry, request, peer)
                 self._evaluate(entry)
                 rank_directives = self._take_directives(entry, request.rank)
             return pb.StreamResponse(ack_seq=ack, directives=rank_directives)
         except IngestError as err:
+            if isinstance(err, IdentityRejected):
+                peer.rejected = str(err)
             self.rejected_batches += 1
             log.warning("batch_rejected", run_id=request.run_id[:MAX_RUN_ID_LENGTH],
                         reason=str(err))
@@ -159,6 +198,66 @@ class Registry:
         self._runs[request.run_id] = entry
         log.info("run_registered", run_id=request.run_id, rank=request.rank)
         return entry
+
+    # -- identity --------------------------------------------------------------------------
+
+    def _authorize(
+        self, entry: _RunEntry | None, request: pb.StreamRequest, peer: Peer
+    ) -> ProcessIdentity | None:
+        """Who may write to this rank; returns the identity to bind it to, if any.
+
+        A rank registered by a kernel-identified process accepts batches only from streams
+        that proved the same identity; a run with identified ranks accepts new ranks only
+        from identified processes of the same uid. A pid in any message field counts for
+        nothing.
+        """
+        start = next((e.run_start for e in request.events
+                      if e.WhichOneof("body") == "run_start"), None)
+        if start is not None and start.attestation and peer.identity is None:
+            if self.attestor is None or not peer.address.startswith("unix:"):
+                log.warning("attestation_ignored", run_id=request.run_id, rank=request.rank,
+                            reason="only streams over the unix socket can attest")
+            else:
+                peer.identity = self.attestor.redeem(start.attestation)
+                if peer.identity is None:
+                    log.warning("attestation_refused", run_id=request.run_id,
+                                rank=request.rank, reason="unknown, used or stale nonce")
+                else:
+                    peer.pid, peer.uid = peer.identity.pid, peer.identity.uid
+        if entry is None:
+            return peer.identity
+        bound = entry.identities.get(request.rank)
+        owner_uid = next(iter(entry.identities.values())).uid if entry.identities else None
+        if bound is not None:
+            if peer.identity == bound:
+                return None
+            if peer.identity is not None and peer.identity.uid == owner_uid and not is_alive(
+                bound
+            ):
+                return peer.identity  # the rank's process was replaced (restarted rank)
+            raise IdentityRejected(
+                f"rank {request.rank} of run {request.run_id!r} is registered to another "
+                "process; only that process may report for it"
+            )
+        if owner_uid is not None and request.rank not in entry.state.ranks and (
+            peer.identity is None or peer.identity.uid != owner_uid
+        ):
+            raise IdentityRejected(
+                f"run {request.run_id!r} was registered by attested processes of uid "
+                f"{owner_uid}; a new rank must attest as the same uid"
+            )
+        return peer.identity
+
+    def _bind(self, entry: _RunEntry, rank: int, identity: ProcessIdentity) -> None:
+        entry.identities[rank] = identity
+        self.store.bind(entry.state.run_id, rank, identity)
+        log.info("rank_bound", run_id=entry.state.run_id, rank=rank, pid=identity.pid,
+                 uid=identity.uid, start_time=identity.start_time)
+
+    def identities(self, run_id: str) -> dict[int, ProcessIdentity]:
+        with self._lock:
+            entry = self._runs.get(run_id)
+            return {} if entry is None else dict(entry.identities)
 
     def _evict_oldest_ended(self) -> bool:
         """Make room for a new run by forgetting the run that ended first, if any ended."""
@@ -198,6 +297,7 @@ class Registry:
                 run.ended = True
                 run.end_reason = event.run_end.reason or "completed"
                 run.ended_at = now
+                self.store.end_run(run.run_id, run.end_reason, now)
                 log.info("run_ended", run_id=run.run_id, reason=run.end_reason,
                          step=event.run_end.step)
         return rank.last_seq
@@ -206,6 +306,7 @@ class Registry:
         start.trainer = limits.label_value(start.trainer)  # exported as a label
         if run.start is None or rank <= min(run.ranks, default=rank):
             run.start = start
+            self.store.upsert_run(run.run_id, run.trainer, start)
         run.rank(rank).membership = start.membership
         run.ended = False
 
@@ -220,16 +321,16 @@ class Registry:
 
     def _on_checkpoint(self, run: RunState, report: pb.CheckpointReport, now: float) -> None:
         run.checkpoints_total += 1
-        run.checkpoints.append(
-            CheckpointPoint(
-                step=report.step,
-                path=report.path,
-                combined_digest=report.adapter.combined,
-                tensor_digests=dict(report.adapter.tensors),
-                adapter_bytes=report.adapter.bytes,
-                time=now,
-            )
+        point = CheckpointPoint(
+            step=report.step,
+            path=report.path,
+            combined_digest=report.adapter.combined,
+            tensor_digests=dict(report.adapter.tensors),
+            adapter_bytes=report.adapter.bytes,
+            time=now,
         )
+        run.checkpoints.append(point)
+        self.store.add_checkpoint(run.run_id, point)
 
     # -- verdicts --------------------------------------------------------------------------
 
@@ -255,7 +356,12 @@ class Registry:
             elif verdict.firing and finding is not None:
                 finding.evidence = dict(verdict.evidence)  # the step it fired at stays
                 finding.summary = verdict.summary
+                entry.held.discard(detector.id)
             elif not verdict.firing and finding is not None and finding.firing:
+                if detector.id in entry.held and (
+                    len(run.combined_steps()) < self.resume_hold_steps
+                ):
+                    continue  # read back after a restart: too few fresh steps to clear it
                 self._resolve(entry, finding, "recovered")
 
     def _fire(self, entry: _RunEntry, detector: Detector, verdict: Verdict) -> None:
@@ -271,6 +377,11 @@ class Registry:
         finding.fired_at = time.time()
         finding.incidents += 1
         entry.findings[detector.id] = finding
+        self.store.open_incident(
+            entry.state.run_id, finding.detector, finding.incidents, finding.severity,
+            finding.policy, finding.step, finding.summary, finding.evidence,
+            finding.fired_at, enforce=finding.policy == Policy.KILL.value,
+        )
         log.warning(
             "detector_fired", run_id=entry.state.run_id, detector=detector.id,
             severity=finding.severity, policy=finding.policy, step=verdict.step,
@@ -281,6 +392,9 @@ class Registry:
     def _resolve(self, entry: _RunEntry, finding: Finding, why: str) -> None:
         finding.firing = False
         finding.resolved_at = time.time()
+        entry.held.discard(finding.detector)
+        self.store.resolve_incident(entry.state.run_id, finding.detector, finding.incidents,
+                                    finding.resolved_at)
         log.info("detector_resolved", run_id=entry.state.run_id, detector=finding.detector,
                  reason=why)
         self.actions.resolved(entry.state, finding)
@@ -301,7 +415,86 @@ class Registry:
                     del self._runs[run_id]
                     log.info("run_expired", run_id=run_id)
                     continue
+                self._check_exits(entry, now)
                 self._evaluate(entry)
+
+    def _check_exits(self, entry: _RunEntry, now: float) -> None:
+        """A run whose every registered process is gone has ended, run end or not."""
+        run = entry.state
+        if run.ended or not entry.identities or now - entry.exit_checked_at < EXIT_CHECK_SECONDS:
+            return
+        entry.exit_checked_at = now
+        if not any(is_alive(identity) for identity in entry.identities.values()):
+            self._end(entry, "process_exited", now)
+
+    def _end(self, entry: _RunEntry, reason: str, now: float) -> None:
+        run = entry.state
+        run.ended = True
+        run.end_reason = reason
+        run.ended_at = now
+        self.store.end_run(run.run_id, reason, now)
+        log.info("run_ended", run_id=run.run_id, reason=reason, step=run.step)
+
+    def mark_ended(self, run_id: str, reason: str) -> None:
+        """End a run from outside the stream (its processes were killed or are gone)."""
+        with self._lock:
+            entry = self._runs.get(run_id)
+            if entry is None or entry.state.ended:
+                return
+            self._end(entry, reason, time.time())
+            self._evaluate(entry)
+
+    # -- restart ---------------------------------------------------------------------------
+
+    def resume(self) -> int:
+        """Read back the runs, bindings, checkpoints and incidents a previous sidecar left.
+
+        Firing findings come back firing (no second page, STOP or kill for the same
+        incident); the action sink re-asserts them. Returns the number of runs restored.
+        """
+        now = time.time()
+        restored = 0
+        with self._lock:
+            for stored in self.store.runs(ended_since=now - self.ended_ttl_seconds):
+                if stored.run_id in self._runs or len(self._runs) >= self.max_runs:
+                    continue
+                run = RunState(stored.run_id, created=stored.created)
+                run.start = stored.start
+                entry = _RunEntry(run)
+                entry.identities = self.store.bindings(stored.run_id)
+                for rank in entry.identities:
+                    run.rank(rank).last_seen = now  # stall clocks restart with the sidecar
+                run.ended, run.end_reason, run.ended_at = (
+                    stored.ended, stored.end_reason, stored.ended_at)
+                checkpoints = self.store.checkpoints(stored.run_id)
+                run.checkpoints.extend(checkpoints)
+                run.checkpoints_total = len(checkpoints)
+                self._runs[stored.run_id] = entry
+                self._restore_findings(entry)
+                restored += 1
+        if restored:
+            log.info("runs_resumed", runs=restored)
+        return restored
+
+    def _restore_findings(self, entry: _RunEntry) -> None:
+        run = entry.state
+        latest = {}
+        for incident in self.store.incidents(run.run_id):
+            latest[incident.detector] = incident  # ordered by time: the last one wins
+        for detector, incident in latest.items():
+            finding = Finding(
+                detector=detector, severity=incident.severity, policy=incident.policy,
+                firing=incident.resolved_at is None, step=incident.step,
+                summary=incident.summary, evidence=dict(incident.evidence),
+                fired_at=incident.fired_at, resolved_at=incident.resolved_at or 0.0,
+                incidents=incident.incident,
+            )
+            entry.findings[detector] = finding
+            if finding.firing and not run.ended:
+                entry.held.add(detector)
+                resumed = getattr(self.actions, "resumed", None)
+                if resumed is not None:
+                    entry.directives.extend(resumed(run, finding))
 
     # -- readers ---------------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from deadweight.proto import MAX_MESSAGE_BYTES, add_monitor_servicer, pb, pb_grpc
 from deadweight.sidecar.actions import Actions
+from deadweight.sidecar.attestation import AttestationServer, attest_path
 from deadweight.sidecar.exporter import DeadweightCollector
 from deadweight.sidecar.registry import Peer, Registry
 
@@ -43,6 +44,8 @@ class ServerConfig:
     token: str | None = None
     tls_cert: bytes | None = None
     tls_key: bytes | None = None
+    #: Allow TCP without TLS and a token (a private test network only).
+    insecure: bool = False
     grpc_options: list[tuple[str, int]] = field(
         default_factory=lambda: [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -59,7 +62,8 @@ class MonitorServicer(pb_grpc.MonitorServiceServicer):  # type: ignore[misc]
         self.token = token
 
     async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
-        if self.token is None:
+        """TCP callers present the bearer token; the unix socket is guarded by its mode."""
+        if self.token is None or context.peer().startswith("unix:"):
             return
         metadata = dict(context.invocation_metadata() or ())
         offered = str(metadata.get("authorization", ""))
@@ -77,6 +81,8 @@ class MonitorServicer(pb_grpc.MonitorServiceServicer):  # type: ignore[misc]
         try:
             async for request in request_iterator:
                 yield self.registry.ingest(request, peer)
+                if peer.rejected:  # a rank bound to another process: this stream ends here
+                    await context.abort(grpc.StatusCode.PERMISSION_DENIED, peer.rejected)
         except DecodeError as err:  # bytes that are not a StreamRequest end this stream only
             log.warning("malformed_request", peer=context.peer(), error=str(err))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -96,6 +102,30 @@ def _prepare_socket(path: Path) -> None:
         if not stat.S_ISSOCK(path.lstat().st_mode):
             raise FileExistsError(f"{path} exists and is not a socket; refusing to replace it")
         path.unlink()
+
+
+class InsecureTransport(ValueError):
+    """The sidecar refuses to listen on TCP without TLS and a bearer token."""
+
+
+def check_transport(config: ServerConfig) -> None:
+    """Refuse plain TCP unless explicitly allowed; say what TCP can never do."""
+    if not config.listen:
+        return
+    missing = [name for name, value in (("--tls-cert", config.tls_cert),
+                                        ("--tls-key", config.tls_key),
+                                        ("--token-file", config.token)) if not value]
+    if missing and not config.insecure:
+        raise InsecureTransport(
+            f"refusing to listen on TCP {config.listen} without {', '.join(missing)} "
+            "(pass --insecure to allow it on a private network)"
+        )
+    if missing:
+        log.warning("tcp_insecure", listen=config.listen, missing=missing,
+                    note="anyone who reaches this port can report runs")
+    log.warning("tcp_cannot_kill", listen=config.listen,
+                note="runs reporting over TCP have no kernel peer credentials: they can be "
+                "paged and stopped, never signalled")
 
 
 def _host_port(address: str) -> tuple[str, int]:
@@ -118,10 +148,17 @@ class SidecarServer:
         self._stopped: asyncio.Event | None = None
         self._error: BaseException | None = None
         self._http: object | None = None
+        self._attestation: AttestationServer | None = None
 
     def start(self, timeout: float = 10.0) -> None:
         """Start serving in a background thread; return when ready, raise if it failed."""
+        check_transport(self.config)
         self._start_metrics()
+        if self.config.socket_path and self.registry.attestor is not None:
+            _prepare_socket(Path(self.config.socket_path))
+            self._attestation = AttestationServer(attest_path(self.config.socket_path),
+                                                  self.registry.attestor)
+            self._attestation.start()
         self._thread = threading.Thread(target=self._run, name="deadweight-grpc", daemon=True)
         self._thread.start()
         if not self._ready.wait(timeout):
@@ -161,7 +198,11 @@ class SidecarServer:
         if self.config.socket_path:
             path = Path(self.config.socket_path)
             _prepare_socket(path)
-            server.add_insecure_port(f"unix://{path}")
+            old_umask = os.umask(0o117)  # never reachable with a wider mode, not even briefly
+            try:
+                server.add_insecure_port(f"unix://{path}")
+            finally:
+                os.umask(old_umask)
         if self.config.listen:
             if self.config.tls_cert and self.config.tls_key:
                 creds = grpc.ssl_server_credentials([(self.config.tls_key, self.config.tls_cert)])
@@ -197,6 +238,8 @@ class SidecarServer:
             loop.call_soon_threadsafe(stopped.set)
         if self._thread is not None:
             self._thread.join(10)
+        if self._attestation is not None:
+            self._attestation.stop()
         http = self._http
         if http is not None:
             http.shutdown()  # type: ignore[attr-defined]

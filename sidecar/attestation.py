@@ -1,0 +1,197 @@
+"""Kernel-verified identity of the process behind a stream, for the right to signal it.
+
+grpc-python does not expose the peer credentials of a unix-socket connection, so the sidecar
+listens on a second unix socket next to the gRPC one (``<socket>.attest``). A training process
+connects there first; the sidecar reads the connecting process's pid, uid and gid from the
+kernel (``SO_PEERCRED``), reads that pid's start time from ``/proc/<pid>/stat``, and answers
+with a random one-time nonce. The callback puts the nonce into ``RunStart.attestation``; the
+registry redeems it and binds the run's rank to that (pid, start time, boot id). A pid named in
+any message field is never used: only a redeemed nonce yields an identity.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import stat
+import struct
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+log = structlog.get_logger("deadweight.attestation")
+
+ATTEST_SUFFIX = ".attest"
+SOCKET_MODE = 0o660
+#: Seconds a nonce stays redeemable; a client redeems it within one connect.
+NONCE_TTL_SECONDS = 120.0
+#: Unredeemed nonces kept; a flood of connections evicts the oldest, it cannot grow memory.
+MAX_PENDING_NONCES = 4096
+_UCRED = struct.Struct("3i")  # struct ucred {pid_t pid; uid_t uid; gid_t gid;}
+
+
+@dataclass(frozen=True)
+class ProcessIdentity:
+    """One process, identified so that a reused pid never matches it."""
+
+    pid: int
+    uid: int
+    gid: int
+    start_time: int  # clock ticks since boot (field 22 of /proc/<pid>/stat)
+    boot_id: str
+
+    def describe(self) -> str:
+        return f"pid {self.pid} (uid {self.uid}, start {self.start_time})"
+
+
+def boot_id() -> str:
+    """This boot's id: start times restart at every boot, so an identity carries it."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def start_time(pid: int) -> int | None:
+    """The start time of pid in clock ticks since boot, or None when no such process."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except (OSError, ValueError):
+        return None
+    # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
+    fields = text[text.rfind(")") + 2:].split()
+    try:
+        return int(fields[19])  # field 22 overall; fields[0] is field 3
+    except (IndexError, ValueError):
+        return None
+
+
+def is_alive(identity: ProcessIdentity) -> bool:
+    """True when identity's pid still runs the very process that was identified."""
+    if identity.boot_id and identity.boot_id != boot_id():
+        return False
+    return start_time(identity.pid) == identity.start_time
+
+
+def attest_path(socket_path: str | Path) -> Path:
+    """Where the attestation socket of a gRPC unix socket lives."""
+    return Path(f"{socket_path}{ATTEST_SUFFIX}")
+
+
+def peer_identity(conn: socket.socket) -> ProcessIdentity | None:
+    """The connecting process as the kernel reports it (None when not visible here)."""
+    raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    pid, uid, gid = _UCRED.unpack(raw)
+    if pid <= 0:  # a process in another PID namespace shows as 0
+        return None
+    started = start_time(pid)
+    if started is None:
+        return None
+    return ProcessIdentity(pid=pid, uid=uid, gid=gid, start_time=started, boot_id=boot_id())
+
+
+class Attestor:
+    """Issues one-time nonces bound to kernel identities and redeems them."""
+
+    def __init__(self, ttl_seconds: float = NONCE_TTL_SECONDS,
+                 max_pending: int = MAX_PENDING_NONCES) -> None:
+        self.ttl_seconds = ttl_seconds
+        self.max_pending = max_pending
+        self._pending: OrderedDict[str, tuple[ProcessIdentity, float]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.issued = 0
+        self.redeemed = 0
+        self.refused = 0
+
+    def issue(self, identity: ProcessIdentity) -> str:
+        nonce = secrets.token_hex(24)
+        with self._lock:
+            self._pending[nonce] = (identity, time.monotonic())
+            while len(self._pending) > self.max_pending:
+                self._pending.popitem(last=False)
+            self.issued += 1
+        return nonce
+
+    def redeem(self, nonce: str) -> ProcessIdentity | None:
+        """The identity a nonce was issued to, once; None for unknown, used or stale ones."""
+        with self._lock:
+            found = self._pending.pop(nonce, None) if nonce else None
+        if found is None:
+            self.refused += 1
+            return None
+        identity, issued_at = found
+        if time.monotonic() - issued_at > self.ttl_seconds or not is_alive(identity):
+            self.refused += 1
+            return None
+        self.redeemed += 1
+        return identity
+
+
+class AttestationServer:
+    """The ``<socket>.attest`` listener: one short exchange per connection, in one thread."""
+
+    def __init__(self, path: str | Path, attestor: Attestor) -> None:
+        self.path = Path(path)
+        self.attestor = attestor
+        self._sock: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def start(self) -> None:
+        if self.path.exists() or self.path.is_symlink():
+            if not stat.S_ISSOCK(self.path.lstat().st_mode):
+                raise FileExistsError(f"{self.path} exists and is not a socket")
+            self.path.unlink()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old_umask = os.umask(0o117)  # the socket is never reachable with a wider mode
+        try:
+            sock.bind(str(self.path))
+        finally:
+            os.umask(old_umask)
+        os.chmod(self.path, SOCKET_MODE)
+        sock.listen(128)
+        sock.settimeout(0.2)
+        self._sock = sock
+        self._thread = threading.Thread(target=self._serve, name="deadweight-attest",
+                                        daemon=True)
+        self._thread.start()
+        log.info("attestation_listening", socket=str(self.path))
+
+    def _serve(self) -> None:
+        assert self._sock is not None
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self._stop.is_set():
+                    return
+                continue
+            with conn:
+                try:
+                    self._answer(conn)
+                except OSError as err:
+                    log.info("attestation_failed", reason=str(err))
+
+    def _answer(self, conn: socket.socket) -> None:
+        conn.settimeout(1.0)
+        identity = peer_identity(conn)
+        if identity is None:
+            conn.sendall(b"ERR peer not visible in this PID namespace\n")
+            return
+        conn.sendall(f"OK {self.attestor.issue(identity)}\n".encode())
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(2.0)
+        if self._sock is not None:
+            self._sock.close()
+        self.path.unlink(missing_ok=True)
+

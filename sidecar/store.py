@@ -1,0 +1,274 @@
+"""The sidecar's memory across restarts: one SQLite file (WAL) in ``--state-dir``.
+
+It holds the runs, which process registered each rank (pid, start time, boot id, as the kernel
+reported them), the checkpoint hashes, the incidents and every action with its result. A
+restarted sidecar reads it back, so it neither pages nor kills twice for the same incident and
+checkpoint comparisons continue. An action that signals a process is written as ``pending``
+before the signal and updated after it: a crash in between counts as done (at most once).
+Without a state dir the same schema lives in memory, so the code paths do not differ.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from deadweight.proto import pb
+from deadweight.sidecar.attestation import ProcessIdentity
+from deadweight.sidecar.state import CheckpointPoint
+
+DB_NAME = "deadweight.db"
+SCHEMA_VERSION = 1
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS runs (
+    run_id TEXT PRIMARY KEY, trainer TEXT NOT NULL, start BLOB, created REAL NOT NULL,
+    ended INTEGER NOT NULL DEFAULT 0, end_reason TEXT NOT NULL DEFAULT '', ended_at REAL);
+CREATE TABLE IF NOT EXISTS bindings (
+    run_id TEXT NOT NULL, rank INTEGER NOT NULL, pid INTEGER NOT NULL, uid INTEGER NOT NULL,
+    gid INTEGER NOT NULL, start_time INTEGER NOT NULL, boot_id TEXT NOT NULL,
+    bound_at REAL NOT NULL, PRIMARY KEY (run_id, rank));
+CREATE TABLE IF NOT EXISTS checkpoints (
+    run_id TEXT NOT NULL, step INTEGER NOT NULL, path TEXT NOT NULL, digest TEXT NOT NULL,
+    tensors TEXT NOT NULL, bytes INTEGER NOT NULL, time REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS checkpoints_run ON checkpoints (run_id, time);
+CREATE TABLE IF NOT EXISTS incidents (
+    run_id TEXT NOT NULL, detector TEXT NOT NULL, incident INTEGER NOT NULL,
+    severity TEXT NOT NULL, policy TEXT NOT NULL, step INTEGER NOT NULL, summary TEXT NOT NULL,
+    evidence TEXT NOT NULL, fired_at REAL NOT NULL, resolved_at REAL,
+    enforcement TEXT NOT NULL DEFAULT 'none',
+    PRIMARY KEY (run_id, detector, incident));
+CREATE TABLE IF NOT EXISTS actions (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, time REAL NOT NULL, run_id TEXT NOT NULL,
+    trainer TEXT NOT NULL, detector TEXT NOT NULL, incident INTEGER NOT NULL,
+    action TEXT NOT NULL, result TEXT NOT NULL, rank INTEGER, pid INTEGER,
+    dry_run INTEGER NOT NULL, detail TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS actions_incident ON actions (run_id, detector, incident);
+"""
+
+#: incidents.enforcement while an escalation (STOP, SIGTERM, SIGKILL) is still in progress.
+ENFORCEMENT_OPEN = "open"
+
+
+@dataclass(frozen=True)
+class StoredRun:
+    run_id: str
+    trainer: str
+    start: pb.RunStart | None
+    created: float
+    ended: bool
+    end_reason: str
+    ended_at: float
+
+
+@dataclass(frozen=True)
+class StoredIncident:
+    run_id: str
+    detector: str
+    incident: int
+    severity: str
+    policy: str
+    step: int
+    summary: str
+    evidence: dict[str, str]
+    fired_at: float
+    resolved_at: float | None
+    enforcement: str
+
+
+@dataclass(frozen=True)
+class ActionRow:
+    id: int
+    time: float
+    run_id: str
+    trainer: str
+    detector: str
+    incident: int
+    action: str
+    result: str
+    rank: int | None
+    pid: int | None
+    dry_run: bool
+    detail: dict[str, Any]
+
+
+class Store:
+    """Thread-safe access to the state database; every write commits before returning."""
+
+    def __init__(self, state_dir: str | Path | None = None) -> None:
+        if state_dir is None:
+            self.path: Path | None = None
+            target = ":memory:"
+        else:
+            folder = Path(state_dir)
+            folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self.path = folder / DB_NAME
+            target = str(self.path)
+        self._lock = threading.RLock()
+        self._db = sqlite3.connect(target, check_same_thread=False, isolation_level=None,
+                                   timeout=10.0)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")  # durable across a crash of the process
+        self._db.executescript(SCHEMA)
+        self._db.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)",
+                         (str(SCHEMA_VERSION),))
+
+    @property
+    def persistent(self) -> bool:
+        return self.path is not None
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def _write(self, sql: str, args: tuple[Any, ...] = ()) -> int:
+        with self._lock:
+            cursor = self._db.execute(sql, args)
+            return int(cursor.lastrowid or 0)
+
+    def _read(self, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        with self._lock:
+            return list(self._db.execute(sql, args).fetchall())
+
+    # -- runs ------------------------------------------------------------------------------
+
+    def upsert_run(self, run_id: str, trainer: str, start: pb.RunStart) -> None:
+        clean = pb.RunStart()
+        clean.CopyFrom(start)
+        clean.attestation = ""  # redeemed already; worthless and not worth keeping
+        self._write(
+            "INSERT INTO runs (run_id, trainer, start, created) VALUES (?, ?, ?, ?) "
+            "ON CONFLICT(run_id) DO UPDATE SET trainer=excluded.trainer, start=excluded.start,"
+            " ended=0, end_reason='', ended_at=NULL",
+            (run_id, trainer, clean.SerializeToString(), time.time()),
+        )
+
+    def end_run(self, run_id: str, reason: str, at: float) -> None:
+        self._write("UPDATE runs SET ended=1, end_reason=?, ended_at=? WHERE run_id=?",
+                    (reason, at, run_id))
+
+    def runs(self, ended_since: float = 0.0) -> list[StoredRun]:
+        """Live runs, and ended runs that ended after ended_since."""
+        rows = self._read(
+            "SELECT run_id, trainer, start, created, ended, end_reason, ended_at FROM runs "
+            "WHERE ended=0 OR ended_at >= ? ORDER BY created", (ended_since,))
+        found = []
+        for run_id, trainer, blob, created, ended, reason, ended_at in rows:
+            start = pb.RunStart.FromString(blob) if blob else None
+            found.append(StoredRun(run_id, trainer, start, created, bool(ended), reason,
+                                   ended_at or 0.0))
+        return found
+
+    # -- who registered each rank ----------------------------------------------------------
+
+    def bind(self, run_id: str, rank: int, identity: ProcessIdentity) -> None:
+        self._write(
+            "INSERT OR REPLACE INTO bindings VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (run_id, rank, identity.pid, identity.uid, identity.gid, identity.start_time,
+             identity.boot_id, time.time()),
+        )
+
+    def bindings(self, run_id: str) -> dict[int, ProcessIdentity]:
+        rows = self._read(
+            "SELECT rank, pid, uid, gid, start_time, boot_id FROM bindings WHERE run_id=?",
+            (run_id,))
+        return {rank: ProcessIdentity(pid, uid, gid, start, boot)
+                for rank, pid, uid, gid, start, boot in rows}
+
+    # -- checkpoints -----------------------------------------------------------------------
+
+    def add_checkpoint(self, run_id: str, point: CheckpointPoint) -> None:
+        self._write(
+            "INSERT INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (run_id, point.step, point.path, point.combined_digest,
+             json.dumps(point.tensor_digests, sort_keys=True), point.adapter_bytes, point.time),
+        )
+
+    def checkpoints(self, run_id: str, limit: int = 10_000) -> list[CheckpointPoint]:
+        rows = self._read(
+            "SELECT step, path, digest, tensors, bytes, time FROM checkpoints WHERE run_id=? "
+            "ORDER BY time DESC, rowid DESC LIMIT ?", (run_id, limit))
+        return [CheckpointPoint(step, path, digest, json.loads(tensors), size, at)
+                for step, path, digest, tensors, size, at in reversed(rows)]
+
+    # -- incidents -------------------------------------------------------------------------
+
+    def open_incident(
+        self, run_id: str, detector: str, incident: int, severity: str, policy: str,
+        step: int, summary: str, evidence: dict[str, str], fired_at: float, enforce: bool,
+    ) -> None:
+        self._write(
+            "INSERT OR IGNORE INTO incidents VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, ?)",
+            (run_id, detector, incident, severity, policy, step, summary,
+             json.dumps(evidence, sort_keys=True), fired_at,
+             ENFORCEMENT_OPEN if enforce else "none"),
+        )
+
+    def resolve_incident(self, run_id: str, detector: str, incident: int, at: float) -> None:
+        self._write(
+            "UPDATE incidents SET resolved_at=? WHERE run_id=? AND detector=? AND incident=? "
+            "AND resolved_at IS NULL", (at, run_id, detector, incident))
+
+    def close_enforcement(self, run_id: str, detector: str, incident: int,
+                          outcome: str) -> None:
+        self._write(
+            "UPDATE incidents SET enforcement=? WHERE run_id=? AND detector=? AND incident=?",
+            (outcome, run_id, detector, incident))
+
+    def _incidents(self, where: str, args: tuple[Any, ...]) -> list[StoredIncident]:
+        rows = self._read(
+            "SELECT run_id, detector, incident, severity, policy, step, summary, evidence, "
+            f"fired_at, resolved_at, enforcement FROM incidents WHERE {where} "
+            "ORDER BY fired_at, incident", args)
+        return [StoredIncident(r[0], r[1], r[2], r[3], r[4], r[5], r[6], json.loads(r[7]),
+                               r[8], r[9], r[10]) for r in rows]
+
+    def incidents(self, run_id: str) -> list[StoredIncident]:
+        return self._incidents("run_id=?", (run_id,))
+
+    def open_enforcements(self) -> list[StoredIncident]:
+        return self._incidents("enforcement=?", (ENFORCEMENT_OPEN,))
+
+    # -- the action journal ----------------------------------------------------------------
+
+    def add_action(
+        self, run_id: str, trainer: str, detector: str, incident: int, action: str,
+        result: str, rank: int | None = None, pid: int | None = None, dry_run: bool = False,
+        detail: dict[str, Any] | None = None, at: float | None = None,
+    ) -> int:
+        return self._write(
+            "INSERT INTO actions (time, run_id, trainer, detector, incident, action, result, "
+            "rank, pid, dry_run, detail) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (time.time() if at is None else at, run_id, trainer, detector, incident, action,
+             result, rank, pid, int(dry_run), json.dumps(detail or {}, sort_keys=True)),
+        )
+
+    def set_result(self, action_id: int, result: str) -> None:
+        self._write("UPDATE actions SET result=? WHERE id=?", (result, action_id))
+
+    def actions(self, run_id: str | None = None, detector: str | None = None,
+                incident: int | None = None) -> list[ActionRow]:
+        clauses, args = [], []
+        for column, value in (("run_id", run_id), ("detector", detector),
+                              ("incident", incident)):
+            if value is not None:
+                clauses.append(f"{column}=?")
+                args.append(value)
+        where = " AND ".join(clauses) or "1=1"
+        rows = self._read(
+            "SELECT id, time, run_id, trainer, detector, incident, action, result, rank, pid, "
+            f"dry_run, detail FROM actions WHERE {where} ORDER BY id", tuple(args))
+        return [ActionRow(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9],
+                          bool(r[10]), json.loads(r[11])) for r in rows]
+
+    def has_action(self, run_id: str, detector: str, incident: int, action: str) -> bool:
+        rows = self._read(
+            "SELECT 1 FROM actions WHERE run_id=? AND detector=? AND incident=? AND action=? "
+            "LIMIT 1", (run_id, detector, incident, action))
+        return bool(rows)

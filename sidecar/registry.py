@@ -12,18 +12,31 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import structlog
 
 from deadweight.proto import pb
 from deadweight.sidecar import detectors, limits
 from deadweight.sidecar.attestation import Attestor, ProcessIdentity, is_alive
+from deadweight.sidecar.detectors import checkpoints
 from deadweight.sidecar.detectors.base import Detector, Policy, Verdict
 from deadweight.sidecar.detectors.frozen import FrozenWeights
 from deadweight.sidecar.settings import DetectorSettings
 from deadweight.sidecar.state import CheckpointPoint, RunState, StepPoint
 from deadweight.sidecar.store import Store
+
+if TYPE_CHECKING:
+    from deadweight.sidecar.checkpoint_inspector import CheckpointInspection
+
+
+class CheckpointSink(Protocol):
+    """Told where a run writes checkpoints and which ones it reported (the watcher)."""
+
+    def watch(self, run_id: str, output_dir: str) -> None: ...
+
+    def submit(self, run_id: str, path: str) -> None: ...
+
 
 log = structlog.get_logger("deadweight.registry")
 
@@ -137,6 +150,7 @@ class Registry:
         self.attestor = attestor
         self.resume_hold_steps = resume_hold_steps
         self.settings = settings or DetectorSettings()
+        self.watcher: CheckpointSink | None = None
         self.detectors = tuple(active_detectors)
         self.policies = {d.id: d.default_policy for d in self.detectors}
         self.policies.update(policies or {})
@@ -309,6 +323,8 @@ class Registry:
             self.store.upsert_run(run.run_id, run.trainer, start)
         run.rank(rank).membership = start.membership
         run.ended = False
+        if self.watcher is not None and start.output_dir:
+            self.watcher.watch(run.run_id, start.output_dir)
 
     def _on_step(self, run: RunState, rank_id: int, report: pb.StepReport, now: float) -> None:
         rank = run.rank(rank_id)
@@ -320,6 +336,13 @@ class Registry:
         rank.last_step_time = now
 
     def _on_checkpoint(self, run: RunState, report: pb.CheckpointReport, now: float) -> None:
+        known = run.checkpoint(report.path)
+        if known is not None:  # the watcher got there first: keep its inspection
+            known.combined_digest = report.adapter.combined
+            known.tensor_digests = dict(report.adapter.tensors)
+            known.adapter_bytes = report.adapter.bytes
+            self._judge_checkpoint(run, known)
+            return
         run.checkpoints_total += 1
         point = CheckpointPoint(
             step=report.step,
@@ -331,14 +354,57 @@ class Registry:
         )
         run.checkpoints.append(point)
         self.store.add_checkpoint(run.run_id, point)
+        self._judge_checkpoint(run, point)
+        if self.watcher is not None:
+            self.watcher.submit(run.run_id, report.path)
+
+    def _judge_checkpoint(self, run: RunState, point: CheckpointPoint) -> None:
+        """Compare point with the previous checkpoint and the initial adapter; count it once."""
+        same = checkpoints.unchanged_from(run, point)
+        if same and not point.unchanged_from:
+            run.checkpoints_unchanged += 1
+        elif not same and point.unchanged_from:
+            run.checkpoints_unchanged -= 1  # the files' bytes overrule the in-memory digest
+        point.unchanged_from = same
+
+    def attach_watcher(self, watcher: CheckpointSink) -> None:
+        """Route run output folders and reported checkpoints to watcher."""
+        with self._lock:
+            self.watcher = watcher
+            for entry in self._runs.values():
+                start = entry.state.start
+                if start is not None and start.output_dir and not entry.state.ended:
+                    watcher.watch(entry.state.run_id, start.output_dir)
+
+    def record_inspection(self, run_id: str, inspection: CheckpointInspection,
+                          step: int = 0) -> bool:
+        """Attach what the files of a checkpoint hold to the run; False for an unknown run."""
+        with self._lock:
+            entry = self._runs.get(run_id)
+            if entry is None:
+                return False
+            run = entry.state
+            point = run.checkpoint(inspection.path)
+            if point is None:
+                run.checkpoints_total += 1
+                point = CheckpointPoint(step=step, path=inspection.path, combined_digest="",
+                                        tensor_digests={}, adapter_bytes=inspection.tensor_bytes,
+                                        time=time.time())
+                run.checkpoints.append(point)
+            point.inspection = inspection
+            point.adapter_bytes = inspection.tensor_bytes
+            self._judge_checkpoint(run, point)
+            self._evaluate(entry)
+            return True
 
     # -- verdicts --------------------------------------------------------------------------
 
-    def _evaluate(self, entry: _RunEntry) -> None:
+    def _evaluate(self, entry: _RunEntry, now: float | None = None) -> None:
         run = entry.state
+        run.evaluated_at = time.time() if now is None else now
         for detector in self.detectors:
             finding = entry.findings.get(detector.id)
-            if run.ended:
+            if run.ended and detector.id not in detectors.ARTIFACT_IDS:
                 if finding is not None and finding.firing:
                     self._resolve(entry, finding, "run ended")
                 continue
@@ -416,7 +482,7 @@ class Registry:
                     log.info("run_expired", run_id=run_id)
                     continue
                 self._check_exits(entry, now)
-                self._evaluate(entry)
+                self._evaluate(entry, now)
 
     def _check_exits(self, entry: _RunEntry, now: float) -> None:
         """A run whose every registered process is gone has ended, run end or not."""

@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from deadweight.proto import MAX_MESSAGE_BYTES, add_monitor_servicer, pb, pb_grpc
 from deadweight.sidecar.actions import Actions
 from deadweight.sidecar.attestation import AttestationServer, attest_path
+from deadweight.sidecar.checkpoint_watcher import CheckpointWatcher
 from deadweight.sidecar.exporter import DeadweightCollector
 from deadweight.sidecar.registry import Peer, Registry
 
@@ -44,6 +45,11 @@ class ServerConfig:
     token: str | None = None
     tls_cert: bytes | None = None
     tls_key: bytes | None = None
+    #: Watch registered runs' output folders and inspect their checkpoints.
+    watch_checkpoints: bool = True
+    #: Seconds a checkpoint folder's files must stay unchanged before it is inspected
+    #: (a folder the callback reported is inspected at once).
+    checkpoint_settle_seconds: float = 2.0
     #: Allow TCP without TLS and a token (a private test network only).
     insecure: bool = False
     grpc_options: list[tuple[str, int]] = field(
@@ -148,6 +154,7 @@ class SidecarServer:
         self._stopped: asyncio.Event | None = None
         self._error: BaseException | None = None
         self._http: object | None = None
+        self.watcher: CheckpointWatcher | None = None
         self._attestation: AttestationServer | None = None
 
     def start(self, timeout: float = 10.0) -> None:
@@ -159,6 +166,11 @@ class SidecarServer:
             self._attestation = AttestationServer(attest_path(self.config.socket_path),
                                                   self.registry.attestor)
             self._attestation.start()
+        if self.config.watch_checkpoints:
+            self.watcher = CheckpointWatcher(self.registry,
+                                             self.config.checkpoint_settle_seconds)
+            self.watcher.start()
+            self.registry.attach_watcher(self.watcher)
         self._thread = threading.Thread(target=self._run, name="deadweight-grpc", daemon=True)
         self._thread.start()
         if not self._ready.wait(timeout):
@@ -240,6 +252,8 @@ class SidecarServer:
             self._thread.join(10)
         if self._attestation is not None:
             self._attestation.stop()
+        if self.watcher is not None:
+            self.watcher.stop()
         http = self._http
         if http is not None:
             http.shutdown()  # type: ignore[attr-defined]

@@ -16,6 +16,7 @@ from deadweight.sidecar.detectors.base import Policy
 
 if TYPE_CHECKING:
     from deadweight.sidecar.server import ServerConfig
+    from deadweight.sidecar.settings import DetectorSettings
 
 DEFAULT_SOCKET = "/run/deadweight/deadweight.sock"
 
@@ -62,7 +63,8 @@ def _serve(args: argparse.Namespace) -> int:
 
         pager = AlertmanagerPusher(args.alertmanager_url, args.runbook_base_url)
     actions = Actions(pager=pager, dry_run=args.dry_run, store=store)
-    registry = Registry(actions, policies=dict(args.policy or []), max_runs=args.max_runs,
+    registry = Registry(actions, settings=_settings(args.setting),
+                        policies=dict(args.policy or []), max_runs=args.max_runs,
                         ended_ttl_seconds=args.run_ttl_seconds, store=store,
                         attestor=Attestor())
     enforcer = Enforcer(registry, store, actions, stop_grace_seconds=args.stop_grace_seconds,
@@ -120,6 +122,48 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _setting(text: str) -> tuple[str, float]:
+    """NAME=VALUE for one DetectorSettings field (thresholds, windows, seconds)."""
+    import dataclasses
+
+    from deadweight.sidecar.settings import DetectorSettings
+
+    name, sep, value = text.partition("=")
+    fields = {f.name: f for f in dataclasses.fields(DetectorSettings)}
+    if not sep or name not in fields:
+        raise argparse.ArgumentTypeError(
+            f"expected NAME=VALUE with NAME one of: {', '.join(sorted(fields))}")
+    try:
+        return name, float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{name}: {value!r} is not a number") from None
+
+
+def _settings(pairs: list[tuple[str, float]] | None) -> DetectorSettings:
+    import dataclasses
+
+    from deadweight.sidecar.settings import DetectorSettings
+
+    defaults = DetectorSettings()
+    values = {name: type(getattr(defaults, name))(value) for name, value in pairs or []}
+    return dataclasses.replace(defaults, **values)
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from deadweight.sidecar.checkpoint_audit import audit, render
+    from deadweight.sidecar.checkpoint_inspector import NotACheckpoint
+
+    try:
+        results = audit([Path(p) for p in args.paths],
+                        initial=Path(args.initial) if args.initial else None,
+                        settings=_settings(args.setting))
+    except NotACheckpoint as err:
+        print(f"deadweight inspect: {err}", file=sys.stderr)
+        return 2
+    print(render(results))
+    return 1 if any(r.findings for r in results) else 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from deadweight.demo import scenario
 
@@ -169,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-runs", type=int, default=1000,
                        help="most runs tracked at once; the oldest ended run makes room "
                        "(default %(default)s)")
+    serve.add_argument("--setting", action="append", type=_setting, metavar="NAME=VALUE",
+                       help="override a detector threshold or window, e.g. stalled_seconds=600 "
+                       "(repeatable; names and defaults in the README)")
     serve.add_argument("--log-level", default="info")
     serve.set_defaults(func=_serve)
 
@@ -177,6 +224,16 @@ def build_parser() -> argparse.ArgumentParser:
                             help="sidecar address (default %(default)s)")
     status_cmd.add_argument("--token", default=None)
     status_cmd.set_defaults(func=_status)
+
+    inspect = commands.add_parser(
+        "inspect", help="audit checkpoint folders or adapter files offline (exit 1 on findings)")
+    inspect.add_argument("paths", nargs="+", metavar="PATH",
+                         help="checkpoint folders or .safetensors files, oldest first")
+    inspect.add_argument("--initial", default=None, metavar="PATH",
+                         help="the adapter the run started from: flag checkpoints equal to it")
+    inspect.add_argument("--setting", action="append", type=_setting, metavar="NAME=VALUE",
+                         help="override a detector threshold (e.g. adapter_bloat_ratio=2)")
+    inspect.set_defaults(func=_inspect)
 
     demo = commands.add_parser("demo", help="catch a real frozen-adapter run on a tiny model")
     demo.add_argument("--workdir", default=None, help="keep the demo's files here")

@@ -19,9 +19,10 @@ hook                       what it reports
 ``on_train_end``           the run end
 =========================  ===============================================================
 
-Settings come from arguments or ``DEADWEIGHT_ADDRESS``, ``DEADWEIGHT_RUN_ID`` and
-``DEADWEIGHT_TOKEN``. The callback decides nothing: the sidecar does, and may answer with a
-STOP (training ends gracefully) or ABORT (raised at the next hook) directive.
+Settings come from arguments or ``DEADWEIGHT_ADDRESS``, ``DEADWEIGHT_RUN_ID``,
+``DEADWEIGHT_TOKEN`` and ``DEADWEIGHT_TLS_CA`` (the CA file for a TCP sidecar). The callback
+decides nothing: the sidecar does, and may answer with a STOP (training ends gracefully) or
+ABORT (raised at the next hook) directive.
 """
 
 from __future__ import annotations
@@ -111,8 +112,10 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
         require_sidecar: bool = False,
         start_timeout_seconds: float = 1.0,
         settings: ClientSettings | None = None,
+        tls_ca: str | None = None,
     ) -> None:
         self.address = address or os.environ.get("DEADWEIGHT_ADDRESS") or DEFAULT_ADDRESS
+        self.tls_ca = tls_ca or os.environ.get("DEADWEIGHT_TLS_CA") or None
         self.run_id = run_id or os.environ.get("DEADWEIGHT_RUN_ID") or None
         self.token = token or os.environ.get("DEADWEIGHT_TOKEN") or None
         self.require_sidecar = require_sidecar
@@ -160,6 +163,7 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
             to_event,
             token=self.token,
             settings=self.settings,
+            tls_ca=self.tls_ca,
         )
         self.client.start(record)
         wait = self.start_timeout_seconds if _may_be_listening(self.address) else 0.0

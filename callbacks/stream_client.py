@@ -9,6 +9,7 @@ A sidecar that is absent, slow or restarting costs the job one warning, never an
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections import deque
@@ -36,6 +37,40 @@ class ClientSettings:
     backoff_max_seconds: float = 10.0
 
 
+#: The attestation socket sits next to the gRPC unix socket under this suffix.
+ATTEST_SUFFIX = ".attest"
+
+
+def unix_socket_path(target: str) -> str | None:
+    """The filesystem path of a ``unix:`` gRPC target, None for anything else."""
+    if not target.startswith("unix:"):
+        return None
+    path = target[len("unix:"):]
+    return "/" + path.lstrip("/") if path.startswith("//") else path
+
+
+def fetch_attestation(socket_path: str, timeout: float = 1.0) -> str | None:
+    """A one-time nonce from the sidecar's attestation socket, None when it has none.
+
+    The sidecar learns this process's pid from the kernel when it connects there; the nonce,
+    sent in RunStart, lets the sidecar bind the run to this process (and only this one).
+    """
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout)
+            sock.connect(socket_path + ATTEST_SUFFIX)
+            data = b""
+            while not data.endswith(b"\n") and len(data) < 256:
+                chunk = sock.recv(256)
+                if not chunk:
+                    break
+                data += chunk
+    except OSError:
+        return None
+    status, _, nonce = data.decode(errors="replace").strip().partition(" ")
+    return nonce if status == "OK" and nonce else None
+
+
 def grpc_target(address: str) -> str:
     """``unix:///path`` and ``unix:/path`` pass through; a bare path becomes a unix target."""
     if address.startswith(("unix:", "dns:", "ipv4:", "ipv6:")):
@@ -57,6 +92,7 @@ class StreamClient:
         token: str | None = None,
         settings: ClientSettings | None = None,
         channel_factory: Callable[[str], grpc.Channel] | None = None,
+        tls_ca: str | None = None,
     ) -> None:
         self.address = address
         self.run_id = run_id
@@ -64,7 +100,10 @@ class StreamClient:
         self.settings = settings or ClientSettings()
         self._to_event = to_event
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        self._channel_factory = channel_factory or self._insecure_channel
+        self._tls_root = self._read_ca(tls_ca)
+        self._channel_factory = channel_factory or self._default_channel
+        self._attestation = ""
+        self._attest_warned = False
         self._queue: deque[tuple[str, Any, float]] = deque(maxlen=self.settings.max_queue)
         self._inflight: deque[pb.Event] = deque()
         self._directives: deque[pb.Directive] = deque()
@@ -152,15 +191,55 @@ class StreamClient:
 
     # -- sender thread ---------------------------------------------------------------------
 
+    @staticmethod
+    def _read_ca(path: str | None) -> bytes | None:
+        if not path:
+            return None
+        try:
+            with open(path, "rb") as handle:
+                return handle.read()
+        except OSError as err:
+            log.warning("deadweight: cannot read the TLS CA file %s (%s); TCP streams will "
+                        "fail the TLS handshake", path, err)
+            return None
+
+    def _default_channel(self, target: str) -> grpc.Channel:
+        """TLS (with the given CA) for TCP targets when a CA is set; plain for unix sockets."""
+        if self._tls_root is not None and unix_socket_path(target) is None:
+            creds = grpc.ssl_channel_credentials(root_certificates=self._tls_root)
+            return grpc.secure_channel(target, creds, options=self._channel_options())
+        return self._insecure_channel(target)
+
+    @staticmethod
+    def _channel_options() -> list[tuple[str, int]]:
+        return [
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.enable_retries", 0),
+        ]
+
     def _insecure_channel(self, target: str) -> grpc.Channel:
-        return grpc.insecure_channel(
-            target,
-            options=[
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.enable_retries", 0),
-            ],
-        )
+        return grpc.insecure_channel(target, options=self._channel_options())
+
+    def _attest(self, target: str) -> str:
+        """A fresh nonce for this connection (unix sockets only); one warning when absent."""
+        path = unix_socket_path(target)
+        if path is None:
+            return ""
+        nonce = fetch_attestation(path, timeout=self.settings.connect_timeout_seconds)
+        if nonce is None and not self._attest_warned:
+            self._attest_warned = True
+            log.warning("deadweight: no attestation from the sidecar at %s; it can page and "
+                        "stop this run but never signal this process", self.address)
+        return nonce or ""
+
+    def _start_event(self) -> pb.Event:
+        """The RunStart event carrying this connection's attestation nonce."""
+        assert self._run_start is not None
+        event = pb.Event()
+        event.CopyFrom(self._run_start)
+        event.run_start.attestation = self._attestation
+        return event
 
     def _run(self) -> None:
         backoff = self.settings.backoff_initial_seconds
@@ -195,12 +274,14 @@ class StreamClient:
             )
 
     def _stream_once(self) -> None:
-        channel = self._channel_factory(grpc_target(self.address))
+        target = grpc_target(self.address)
+        channel = self._channel_factory(target)
         self._channel = channel
         try:
             grpc.channel_ready_future(channel).result(
                 timeout=self.settings.connect_timeout_seconds
             )
+            self._attestation = self._attest(target)  # one nonce per connection
             stub = monitor_stub(channel)
             responses = stub.Stream(self._requests(), metadata=self._metadata)
             self._connected.set()
@@ -250,7 +331,7 @@ class StreamClient:
         assert self._run_start is not None
         # The heartbeat right after RunStart tells a (restarted) sidecar the drop count at once.
         yield pb.StreamRequest(
-            run_id=self.run_id, rank=self.rank, events=[self._run_start, self._heartbeat()]
+            run_id=self.run_id, rank=self.rank, events=[self._start_event(), self._heartbeat()]
         )
         last_sent = time.monotonic()
         while not self._stop.is_set():

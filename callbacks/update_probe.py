@@ -92,51 +92,64 @@ def _flat_snapshot(sources: list[torch.Tensor]) -> tuple[list[torch.Tensor], lis
 
 
 class _TorchPass:
-    """Multi-tensor ops: no per-tensor kernel launch, one host transfer per device and dtype."""
+    """Multi-tensor ops: no per-tensor kernel launch, one host transfer per device.
 
-    def __init__(self, sources: list[torch.Tensor], snapshots: list[torch.Tensor]) -> None:
-        parts: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    On an accelerator the exact "changed" test is the largest absolute difference, computed
+    with the norms and brought to the host in the same transfer. On CPU (``host_check``), where
+    that reduction is slow and a host sync is free, a norm of 0 is re-checked on the bytes.
+    """
+
+    def __init__(self, sources: list[torch.Tensor], snapshots: list[torch.Tensor],
+                 host_check: bool | None = None) -> None:
+        parts: dict[torch.device, dict[torch.dtype, list[int]]] = {}
         for i, src in enumerate(sources):
-            parts.setdefault((src.device, src.dtype), []).append(i)
-        self._parts = [
-            (device, dtype, torch.tensor(idx), [sources[i] for i in idx],
-             [snapshots[i] for i in idx])
-            for (device, dtype), idx in parts.items()
+            parts.setdefault(src.device, {}).setdefault(src.dtype, []).append(i)
+        self._devices = [
+            (device, torch.tensor([i for idx in by_dtype.values() for i in idx]),
+             [(dtype, [sources[i] for i in idx], [snapshots[i] for i in idx])
+              for dtype, idx in by_dtype.items()])
+            for device, by_dtype in parts.items()
         ]
+        self._host_check = host_check
         self._count = len(sources)
 
     def run(self) -> torch.Tensor:
         """(tensors x 4) float64 on the host: update sq, weight sq, changed, non-finite."""
         out = torch.zeros(self._count, update_native.FIGURES, dtype=torch.float64)
         with torch.no_grad():
-            for device, dtype, rows, srcs, snaps in self._parts:
-                out[rows] = self._run_part(device, dtype, srcs, snaps)
+            for device, rows, parts in self._devices:
+                host_check = (device.type == "cpu" if self._host_check is None
+                              else self._host_check)
+                if host_check:
+                    out[rows] = torch.cat([self._run_cpu(*part) for part in parts])
+                    continue
+                on_device = torch.cat([self._run_device(*part) for part in parts], dim=1)
+                host = on_device.to("cpu")  # the one device-to-host transfer
+                out[rows] = torch.stack([
+                    host[0].square(), host[1].square(), (host[2] != 0).double(),
+                    (~torch.isfinite(host[2])).double(),
+                ], dim=1)
         return out
 
     @staticmethod
-    def _run_part(device: torch.device, dtype: torch.dtype, srcs: list[torch.Tensor],
-                  snaps: list[torch.Tensor]) -> torch.Tensor:
-        if device.type == "cpu":
-            return _TorchPass._run_cpu(dtype, srcs, snaps)
+    def _run_device(dtype: torch.dtype, srcs: list[torch.Tensor],
+                    snaps: list[torch.Tensor]) -> torch.Tensor:
+        """(3 x tensors) float64 on the device: update L2, weight L2, largest |update|."""
         wide = torch.float32 if dtype in (torch.bfloat16, torch.float16) else None
         torch._foreach_sub_(snaps, srcs)  # snapshot := old - new
         diff_l2 = torch._foreach_norm(snaps, 2, dtype=wide)
         weight_l2 = torch._foreach_norm(srcs, 2, dtype=wide)
         diff_max = torch._foreach_norm(snaps, float("inf"))  # 0 only if every element is equal
         torch._foreach_copy_(snaps, srcs)  # refreshed for the next step
-        host = torch.stack([
+        return torch.stack([
             torch.stack(diff_l2).double(), torch.stack(weight_l2).double(),
             torch.stack(diff_max).double(),
-        ]).to("cpu")  # the one device-to-host transfer
-        return torch.stack([
-            host[0].square(), host[1].square(), (host[2] != 0).double(),
-            (~torch.isfinite(host[2])).double(),
-        ], dim=1)
+        ])
 
     @staticmethod
     def _run_cpu(dtype: torch.dtype, srcs: list[torch.Tensor],
                  snaps: list[torch.Tensor]) -> torch.Tensor:
-        """CPU fallback: a norm of 0 (or NaN) is re-checked on the bytes before the refresh.
+        """(tensors x 4): a norm of 0 (or NaN) is re-checked on the bytes before the refresh.
 
         A squared norm underflows and 16-bit CPU arithmetic flushes subnormals, so "changed"
         from the norm is certain but "unchanged" is not; only those tensors pay the compare.

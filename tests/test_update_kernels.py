@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deadweight.callbacks import update_native
-from deadweight.callbacks.update_probe import TensorGroup, UpdateProbe, UpdateStats
+from deadweight.callbacks.update_probe import TensorGroup, UpdateProbe, UpdateStats, _TorchPass
 
 NATIVE = update_native.load() is not None
 PATHS = ["torch", pytest.param("native", marks=pytest.mark.skipif(
@@ -227,3 +227,42 @@ def test_kernels_agree(data: list[list[float]], moves: list[bool], dtype: torch.
         check(stats, ref)
         results.append((stats.unchanged_tensors, stats.nonfinite_update_tensors))
     assert len(set(results)) == 1
+
+
+def accelerator_probe(tensors: list[torch.Tensor]) -> UpdateProbe:
+    """A probe running the accelerator (CUDA) code path of the torch kernel, here on CPU."""
+    probe = UpdateProbe(tensors, path="torch")
+    probe._kernel = _TorchPass(probe._sources, probe._snapshot, host_check=False)
+    return probe
+
+
+def test_accelerator_path_matches_reference_with_mixed_dtypes() -> None:
+    gen = torch.Generator().manual_seed(3)
+    tensors = [torch.randn(40, 8, generator=gen), torch.randn(64, generator=gen).bfloat16(),
+               torch.randn(5, generator=gen), torch.zeros(9, dtype=torch.bfloat16)]
+    probe = accelerator_probe(tensors)
+    for frozen in (False, True):
+        old = [t.clone() for t in tensors]
+        scale = 0.0 if frozen else 1e-2
+        delta = [torch.randn(t.shape, generator=gen).to(t.dtype) * scale for t in tensors]
+        delta[3].zero_()
+        check(step(probe, tensors, delta), reference(old, tensors))
+
+
+def test_accelerator_path_sees_a_change_whose_square_underflows() -> None:
+    tiny = torch.full((100,), 1e-30)
+    probe = accelerator_probe([tiny])
+    probe.before_step()
+    tiny[5] = torch.nextafter(tiny[5], torch.tensor(1.0))
+    stats = probe.after_step()
+    assert stats is not None and stats.unchanged_tensors == 0
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_mixed_dtypes_in_one_probe(path: str) -> None:
+    tensors = [torch.ones(10), torch.ones(10, dtype=torch.bfloat16), torch.ones(3).double()]
+    probe = UpdateProbe(tensors, path=path)  # type: ignore[arg-type]
+    stats = step(probe, tensors, [torch.full_like(t, 0.5) for t in tensors])
+    # the CPU torch fallback returns 16-bit norms in 16 bits: three significant digits
+    assert stats.update_sq_sum == pytest.approx(23 * 0.25, rel=1e-2)
+    assert stats.param_sq_sum == pytest.approx(23 * 2.25, rel=1e-2)

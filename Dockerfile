@@ -15,10 +15,13 @@ COPY demo ./demo
 RUN --mount=type=secret,id=pip_cert \
     if [ -s /run/secrets/pip_cert ]; then export PIP_CERT=/run/secrets/pip_cert; fi \
     && python3 -m venv /opt/deadweight \
-    && /opt/deadweight/bin/pip install --no-cache-dir --no-compile /src \
-    && /opt/deadweight/bin/python -m compileall -q /opt/deadweight
+    && /opt/deadweight/bin/pip install --no-cache-dir /src
 
 FROM python:3.11-slim
+LABEL org.opencontainers.image.title="deadweight" \
+      org.opencontainers.image.description="Sidecar that catches fine-tuning runs whose weights do not move" \
+      org.opencontainers.image.source="https://github.com/deadweight/deadweight" \
+      org.opencontainers.image.licenses="Apache-2.0"
 COPY --from=build /opt/deadweight /opt/deadweight
 RUN groupadd --system --gid 10001 deadweight \
     && useradd --system --uid 10001 --gid deadweight --no-create-home \
@@ -34,5 +37,6 @@ EXPOSE 9464
 HEALTHCHECK --interval=30s --timeout=5s --start-period=10s --retries=3 \
     CMD ["python3", "-c", "import urllib.request as u; u.urlopen('http://127.0.0.1:9464/metrics', timeout=4)"]
 # Extra flags given to `docker run IMAGE ...` are appended (e.g. --policy frozen_weights=stop).
+# /var/lib/deadweight (the working directory) is the volume for the sidecar's state.
 ENTRYPOINT ["deadweight", "serve", "--socket", "/run/deadweight/deadweight.sock", \
-            "--metrics-address", "0.0.0.0:9464", "--state-dir", "/var/lib/deadweight"]
+            "--metrics-address", "0.0.0.0:9464"]

@@ -74,6 +74,15 @@ def image_flag(flag: str) -> str:
     return entrypoint[entrypoint.index(flag) + 1]
 
 
+def image_state_dir() -> str:
+    """The sidecar's state dir in the image: --state-dir when given, else its WORKDIR."""
+    if "--state-dir" in json.loads(dockerfile_instruction("ENTRYPOINT")):
+        return image_flag("--state-dir")
+    workdirs = [line.split()[1] for line in (ROOT / "Dockerfile").read_text().splitlines()
+                if line.startswith("WORKDIR ")]
+    return workdirs[-1]
+
+
 # --- Kubernetes ---------------------------------------------------------------------------
 
 
@@ -131,7 +140,7 @@ def test_job_output_dir_is_read_only_for_the_sidecar_at_the_trainers_path() -> N
 def test_job_state_dir_matches_the_image_and_both_containers_share_one_uid() -> None:
     spec = pod_spec(job())
     sidecar = container(spec, "deadweight")
-    assert image_flag("--state-dir") in {m["mountPath"] for m in mounts(sidecar).values()}
+    assert image_state_dir() in {m["mountPath"] for m in mounts(sidecar).values()}
     uid, gid = dockerfile_instruction("USER").split(":")
     pod_sc = spec["securityContext"]
     # Same UID for both containers: the sidecar may signal the trainer without extra capability.
@@ -299,7 +308,7 @@ def test_compose_sidecar_uses_the_image_and_reaches_alertmanager() -> None:
     assert "alertmanager" in services
     targets = bind_mounts("deadweight")
     assert str(Path(image_flag("--socket")).parent) in targets
-    assert image_flag("--state-dir") in targets
+    assert image_state_dir() in targets
     port = dockerfile_instruction("EXPOSE")
     assert any(str(p).endswith(f":{port}") for p in sidecar["ports"])
 

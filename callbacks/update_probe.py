@@ -219,13 +219,14 @@ class UpdateProbe:
         stride = max(1, flat.numel() // sample)
         return flat[::stride][:sample]
 
-    def _build_group_index(self, n: int) -> torch.Tensor | None:
-        """A (groups x tensors) 0/1 matrix so group sums are one matmul, not a Python loop."""
-        if not self._groups or n == 0:
-            return None
-        index = torch.zeros(len(self._groups), n, dtype=torch.float64)
-        for row, group in enumerate(self._groups):
+    def _build_group_index(self, n: int) -> torch.Tensor:
+        """A (1 + groups) x tensors 0/1 matrix: row 0 is every tensor, then one row per group,
+        so totals and group sums come from one matmul, not a Python loop."""
+        index = torch.zeros(1 + len(self._groups), n, dtype=torch.float64)
+        index[0] = 1.0
+        for row, group in enumerate(self._groups, start=1):
             index[row, group.indices] = 1.0
+        self._group_sizes = [int(c) for c in index.sum(dim=1).tolist()[1:]]
         return index
 
     def before_step(self) -> None:
@@ -255,24 +256,26 @@ class UpdateProbe:
     def _summarise(self, figures: torch.Tensor) -> UpdateStats:
         """Totals and group sums from the per-tensor figures (already on the host)."""
         nonfinite = figures[:, 3] != 0
-        update_sq = torch.where(nonfinite, 0.0, figures[:, 0])
-        unchanged = ((figures[:, 2] == 0) & ~nonfinite).double()
-        groups: list[GroupStats] = []
-        if self._group_index is not None:
-            sums = (self._group_index @ update_sq).tolist()
-            unchanged_per = (self._group_index @ unchanged).tolist()
-            counts = self._group_index.sum(dim=1).tolist()
-            groups = [
-                GroupStats(g.name, g.kind, sums[i], int(counts[i]), int(unchanged_per[i]))
-                for i, g in enumerate(self._groups)
-            ]
+        columns = torch.stack([
+            # update sq of finite tensors only (a NaN would poison every row of the matmul)
+            torch.where(nonfinite | ~torch.isfinite(figures[:, 0]), 0.0, figures[:, 0]),
+            figures[:, 1],
+            ((figures[:, 2] == 0) & ~nonfinite).double(),  # unchanged
+            nonfinite.double(),
+        ], dim=1)
+        sums = (self._group_index @ columns).tolist()
+        total = sums[0]
+        groups = [
+            GroupStats(g.name, g.kind, row[0], size, int(row[2]))
+            for g, row, size in zip(self._groups, sums[1:], self._group_sizes, strict=True)
+        ]
         return UpdateStats(
-            update_sq_sum=float(update_sq.sum()),
-            param_sq_sum=float(figures[:, 1].sum()),
+            update_sq_sum=total[0],
+            param_sq_sum=total[1],
             watched_tensors=len(self._sources),
             watched_params=self.watched_params,
-            unchanged_tensors=int(unchanged.sum()),
-            nonfinite_update_tensors=int(nonfinite.sum()),
+            unchanged_tensors=int(total[2]),
+            nonfinite_update_tensors=int(total[3]),
             sampled=self.sampled,
             groups=groups,
         )

@@ -57,8 +57,8 @@ def boot_id() -> str:
         return ""
 
 
-def start_time(pid: int) -> int | None:
-    """The start time of pid in clock ticks since boot, or None when no such process."""
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state, start time in clock ticks since boot) of pid, None when no such process."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
     except (OSError, ValueError):
@@ -66,16 +66,34 @@ def start_time(pid: int) -> int | None:
     # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
     fields = text[text.rfind(")") + 2:].split()
     try:
-        return int(fields[19])  # field 22 overall; fields[0] is field 3
+        return fields[0], int(fields[19])  # fields 3 and 22 of the whole line
     except (IndexError, ValueError):
         return None
 
 
+def start_time(pid: int) -> int | None:
+    """The start time of pid in clock ticks since boot, or None when no such process."""
+    found = _stat(pid)
+    return None if found is None else found[1]
+
+
 def is_alive(identity: ProcessIdentity) -> bool:
-    """True when identity's pid still runs the very process that was identified."""
+    """True while identity's pid still runs the very process that was identified.
+
+    A zombie (exited, not yet reaped by its parent) counts as gone: it runs nothing.
+    """
     if identity.boot_id and identity.boot_id != boot_id():
         return False
-    return start_time(identity.pid) == identity.start_time
+    found = _stat(identity.pid)
+    return found is not None and found[1] == identity.start_time and found[0] not in ("Z", "X")
+
+
+def reused(identity: ProcessIdentity) -> bool:
+    """True when identity's pid now belongs to another process (never signal it)."""
+    current = start_time(identity.pid)
+    return current is not None and (
+        current != identity.start_time or identity.boot_id not in ("", boot_id())
+    )
 
 
 def attest_path(socket_path: str | Path) -> Path:

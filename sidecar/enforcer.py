@@ -23,7 +23,7 @@ from typing import Protocol
 import structlog
 
 from deadweight.sidecar.actions import ActionEvent, Actions
-from deadweight.sidecar.attestation import ProcessIdentity, is_alive, start_time
+from deadweight.sidecar.attestation import ProcessIdentity, is_alive, reused
 from deadweight.sidecar.registry import Finding
 from deadweight.sidecar.state import RunState
 from deadweight.sidecar.store import ActionRow, Store, StoredIncident
@@ -56,7 +56,7 @@ def send_signal(identity: ProcessIdentity, signum: int, dry_run: bool = False) -
         # The pidfd pins the process that held the pid at open time; the start time read
         # after it proves that process is the identified one.
         if not is_alive(identity):
-            return "gone" if start_time(identity.pid) is None else "pid_reused"
+            return "pid_reused" if reused(identity) else "gone"
         if dry_run:
             return "dry_run"
         signal.pidfd_send_signal(pidfd, signum)
@@ -239,7 +239,7 @@ class Enforcer:
             if not is_alive(target.identity):
                 target.finished = True
                 # Another process holding the pid means ours is gone all the same.
-                result = "exited" if start_time(target.identity.pid) is None else "pid_reused"
+                result = "pid_reused" if reused(target.identity) else "exited"
                 self.actions.record(esc.event(
                     "exit", result, target, after=target.signalled or "stop",
                     seconds_after_stop=round(now - esc.stop_at, 3)))

@@ -143,3 +143,13 @@ def test_promtool_cases_catch_a_broken_rule(tmp_path: Path) -> None:
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert "DeadweightFrozenWeights" in out.stdout + out.stderr
+
+
+def test_sidecar_detectors_match_the_table() -> None:
+    """The sidecar's detectors carry the severities the rules and routes assume."""
+    from deadweight.sidecar.detectors import BY_ID
+
+    table = {d.detector: d.severity for d in DETECTORS}
+    for detector_id, detector in BY_ID.items():
+        assert detector_id in table, f"sidecar detector {detector_id} has no alert"
+        assert detector.severity.value == table[detector_id], detector_id

@@ -37,6 +37,7 @@ _ALIGN = 64
 
 Path = Literal["auto", "native", "torch"]
 _version = operator.attrgetter("_version")
+_data_ptr = operator.methodcaller("data_ptr")
 
 
 @dataclass(frozen=True)
@@ -192,14 +193,26 @@ class UpdateProbe:
     ) -> None:
         self.watched_params = sum(t.numel() for t in tensors)
         self.sampled = self.watched_params > max_full_elements
-        self._sources = [self._view(t.detach(), sample_per_tensor) for t in tensors]
-        self._buffers, self._snapshot = _flat_snapshot(self._sources)
+        self._tensors = list(tensors)
+        self._sample = sample_per_tensor
+        self._path = path
         self._groups = list(groups)
         self._ready = False
+        self._group_index = self._build_group_index(len(self._tensors))
+        self._bind()
+
+    def _bind(self) -> None:
+        """Alias the tensors' current storage and lay out the snapshot and the kernel.
+
+        Runs again if a tensor's storage is replaced (``param.data = ...``, a device move):
+        the old aliases would otherwise keep measuring memory the model no longer uses.
+        """
+        self._storage = list(map(_data_ptr, self._tensors))
+        self._sources = [self._view(t.detach(), self._sample) for t in self._tensors]
+        self._buffers, self._snapshot = _flat_snapshot(self._sources)
         self._valid_at: list[int] | None = None  # versions at which snapshot == weights
-        self._group_index = self._build_group_index(len(self._sources))
-        native = None if path == "torch" else _native_pass(self._sources, self._snapshot)
-        if path == "native" and native is None:
+        native = None if self._path == "torch" else _native_pass(self._sources, self._snapshot)
+        if self._path == "native" and native is None:
             raise RuntimeError("the native update kernel is unavailable for these tensors")
         self._kernel: update_native.NativePass | _TorchPass = (
             native if native is not None else _TorchPass(self._sources, self._snapshot)
@@ -235,6 +248,8 @@ class UpdateProbe:
         After a measured step the snapshot is already fresh; it is copied again only when a
         version counter shows that something wrote a watched tensor since.
         """
+        if list(map(_data_ptr, self._tensors)) != self._storage:
+            self._bind()
         if self._sources and self._valid_at != list(map(_version, self._sources)):
             with torch.no_grad():
                 torch._foreach_copy_(self._snapshot, self._sources)

@@ -266,3 +266,17 @@ def test_mixed_dtypes_in_one_probe(path: str) -> None:
     # the CPU torch fallback returns 16-bit norms in 16 bits: three significant digits
     assert stats.update_sq_sum == pytest.approx(23 * 0.25, rel=1e-2)
     assert stats.param_sq_sum == pytest.approx(23 * 2.25, rel=1e-2)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_replaced_storage_is_followed(path: str) -> None:
+    param = torch.nn.Parameter(torch.zeros(32))
+    probe = UpdateProbe([param], path=path)  # type: ignore[arg-type]
+    step(probe, [param], [torch.ones(32)])
+    param.data = torch.full((32,), 7.0)  # e.g. a device move: new storage, old one orphaned
+    probe.before_step()
+    with torch.no_grad():
+        param.add_(1.0)
+    stats = probe.after_step()
+    assert stats is not None
+    assert stats.unchanged_tensors == 0 and stats.update_sq_sum == pytest.approx(32.0)

@@ -454,6 +454,12 @@ def runbook_index() -> str:
         "off these alerts (drop them with `alerting.alert_relabel_configs`), or the two paths",
         "no longer deduplicate.",
         "",
+        "Alerts about the training itself resolve when the run ends; alerts about what the run",
+        "wrote (checkpoints, adapter files) stay until the sidecar forgets the finished run, and",
+        "may page after the run ends, once the root cause that inhibited them has resolved.",
+        "Edit alerts/catalogue.py, then regenerate the rules, their tests, the Alertmanager",
+        "example and this index with `python -m alerts.generate`.",
+        "",
         "| alert | severity | resolves | runbook | what it means |",
         "|---|---|---|---|---|",
     ]

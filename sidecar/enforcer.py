@@ -30,7 +30,7 @@ from deadweight.sidecar.store import ActionRow, Store, StoredIncident
 
 log = structlog.get_logger("deadweight.enforcer")
 
-#: After SIGKILL, how long an escalation waits for the exit before it gives up watching.
+#: How long an escalation watches for the exit (after a STOP obeyed, or after SIGKILL).
 EXIT_WATCH_SECONDS = 30.0
 
 
@@ -258,7 +258,7 @@ class Enforcer:
             if now < esc.stop_at + self.stop_grace:
                 return ""
             if ended:  # the job obeyed STOP; watch its processes leave for a while
-                if not live or now >= esc.stop_at + self.stop_grace + self.kill_grace:
+                if now >= esc.stop_at + self.stop_grace + EXIT_WATCH_SECONDS:
                     return "stopped"
                 return ""
             if run is None or run.step <= esc.stop_step:

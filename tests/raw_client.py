@@ -66,11 +66,11 @@ def checkpoint_event(step: int, seq: int, digest: str) -> pb.Event:
 
 
 def requests(run_id: str, start: pb.RunStart, interval: float,
-             first_step: int = 1) -> Iterator[pb.StreamRequest]:
+             rank: int = 0) -> Iterator[pb.StreamRequest]:
     """RunStart, then one frozen step every interval seconds, forever."""
-    yield pb.StreamRequest(run_id=run_id, rank=0, events=[pb.Event(seq=0, run_start=start)])
-    for step in itertools.count(first_step):
-        yield pb.StreamRequest(run_id=run_id, rank=0,
+    yield pb.StreamRequest(run_id=run_id, rank=rank, events=[pb.Event(seq=0, run_start=start)])
+    for step in itertools.count(1):
+        yield pb.StreamRequest(run_id=run_id, rank=rank,
                                events=frozen_events(step, 2 * step - 1))
         time.sleep(interval)  # the pace of a training loop, not a wait on a condition
 
@@ -79,6 +79,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--socket", required=True)
     parser.add_argument("--run-id", required=True)
+    parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--claim-pid", type=int, default=0)
     parser.add_argument("--attest", action="store_true")
     parser.add_argument("--interval", type=float, default=0.05)
@@ -91,7 +92,7 @@ def main() -> int:
     with grpc.insecure_channel(f"unix://{args.socket}") as channel:
         try:
             for response in monitor_stub(channel).Stream(
-                requests(args.run_id, start, args.interval)
+                requests(args.run_id, start, args.interval, args.rank)
             ):
                 for directive in response.directives:
                     print(f"IGNORING {pb.Directive.Action.Name(directive.action)}", flush=True)

@@ -153,7 +153,7 @@ class Actions:
         """A firing incident read back after a restart: re-assert, never repeat.
 
         The page is re-asserted with its original start time (Alertmanager sees the same
-        alert, not a new one) and STOP is redelivered to ranks that reconnect; both are
+        alert, not a new one) and STOP is queued again for ranks that reconnect; both are
         journaled as such, not as new actions. The enforcer resumes escalations itself.
         """
         level = policy_level(finding.policy)
@@ -163,7 +163,7 @@ class Actions:
             self.record(self._event(run, finding, "page", "reasserted"))
         if level >= LEVEL[Policy.STOP] and not self.dry_run and self._done(run, finding, "stop"):
             directives.append(self._stop_directive(finding))
-            self.record(self._event(run, finding, "stop", "redelivered"))
+            self.record(self._event(run, finding, "stop", "requeued"))
         return directives
 
     def resolved(self, run: RunState, finding: Finding) -> None:

@@ -108,7 +108,7 @@ def test_registry_resumes_without_repeating_an_action(tmp_path: Path) -> None:
     assert run is not None and [c.combined_digest for c in run.checkpoints] == ["digest-4"]
     # Re-asserted with the original start time: the same alert, not a new page.
     assert ("r", "frozen_weights", fired_at) in pager2.fired
-    # The client reconnects: STOP is redelivered once, and a few fresh frozen steps change
+    # The client reconnects: STOP is delivered again, and a few fresh frozen steps change
     # nothing (too few to re-fire, and the incident is still the same one).
     again = _feed(registry2, [pb.Event(seq=0, run_start=run_start())]).directives
     assert [d.action for d in again] == [pb.Directive.ACTION_STOP]
@@ -117,7 +117,7 @@ def test_registry_resumes_without_repeating_an_action(tmp_path: Path) -> None:
     assert registry2.findings("r")["frozen_weights"].firing
     journal = [(a.action, a.result) for a in actions2.store.actions("r", "frozen_weights")]
     assert journal == [("page", "queued"), ("stop", "sent"),
-                       ("page", "reasserted"), ("stop", "redelivered")]
+                       ("page", "reasserted"), ("stop", "requeued")]
 
     # Healthy steps: held until enough fresh steps say so, then resolved.
     for step in range(7, 7 + registry2.resume_hold_steps):

@@ -45,7 +45,7 @@ class AlertReceiver:
         receiver = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - the http.server naming
+            def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 now = time.time()
                 receiver.alerts.extend((now, alert) for alert in json.loads(body))

@@ -61,10 +61,15 @@ def adapter_names(model: Any) -> list[str]:
 
 
 def active_adapters(model: Any) -> list[str]:
-    """The adapters PEFT currently routes through."""
-    active = getattr(model, "active_adapters", None)
-    if callable(active):  # older PEFT exposes a method
-        active = active()
+    """The adapters PEFT currently routes through (none for a model without adapters)."""
+    if not adapter_names(model):
+        return []  # a plain model's active_adapters() raises instead of answering
+    try:
+        active = getattr(model, "active_adapters", None)
+        if callable(active):  # older PEFT (and transformers' own integration) use a method
+            active = active()
+    except (ValueError, ImportError):
+        return []
     if isinstance(active, str):
         return [active]
     if isinstance(active, Iterable):

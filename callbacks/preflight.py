@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,9 +88,45 @@ def _suffix_matched(target: str, matched: Iterable[str]) -> bool:
     return any(m == target or m.endswith("." + target) for m in matched)
 
 
+#: A group of plain alternatives in a target_modules regex: ``(q_proj|v_proj)``.
+_ALTERNATIVES = re.compile(r"\(((?:\?:)?[\w.]+(?:\|[\w.]+)+)\)")
+
+
+def regex_alternatives(pattern: str) -> list[str]:
+    """The plain module names a target_modules regex lists as alternatives, if any."""
+    names: list[str] = []
+    for group in _ALTERNATIVES.findall(pattern):
+        names += [n for n in group.removeprefix("?:").split("|") if n]
+    return names
+
+
+def _unmatched_regex(pattern: str, matched: Iterable[str]) -> list[str]:
+    """Alternatives of the regex that no targeted module ends with (PEFT fullmatches names)."""
+    matched = list(matched)
+    return [n for n in regex_alternatives(pattern) if not _suffix_matched(n, matched)]
+
+
+def _config_file(path: str) -> Path | None:
+    """The base model's config.json: a local folder, else the local hub cache (no download)."""
+    local = Path(path) / "config.json"
+    if local.is_file():
+        return local
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    try:
+        cached = try_to_load_from_cache(path, "config.json")
+    except ValueError:  # not a repo id
+        return None
+    return Path(cached) if isinstance(cached, str) else None
+
+
 def _base_vocab_size(path: str) -> int:
-    """vocab_size from the base model's config.json on local disk, 0 when unknown."""
-    config = Path(path) / "config.json"
+    """vocab_size from the base model's config.json (local folder or hub cache), 0 if unknown."""
+    config = _config_file(path) if path else None
+    if config is None:
+        return 0
     try:
         data = json.loads(config.read_text())
     except (OSError, ValueError):
@@ -126,6 +163,7 @@ def gather(model: Any, processing_class: Any = None) -> PreflightFacts:
     matched = getattr(getattr(model, "base_model", None), "targeted_module_names", []) or []
     if isinstance(targets, str):
         facts.target_modules_regex = targets
+        facts.unmatched_target_modules = _unmatched_regex(targets, matched)
     elif targets:
         facts.requested_target_modules = sorted(str(t) for t in targets)
         facts.unmatched_target_modules = [

@@ -52,8 +52,11 @@ def load_adapter(model_dir: Path, adapter_dir: Path, trainable: bool) -> Any:
 
 
 def length_reward(completions: list[Any], **kwargs: Any) -> list[float]:
-    """A reward that varies with the completion, so GRPO has advantages to learn from."""
-    return [float(len(str(c))) / 10.0 for c in completions]
+    """A reward that varies with the completion, so GRPO has advantages to learn from.
+
+    Length alone ties often on 8-token completions; the characters break the tie.
+    """
+    return [len(str(c)) / 10.0 + sum(map(ord, str(c))) % 101 / 1000.0 for c in completions]
 
 
 def common_args(steps: int, warmup: int, lr: float, save_steps: int) -> dict[str, Any]:

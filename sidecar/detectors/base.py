@@ -83,8 +83,13 @@ def mean(values: list[float]) -> float:
 
 
 def trained_before(run: RunState, step: int) -> bool:
-    """Whether an optimizer step at lr > 0 ran at or before step (True when history is gone)."""
+    """Whether an optimizer step that should have moved weights ran at or before step.
+
+    A step counts when its lr was > 0 or it lies past the warmup (so lr 0 by mistake counts,
+    warmup's lr-0 first step does not); True when the step history is gone or never came.
+    """
+    warmup = int(run.config.get("resolved_warmup_steps", run.config.get("warmup_steps", 0)))
     steps = run.combined_steps()
-    if not steps or steps[0].step > step:
-        return not steps or steps[0].step > 1
-    return any(p.learning_rate > 0 for p in steps if p.step <= step)
+    if not steps or steps[0].step > 1:
+        return True
+    return any(p.learning_rate > 0 or p.step > warmup for p in steps if p.step <= step)

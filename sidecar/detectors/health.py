@@ -32,7 +32,7 @@ class NonfiniteLoss:
         if not bad:
             return Verdict(False)
         history = run.history("loss") or run.history("grad_norm")
-        step = history[-1][0] if history else (latest.step if latest else 0)
+        step = max(history[-1][0] if history else 0, latest.step if latest else 0)
         return Verdict(
             True,
             step=step,
@@ -75,8 +75,8 @@ class Stalled:
             True,
             step=run.step,
             summary=f"run stalled at step {run.step}: {reason}",
-            evidence={"seconds_since_last_message": fmt(round(silent, 1)),
-                      "seconds_since_last_step": fmt(round(since_step, 1)),
+            evidence={"seconds_since_last_message": fmt(silent),
+                      "seconds_since_last_step": fmt(since_step),
                       "step": fmt(run.step)},
         )
 
@@ -97,6 +97,8 @@ class DecayOnlyUpdate:
         grads = run.history("grad_norm")
         if not grads:
             return None
+        if run.config.get("weight_decay", 0.0) <= 0:
+            return Verdict(False)  # Adam momentum alone moves weights for a few steps
         by_step = {p.step: p for p in run.combined_steps()}
         window = grads[-settings.decay_only_steps:]
         if len(window) < settings.decay_only_steps:

@@ -137,6 +137,9 @@ class InactiveAdapter:
         trained = {a.name for a in adapters if a.in_optimizer_tensors > 0}
         idle = [a for a in adapters if a.tensors > 0 and a.in_optimizer_tensors == 0
                 and not _is_reference(run, a.name)]
+        switched = self._switched(run, settings, trained)
+        if switched is not None and switched.firing:
+            return switched  # the current, more specific verdict
         if trained and idle:
             return Verdict(
                 True,
@@ -154,7 +157,7 @@ class InactiveAdapter:
                     "step": "0 (train begin)",
                 },
             )
-        return self._switched(run, settings, trained)
+        return switched
 
     def _switched(self, run: RunState, settings: DetectorSettings, trained: set[str]
                   ) -> Verdict | None:

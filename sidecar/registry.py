@@ -387,10 +387,12 @@ class Registry:
             point = run.checkpoint(inspection.path)
             if point is None:
                 run.checkpoints_total += 1
-                point = CheckpointPoint(step=step, path=inspection.path, combined_digest="",
-                                        tensor_digests={}, adapter_bytes=inspection.tensor_bytes,
-                                        time=time.time())
+                point = CheckpointPoint(step=step, path=inspection.path,
+                                        combined_digest=inspection.adapter_digest,
+                                        tensor_digests=dict(inspection.tensor_digests),
+                                        adapter_bytes=inspection.tensor_bytes, time=time.time())
                 run.checkpoints.append(point)
+                self.store.add_checkpoint(run.run_id, point)
             point.inspection = inspection
             point.adapter_bytes = inspection.tensor_bytes
             self._judge_checkpoint(run, point)

@@ -1,0 +1,209 @@
+"""Detector edge cases fed as wire events into a Registry: the healthy facts that must not alarm.
+
+The real-trainer tests (``test_catalogue_*``) prove each detector on the real failure; these
+pin the boundaries cheaply: windows, warmup, single flat steps, relative (not absolute)
+trends, the stall clock, and artifact verdicts that outlive their run.
+"""
+
+from __future__ import annotations
+
+from deadweight.proto import pb
+from deadweight.sidecar.checkpoint_inspector import CheckpointInspection
+from deadweight.sidecar.registry import Registry
+from deadweight.sidecar.settings import DetectorSettings
+
+
+class Feed:
+    """One run on a registry, fed event by event."""
+
+    def __init__(self, registry: Registry, trainer: str = "GRPOTrainer",
+                 config: dict[str, float] | None = None, run_id: str = "r",
+                 **start: object) -> None:
+        self.registry, self.run_id, self.seq = registry, run_id, 0
+        membership = pb.OptimizerMembership(optimizer_tensors=8, optimizer_params=1024,
+                                            adapter_params=1024, adapter_tensors=8)
+        self.send(run_start=pb.RunStart(trainer=trainer, config=config or {},
+                                        membership=membership, **start))  # type: ignore[arg-type]
+
+    def send(self, **body: object) -> pb.StreamResponse:
+        self.seq += 1
+        event = pb.Event(seq=self.seq, **body)  # type: ignore[arg-type]
+        return self.registry.ingest(pb.StreamRequest(run_id=self.run_id, rank=0,
+                                                     events=[event]))
+
+    def step(self, step: int, lr: float = 1e-4, update_sq: float = 1e-6, **kw: object) -> None:
+        self.send(step=pb.StepReport(step=step, learning_rate=lr, update_sq_sum=update_sq,
+                                     watched_params=1024, optimizer_params=1024,
+                                     watched_tensors=8, **kw))  # type: ignore[arg-type]
+
+    def log(self, step: int, **values: float) -> None:
+        self.send(log=pb.LogReport(step=step, values=values))
+
+    def fired(self) -> set[str]:
+        return {k for k, f in self.registry.findings(self.run_id).items() if f.incidents}
+
+
+GRPO = {"beta": 0.04, "num_generations": 2.0, "learning_rate": 1e-4, "total_steps": 20}
+
+
+def test_a_single_flat_reward_step_is_healthy_a_window_is_not() -> None:
+    feed = Feed(Registry(settings=DetectorSettings(zero_reward_logs=3)), config=GRPO)
+    for step, frac in enumerate([0, 1, 0, 1, 0, 1, 1], start=1):
+        feed.log(step, frac_reward_zero_std=float(frac), reward_std=0.3, kl=0.01)
+    assert "zero_reward_variance" not in feed.fired()
+    feed.log(8, frac_reward_zero_std=1.0, reward_std=0.3, kl=0.01)
+    finding = feed.registry.findings("r")["zero_reward_variance"]
+    assert finding.firing and finding.evidence["frac_reward_zero_std"] == "1"
+    assert finding.evidence["reward_std"] == "0.3"
+
+
+def test_reward_std_alone_never_trips_zero_reward_variance() -> None:
+    feed = Feed(Registry(), config=GRPO)
+    for step in range(1, 10):
+        feed.log(step, reward_std=0.0, frac_reward_zero_std=0.0, **{"rewards/f/std": 0.2})
+    assert "zero_reward_variance" not in feed.fired()
+
+
+def test_kl_zero_at_step_one_and_during_warmup_is_expected() -> None:
+    config = {**GRPO, "resolved_warmup_steps": 2.0}
+    feed = Feed(Registry(settings=DetectorSettings(kl_zero_logs=3)), config=config)
+    for step, kl in [(1, 0.0), (2, 0.0), (3, 0.0), (4, 1e-5), (5, 0.0), (6, 0.0)]:
+        feed.log(step, kl=kl, loss=0.0)
+    assert "kl_stuck_zero" not in feed.fired()
+    feed.log(7, kl=0.0, loss=0.0)
+    assert feed.registry.findings("r")["kl_stuck_zero"].evidence["steps"] == "5-7"
+
+
+def test_constant_entropy_never_collapses_a_relative_drop_does() -> None:
+    feed = Feed(Registry(settings=DetectorSettings(trend_logs=3)), trainer="SFTTrainer")
+    for step in range(1, 13):
+        feed.log(step, entropy=5.75)
+    assert "entropy_collapse" not in feed.fired()
+    for step, value in [(13, 3.0), (14, 2.9), (15, 2.8)]:
+        feed.log(step, entropy=value)
+    evidence = feed.registry.findings("r")["entropy_collapse"].evidence
+    assert evidence["baseline"] == "5.75" and evidence["current"] == "2.9"
+
+
+def test_decay_only_needs_weight_decay_and_exactly_zero_gradients() -> None:
+    feed = Feed(Registry(settings=DetectorSettings(decay_only_steps=3)),
+                config={**GRPO, "weight_decay": 0.0})
+    for step in range(1, 6):
+        feed.step(step)
+        feed.log(step, grad_norm=0.0, loss=0.0)
+    assert "decay_only_update" not in feed.fired()  # Adam momentum, not decay
+
+    feed = Feed(Registry(settings=DetectorSettings(decay_only_steps=3)),
+                config={**GRPO, "weight_decay": 0.1}, run_id="wd")
+    for step in range(1, 4):
+        feed.step(step)
+        feed.log(step, grad_norm=0.0 if step > 1 else 1e-3, loss=0.0)
+    assert "decay_only_update" not in feed.fired()
+    feed.step(4)
+    feed.log(4, grad_norm=0.0, loss=0.0)
+    assert feed.registry.findings("wd")["decay_only_update"].evidence["steps"] == "2-4"
+
+
+def test_stalled_follows_the_clock_and_heartbeats() -> None:
+    registry = Registry(settings=DetectorSettings(stalled_seconds=60, stalled_step_seconds=600))
+    feed = Feed(registry, config=GRPO)
+    feed.step(1)
+    run = registry.run("r")
+    assert run is not None
+    now = run.last_seen
+    registry.tick(now + 30)
+    assert "stalled" not in feed.fired()
+    registry.tick(now + 61)
+    assert registry.findings("r")["stalled"].firing  # silence
+    feed.send(heartbeat=pb.Heartbeat(step=1))
+    registry.tick(run.last_seen + 1)
+    assert not registry.findings("r")["stalled"].firing  # alive again
+    run.ranks[0].last_step_time -= 601  # the last step is 601 s old, the heartbeat fresh
+    registry.tick(run.last_seen + 1)  # heartbeats alone do not hide a loop that stopped stepping
+    assert registry.findings("r")["stalled"].firing
+    assert "no optimizer step" in registry.findings("r")["stalled"].summary
+
+
+def test_lr_zero_after_warmup_flags_but_warmup_does_not() -> None:
+    config = {"learning_rate": 1e-4, "resolved_warmup_steps": 2.0, "total_steps": 10.0}
+    feed = Feed(Registry(), trainer="SFTTrainer", config=config)
+    for step in (1, 2):
+        feed.step(step, lr=0.0, update_sq=0.0)
+    assert "lora_lr_too_low" not in feed.fired()
+    for step in (3, 4, 5, 6):
+        feed.step(step, lr=0.0, update_sq=0.0)
+    assert feed.registry.findings("r")["lora_lr_too_low"].evidence["step"] == "6"
+
+
+def test_dpo_margin_growing_with_chosen_rising_is_healthy() -> None:
+    feed = Feed(Registry(settings=DetectorSettings(dpo_window=4)), trainer="DPOTrainer")
+    for step in range(1, 8):
+        feed.log(step, **{"rewards/chosen": 0.1 * step, "rewards/rejected": -0.1 * step,
+                          "rewards/margins": 0.2 * step})
+    assert "dpo_likelihood_collapse" not in feed.fired()
+    for step in range(8, 12):
+        feed.log(step, **{"rewards/chosen": -0.1 * step, "rewards/rejected": -0.3 * step,
+                          "rewards/margins": 0.2 * step})
+    assert "dpo_likelihood_collapse" in feed.fired()
+
+
+def _inspection(path: str, digest: str, lora_b_nonzero: int = 1,
+                pickles: tuple[str, ...] = ()) -> CheckpointInspection:
+    return CheckpointInspection(path=path, weights_file="adapter_model.safetensors",
+                                is_adapter=True, adapter_digest=digest,
+                                tensor_digests={"a.lora_B.weight": digest}, tensor_bytes=64,
+                                lora_params=16, lora_b_tensors=1,
+                                lora_b_nonzero_tensors=lora_b_nonzero, pickle_files=pickles)
+
+
+def test_checkpoint_at_warmups_lr_zero_step_is_not_unchanged() -> None:
+    config = {"learning_rate": 1e-4, "resolved_warmup_steps": 2.0, "total_steps": 10.0}
+    initial = pb.AdapterDigest(combined="d0")
+    feed = Feed(Registry(), trainer="SFTTrainer", config=config, initial_adapter=initial)
+    feed.step(1, lr=0.0, update_sq=0.0)
+    feed.send(checkpoint=pb.CheckpointReport(step=1, path="/c/checkpoint-1",
+                                             adapter=pb.AdapterDigest(combined="d0")))
+    assert "checkpoint_unchanged" not in feed.fired()
+    feed.step(2, lr=5e-5)
+    feed.send(checkpoint=pb.CheckpointReport(step=2, path="/c/checkpoint-2",
+                                             adapter=pb.AdapterDigest(combined="d0")))
+    finding = feed.registry.findings("r")["checkpoint_unchanged"]
+    assert finding.firing and finding.evidence["same_as"] == "previous (step 1)"
+    run = feed.registry.run("r")
+    assert run is not None and run.checkpoints_unchanged == 1
+
+
+def test_artifact_verdicts_outlive_the_run_and_files_overrule_memory() -> None:
+    registry = Registry()
+    feed = Feed(registry, trainer="SFTTrainer", config={"learning_rate": 1e-4},
+                initial_adapter=pb.AdapterDigest(combined="d0"))
+    feed.step(1)
+    feed.send(checkpoint=pb.CheckpointReport(step=1, path="/c/checkpoint-1",
+                                             adapter=pb.AdapterDigest(combined="d0")))
+    feed.send(run_end=pb.RunEnd(step=1, reason="completed"))
+    assert registry.findings("r")["checkpoint_unchanged"].firing  # still, after the end
+    # The watcher then reads the files: they differ from the initial adapter after all.
+    registry.record_inspection("r", _inspection("/c/checkpoint-1", "d1", lora_b_nonzero=0,
+                                                pickles=("adapter_model.bin",)), 1)
+    findings = registry.findings("r")
+    assert not findings["checkpoint_unchanged"].firing
+    assert findings["adapter_never_trained"].firing
+    assert findings["pickle_checkpoint"].evidence["pickle_files"] == "adapter_model.bin"
+    run = registry.run("r")
+    assert run is not None and run.checkpoints_unchanged == 0 and run.checkpoints_total == 1
+    assert not findings.get("frozen_weights")  # run-scoped verdicts stay resolved
+
+
+def test_reference_adapter_is_not_idle_but_a_second_adapter_is() -> None:
+    adapters = [pb.AdapterCoverage(name="default", tensors=8, params=1024,
+                                   in_optimizer_tensors=8, active=True),
+                pb.AdapterCoverage(name="ref", tensors=8, params=1024, in_optimizer_tensors=0)]
+    membership = pb.OptimizerMembership(optimizer_tensors=8, optimizer_params=1024,
+                                        adapters=adapters)
+    registry = Registry()
+    registry.ingest(pb.StreamRequest(run_id="grpo", events=[pb.Event(seq=1, run_start=pb.RunStart(
+        trainer="GRPOTrainer", membership=membership))]))
+    assert "inactive_adapter" not in registry.findings("grpo")
+    registry.ingest(pb.StreamRequest(run_id="sft", events=[pb.Event(seq=1, run_start=pb.RunStart(
+        trainer="SFTTrainer", membership=membership))]))
+    assert registry.findings("sft")["inactive_adapter"].evidence["idle_adapters"] == "ref"

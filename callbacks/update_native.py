@@ -41,45 +41,42 @@ _SOURCE = r"""
 #define DW_CLONES
 #endif
 
-static inline float bf16_to_f(uint16_t b) {
-  uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f;
+static inline float bf16_to_f(uint32_t b) {
+  uint32_t u = b << 16; float f; memcpy(&f, &u, 4); return f;
 }
 static inline float u32_to_f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 static inline double u64_to_d(uint64_t u) { double f; memcpy(&f, &u, 8); return f; }
 
-/* One tensor: w has n elements at element stride ws; s is contiguous. out gets 4 figures.
-   refresh != 0 writes w into s. Non-finite is tested on the bits (exponent all ones). */
-#define DW_PASS(NAME, BITS, TOD, EXPMASK)                                                 \
-DW_CLONES static void NAME(const BITS *w, int64_t ws, BITS *s, int64_t n, int refresh,      \
-                           double *out) {                                                 \
-  double du = 0.0, dw = 0.0; BITS ch = 0; BITS nf = 0;                                     \
-  if (ws == 1 && refresh) {                                                                \
-    _Pragma("omp simd reduction(+:du,dw) reduction(|:ch,nf)")                              \
-    for (int64_t j = 0; j < n; ++j) {                                                      \
-      BITS x = w[j], y = s[j]; double a = TOD(x), b = TOD(y), d = a - b;                   \
-      du += d * d; dw += a * a; ch |= (BITS)(x ^ y);                                       \
-      nf |= (BITS)((BITS)((x & EXPMASK) == EXPMASK) | (BITS)((y & EXPMASK) == EXPMASK));   \
-      s[j] = x;                                                                            \
-    }                                                                                      \
-  } else {                                                                                 \
-    for (int64_t j = 0; j < n; ++j) {                                                      \
-      BITS x = w[j * ws], y = s[j]; double a = TOD(x), b = TOD(y), d = a - b;              \
-      du += d * d; dw += a * a; ch |= (BITS)(x ^ y);                                       \
-      nf |= (BITS)((BITS)((x & EXPMASK) == EXPMASK) | (BITS)((y & EXPMASK) == EXPMASK));   \
-      if (refresh) s[j] = x;                                                               \
-    }                                                                                      \
-  }                                                                                        \
-  out[0] = du; out[1] = dw; out[2] = ch != 0; out[3] = nf != 0;                            \
+/* One contiguous run of n elements: accumulate into acc[4] (update sq, weight sq, bytes
+   differ, non-finite) and copy w into s. Non-finite is read from the bits (exponent all ones).
+   float32/float64 accumulate in float64; bf16 would be compute-bound there, so it sums blocks
+   of 2048 exact float32 products and adds the block sums in float64. */
+DW_CLONES static void run_f32(const uint32_t *w, uint32_t *s, int64_t n, double *acc) {
+  double du = 0.0, dw = 0.0; uint32_t ch = 0, nf = 0;
+  _Pragma("omp simd reduction(+:du,dw) reduction(|:ch,nf)")
+  for (int64_t j = 0; j < n; ++j) {
+    uint32_t x = w[j], y = s[j]; double a = u32_to_f(x), d = a - (double)u32_to_f(y);
+    du += d * d; dw += a * a; ch |= x ^ y;
+    nf |= ((x & 0x7f800000u) + 0x00800000u) | ((y & 0x7f800000u) + 0x00800000u);
+    s[j] = x;
+  }
+  acc[0] += du; acc[1] += dw; acc[2] += ch != 0; acc[3] += (nf & 0x80000000u) != 0;
 }
 
-#define F32(x) ((double)u32_to_f(x))
-#define F64(x) (u64_to_d(x))
-DW_PASS(pass_f32, uint32_t, F32, 0x7f800000u)
-DW_PASS(pass_f64, uint64_t, F64, 0x7ff0000000000000ull)
+DW_CLONES static void run_f64(const uint64_t *w, uint64_t *s, int64_t n, double *acc) {
+  const uint64_t e = 0x7ff0000000000000ull, one = 0x0010000000000000ull;
+  double du = 0.0, dw = 0.0; uint64_t ch = 0, nf = 0;
+  _Pragma("omp simd reduction(+:du,dw) reduction(|:ch,nf)")
+  for (int64_t j = 0; j < n; ++j) {
+    uint64_t x = w[j], y = s[j]; double a = u64_to_d(x), d = a - u64_to_d(y);
+    du += d * d; dw += a * a; ch |= x ^ y;
+    nf |= ((x & e) + one) | ((y & e) + one);
+    s[j] = x;
+  }
+  acc[0] += du; acc[1] += dw; acc[2] += ch != 0; acc[3] += (nf >> 63) != 0;
+}
 
-/* bf16 is compute-bound in float64: accumulate blocks of 2048 in float32, then add the block
-   sums in float64. The contiguous refreshing loop is the hot one; keep it branch-free. */
-DW_CLONES static void bf16_hot(const uint16_t *w, uint16_t *s, int64_t n, double *out) {
+DW_CLONES static void run_bf16(const uint16_t *w, uint16_t *s, int64_t n, double *acc) {
   double du = 0.0, dw = 0.0; uint32_t ch = 0, nf = 0;
   for (int64_t base = 0; base < n; base += 2048) {
     int64_t end = base + 2048 < n ? base + 2048 : n;
@@ -93,38 +90,26 @@ DW_CLONES static void bf16_hot(const uint16_t *w, uint16_t *s, int64_t n, double
     }
     du += bu; dw += bw;
   }
-  out[0] = du; out[1] = dw; out[2] = ch != 0; out[3] = (nf & 0x8000u) != 0;
+  acc[0] += du; acc[1] += dw; acc[2] += ch != 0; acc[3] += (nf & 0x8000u) != 0;
 }
 
-static void pass_bf16(const uint16_t *w, int64_t ws, uint16_t *s, int64_t n, int refresh,
-                      double *out) {
-  if (ws == 1 && refresh) { bf16_hot(w, s, n, out); return; }
-  double du = 0.0, dw = 0.0; uint32_t ch = 0, nf = 0;
-  for (int64_t j = 0; j < n; ++j) {
-    uint32_t x = w[j * ws], y = s[j]; double a = bf16_to_f(x), d = a - bf16_to_f(y);
-    du += d * d; dw += a * a; ch |= x ^ y;
-    nf |= ((x & 0x7f80u) + 0x80u) | ((y & 0x7f80u) + 0x80u);
-    if (refresh) s[j] = (uint16_t)x;
-  }
-  out[0] = du; out[1] = dw; out[2] = ch != 0; out[3] = (nf & 0x8000u) != 0;
-}
-
-/* Measure (and refresh) every tensor. src/snap are addresses, n/stride element counts. */
-void dw_update(int64_t count, const int64_t *src, const int64_t *stride, const int64_t *snap,
-               const int64_t *n, const int64_t *dtype, int refresh, double *out) {
+/* Measure and refresh every tensor. Tensor i is runs[i] contiguous runs of len[i] elements,
+   gap[i] elements apart in the source (one run for a whole tensor, several for a sample),
+   packed back to back in its snapshot. out[4 i ...] gets its four figures. */
+void dw_update(int64_t count, const int64_t *src, const int64_t *snap, const int64_t *runs,
+               const int64_t *len, const int64_t *gap, const int64_t *dtype, double *out) {
   for (int64_t i = 0; i < count; ++i) {
     double *o = out + 4 * i;
-    switch (dtype[i]) {
-      case 0:
-        pass_f32((const uint32_t *)src[i], stride[i], (uint32_t *)snap[i], n[i], refresh, o);
-        break;
-      case 1:
-        pass_bf16((const uint16_t *)src[i], stride[i], (uint16_t *)snap[i], n[i], refresh, o);
-        break;
-      default:
-        pass_f64((const uint64_t *)src[i], stride[i], (uint64_t *)snap[i], n[i], refresh, o);
-        break;
+    o[0] = o[1] = o[2] = o[3] = 0.0;
+    for (int64_t r = 0; r < runs[i]; ++r) {
+      int64_t at = r * gap[i], to = r * len[i];
+      switch (dtype[i]) {
+        case 0: run_f32((const uint32_t *)src[i] + at, (uint32_t *)snap[i] + to, len[i], o); break;
+        case 1: run_bf16((const uint16_t *)src[i] + at, (uint16_t *)snap[i] + to, len[i], o); break;
+        default: run_f64((const uint64_t *)src[i] + at, (uint64_t *)snap[i] + to, len[i], o); break;
+      }
     }
+    o[2] = o[2] != 0.0; o[3] = o[3] != 0.0;
   }
 }
 """
@@ -183,12 +168,24 @@ def load() -> ctypes.CDLL | None:
             try:
                 lib = ctypes.CDLL(str(target))
                 lib.dw_update.restype = None
-                lib.dw_update.argtypes = [ctypes.c_int64, *[ctypes.c_void_p] * 5,
-                                          ctypes.c_int, ctypes.c_void_p]
+                lib.dw_update.argtypes = [ctypes.c_int64, *[ctypes.c_void_p] * 7]
             except OSError:
                 lib = None
         _loaded[digest] = lib
         return lib
+
+
+def runs_of(tensor: torch.Tensor) -> tuple[int, int, int] | None:
+    """(runs, run length, gap) when tensor is evenly spaced contiguous runs, else None.
+
+    A contiguous tensor is one run; a sampled view ``as_strided((runs, len), (gap, 1))`` is
+    ``runs`` runs. Anything else is left to the torch kernel.
+    """
+    if tensor.is_contiguous():
+        return 1, tensor.numel(), tensor.numel()
+    if tensor.dim() == 2 and tensor.stride(1) == 1:
+        return tensor.shape[0], tensor.shape[1], tensor.stride(0)
+    return None
 
 
 class NativePass:
@@ -199,31 +196,32 @@ class NativePass:
         self._lib = lib
         self._keep = (sources, snapshots)  # the addresses below stay valid while these live
         count = len(sources)
-        table = torch.empty(5, count, dtype=torch.int64)
+        table = torch.empty(6, count, dtype=torch.int64)
         for i, (src, snap) in enumerate(zip(sources, snapshots, strict=True)):
+            layout = runs_of(src)
+            if layout is None or not snap.is_contiguous():
+                raise ValueError("the native kernel needs contiguous runs")
             table[0, i] = src.data_ptr()
-            table[1, i] = src.stride(0) if src.dim() == 1 else 1
-            table[2, i] = snap.data_ptr()
-            table[3, i] = src.numel()
-            table[4, i] = DTYPE_CODES[src.dtype]
+            table[1, i] = snap.data_ptr()
+            table[2, i], table[3, i], table[4, i] = layout
+            table[5, i] = DTYPE_CODES[src.dtype]
         self._table = table
         self._count = count
         self.out = torch.zeros(count, FIGURES, dtype=torch.float64)
 
     @staticmethod
     def supports(sources: list[torch.Tensor]) -> bool:
-        """CPU tensors of a known dtype that are contiguous or 1-D strided views."""
+        """CPU tensors of a known dtype laid out as contiguous runs."""
         return all(
-            s.device.type == "cpu" and s.dtype in DTYPE_CODES
-            and (s.is_contiguous() or s.dim() == 1)
+            s.device.type == "cpu" and s.dtype in DTYPE_CODES and runs_of(s) is not None
             for s in sources
         )
 
-    def run(self, refresh: bool = True) -> torch.Tensor:
-        """Fill and return the (tensors x 4) figures; refresh also copies into the snapshot."""
+    def run(self) -> torch.Tensor:
+        """Fill and return the (tensors x 4) figures, refreshing the snapshot on the way."""
         t = self._table
         self._lib.dw_update(
             self._count, t[0].data_ptr(), t[1].data_ptr(), t[2].data_ptr(), t[3].data_ptr(),
-            t[4].data_ptr(), int(refresh), self.out.data_ptr(),
+            t[4].data_ptr(), t[5].data_ptr(), self.out.data_ptr(),
         )
         return self.out

@@ -113,6 +113,7 @@ class _TorchPass:
         ]
         self._host_check = host_check
         self._count = len(sources)
+        self._scratch: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
 
     def run(self) -> torch.Tensor:
         """(tensors x 4) float64 on the host: update sq, weight sq, changed, non-finite."""
@@ -147,18 +148,23 @@ class _TorchPass:
             torch.stack(diff_max).double(),
         ])
 
-    @staticmethod
-    def _run_cpu(dtype: torch.dtype, srcs: list[torch.Tensor],
+    def _run_cpu(self, dtype: torch.dtype, srcs: list[torch.Tensor],
                  snaps: list[torch.Tensor]) -> torch.Tensor:
         """(tensors x 4): a norm of 0 (or NaN) is re-checked on the bytes before the refresh.
 
         A squared norm underflows and 16-bit CPU arithmetic flushes subnormals, so "changed"
         from the norm is certain but "unchanged" is not; only those tensors pay the compare.
+        The difference goes to a scratch buffer kept across steps: allocating it every step
+        costs more than the arithmetic (fresh pages fault in).
         """
-        diffs = torch._foreach_sub(srcs, snaps)
+        key = id(srcs)
+        if key not in self._scratch:
+            self._scratch[key] = _flat_snapshot(srcs)
+        diffs = self._scratch[key][1]
+        torch._foreach_copy_(diffs, srcs)
+        torch._foreach_sub_(diffs, snaps)
         diff_l2 = torch.stack(torch._foreach_norm(diffs)).double()
         weight_l2 = torch.stack(torch._foreach_norm(srcs)).double()
-        del diffs
         changed = (diff_l2 > 0).double()
         bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[
             torch.empty(0, dtype=dtype).element_size()]
@@ -178,6 +184,13 @@ def _native_pass(sources: list[torch.Tensor],
         return None
     lib = update_native.load()
     return None if lib is None else update_native.NativePass(lib, sources, snapshots)
+
+
+def _sample_runs(sample: int) -> int:
+    """How many runs a sample is cut into: its largest divisor up to 64, or single elements
+    when it has no divisor of 8 or more (a prime, say)."""
+    best = max(d for d in range(1, min(64, sample) + 1) if sample % d == 0)
+    return best if best >= 8 else sample
 
 
 class UpdateProbe:
@@ -225,12 +238,18 @@ class UpdateProbe:
         return sum(b.numel() for b in self._buffers)
 
     def _view(self, tensor: torch.Tensor, sample: int) -> torch.Tensor:
-        """The whole tensor, or in sampled mode a fixed strided sample of its elements."""
-        if not self.sampled or tensor.numel() <= sample or not tensor.is_contiguous():
+        """The whole tensor, or in sampled mode a fixed sample of exactly ``sample`` elements.
+
+        The sample is evenly spaced contiguous runs (a view, no copy): reading 4096 scattered
+        elements costs a cache line and often a page walk each, runs of 64 cost one per run.
+        """
+        n = tensor.numel()
+        if not self.sampled or n <= sample or not tensor.is_contiguous():
             return tensor
-        flat = tensor.view(-1)
-        stride = max(1, flat.numel() // sample)
-        return flat[::stride][:sample]
+        runs = _sample_runs(sample)
+        length = sample // runs
+        gap = (n - length) // max(runs - 1, 1)
+        return tensor.view(-1).as_strided((runs, length), (gap, 1))
 
     def _build_group_index(self, n: int) -> torch.Tensor:
         """A (1 + groups) x tensors 0/1 matrix: row 0 is every tensor, then one row per group,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import http.server
 import json
 import threading
+import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -200,12 +201,18 @@ def test_frozen_run_pages_once_with_evidence_and_resolves(
                        for n in stack.pages(FROZEN_RUN))
         return bool(from_sidecar) and bool(from_prometheus) and notified
 
+    deadline: list[float] = []
+
     def queries_checked() -> bool:
+        # Rates need two scrapes of a fresh series: poll until every query has data, for at
+        # most 20 s; test_every_shipped_query_... reports what still had none.
+        if not deadline:
+            deadline.append(time.monotonic() + 20)
         stack.live_query_failures = _queries_without_data(stack.prometheus)
-        return True
+        return not stack.live_query_failures or time.monotonic() > deadline[0]
 
     gate = _gate(5, paged_by_both_paths, "the page through both paths")
-    check = _gate(6, queries_checked, "the shipped queries to run")
+    check = _gate(6, queries_checked, "the shipped queries to return data")
     model = runs.load_adapter(model_dir, adapter_dir, trainable=False)
     callback = DeadweightCallback(address=stack.sidecar.address, run_id=FROZEN_RUN)
     trainer = runs.grpo_trainer(model, model_dir, tmp_path, [callback, gate, check], steps=8,

@@ -1,0 +1,125 @@
+"""The checkpoint inspector and watcher on real files: digests, zeros, bad headers, completeness."""
+
+from __future__ import annotations
+
+import json
+import struct
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from deadweight.callbacks import digest
+from deadweight.demo import runs
+from deadweight.sidecar.checkpoint_inspector import (
+    CheckpointInspection,
+    NotACheckpoint,
+    hash_file,
+    inspect_path,
+)
+from deadweight.sidecar.checkpoint_watcher import CheckpointWatcher
+from tests.test_catalogue_harness import poll
+
+
+def test_file_digests_equal_the_callbacks_in_memory_digests(tmp_path: Path) -> None:
+    model_dir, adapter_dir = runs.prepare(tmp_path, "llama")
+    model = runs.load_adapter(model_dir, adapter_dir, trainable=True)
+    memory = digest.digest_adapter(model)
+    files = inspect_path(adapter_dir)
+    assert files.tensor_digests == memory.tensors
+    assert files.adapter_digest == memory.combined
+    assert files.tensor_bytes == memory.bytes
+    assert files.lora_b_tensors == files.lora_b_nonzero_tensors > 0
+
+    model = model.to(torch.bfloat16)  # the saved dtype is what is hashed, in both places
+    model.save_pretrained(tmp_path / "bf16")
+    assert inspect_path(tmp_path / "bf16").adapter_digest == digest.digest_adapter(model).combined
+
+
+def test_exact_zero_ignores_the_sign_and_nothing_else(tmp_path: Path) -> None:
+    tensors = {
+        "m.q_proj.lora_B.weight": torch.tensor([[0.0, -0.0]], dtype=torch.bfloat16),
+        "m.v_proj.lora_B.weight": torch.tensor([[0.0, 1e-30]], dtype=torch.float32),
+        "m.k_proj.lora_B.weight": torch.tensor([[-0.0, 0.0]], dtype=torch.float16),
+        "m.q_proj.lora_A.weight": torch.ones(1, 2),
+    }
+    save_file(tensors, str(tmp_path / "adapter_model.safetensors"))
+    facts = {t.name: t.all_zero for t in hash_file(tmp_path / "adapter_model.safetensors")}
+    assert facts == {"m.q_proj.lora_B.weight": True, "m.v_proj.lora_B.weight": False,
+                     "m.k_proj.lora_B.weight": True, "m.q_proj.lora_A.weight": None}
+
+
+def _raw_safetensors(path: Path, header: dict[str, object], data: bytes) -> None:
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+
+
+def test_invalid_files_are_not_checkpoints(tmp_path: Path) -> None:
+    (tmp_path / "noise.safetensors").write_bytes(b"\xff" * 64)
+    _raw_safetensors(tmp_path / "short.safetensors",
+                     {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "notes.txt").write_text("hello")
+    for name in ("noise.safetensors", "short.safetensors", "empty", "notes.txt", "missing"):
+        with pytest.raises(NotACheckpoint):
+            inspect_path(tmp_path / name)
+
+
+def test_trainer_resume_pickles_are_not_flagged_weight_pickles_are(tmp_path: Path) -> None:
+    save_file({"x.lora_B.weight": torch.ones(2, 2)}, str(tmp_path / "adapter_model.safetensors"))
+    for name in ("training_args.bin", "optimizer.pt", "scheduler.pt", "rng_state.pth"):
+        (tmp_path / name).write_bytes(b"pickle")
+    assert inspect_path(tmp_path).pickle_files == ()
+    (tmp_path / "adapter_model.bin").write_bytes(b"pickle")
+    assert inspect_path(tmp_path).pickle_files == ("adapter_model.bin",)
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, CheckpointInspection, int]] = []
+        self.lock = threading.Lock()
+
+    def record_inspection(self, run_id: str, inspection: CheckpointInspection,
+                          step: int = 0) -> bool:
+        with self.lock:
+            self.seen.append((run_id, inspection, step))
+        return True
+
+
+def test_watcher_waits_for_a_complete_folder_created_after_registration(tmp_path: Path) -> None:
+    sink = Sink()
+    watcher = CheckpointWatcher(sink, settle_seconds=0.5, scan_seconds=0.1)
+    watcher.start()
+    try:
+        output = tmp_path / "out"  # does not exist yet: the Trainer creates it at its first save
+        watcher.watch("run", str(output))
+        folder = output / "checkpoint-5"
+        folder.mkdir(parents=True)
+        weights = folder / "adapter_model.safetensors"
+        tensors = {"m.q_proj.lora_A.weight": torch.ones(64, 64),
+                   "m.q_proj.lora_B.weight": torch.ones(64, 64)}
+        save_file(tensors, str(tmp_path / "staged.safetensors"))
+        staged = (tmp_path / "staged.safetensors").read_bytes()
+        with weights.open("wb") as handle:  # a slow writer: half now, half after a pause
+            handle.write(staged[: len(staged) // 2])
+            handle.flush()
+            written = time.monotonic()
+            while time.monotonic() - written < 0.3:
+                assert not sink.seen, "inspected a half-written file"
+                time.sleep(0.02)
+            handle.write(staged[len(staged) // 2:])
+        poll(lambda: sink.seen, "the watcher to inspect the finished checkpoint")
+        time.sleep(0.3)  # no second inspection of unchanged files
+        assert len(sink.seen) == 1
+        run_id, inspection, step = sink.seen[0]
+        assert (run_id, step, inspection.path) == ("run", 5, str(folder))
+        assert inspection.lora_b_nonzero_tensors == 1
+
+        watcher.submit("run", str(folder))  # the callback's report of the same files
+        time.sleep(0.3)
+        assert len(sink.seen) == 1
+    finally:
+        watcher.stop()

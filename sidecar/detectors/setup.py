@@ -53,6 +53,7 @@ class EmbeddingResized:
     severity = Severity.WARNING
     default_policy = Policy.PAGE
     latching = True
+    scope = "artifact"  # it predicts what every saved adapter will hold
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
         if run.start is None:

@@ -151,14 +151,14 @@ def run() -> dash.Dashboard:
                w=4, h=8),
         dash.Row("Loss-only view | deadweight view"),
         series("Loss", "What a loss-only view shows: it moves even when the weights do not.",
-               [(f"deadweight_loss{{{RUN}}}", by_rank)]),
+               [(f"deadweight_loss{{{RUN}}}", "loss")]),
         series("Update norm and scale-free ratio", "L2 of each optimizer step's change, and "
                "update_L2 / (lr * sqrt(n)); exactly 0 = frozen. Healthy LoRA ratio 0.4-0.9.",
-               [(f"deadweight_update_norm{{{RUN}}}", "update_norm " + by_rank),
-                (f"deadweight_update_ratio{{{RUN}}}", "update_ratio " + by_rank)]),
+               [(f"deadweight_update_norm{{{RUN}}}", "update_norm"),
+                (f"deadweight_update_ratio{{{RUN}}}", "update_ratio")]),
         series("Gradient norm", "What a loss-only view shows: alive even when the optimizer "
                "holds none of the parameters.",
-               [(f"deadweight_grad_norm{{{RUN}}}", by_rank)]),
+               [(f"deadweight_grad_norm{{{RUN}}}", "grad_norm")]),
         series("Optimizer membership", "Parameters the optimizer holds, parameters that "
                "require grad, and parameters with a grad that the optimizer does not hold.",
                [(f"deadweight_optimizer_params{{{RUN}}}", "in optimizer " + by_rank),
@@ -166,7 +166,7 @@ def run() -> dash.Dashboard:
                 (f"deadweight_grad_not_in_optimizer_params{{{RUN}}}",
                  "grad, not in optimizer " + by_rank)]),
         series("Learning rate", "Scheduled learning rate (0 during warmup step 1 is normal).",
-               [(f"deadweight_learning_rate{{{RUN}}}", by_rank)]),
+               [(f"deadweight_learning_rate{{{RUN}}}", "learning_rate")]),
         series("Frozen steps", "Consecutive optimizer steps that left every weight unchanged.",
                [(f"deadweight_frozen_steps{{{RUN}}}", "frozen steps")]),
         dash.Row("RL signals"),

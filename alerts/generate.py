@@ -249,8 +249,12 @@ def detector_tests(d: DetectorAlert, base: str) -> list[dict[str, Any]]:
             }]},
         ],
     }
-    # Healthy run: the detector reports 0; plus a finished run whose verdict is still 1.
+    # Healthy run: the detector reports 0; a run that recovered; a finished run whose verdict
+    # is still 1 (silent for "run" alerts only).
     ok_series = _detector_series("run-ok", d, f"0x{STEPS}", f"1x{STEPS}", healthy)
+    # A run whose verdict fired and then recovered while still running.
+    ok_series += _detector_series("run-recovered", d, f"1x3 0x{STEPS - 3}", f"1x{STEPS}",
+                                  healthy)
     done_series = _detector_series("run-done", d, f"1x{STEPS}", f"0x{STEPS}", values)
     silent_series = ok_series + done_series
     silent_case: dict[str, Any] = {

@@ -42,6 +42,25 @@ def _base(model_dir: Path) -> Any:
     return AutoModelForCausalLM.from_pretrained(model_dir)
 
 
+def _metrics(live: LiveSidecar, run_id: str) -> dict[str, float]:
+    """The run's checkpoint series as /metrics renders them (name, plus digest if any)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from deadweight.sidecar.exporter import DeadweightCollector
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(DeadweightCollector(live.registry, None, live.registry.detectors))
+    found: dict[str, float] = {}
+    for line in generate_latest(registry).decode().splitlines():
+        if not line.startswith("deadweight_checkpoint") or f'run_id="{run_id}"' not in line:
+            continue
+        name, labels = line.split("{", 1)[0], line.split("{", 1)[1].split("}")[0]
+        digest = dict(kv.split("=", 1) for kv in labels.split(",")).get("digest")
+        key = f"{name}{{digest={digest}}}" if digest else name
+        found[key] = float(line.rsplit(" ", 1)[1])
+    return found
+
+
 def _train(trainer: Any) -> Any:
     trainer.train()
     return trainer
@@ -78,6 +97,13 @@ def test_f1_grpo_beta_gradients_outside_the_optimizer_and_unchanged_checkpoints(
         assert point.inspection.adapter_digest == point.combined_digest
         assert point.inspection.tensor_digests == point.tensor_digests
     assert "inactive_adapter" not in fired  # TRL's "ref" copy is not an idle adapter
+
+    metrics = _metrics(live, "f1-grpo")
+    assert metrics["deadweight_checkpoints_total"] == 2
+    assert metrics["deadweight_checkpoint_unchanged_total"] == 2
+    assert metrics["deadweight_checkpoint_adapter_bytes"] == run.checkpoints[-1].adapter_bytes > 0
+    digest = run.checkpoints[-1].inspection.adapter_digest  # type: ignore[union-attr]
+    assert metrics[f'deadweight_checkpoint_info{{digest="{digest}"}}'] == 1
 
 
 def test_f1_sft_logs_zero_grad_norm_and_never_moves(

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds a local stand-in for the image's base (python:3.11-slim) from Debian packages and
 # commits it under that name, for machines that reach Debian and PyPI but no container
-# registry. The rootfs and the committed image are cached, so re-runs take seconds.
+# registry. The committed image is cached in its own buildah storage, so re-runs take a second.
 #
 # usage: deploy/standin_base.sh [IMAGE_NAME]
 # env:   DEADWEIGHT_BASE_CACHE  cache dir (default /var/tmp/deadweight-base); buildah storage
@@ -12,8 +12,6 @@ set -euo pipefail
 name=${1:-docker.io/library/python:3.11-slim}
 cache=${DEADWEIGHT_BASE_CACHE:-/var/tmp/deadweight-base}
 suite=bookworm # Debian 12 ships Python 3.11, the version of the real base.
-stamp=v1       # bump when the package list below changes
-tarball="$cache/$suite-python3-$stamp.tar"
 bh=(buildah --root "$cache/storage" --runroot "$cache/run" --storage-driver vfs)
 
 if "${bh[@]}" inspect --type image "$name" >/dev/null 2>&1; then
@@ -28,22 +26,15 @@ if [[ -z $mirror ]]; then
   mirror=${mirror:-http://deb.debian.org/debian}
 fi
 
-if [[ ! -s $tarball ]]; then
-  mkdir -p "$cache"
-  rootfs=$(mktemp -d "$cache/rootfs.XXXXXX")
-  trap 'rm -rf "$rootfs"' EXIT
-  debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
-    "$suite" "$rootfs" "$mirror"
-  rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/*
-  tar -C "$rootfs" --exclude=./dev/* --exclude=./proc/* --exclude=./sys/* \
-    -cf "$tarball.tmp" .
-  mv "$tarball.tmp" "$tarball"
-fi
-
 ctr=$("${bh[@]}" from scratch)
-"${bh[@]}" add "$ctr" "$tarball" /
+trap '"${bh[@]}" rm "$ctr" >/dev/null 2>&1 || true' EXIT
+rootfs=$("${bh[@]}" mount "$ctr")
+debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
+  "$suite" "$rootfs" "$mirror"
+rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/* "$rootfs"/dev/*
+"${bh[@]}" umount "$ctr"
 "${bh[@]}" config --env LANG=C.UTF-8 \
   --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
   --cmd python3 "$ctr"
-"${bh[@]}" commit --rm "$ctr" "$name"
+"${bh[@]}" commit "$ctr" "$name"
 echo "stand-in base $name: built from $mirror"

@@ -27,6 +27,8 @@ from typing import Any
 import pytest
 import tomllib
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("DEADWEIGHT_BASE_CACHE", "/var/tmp/deadweight-base"))
 BUILDAH = ["buildah", "--root", str(CACHE / "storage"), "--runroot", str(CACHE / "run"),

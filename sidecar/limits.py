@@ -27,6 +27,8 @@ MAX_MAP_ENTRIES = 1024
 MAX_LIST_ENTRIES = 1024
 #: Most tensors in one adapter digest (a LoRA on every linear layer of a 70B model: ~1.1k).
 MAX_DIGEST_TENSORS = 65536
+#: Longest adapter digest (xxh3-128 is 32 hex characters); it is exported as a label.
+MAX_DIGEST_LENGTH = 128
 #: Most ranks one run may report on one sidecar (one sidecar serves one node).
 MAX_RANKS_PER_RUN = 1024
 
@@ -65,7 +67,7 @@ def _list(name: str, values: Iterable[object], limit: int = MAX_LIST_ENTRIES) ->
 
 
 def _digest(name: str, digest: pb.AdapterDigest) -> str | None:
-    return _text(f"{name}.combined", digest.combined) or _map(
+    return _text(f"{name}.combined", digest.combined, MAX_DIGEST_LENGTH) or _map(
         f"{name}.tensors", digest.tensors, entries=MAX_DIGEST_TENSORS
     )
 

@@ -151,7 +151,10 @@ class DeadweightCollector(Collector):
             "deadweight_actions", "Actions taken on verdicts, by outcome.",
             labels=[*RUN, "detector", "action", "result"])
         if self.actions is not None:
+            live = {run.run_id for run, _ in self.registry.runs()}  # expired runs leave too
             for key, count in sorted(self.actions.counts.items(), key=lambda kv: str(kv[0])):
+                if key.run_id not in live:
+                    continue
                 actions.add_metric(
                     [key.run_id, key.trainer, key.detector, key.action, key.result], count)
         yield actions

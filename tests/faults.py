@@ -96,3 +96,27 @@ def metric_value(text: str, name: str, **labels: str) -> float | None:
         if all(f'{k}="{v}"' in body for k, v in labels.items()):
             return float(value)
     return None
+
+
+class Pipe:
+    """One open Stream driven by hand: send a batch, read its answer, as any client could."""
+
+    def __init__(self, address: str, options: list[tuple[str, int]] | None = None) -> None:
+        import queue
+
+        import grpc
+
+        from deadweight.callbacks.stream_client import grpc_target
+        from deadweight.proto import monitor_stub
+
+        self.channel = grpc.insecure_channel(grpc_target(address), options=options or [])
+        self._requests: queue.Queue[Any] = queue.Queue()
+        self._responses = monitor_stub(self.channel).Stream(iter(self._requests.get, None))
+
+    def send(self, request: Any) -> Any:
+        self._requests.put(request)
+        return next(self._responses)
+
+    def close(self) -> None:
+        self._requests.put(None)
+        self.channel.close()

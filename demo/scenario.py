@@ -35,7 +35,7 @@ def _quiet() -> None:
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
-    from huggingface_hub import disable_progress_bars
+    from huggingface_hub.utils import disable_progress_bars
 
     disable_progress_bars()
 

@@ -136,7 +136,25 @@ def scrape(sidecar: SidecarProcess, repeats: int) -> tuple[list[float], int]:
     return times, size
 
 
-def handoff(sidecar: SidecarProcess, calls: int) -> tuple[list[float], list[float], float]:
+class BatchWakeClient(StreamClient):
+    """The proposal measured beside the real client: wake the sender only for a full batch.
+
+    The sender would otherwise drain on its timer; this shows what submit() costs when it
+    does not signal a thread on every record.
+    """
+
+    def submit(self, kind: str, record: object) -> None:
+        self.submitted += 1
+        if len(self._queue) >= self.settings.max_queue:
+            self.dropped += 1
+        self._queue.append((kind, record, time.time()))
+        if len(self._queue) >= self.settings.batch_size:
+            self._wake.set()
+
+
+def handoff(sidecar: SidecarProcess, calls: int,
+            client_class: type[StreamClient] = StreamClient,
+            ) -> tuple[list[float], list[float], float]:
     """Per-call seconds: bare deque.append, and StreamClient.submit with a live sender."""
     bare: deque[tuple[str, object, float]] = deque(maxlen=10_000)
     record = _step_record(1)
@@ -145,7 +163,8 @@ def handoff(sidecar: SidecarProcess, calls: int) -> tuple[list[float], list[floa
         bare.append(("step", record, time.time()))
     bare_mean = (time.perf_counter() - start) / calls
 
-    client = StreamClient(sidecar.address, "bench-handoff", 0, to_event)
+    client = client_class(sidecar.address, f"bench-handoff-{client_class.__name__}", 0,
+                          to_event)
     client.start(RunStartRecord(
         trainer="SFTTrainer", world_size=1, output_dir="/tmp/bench-handoff", config={},
         config_text={}, versions={},
@@ -205,6 +224,34 @@ def wake_cost(calls: int) -> tuple[float, float]:
     return result[0], result[1]
 
 
+def render_in_process(repeats: int) -> tuple[float, float, int]:
+    """(collect, collect + text) seconds for the exporter over RUNS runs, without HTTP."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from deadweight.sidecar.exporter import DeadweightCollector
+    from deadweight.sidecar.logs import configure
+    from deadweight.sidecar.registry import Registry
+
+    configure(level="warning")  # 50 "run_registered" lines would drown the tables
+    registry = Registry()
+    for run in range(RUNS):
+        for request in _requests(run, 2, 16):
+            registry.ingest(request)
+    collector = DeadweightCollector(registry, None, registry.detectors)
+    prom = CollectorRegistry(auto_describe=False)
+    prom.register(collector)
+    collect, render = [], []
+    size = 0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        list(collector.collect())
+        collect.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        size = len(generate_latest(prom))
+        render.append(time.perf_counter() - start)
+    return min(collect), min(render), size
+
+
 def _pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -224,6 +271,10 @@ def run(repeats: int, quick: bool) -> list[list[str]]:
         rows.append(["hand-off: StreamClient.submit, sender live", fmt_time(med),
                      fmt_time(_pct(submit, 0.99)),
                      f"<= 2 us (median) {verdict(med <= HANDOFF_BUDGET)}"])
+        proposal, _, _ = handoff(sidecar, 1000 if quick else 5000, BatchWakeClient)
+        rows.append(["hand-off: submit waking the sender only per full batch (proposal)",
+                     fmt_time(statistics.median(proposal)), fmt_time(_pct(proposal, 0.99)),
+                     "reference"])
         quiet, woken = wake_cost(1000 if quick else 3000)
         rows.append(["hand-off: deque.append, sender not signalled", fmt_time(quiet), "",
                      "reference (sender drains on a timer)"])
@@ -240,6 +291,9 @@ def run(repeats: int, quick: bool) -> list[list[str]]:
                      f"p99 {fmt_time(_pct(times, 0.99))}, min {fmt_time(min(times))}",
                      f"<= 10 ms (median) {verdict(med <= METRICS_BUDGET)}"])
         del records
+        collect, render, size = render_in_process(20 if quick else 50)
+        rows.append([f"/metrics in-process: collect / collect + text ({size / 1024:.0f} KiB)",
+                     f"{fmt_time(collect)} / {fmt_time(render)}", "min", "reference"])
     table("sidecar and hand-off (real sidecar process, unix socket)",
           ["what", "median / rate", "p99 / per core", "budget"], rows)
     return rows

@@ -82,3 +82,19 @@ class MetricsProbe:
     def _on_step_end(self, *args: Any, **kwargs: Any) -> None:
         for detector, value in firing_values(self.sidecar.metrics(), self.run_id).items():
             self.max_firing[detector] = max(value, self.max_firing.get(detector, 0.0))
+
+
+#: Programs the tests drive for real; .ci/run installs them. Missing ones fail the session
+#: up front with one clear message instead of letting tests skip themselves into green.
+REQUIRED_PROGRAMS = ("prometheus", "promtool", "prometheus-alertmanager", "amtool", "openssl")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    import shutil
+
+    missing = [name for name in REQUIRED_PROGRAMS if shutil.which(name) is None]
+    if missing:
+        raise pytest.UsageError(
+            f"programs the tests need are not installed: {', '.join(missing)} "
+            "(run `bash .ci/run`, which installs them)"
+        )

@@ -20,9 +20,7 @@ from deadweight.sidecar.alertmanager import (
     runbook_url,
 )
 from tests.realprocs import (
-    ALERTMANAGER_BINARIES,
     Alertmanager,
-    find_binary,
     free_port,
     start_alertmanager,
     wait_for,
@@ -41,8 +39,6 @@ receivers:
 
 @pytest.fixture
 def alertmanager(tmp_path: Path) -> Iterator[Alertmanager]:
-    if find_binary(ALERTMANAGER_BINARIES) is None:
-        pytest.skip("prometheus-alertmanager is not installed")
     with start_alertmanager(tmp_path / "am", MINIMAL_CONFIG) as am:
         yield am
 

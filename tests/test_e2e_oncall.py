@@ -34,11 +34,8 @@ from deadweight.sidecar.alertmanager import DEFAULT_RUNBOOK_BASE_URL, runbook_ur
 from deadweight.sidecar.detectors import BY_ID
 from tests import promql
 from tests.realprocs import (
-    ALERTMANAGER_BINARIES,
-    PROMETHEUS_BINARIES,
     Alertmanager,
     Prometheus,
-    find_binary,
     start_alertmanager,
     start_prometheus,
     wait_for,
@@ -146,8 +143,6 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    if find_binary(PROMETHEUS_BINARIES) is None or find_binary(ALERTMANAGER_BINARIES) is None:
-        pytest.skip("prometheus and prometheus-alertmanager are not installed")
     work = tmp_path_factory.mktemp("oncall")
     webhook = _Recorder()
     am = start_alertmanager(work / "am", _alertmanager_config(webhook.url))

@@ -1,8 +1,8 @@
 """Start the real Prometheus and Alertmanager binaries on free 127.0.0.1 ports for tests.
 
 Each process gets its own temporary directory, is awaited through its `/-/ready` endpoint
-(never a fixed sleep), and is stopped by `stop()` (also on context exit). Tests skip when the
-binary is not installed; `.ci/run` installs the Debian packages.
+(never a fixed sleep), and is stopped by `stop()` (also on context exit). `.ci/run` installs
+the Debian packages; a missing binary fails the session (see conftest.py).
 """
 
 from __future__ import annotations

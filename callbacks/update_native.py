@@ -154,6 +154,17 @@ def _compile(target: Path) -> bool:
     return True
 
 
+def _open(path: Path) -> ctypes.CDLL | None:
+    """Load the library and declare the kernel's signature; None if it does not load."""
+    try:
+        lib = ctypes.CDLL(str(path))
+        lib.dw_update.restype = None
+        lib.dw_update.argtypes = [ctypes.c_int64, *[ctypes.c_void_p] * 7]
+    except (OSError, AttributeError):
+        return None
+    return lib
+
+
 def load() -> ctypes.CDLL | None:
     """The compiled kernel, building it on first use; None when it cannot be built."""
     if os.environ.get("DEADWEIGHT_NATIVE", "1") == "0" or sys.byteorder != "little":
@@ -162,15 +173,10 @@ def load() -> ctypes.CDLL | None:
     with _lock:
         if digest in _loaded:
             return _loaded[digest]
-        lib: ctypes.CDLL | None = None
         target = _cache_dir() / f"dw_update-{digest}.so"
-        if target.exists() or _compile(target):
-            try:
-                lib = ctypes.CDLL(str(target))
-                lib.dw_update.restype = None
-                lib.dw_update.argtypes = [ctypes.c_int64, *[ctypes.c_void_p] * 7]
-            except OSError:
-                lib = None
+        lib = _open(target) if target.exists() else None
+        if lib is None and _compile(target):  # absent, or unloadable (a foreign or torn file)
+            lib = _open(target)
         _loaded[digest] = lib
         return lib
 

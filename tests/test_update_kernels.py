@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 from collections.abc import Iterator
@@ -280,3 +281,28 @@ def test_replaced_storage_is_followed(path: str) -> None:
     stats = probe.after_step()
     assert stats is not None
     assert stats.unchanged_tensors == 0 and stats.update_sq_sum == pytest.approx(32.0)
+
+
+@pytest.mark.skipif(not NATIVE, reason="no C compiler")
+def test_a_torn_cached_library_is_rebuilt(tmp_path: Path) -> None:
+    # A fresh process: this one already maps the library, and rewriting a mapped file in
+    # place would corrupt it under our feet.
+    import subprocess
+    import sys
+
+    digest_name = f"dw_update-{hashlib.sha256(update_native._SOURCE.encode()).hexdigest()[:16]}.so"
+    (tmp_path / "deadweight").mkdir(mode=0o700)
+    (tmp_path / "deadweight" / digest_name).write_bytes(b"not a shared object")
+    code = (
+        "import torch\n"
+        "from deadweight.callbacks.update_probe import UpdateProbe\n"
+        "t = torch.zeros(3)\n"
+        "p = UpdateProbe([t], path='native')\n"
+        "p.before_step(); t.add_(1.0)\n"
+        "print(p.after_step().update_sq_sum)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)}, timeout=120,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "3.0"

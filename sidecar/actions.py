@@ -177,11 +177,11 @@ class Actions:
                             reason=finding.summary)
 
     def _page(self, run: RunState, finding: Finding) -> None:
-        if self.pager is None:
-            self.record(self._event(run, finding, "page", "no_pager"))
-            return
         if self.dry_run:
             self.record(self._event(run, finding, "page", "dry_run"))
+            return
+        if self.pager is None:
+            self.record(self._event(run, finding, "page", "no_pager"))
             return
         self.record(self._event(run, finding, "page", "queued"))
         self._fire_pager(run, finding)

@@ -104,6 +104,11 @@ class MonitorServicer(pb_grpc.MonitorServiceServicer):  # type: ignore[misc]
 def _prepare_socket(path: Path) -> None:
     """Create the socket's folder (owner-only) and clear a stale socket from a crash."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
+    folder = path.parent.stat()
+    if folder.st_uid != os.geteuid() or folder.st_mode & 0o002:
+        # Whoever else may write here could swap the socket for their own.
+        log.warning("socket_dir_not_private", folder=str(path.parent), owner=folder.st_uid,
+                    mode=oct(stat.S_IMODE(folder.st_mode)))
     if path.exists() or path.is_symlink():
         if not stat.S_ISSOCK(path.lstat().st_mode):
             raise FileExistsError(f"{path} exists and is not a socket; refusing to replace it")
@@ -162,7 +167,7 @@ class SidecarServer:
         check_transport(self.config)
         self._start_metrics()
         if self.config.socket_path and self.registry.attestor is not None:
-            _prepare_socket(Path(self.config.socket_path))
+            Path(self.config.socket_path).parent.mkdir(parents=True, exist_ok=True, mode=0o750)
             self._attestation = AttestationServer(attest_path(self.config.socket_path),
                                                   self.registry.attestor)
             self._attestation.start()

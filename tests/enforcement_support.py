@@ -59,8 +59,10 @@ def wait_journal(store: Store, run_id: str, entry: tuple[str, str], timeout: flo
 
 
 def enforcement_outcome(store: Store, run_id: str) -> str:
-    (incident,) = [i for i in store.incidents(run_id) if i.detector == "frozen_weights"]
-    return incident.enforcement
+    """How the run's frozen_weights escalation ended ("open" while running, "" before)."""
+    found = [i.enforcement for i in store.incidents(run_id) if i.detector == "frozen_weights"]
+    assert len(found) <= 1, found
+    return found[0] if found else ""
 
 
 def stop_all(*processes: subprocess.Popen[bytes]) -> None:

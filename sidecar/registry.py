@@ -24,7 +24,7 @@ from deadweight.sidecar.detectors.base import Detector, Policy, Verdict
 from deadweight.sidecar.detectors.frozen import FrozenWeights
 from deadweight.sidecar.settings import DetectorSettings
 from deadweight.sidecar.state import CheckpointPoint, RunState, StepPoint
-from deadweight.sidecar.store import Store
+from deadweight.sidecar.store import RETENTION_SECONDS, Store
 
 if TYPE_CHECKING:
     from deadweight.sidecar.checkpoint_inspector import CheckpointInspection
@@ -522,6 +522,9 @@ class Registry:
         """
         now = time.time()
         restored = 0
+        pruned = self.store.prune(ended_before=now - RETENTION_SECONDS)
+        if pruned:
+            log.info("state_pruned", runs=pruned, older_than_days=RETENTION_SECONDS / 86400)
         with self._lock:
             for stored in self.store.runs(ended_since=now - self.ended_ttl_seconds):
                 if stored.run_id in self._runs or len(self._runs) >= self.max_runs:

@@ -52,6 +52,8 @@ CREATE TABLE IF NOT EXISTS actions (
 CREATE INDEX IF NOT EXISTS actions_incident ON actions (run_id, detector, incident);
 """
 
+#: How long the journal of an ended run is kept (pruned when the sidecar starts).
+RETENTION_SECONDS = 30 * 86400
 #: incidents.enforcement while an escalation (STOP, SIGTERM, SIGKILL) is still in progress.
 ENFORCEMENT_OPEN = "open"
 
@@ -266,6 +268,16 @@ class Store:
             f"dry_run, detail FROM actions WHERE {where} ORDER BY id", tuple(args))
         return [ActionRow(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9],
                           bool(r[10]), json.loads(r[11])) for r in rows]
+
+    def prune(self, ended_before: float) -> int:
+        """Forget runs that ended before a time, with everything recorded about them."""
+        with self._lock:
+            ids = [r[0] for r in self._db.execute(
+                "SELECT run_id FROM runs WHERE ended=1 AND ended_at < ?", (ended_before,))]
+            for run_id in ids:
+                for table in ("bindings", "checkpoints", "incidents", "actions", "runs"):
+                    self._db.execute(f"DELETE FROM {table} WHERE run_id=?", (run_id,))
+        return len(ids)
 
     def has_action(self, run_id: str, detector: str, incident: int, action: str) -> bool:
         rows = self._read(

@@ -209,6 +209,7 @@ class Registry:
         if len(self._runs) >= self.max_runs and not self._evict_oldest_ended():
             raise IngestError(f"sidecar already tracks {self.max_runs} live runs")
         entry = _RunEntry(RunState(request.run_id))
+        self.store.forget_bindings(request.run_id)  # a run id used again: old processes go
         self._runs[request.run_id] = entry
         log.info("run_registered", run_id=request.run_id, rank=request.rank)
         return entry
@@ -443,7 +444,10 @@ class Registry:
         finding.summary = verdict.summary
         finding.evidence = dict(verdict.evidence)
         finding.fired_at = time.time()
-        finding.incidents += 1
+        # Numbering continues from the journal, so a run id used again (or a run that
+        # expired from memory) never shares an incident, and its actions, with the past.
+        finding.incidents = max(finding.incidents, self.store.last_incident(
+            entry.state.run_id, detector.id)) + 1
         entry.findings[detector.id] = finding
         self.store.open_incident(
             entry.state.run_id, finding.detector, finding.incidents, finding.severity,

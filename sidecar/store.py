@@ -183,6 +183,9 @@ class Store:
         return {rank: ProcessIdentity(pid, uid, gid, start, boot)
                 for rank, pid, uid, gid, start, boot in rows}
 
+    def forget_bindings(self, run_id: str) -> None:
+        self._write("DELETE FROM bindings WHERE run_id=?", (run_id,))
+
     # -- checkpoints -----------------------------------------------------------------------
 
     def add_checkpoint(self, run_id: str, point: CheckpointPoint) -> None:
@@ -230,6 +233,12 @@ class Store:
             "ORDER BY fired_at, incident", args)
         return [StoredIncident(r[0], r[1], r[2], r[3], r[4], r[5], r[6], json.loads(r[7]),
                                r[8], r[9], r[10]) for r in rows]
+
+    def last_incident(self, run_id: str, detector: str) -> int:
+        """The highest incident number journaled for a run's detector (0 for none)."""
+        rows = self._read("SELECT MAX(incident) FROM incidents WHERE run_id=? AND detector=?",
+                          (run_id, detector))
+        return int(rows[0][0] or 0)
 
     def incidents(self, run_id: str) -> list[StoredIncident]:
         return self._incidents("run_id=?", (run_id,))

@@ -147,3 +147,26 @@ def test_a_restored_finding_re_confirmed_is_still_one_incident(tmp_path: Path) -
     assert registry2.findings("r")["frozen_weights"].incidents == 1
     pages = [a for a in actions2.store.actions("r", "frozen_weights") if a.action == "page"]
     assert [a.result for a in pages] == ["queued", "reasserted"]
+
+
+def test_a_run_id_used_again_gets_a_new_incident_and_a_new_page(tmp_path: Path) -> None:
+    pager = RecordingPager()
+    store = Store(tmp_path)
+    registry = Registry(Actions(pager=pager, store=store), store=store, ended_ttl_seconds=0.0)
+    for attempt in (1, 2):
+        _feed(registry, [pb.Event(seq=0, run_start=run_start())])
+        for step in range(1, 5):
+            _feed(registry, frozen_events(step, 2 * step - 1))
+        _feed(registry, [pb.Event(seq=9, run_end=pb.RunEnd(step=4, reason="completed"))])
+        registry.tick(now=registry_end(registry) + 1.0)  # the ended run leaves memory
+        assert registry.run("r") is None, attempt
+    assert [i.incident for i in store.incidents("r") if i.detector == "frozen_weights"] == [1, 2]
+    pages = [(a.incident, a.result) for a in store.actions("r", "frozen_weights")]
+    assert pages == [(1, "queued"), (2, "queued")]
+    assert [f[1] for f in pager.fired].count("frozen_weights") == 2
+
+
+def registry_end(registry: Registry) -> float:
+    run = registry.run("r")
+    assert run is not None and run.ended
+    return run.ended_at

@@ -37,6 +37,5 @@ EXPOSE 9464
 HEALTHCHECK --interval=30s --timeout=5s --start-period=10s --retries=3 \
     CMD ["python3", "-c", "import urllib.request as u; u.urlopen('http://127.0.0.1:9464/metrics', timeout=4)"]
 # Extra flags given to `docker run IMAGE ...` are appended (e.g. --policy frozen_weights=stop).
-# /var/lib/deadweight (the working directory) is the volume for the sidecar's state.
 ENTRYPOINT ["deadweight", "serve", "--socket", "/run/deadweight/deadweight.sock", \
-            "--metrics-address", "0.0.0.0:9464"]
+            "--metrics-address", "0.0.0.0:9464", "--state-dir", "/var/lib/deadweight"]

@@ -27,6 +27,8 @@ from typing import Any
 import pytest
 import tomllib
 
+from deadweight.sidecar.store import DB_NAME
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -201,6 +203,11 @@ def test_sidecar_serves_metrics_in_the_image(image: str, container: str,
                  "print(stat.S_ISSOCK(s.st_mode), oct(s.st_mode & 0o777), s.st_uid)")
         is_sock, mode, owner = run([*in_ctr, "python3", "-c", probe]).stdout.split()
         assert (is_sock, mode, owner) == ("True", "0o660", config["User"].split(":")[0])
+        # The unprivileged sidecar keeps its store in the state volume.
+        database = f"{state_dir(config)}/{DB_NAME}"
+        exists = f"import os; print(os.path.isfile({database!r}))"
+        assert run([*in_ctr, "python3", "-c", exists]).stdout.strip() == "True"
+
         # A real gRPC round trip over that socket, from a second process in the image.
         run([*in_ctr, "deadweight", "status", "--address", f"unix://{socket_path}"])
 

@@ -11,6 +11,7 @@ the Prometheus and Alertmanager configs go through the real promtool and amtool.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import importlib.resources
 import json
@@ -26,6 +27,7 @@ import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 import yaml
 
+from deadweight.sidecar.cli import build_parser
 from deploy.kubernetes import prometheusrule
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,7 +85,21 @@ def image_state_dir() -> str:
     return workdirs[-1]
 
 
+def serve_args(extra: list[str]) -> argparse.Namespace:
+    """The image's ENTRYPOINT plus `extra`, parsed by the real CLI (a bad flag exits)."""
+    entrypoint: list[str] = json.loads(dockerfile_instruction("ENTRYPOINT"))
+    assert entrypoint[0] == "deadweight"
+    return build_parser().parse_args([*entrypoint[1:], *extra])
+
+
 # --- Kubernetes ---------------------------------------------------------------------------
+
+
+def test_job_sidecar_args_are_accepted_by_the_cli() -> None:
+    sidecar = container(pod_spec(job()), "deadweight")
+    args = serve_args(sidecar.get("args", []))
+    assert args.alertmanager_url.startswith("http://")
+    assert args.state_dir == image_state_dir()
 
 
 @pytest.mark.parametrize("version", KUBE_VERSIONS)
@@ -311,6 +327,11 @@ def test_compose_sidecar_uses_the_image_and_reaches_alertmanager() -> None:
     assert image_state_dir() in targets
     port = dockerfile_instruction("EXPOSE")
     assert any(str(p).endswith(f":{port}") for p in sidecar["ports"])
+
+
+def test_compose_sidecar_command_is_accepted_by_the_cli() -> None:
+    args = serve_args(compose()["services"]["deadweight"]["command"])
+    assert args.alertmanager_url == "http://alertmanager:9093"
 
 
 def test_compose_prometheus_config_loads_the_alert_rules(tmp_path: Path) -> None:

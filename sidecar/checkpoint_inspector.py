@@ -2,18 +2,21 @@
 
 A safetensors file is an 8-byte little-endian header length, a JSON header (dtype, shape and
 byte range of every tensor) and the raw tensor bytes. Each tensor is hashed with xxh3-128 over
-its byte range of a read-only memory map, the same digest ``callbacks/digest.py`` computes in
-memory, so a checkpoint can be compared with the adapter the run started from. Pickle files
+its byte range, read in chunks, the same digest ``callbacks/digest.py`` computes in memory, so
+a checkpoint can be compared with the adapter the run started from. Plain reads, not a memory
+map: a file rewritten in place shrinks under a mapped reader and the whole process dies of
+SIGBUS; a read just comes up short, and the file is reported as changed while read. Pickle files
 (``.bin``, ``.pt``) are listed, never opened: unpickling runs arbitrary code.
 """
 
 from __future__ import annotations
 
 import json
-import mmap
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import xxhash
@@ -33,6 +36,8 @@ DTYPE_BYTES = {
     "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
 }
 _UINT = {8: np.uint64, 4: np.uint32, 2: np.uint16, 1: np.uint8}
+#: Bytes read at a time while hashing (a multiple of every dtype width).
+READ_CHUNK = 8 * 1024 * 1024
 
 
 class NotACheckpoint(ValueError):
@@ -128,32 +133,39 @@ def read_header(path: Path) -> tuple[dict[str, dict[str, object]], int]:
     return header, start
 
 
+def _chunks(handle: BinaryIO, path: Path, begin: int, end: int) -> Iterator[bytes]:
+    """The bytes begin..end of an open file; a file that shrank meanwhile is not a checkpoint."""
+    handle.seek(begin)
+    left = end - begin
+    while left > 0:
+        chunk = handle.read(min(READ_CHUNK, left))
+        if not chunk:
+            raise NotACheckpoint(f"{path}: file shrank while it was read (rewritten in place?)")
+        left -= len(chunk)
+        yield chunk
+
+
 def hash_file(path: Path) -> list[TensorFacts]:
-    """Facts about every tensor of a safetensors file, hashed over a read-only memory map."""
+    """Facts about every tensor of a safetensors file, hashed chunk by chunk."""
     header, start = read_header(path)
     facts: list[TensorFacts] = []
     with path.open("rb") as handle:
-        size = path.stat().st_size
-        mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) if size else None
-        try:
-            view = memoryview(mapped) if mapped is not None else memoryview(b"")
-            for name in sorted(header):
-                entry = header[name]
-                begin, end = (int(x) for x in entry["data_offsets"])  # type: ignore[attr-defined]
-                dtype = str(entry.get("dtype", ""))  # type: ignore[attr-defined]
-                shape = [int(d) for d in entry.get("shape", [])]  # type: ignore[attr-defined]
-                data = view[start + begin:start + end]
-                params = int(np.prod(shape)) if shape else 1
-                facts.append(TensorFacts(
-                    name=name, dtype=dtype, params=params, nbytes=end - begin,
-                    digest=str(xxhash.xxh3_128_hexdigest(data)),
-                    all_zero=_all_zero(data, dtype) if is_lora_b(name) else None,
-                ))
-                data.release()
-            view.release()
-        finally:
-            if mapped is not None:
-                mapped.close()
+        for name in sorted(header):
+            entry = header[name]
+            begin, end = (int(x) for x in entry["data_offsets"])  # type: ignore[attr-defined]
+            dtype = str(entry.get("dtype", ""))  # type: ignore[attr-defined]
+            shape = [int(d) for d in entry.get("shape", [])]  # type: ignore[attr-defined]
+            params = int(np.prod(shape)) if shape else 1
+            digest = xxhash.xxh3_128()
+            zero = True
+            for chunk in _chunks(handle, path, start + begin, start + end):
+                digest.update(chunk)
+                if is_lora_b(name) and zero:
+                    zero = _all_zero(memoryview(chunk), dtype)
+            facts.append(TensorFacts(
+                name=name, dtype=dtype, params=params, nbytes=end - begin,
+                digest=digest.hexdigest(), all_zero=zero if is_lora_b(name) else None,
+            ))
     return facts
 
 

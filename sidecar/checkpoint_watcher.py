@@ -72,6 +72,22 @@ def _step(path: Path) -> int:
     return int(match.group(1)) if match else 0
 
 
+def _leaves_folder(path: Path) -> str | None:
+    """Why a checkpoint must not be read: a symlink out of its folder could make the sidecar
+    read files the run's user cannot, or block forever on a FIFO. None when it stays inside."""
+    try:
+        real = path.resolve(strict=True)
+        if real.parent != path.parent.resolve():
+            return f"the folder is a symlink to {real}, outside the output folder"
+        for entry in path.iterdir():
+            if entry.is_symlink() and entry.resolve().parent != real:
+                return (f"{entry.name} is a symlink to {entry.resolve()}, outside the "
+                        "checkpoint folder")
+    except OSError:
+        return None  # gone or unreadable: the inspector reports it
+    return None
+
+
 class _Handler(FileSystemEventHandler):  # type: ignore[misc]
     def __init__(self, wake: threading.Event) -> None:
         self.wake = wake
@@ -206,6 +222,11 @@ class CheckpointWatcher:
             self._inspect(pending)
 
     def _inspect(self, pending: _Pending) -> None:
+        escape = _leaves_folder(pending.path)
+        if escape is not None:
+            log.warning("checkpoint_skipped", run_id=pending.run_id, path=str(pending.path),
+                        reason=escape)
+            return
         try:
             inspection = inspect_path(pending.path)
         except (NotACheckpoint, OSError) as err:

@@ -1,7 +1,7 @@
 """Escalation for ``kill`` incidents: STOP, then SIGTERM, then SIGKILL, to the right processes.
 
 After STOP went out over the stream, the enforcer waits ``stop_grace``; if the run is still
-stepping (a step newer than the one at STOP arrived and no run end), every rank's registered
+stepping (no run end, and steps beyond the ones in flight at STOP), every rank's registered
 process gets SIGTERM; ``kill_grace`` later, every one still alive gets SIGKILL. Exits are
 observed and journaled. The process of a rank is only ever the one the kernel named when that
 rank registered (see ``attestation``), read from the store before each signal. Before every
@@ -30,6 +30,9 @@ from deadweight.sidecar.store import ActionRow, Store, StoredIncident
 
 log = structlog.get_logger("deadweight.enforcer")
 
+#: Steps a job that obeys STOP may still report: the step running when STOP arrived, and the
+#: next one when STOP lands between that step's hooks. Beyond these it ignored STOP.
+STEPS_IN_FLIGHT = 2
 #: How long an escalation watches for the exit (after a STOP obeyed, or after SIGKILL).
 EXIT_WATCH_SECONDS = 30.0
 
@@ -261,7 +264,7 @@ class Enforcer:
                 if now >= esc.stop_at + self.stop_grace + EXIT_WATCH_SECONDS:
                     return "stopped"
                 return ""
-            if run is None or run.step <= esc.stop_step:
+            if run is None or run.step <= esc.stop_step + STEPS_IN_FLIGHT:
                 return ""  # not stepping since STOP (a long step, or hung): not ours to end
             esc.term_at = now
             self._signal_all(esc, "sigterm", signal.SIGTERM, step=run.step)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from deadweight.sidecar.enforcer import STEPS_IN_FLIGHT
 from deadweight.sidecar.store import Store
 from tests.enforcement_support import (
     enforcement_outcome,
@@ -65,6 +66,9 @@ def test_kill_policy_escalates_only_as_far_as_each_job_forces(
         assert signals[-1].detail["after"] == {"obey": "stop", "ignore_stop": "sigterm",
                                                "ignore_term": "sigkill"}[mode]
         assert stop.detail["step"] >= 3  # fired after K frozen optimizer steps
+    obey_stop = next(r for r in store.actions("kill-obey") if r.action == "stop")
+    ended_at = int(logs["obey"].split("TRAINING_ENDED step=")[1].split()[0])
+    assert ended_at <= obey_stop.detail["step"] + STEPS_IN_FLIGHT  # STOP obeyed promptly
     assert enforcement_outcome(store, "kill-obey") == "exited"
     assert enforcement_outcome(store, "kill-ignore_stop") == "terminated"
     assert enforcement_outcome(store, "kill-ignore_term") == "killed"

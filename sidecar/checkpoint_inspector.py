@@ -12,13 +12,13 @@ SIGBUS; a read just comes up short, and the file is reported as changed while re
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-import numpy as np
 import xxhash
 
 #: Largest safetensors header accepted (the format's own limit is 100 MB).
@@ -35,7 +35,6 @@ DTYPE_BYTES = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
     "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
 }
-_UINT = {8: np.uint64, 4: np.uint32, 2: np.uint16, 1: np.uint8}
 #: Bytes read at a time while hashing (a multiple of every dtype width).
 READ_CHUNK = 8 * 1024 * 1024
 
@@ -96,15 +95,20 @@ def is_lora_b(name: str) -> bool:
 
 
 def _all_zero(data: memoryview, dtype: str) -> bool:
-    """Exact zero test on raw bytes; floats ignore the sign bit so -0.0 counts as zero."""
+    """Exact zero test on raw little-endian bytes; floats ignore the sign bit (-0.0 is zero).
+
+    Byte-string operations only (they run in C, and the sidecar needs no numpy): the sign is
+    the top bit of each element's last byte, which may be 0x00 or 0x80; all else must be 0.
+    """
+    raw = bytes(data)
+    if raw.count(0) == len(raw):
+        return True
     width = DTYPE_BYTES.get(dtype, 1)
-    if len(data) % width:
-        return not any(data)
-    words = np.frombuffer(data, dtype=_UINT[width])
-    if dtype.startswith(("F", "BF")):
-        mask = np.array((1 << (8 * width - 1)) - 1, dtype=_UINT[width])
-        return not bool(np.any(words & mask))
-    return not bool(np.any(words))
+    if not dtype.startswith(("F", "BF")) or len(raw) % width:
+        return False
+    if any(raw[i::width].count(0) != len(raw) // width for i in range(width - 1)):
+        return False
+    return not raw[width - 1::width].translate(None, b"\x00\x80")
 
 
 def read_header(path: Path) -> tuple[dict[str, dict[str, object]], int]:
@@ -155,7 +159,7 @@ def hash_file(path: Path) -> list[TensorFacts]:
             begin, end = (int(x) for x in entry["data_offsets"])  # type: ignore[attr-defined]
             dtype = str(entry.get("dtype", ""))  # type: ignore[attr-defined]
             shape = [int(d) for d in entry.get("shape", [])]  # type: ignore[attr-defined]
-            params = int(np.prod(shape)) if shape else 1
+            params = math.prod(shape)
             digest = xxhash.xxh3_128()
             zero = True
             for chunk in _chunks(handle, path, start + begin, start + end):

@@ -23,7 +23,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 STEPS = 4
 
 
-def main(model_dir: Path, adapter_dir: Path, out: Path, mode: str) -> int:
+def main(model_dir: Path, adapter_dir: Path, out: Path, mode: str, steps: int = STEPS) -> int:
     import torch
 
     torch.set_num_threads(1)
@@ -34,7 +34,7 @@ def main(model_dir: Path, adapter_dir: Path, out: Path, mode: str) -> int:
     model = runs.load_adapter(model_dir, adapter_dir, trainable=True)
     callback = DeadweightCallback(settings=ClientSettings(heartbeat_seconds=0.5),
                                   start_timeout_seconds=5.0)
-    trainer = runs.sft_trainer(model, model_dir, out / "train", [callback], steps=STEPS,
+    trainer = runs.sft_trainer(model, model_dir, out / "train", [callback], steps=steps,
                                save_steps=100, ddp_backend="gloo")
     if mode == "frozen":
         base = [p for name, p in model.named_parameters() if "lora_" not in name]
@@ -59,4 +59,5 @@ def main(model_dir: Path, adapter_dir: Path, out: Path, mode: str) -> int:
 
 if __name__ == "__main__":
     model_dir, adapter_dir, out, mode = sys.argv[1:5]
-    sys.exit(main(Path(model_dir), Path(adapter_dir), Path(out), mode))
+    steps = int(sys.argv[5]) if len(sys.argv) > 5 else STEPS
+    sys.exit(main(Path(model_dir), Path(adapter_dir), Path(out), mode, steps))

@@ -92,8 +92,9 @@ def run(repeats: int, quick: bool) -> list[list[str]]:
             times["optimizer.step()"].append(opt_time)
     step = statistics.median(times["step"])
     opt = statistics.median(times["optimizer.step()"])
-    rows = [["training step (no probe)", fmt_time(step), "", "", "", ""],
-            ["optimizer.step() AdamW (fused)", fmt_time(opt), f"{opt / step:.2%}", "", "", ""]]
+    rows = [["training step (no probe)", fmt_time(step), "", "", "", "", ""],
+            ["optimizer.step() AdamW (fused)", fmt_time(opt), f"{opt / step:.2%}", "", "", "",
+             ""]]
     for name in variants:
         cost = statistics.median(times[name])
         label = f"{name} [{default_path}]" if name.startswith("probe") else name
@@ -101,14 +102,16 @@ def run(repeats: int, quick: bool) -> list[list[str]]:
                   + verdict(cost / step <= STEP_BUDGET and cost / opt <= OPTIMIZER_BUDGET)
                   if name.startswith("probe") else "reference")
         rows.append([label, fmt_time(cost), f"{cost / step:.3%}", f"{cost / opt:.2f}x",
-                     f"{min(times[name]) / step:.3%}", budget])
+                     f"{min(times[name]) / step:.3%}",
+                     f"{min(times[name]) / min(times['optimizer.step()']):.2f}x", budget])
     del model, optimizer, variants
     rows += run_trainer(steps)
     n_params = sum(p.numel() for p in params)
     table(f"callback cost vs a training step (Qwen3-0.6B shape, {layers} layers, LoRA r16, "
           f"{n_params / 1e6:.1f}M adapter params in {len(params)} tensors, batch 1x{SEQ}, "
           f"{steps} steps, medians)",
-          ["what", "time", "of step", "of opt.step", "best of step", "budget"], rows)
+          ["what", "time", "of step", "of opt.step", "best of step", "best of opt.step",
+           "budget"], rows)
     return rows
 
 
@@ -206,11 +209,11 @@ def run_trainer(steps: int) -> list[list[str]]:
     h, o, s = statistics.median(hooks), statistics.median(opt), statistics.median(step)
     ok = h / s <= STEP_BUDGET and h / o <= OPTIMIZER_BUDGET
     return [
-        ["Trainer step (with callback)", fmt_time(s), "", "", "", ""],
-        ["optimizer.step() AdamW (in Trainer)", fmt_time(o), f"{o / s:.2%}", "", "", ""],
+        ["Trainer step (with callback)", fmt_time(s), "", "", "", "", ""],
+        ["optimizer.step() AdamW (in Trainer)", fmt_time(o), f"{o / s:.2%}", "", "", "", ""],
         [f"DeadweightCallback per-step hooks [{path}]", fmt_time(h), f"{h / s:.3%}",
-         f"{h / o:.2f}x", f"{min(hooks) / s:.3%}",
+         f"{h / o:.2f}x", f"{min(hooks) / s:.3%}", f"{min(hooks) / min(opt):.2f}x",
          f"<= {STEP_BUDGET:.2%} and <= {OPTIMIZER_BUDGET}x opt: {verdict(ok)}"],
         ["  of which UpdateProbe", fmt_time(statistics.median(probe_times[1:])),
-         f"{statistics.median(probe_times[1:]) / s:.3%}", "", "", ""],
+         f"{statistics.median(probe_times[1:]) / s:.3%}", "", "", "", ""],
     ]

@@ -157,6 +157,7 @@ class SidecarServer:
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._stopped: asyncio.Event | None = None
+        self._relisteners: list[grpc.aio.Server] = []
         self._error: BaseException | None = None
         self._http: object | None = None
         self.watcher: CheckpointWatcher | None = None
@@ -236,6 +237,8 @@ class SidecarServer:
         ticker = asyncio.create_task(self._tick())
         await self._stopped.wait()
         ticker.cancel()
+        for extra in self._relisteners:
+            await extra.stop(grace=1.0)
         await server.stop(grace=1.0)
         if self.config.socket_path:
             Path(self.config.socket_path).unlink(missing_ok=True)
@@ -245,8 +248,30 @@ class SidecarServer:
             await asyncio.sleep(TICK_SECONDS)
             try:
                 self.registry.tick()
+                await self._relisten_if_deleted()
             except Exception:
                 log.exception("tick_failed")
+
+    async def _relisten_if_deleted(self) -> None:
+        """A deleted socket file keeps open streams alive but locks every new rank out, while
+        the sidecar still looks up: listen again on the same path (open streams stay put)."""
+        if not self.config.socket_path:
+            return
+        path = Path(self.config.socket_path)
+        if path.exists() or path.is_symlink():
+            return
+        log.error("socket_missing", socket=str(path), action="listening again")
+        server = grpc.aio.server(options=self.config.grpc_options)
+        add_monitor_servicer(MonitorServicer(self.registry, self.config.token), server)
+        _prepare_socket(path)
+        old_umask = os.umask(0o117)
+        try:
+            server.add_insecure_port(f"unix://{path}")
+        finally:
+            os.umask(old_umask)
+        await server.start()
+        os.chmod(path, SOCKET_MODE)
+        self._relisteners.append(server)
 
     def stop(self) -> None:
         """Stop serving and wait for the thread."""

@@ -15,6 +15,12 @@ launch loop and one host sync. "Unchanged" is exact, never a norm (a square unde
 native kernel and the CPU torch fallback compare bytes, the accelerator path tests the largest
 absolute difference, so there +0.0 and -0.0 count as equal. A tensor holding a non-finite value
 is counted as non-finite, never as unchanged.
+
+Sampled mode (full fine-tuning, above ``max_full_elements``): each tensor contributes a fixed
+sample of ``sample_per_tensor`` elements in evenly spaced contiguous runs, so the snapshot
+stays small whatever the model size. Figures then cover the sample (``UpdateStats.sampled``):
+"unchanged" means the sampled elements kept their bytes. On CUDA the sample views are not
+dense, so the multi-tensor ops fall back to one launch per tensor there.
 """
 
 from __future__ import annotations

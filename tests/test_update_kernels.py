@@ -306,3 +306,20 @@ def test_a_torn_cached_library_is_rebuilt(tmp_path: Path) -> None:
                           check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "3.0"
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_sample_is_evenly_spaced_runs_from_first_to_last(path: str) -> None:
+    t = torch.zeros(100_000)
+    probe = UpdateProbe([t], max_full_elements=1000, sample_per_tensor=500,
+                        path=path)  # type: ignore[arg-type]
+    (source,) = probe._sources
+    assert source.shape == (50, 10) and source.stride() == (2040, 1)  # (100000 - 10) // 49
+    seen = []
+    for index in (0, 99_965, 5_000):  # first run, last run, between runs
+        probe.before_step()
+        t[index] += 1.0
+        stats = probe.after_step()
+        assert stats is not None
+        seen.append(stats.unchanged_tensors == 0)
+    assert seen == [True, True, False]

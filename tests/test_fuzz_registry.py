@@ -220,7 +220,7 @@ def test_unknown_run_id_is_refused(run_id: str, kinds: list[str], seq: int) -> N
 ORDER = Cases()
 
 
-@settings(FUZZ, max_examples=4500)
+@settings(FUZZ, max_examples=4800)
 @given(order=st.lists(st.integers(-5, 30), max_size=12))
 def test_out_of_order_and_repeated_steps_change_nothing(order: list[int]) -> None:
     registry, run_id = ORDER.registry, ORDER.fresh_run()

@@ -68,10 +68,14 @@ class DeadweightAbort(RuntimeError):
 
 
 def default_run_id(output_dir: str, started: float) -> str:
-    """A stable, readable id: the output folder's name and a short hash of path and time."""
+    """A stable, readable id: the output folder's name and a short hash of path and time.
+
+    The name is cut and cleaned so the id always passes the sidecar's checks (at most 128
+    printable characters): a long or odd folder name must not leave the run unmonitored.
+    """
     path = str(Path(output_dir).resolve())
     tag = hashlib.sha256(f"{path}|{started:.6f}".encode()).hexdigest()[:8]
-    name = Path(path).name or "run"
+    name = "".join(c if c.isprintable() else "_" for c in Path(path).name[:100]) or "run"
     return f"{name}-{tag}"
 
 

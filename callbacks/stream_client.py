@@ -122,6 +122,7 @@ class StreamClient:
         self._channel: grpc.Channel | None = None
         self.dropped = 0
         self._reported_dropped = -1
+        self._rejections: set[str] = set()
         self.submitted = 0
         self.sent = 0
         self.connects = 0
@@ -296,8 +297,10 @@ class StreamClient:
             self._channel = None
 
     def _on_response(self, response: pb.StreamResponse) -> None:
-        if response.error:
-            log.warning("deadweight: sidecar rejected a batch: %s", response.error)
+        rejected = response.error
+        if rejected and rejected not in self._rejections and len(self._rejections) < 32:
+            self._rejections.add(rejected)  # each reason once: a rejected run must not flood
+            log.warning("deadweight: sidecar rejected a batch: %s", rejected)
         with self._lock:
             self._acked = max(self._acked, response.ack_seq)
             while self._inflight and self._inflight[0].seq <= response.ack_seq:

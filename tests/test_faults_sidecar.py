@@ -8,6 +8,7 @@ the trainer reached its last step, and delivered + counted-as-dropped == submitt
 
 from __future__ import annotations
 
+import logging
 import signal
 from pathlib import Path
 
@@ -165,5 +166,37 @@ def test_socket_deleted_mid_run(tiny: tuple[Path, Path], tmp_path: Path) -> None
                                   settings=FAST)
         _train(tiny, tmp_path / "out2", [late], steps=3)
         assert sidecar.steps("after-deletion") == [1, 2, 3]
+    finally:
+        sidecar.stop()
+
+
+def test_a_refused_run_trains_on_with_one_warning(
+    tiny: tuple[Path, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A run id the sidecar refuses costs one warning per reason, not one per batch."""
+    sidecar = InProcessSidecar(tmp_path / "sock" / "dw.sock").start()
+    callback = DeadweightCallback(address=sidecar.address, run_id="x" * 200, settings=FAST)
+    try:
+        with caplog.at_level(logging.WARNING, logger="deadweight"):
+            _train(tiny, tmp_path / "out", [callback])
+        rejected = [r.getMessage() for r in caplog.records if "rejected" in r.getMessage()]
+        assert rejected == ["deadweight: sidecar rejected a batch: run_id longer than 128 "
+                            "characters"]
+        assert sidecar.registry.runs() == []
+    finally:
+        sidecar.stop()
+
+
+def test_a_long_odd_output_folder_still_gets_a_valid_run_id(
+    tiny: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("DEADWEIGHT_RUN_ID", raising=False)
+    sidecar = InProcessSidecar(tmp_path / "sock" / "dw.sock").start()
+    callback = DeadweightCallback(address=sidecar.address, settings=FAST)
+    try:
+        _train(tiny, tmp_path / ("hyper-" * 30 + "\tlr=1e-4"), [callback], steps=2)
+        run_id = callback.run_id
+        assert run_id is not None and len(run_id) <= 128 and run_id.isprintable()
+        assert sidecar.steps(run_id) == [1, 2]
     finally:
         sidecar.stop()

@@ -321,18 +321,36 @@ def test_f7_f9_learning_rate(live: LiveSidecar, qwen: tuple[Path, Path], tmp_pat
 # -- F10: collapses behind a rising reward ----------------------------------------------------
 
 
+def char_length_reward(completions: list[Any], **kwargs: Any) -> list[float]:
+    return [-float(len(str(c))) for c in completions]
+
+
 def test_f10_entropy_collapse(live: LiveSidecar, qwen: tuple[Path, Path],
                               tmp_path: Path) -> None:
-    """Full fine-tuning at a high rate on one repeated line: the model turns deterministic."""
+    """GRPO, full fine-tuning at a high rate: the policy turns deterministic as reward rises."""
     model_dir, _ = qwen
-    trainer = runs.sft_trainer(_base(model_dir), model_dir, tmp_path,
-                               [live.callback("f10-entropy")], steps=10, lr=3e-2,
-                               save_steps=100)
-    trainer.train_dataset = trainer.train_dataset.select([0] * 64)
-    _train(trainer)
+    _train(runs.grpo_trainer(_base(model_dir), model_dir, tmp_path,
+                             [live.callback("f10-entropy")], beta=0.0, steps=10, lr=5e-2,
+                             save_steps=100, reward_funcs=char_length_reward,
+                             num_generations=4, per_device_train_batch_size=4))
     collapse = live.fired("f10-entropy")["entropy_collapse"]
     assert float(collapse.evidence["drop"]) > 0.4
     assert float(collapse.evidence["baseline"]) > 5.0  # the run's own start, not a floor
+
+
+def test_sft_learning_its_data_is_not_an_entropy_collapse(
+    live: LiveSidecar, qwen: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """SFT memorising one line drops entropy just as far: that is learning, not collapse."""
+    model_dir, _ = qwen
+    trainer = runs.sft_trainer(_base(model_dir), model_dir, tmp_path,
+                               [live.callback("sft-memorise")], steps=10, lr=3e-2,
+                               save_steps=100)
+    trainer.train_dataset = trainer.train_dataset.select([0] * 64)
+    _train(trainer)
+    entropy = [v for _, v in live.run("sft-memorise").history("entropy")]
+    assert entropy[-1] < 0.6 * entropy[0]
+    assert "entropy_collapse" not in live.fired("sft-memorise")
 
 
 def short_reward(completion_ids: list[list[int]], **kwargs: Any) -> list[float]:

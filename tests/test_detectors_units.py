@@ -75,7 +75,7 @@ def test_kl_zero_at_step_one_and_during_warmup_is_expected() -> None:
 
 
 def test_constant_entropy_never_collapses_a_relative_drop_does() -> None:
-    feed = Feed(Registry(settings=DetectorSettings(trend_logs=3)), trainer="SFTTrainer")
+    feed = Feed(Registry(settings=DetectorSettings(trend_logs=3)), config=GRPO)
     for step in range(1, 13):
         feed.log(step, entropy=5.75)
     assert "entropy_collapse" not in feed.fired()

@@ -12,6 +12,7 @@ from deadweight.sidecar.detectors.base import (
     Verdict,
     finite_history,
     fmt,
+    is_rl,
     mean,
 )
 from deadweight.sidecar.settings import DetectorSettings
@@ -35,12 +36,15 @@ class _Collapse:
     key = ""
     what = ""
     latching = False
+    #: Only for runs that sample their own completions (GRPO/RLOO): in SFT a falling entropy
+    #: is the model learning its data, not a collapse.
+    rl_only = True
 
     def _drop(self, settings: DetectorSettings) -> float:
         raise NotImplementedError
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
-        if not run.history(self.key):
+        if not run.history(self.key) or (self.rl_only and not is_rl(run)):
             return None
         found = _relative_drop(run, self.key, settings.trend_logs, self._drop(settings))
         if found is None:
@@ -60,7 +64,10 @@ class _Collapse:
 
 
 class EntropyCollapse(_Collapse):
-    """Token entropy fell far below the run's own start: the policy became near-deterministic."""
+    """Token entropy of sampled completions fell far below the run's own start.
+
+    The policy became near-deterministic: exploration is gone though the reward still rises.
+    """
 
     id = "entropy_collapse"
     severity = Severity.WARNING

@@ -269,6 +269,15 @@ class Registry:
         log.info("rank_bound", run_id=entry.state.run_id, rank=rank, pid=identity.pid,
                  uid=identity.uid, start_time=identity.start_time)
 
+    def progress(self, run_id: str) -> tuple[int, bool, frozenset[int]] | None:
+        """(step, ended, ranks) of a run, read under the lock (for the enforcer's thread)."""
+        with self._lock:
+            entry = self._runs.get(run_id)
+            if entry is None:
+                return None
+            run = entry.state
+            return run.step, run.ended, frozenset(run.ranks)
+
     def identities(self, run_id: str) -> dict[int, ProcessIdentity]:
         with self._lock:
             entry = self._runs.get(run_id)
@@ -291,6 +300,7 @@ class Registry:
         rank = run.rank(request.rank)
         now = time.time()
         rank.last_seen = now
+        rank.first_seen = rank.first_seen or now
         rank.connected = True
         for event in request.events:
             kind = event.WhichOneof("body")

@@ -120,6 +120,8 @@ class RankState:
     rank: int
     last_seq: int = 0
     last_seen: float = 0.0
+    #: When this sidecar first heard from the rank (stall clocks start here, not at run start).
+    first_seen: float = 0.0
     step: int = 0
     last_step_time: float = 0.0
     dropped_events: int = 0

@@ -207,3 +207,16 @@ def test_reference_adapter_is_not_idle_but_a_second_adapter_is() -> None:
     registry.ingest(pb.StreamRequest(run_id="sft", events=[pb.Event(seq=1, run_start=pb.RunStart(
         trainer="SFTTrainer", membership=membership))]))
     assert registry.findings("sft")["inactive_adapter"].evidence["idle_adapters"] == "ref"
+
+
+def test_stall_clock_starts_when_the_rank_is_heard_not_at_run_creation() -> None:
+    registry = Registry(settings=DetectorSettings(stalled_seconds=60, stalled_step_seconds=600))
+    feed = Feed(registry, config=GRPO)
+    run = registry.run("r")
+    assert run is not None
+    run.created -= 3600  # a run restored from the store after a sidecar restart
+    registry.tick(run.last_seen + 30)
+    assert "stalled" not in feed.fired()
+    run.ranks.clear()  # restored, no rank reconnected yet: no clock to judge by
+    registry.tick(run.created + 7200)
+    assert "stalled" not in feed.fired()

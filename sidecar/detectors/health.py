@@ -60,10 +60,13 @@ class Stalled:
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
         if run.start is None or run.ended:
             return None
+        heard = [r for r in run.ranks.values() if r.first_seen]
+        if not heard:
+            return None  # restored after a sidecar restart: nothing heard yet, no clock
         now = run.evaluated_at or time.time()
-        silent = now - run.last_seen
-        last_step = max((r.last_step_time for r in run.ranks.values()), default=0.0)
-        since_step = now - (last_step or run.created)
+        silent = now - max(r.last_seen for r in heard)
+        last_step = max(r.last_step_time for r in heard)
+        since_step = now - (last_step or min(r.first_seen for r in heard))
         if silent > settings.stalled_seconds:
             reason = f"no message for {silent:.0f} s (limit {settings.stalled_seconds:g} s)"
         elif since_step > settings.stalled_step_seconds:

@@ -40,7 +40,9 @@ EXIT_WATCH_SECONDS = 30.0
 class RunSource(Protocol):
     """What the enforcer reads from (and tells) the registry."""
 
-    def run(self, run_id: str) -> RunState | None: ...
+    def progress(self, run_id: str) -> tuple[int, bool, frozenset[int]] | None:
+        """(step, ended, ranks) of a live run; None once the registry forgot it."""
+        ...
 
     def mark_ended(self, run_id: str, reason: str) -> None: ...
 
@@ -227,10 +229,10 @@ class Enforcer:
                 log.info("escalation_closed", run_id=esc.run_id, detector=esc.detector,
                          incident=esc.incident, outcome=outcome)
 
-    def _refresh_targets(self, esc: Escalation, run: RunState | None) -> None:
+    def _refresh_targets(self, esc: Escalation, ranks: frozenset[int]) -> None:
         """Every rank the run has, with the identity the store says registered it."""
         bound = self.store.bindings(esc.run_id)
-        ranks = set(bound) | (set(run.ranks) if run is not None else set())
+        ranks = ranks | set(bound)
         for rank in ranks:
             target = esc.targets.setdefault(rank, Target(rank, None))
             target.identity = bound.get(rank)
@@ -249,12 +251,12 @@ class Enforcer:
 
     def _advance(self, esc: Escalation, now: float) -> str:
         """One look at an escalation; returns its outcome once it is over, else ''."""
-        run = self.runs.run(esc.run_id)
-        self._refresh_targets(esc, run)
+        progress = self.runs.progress(esc.run_id)
+        step, ended, ranks = progress if progress is not None else (0, True, frozenset())
+        self._refresh_targets(esc, ranks)
         self._observe_exits(esc, now)
         identified = [t for t in esc.targets.values() if t.identity is not None]
         live = [t for t in identified if not t.finished]
-        ended = run is None or run.ended
         if esc.term_at is None:
             if identified and not live:
                 return "exited"  # every registered process left after STOP
@@ -264,10 +266,10 @@ class Enforcer:
                 if now >= esc.stop_at + self.stop_grace + EXIT_WATCH_SECONDS:
                     return "stopped"
                 return ""
-            if run is None or run.step <= esc.stop_step + STEPS_IN_FLIGHT:
+            if step <= esc.stop_step + STEPS_IN_FLIGHT:
                 return ""  # not stepping since STOP (a long step, or hung): not ours to end
             esc.term_at = now
-            self._signal_all(esc, "sigterm", signal.SIGTERM, step=run.step)
+            self._signal_all(esc, "sigterm", signal.SIGTERM, step=step)
             return ""
         if esc.kill_at is None:
             if not live:

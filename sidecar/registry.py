@@ -278,15 +278,6 @@ class Registry:
             run = entry.state
             return run.step, run.ended, frozenset(run.ranks)
 
-    def progress(self, run_id: str) -> tuple[int, bool, frozenset[int]] | None:
-        """(step, ended, ranks) of a run, read under the lock (for the enforcer's thread)."""
-        with self._lock:
-            entry = self._runs.get(run_id)
-            if entry is None:
-                return None
-            run = entry.state
-            return run.step, run.ended, frozenset(run.ranks)
-
     def identities(self, run_id: str) -> dict[int, ProcessIdentity]:
         with self._lock:
             entry = self._runs.get(run_id)

@@ -1,12 +1,12 @@
 """TCP only with TLS and a bearer token: refused without them, and a wrong token is rejected.
 
-Real ``deadweight serve`` processes, a self-signed certificate made with the ``openssl`` CLI,
+Real ``deadweight serve`` processes, a self-signed certificate made with the ``openssl`` CLI
+(a required program, checked by conftest),
 real gRPC channels (TLS and plaintext) and the real stream client.
 """
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -32,8 +32,6 @@ def _serve(*args: str) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 def cert(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(certificate, key): self-signed for localhost and 127.0.0.1."""
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl CLI not installed")
     folder = tmp_path_factory.mktemp("tls")
     cert, key = folder / "cert.pem", folder / "key.pem"
     subprocess.run(

@@ -1,8 +1,8 @@
 """TCP only with TLS and a bearer token: refused without them, and a wrong token is rejected.
 
 Real ``deadweight serve`` processes, a self-signed certificate made with the ``openssl`` CLI
-(a required program, checked by conftest),
-real gRPC channels (TLS and plaintext) and the real stream client.
+(a required program, checked by conftest), real gRPC channels (TLS and plaintext) and the
+real stream client.
 """
 
 from __future__ import annotations

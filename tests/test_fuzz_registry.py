@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from deadweight.proto import pb
 from deadweight.sidecar import limits
 from deadweight.sidecar.exporter import DeadweightCollector
-from deadweight.sidecar.registry import MAX_RUN_ID_LENGTH, Registry
+from deadweight.sidecar.registry import MAX_RUN_ID_LENGTH, Peer, Registry
 from deadweight.sidecar.state import CHECKPOINT_WINDOW, LOG_WINDOW, MAX_LOG_KEYS, STEP_WINDOW
 from tests import wire_strategies as ws
 
@@ -53,6 +53,16 @@ def _page(registry: Registry) -> str:
     return generate_latest(collector).decode()
 
 
+class CountingRegistry(Registry):
+    """The real registry, counting the batches it was handed (for the soak check)."""
+
+    batches = 0
+
+    def ingest(self, request: pb.StreamRequest, peer: Peer | None = None) -> pb.StreamResponse:
+        self.batches += 1
+        return super().ingest(request, peer)
+
+
 class Cases:
     """One registry shared by a test's examples, a fresh run id per example.
 
@@ -61,7 +71,7 @@ class Cases:
     """
 
     def __init__(self) -> None:
-        self.registry = Registry(max_runs=1)
+        self.registry = CountingRegistry(max_runs=1)
         self.count = 0
 
     def fresh_run(self) -> str:
@@ -319,3 +329,17 @@ def test_ended_runs_expire_after_the_ttl() -> None:
     assert 'run_id="done"' in _page(registry)
     registry.tick(time.time() + 61)
     assert registry.run("done") is None and 'run_id="done"' not in _page(registry)
+
+
+def test_the_shared_registries_stayed_bounded_after_every_batch() -> None:
+    """The registries above took every batch of their tests (tens of thousands in all):
+    still within every cap, still exporting a parseable page."""
+    shared = (CAPS, UNKNOWN, ORDER, NONFINITE)
+    batches = sum(c.registry.batches for c in shared)
+    if batches < 10_000:
+        pytest.skip(f"only {batches} batches: run the whole module")
+    print(f"{batches} batches into {len(shared)} shared registries")
+    for cases in shared:
+        check_bounded(cases.registry)
+        check_exported(cases.registry)
+        assert len(cases.registry.runs()) <= 1

@@ -1,6 +1,7 @@
 """``deadweight inspect``: the sidecar's checkpoint verdicts, offline, for a promotion gate.
 
-The paths are audited in the order given (sort checkpoint folders by step first): each one
+The paths are audited in the order given (``checkpoint-<step>`` folders by step, so a shell
+glob's ``checkpoint-10`` before ``checkpoint-2`` does not matter): each one
 is compared with the one before it and, with ``--initial``, with the adapter the run started
 from. The same detector classes as the live sidecar decide, so a gate and a page agree.
 """
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from deadweight.proto import pb
 from deadweight.sidecar.checkpoint_inspector import CheckpointInspection, inspect_path
+from deadweight.sidecar.checkpoint_watcher import CHECKPOINT_DIR
 from deadweight.sidecar.detectors import ALL, ARTIFACT_IDS
 from deadweight.sidecar.detectors.base import Verdict
 from deadweight.sidecar.detectors.checkpoints import unchanged_from
@@ -32,6 +34,10 @@ def audit(paths: list[Path], initial: Path | None = None,
           settings: DetectorSettings | None = None) -> list[AuditResult]:
     """Inspect every path and run the checkpoint detectors on it (raises NotACheckpoint)."""
     settings = settings or DetectorSettings()
+    steps = [CHECKPOINT_DIR.match(p.name) for p in paths]
+    if all(steps):
+        paths = [p for _, p in sorted(zip([int(m.group(1)) for m in steps if m], paths,
+                                          strict=True), key=lambda sp: sp[0])]
     inspections = [inspect_path(p) for p in paths]  # fail on a bad path before any output
     run = RunState("inspect")
     if initial is not None:

@@ -35,13 +35,14 @@ def test_healthy_checkpoints_pass(trained: dict[str, Path],
 
 def test_a_copy_of_the_previous_checkpoint_fails(trained: dict[str, Path], tmp_path: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
-    copy = tmp_path / "checkpoint-6"
+    copy = tmp_path / "checkpoint-10"  # a glob lists it before checkpoint-4: sorted by step
     shutil.copytree(trained["c4"], copy)
-    code = main(["inspect", str(trained["c4"]), str(copy)])
+    code = main(["inspect", str(copy), str(trained["c4"])])
     out = capsys.readouterr().out
     assert code == 1
     assert f"FAIL  {copy}" in out and "checkpoint_unchanged [critical]" in out
     assert "same_as=previous" in out
+    assert out.index(str(trained["c4"])) < out.index(str(copy))
 
 
 def test_the_initial_adapter_resaved_fails(trained: dict[str, Path],

@@ -372,11 +372,10 @@ class Registry:
     def _judge_checkpoint(self, run: RunState, point: CheckpointPoint) -> None:
         """Compare point with the previous checkpoint and the initial adapter; count it once."""
         same = checkpoints.unchanged_from(run, point)
-        if same and not point.unchanged_from:
+        if same and not point.counted_unchanged:  # a counter: never decremented
             run.checkpoints_unchanged += 1
-        elif not same and point.unchanged_from:
-            run.checkpoints_unchanged -= 1  # the files' bytes overrule the in-memory digest
-        point.unchanged_from = same
+            point.counted_unchanged = True
+        point.unchanged_from = same  # the files' bytes overrule the in-memory digest
 
     def attach_watcher(self, watcher: CheckpointSink) -> None:
         """Route run output folders and reported checkpoints to watcher."""

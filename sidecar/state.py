@@ -102,8 +102,10 @@ class CheckpointPoint:
     adapter_bytes: int
     time: float
     inspection: CheckpointInspection | None = None
-    #: Whether it equals the previous checkpoint or the initial adapter (None: unknown yet).
+    #: What it equals ("initial" or "previous (step N)"), "" when it differs or is unknown.
     unchanged_from: str = ""
+    #: Whether deadweight_checkpoint_unchanged_total already counted this checkpoint.
+    counted_unchanged: bool = False
 
     @property
     def digest(self) -> str:

@@ -22,7 +22,8 @@ import pytest
 from deadweight.demo.sidecar_process import free_port
 from deadweight.proto import pb
 from deadweight.sidecar.registry import Registry
-from tests.faults import InProcessSidecar, metric_value
+from tests.faults import InProcessSidecar, Pipe, metric_value, poll
+from tests.realprocs import find_binary, start_prometheus
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
 STEPS = 4  # ddp_worker.STEPS
@@ -135,3 +136,61 @@ def test_combined_norm_sums_squares_only_for_shards(sharded: bool) -> None:
     else:  # replicas: rank 0 stands for all, nothing counted twice
         assert [(p.step, p.update_norm, p.optimizer_params) for p in combined] == [
             (1, 3.0, 10), (2, 2.0, 10)]
+
+
+def _send_rank(sidecar: InProcessSidecar, rank: int, steps: list[float], dropped: int) -> None:
+    """One rank of a sharded 4-rank job reporting to its node's sidecar."""
+    pipe = Pipe(sidecar.address)
+    start = pb.RunStart(trainer="SFTTrainer", world_size=4, sharded=True)
+    try:
+        assert not pipe.send(pb.StreamRequest(run_id="two-nodes", rank=rank, events=[
+            pb.Event(run_start=start),
+            pb.Event(heartbeat=pb.Heartbeat(dropped_events=dropped))])).error
+        for step, sq in enumerate(steps, start=1):
+            report = pb.StepReport(step=step, learning_rate=1e-4, update_sq_sum=sq,
+                                   watched_params=100, optimizer_params=100)
+            assert not pipe.send(pb.StreamRequest(run_id="two-nodes", rank=rank, events=[
+                pb.Event(seq=step, step=report)])).error
+    finally:
+        pipe.close()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(find_binary(("prometheus",)) is None, reason="prometheus not installed")
+def test_prometheus_combines_two_nodes(tmp_path: Path) -> None:
+    """The queries of docs/multinode.md, on a real Prometheus scraping two node sidecars."""
+    nodes = [InProcessSidecar(tmp_path / f"node-{n}" / "dw.sock").start() for n in "ab"]
+    try:
+        # Node a holds ranks 0-1, node b ranks 2-3; step 2 of the sharded job: squares 1,4,9,16.
+        for rank, (index, dropped) in enumerate([(0, 0), (0, 0), (1, 3), (1, 0)]):
+            _send_rank(nodes[index], rank, [0.5, float((rank + 1) ** 2)], dropped)
+        targets = ", ".join(f"'127.0.0.1:{n.server.metrics_port}'" for n in nodes
+                            if n.server is not None)
+        config = ("global: {scrape_interval: 1s}\nscrape_configs:\n"
+                  f"  - job_name: deadweight\n    static_configs: [{{targets: [{targets}]}}]\n")
+        with start_prometheus(tmp_path / "prom", config) as prom:
+            def value(expr: str) -> float | None:
+                result = prom.query(expr)
+                return float(result[0]["value"][1]) if result else None
+
+            poll(lambda: value('count(up{job="deadweight"} == 1)') == 2, timeout=30,
+                 what="both node sidecars scraped")
+            whole = value("sqrt(sum by (run_id) (deadweight_update_norm ^ 2))")
+            assert whole is not None and math.isclose(whole, math.sqrt(1 + 4 + 9 + 16))
+            per_node = sorted(float(r["value"][1]) for r in
+                              prom.query("deadweight_update_norm"))
+            assert per_node == pytest.approx([math.sqrt(5), 5.0])
+            assert value("min by (run_id) (deadweight_step)") == 2
+            assert value("sum by (run_id) (deadweight_client_dropped_events_total)") == 3
+            lag = value("time() - min by (run_id) (deadweight_last_step_timestamp_seconds)")
+            assert lag is not None and 0 <= lag < 120
+            assert value('count(count by (rank) (deadweight_step{run_id="two-nodes"}))') == 4
+            assert value("max by (run_id) (deadweight_update_norm)") == 5.0  # replicated form
+            assert prom.query('absent_over_time(deadweight_sidecar_info{job="deadweight"}[5m])'
+                              ) == []  # parses; empty while the sidecars report
+            nodes[1].stop()  # a blind node shows up as down, not as healthy silence
+            poll(lambda: value('count(up{job="deadweight"} == 0)') == 1, timeout=30,
+                 what="the dead node's sidecar to be down")
+    finally:
+        for node in nodes:
+            node.stop()

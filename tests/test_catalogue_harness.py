@@ -7,11 +7,9 @@ ones that resolved when the run ended (``incidents`` counts how often a detector
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 from deadweight.callbacks import DeadweightCallback
 from deadweight.sidecar.registry import Finding, Registry
@@ -83,10 +81,3 @@ class LiveSidecar:
 
     def stop(self) -> None:
         self.server.stop()
-
-
-@pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveSidecar]:
-    sidecar = LiveSidecar(tmp_path_factory.mktemp("live"))
-    yield sidecar
-    sidecar.stop()

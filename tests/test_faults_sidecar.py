@@ -148,6 +148,35 @@ def test_killed_and_restarted_sidecar(tiny: tuple[Path, Path], tmp_path: Path) -
         process.stop()
 
 
+def test_killed_for_good_the_undelivered_are_counted_in_a_warning(
+    tiny: tuple[Path, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A sidecar that never comes back: training ends on time, the loss is stated, not hidden."""
+    process = SidecarProcess(tmp_path / "sidecar").start()
+    run_id = "killed-for-good"
+    callback = DeadweightCallback(address=process.address, run_id=run_id, settings=FAST)
+
+    def kill() -> None:
+        assert process.process is not None
+        poll(lambda: (r := process.run_status(run_id)) is not None and r.step == 3,
+             what="step 3 at the sidecar")
+        process.process.send_signal(signal.SIGKILL)
+        process.process.wait(10)
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="deadweight"):
+            _train(tiny, tmp_path / "out", [callback, at_steps({3: kill})])
+        client = _client(callback)
+        lost = [r.getMessage() for r in caplog.records if "not delivered" in r.getMessage()]
+        assert len(lost) == 1, lost
+        count = int(lost[0].split("deadweight: ")[1].split()[0])
+        # After the kill: steps 4-8, logs 3-8 and the summary log, checkpoints 3 and 6, run end.
+        assert count >= 5 + 6 + 2 + 1
+        assert count <= client.submitted and client.dropped == 0
+    finally:
+        process.stop()
+
+
 def test_socket_deleted_mid_run(tiny: tuple[Path, Path], tmp_path: Path) -> None:
     """The open stream survives an unlinked socket; the sidecar listens again for new runs."""
     sidecar = InProcessSidecar(tmp_path / "sock" / "dw.sock").start()

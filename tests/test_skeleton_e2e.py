@@ -103,7 +103,8 @@ def test_healthy_controls_stay_silent(
 
     assert trainer.state.global_step == 8  # type: ignore[attr-defined]
     assert _findings(sidecar, run_id) == {}
-    assert probe.max_firing == {"empty_optimizer": 0.0, "frozen_weights": 0.0}
+    assert {"empty_optimizer", "frozen_weights"} <= set(probe.max_firing)
+    assert set(probe.max_firing.values()) == {0.0}, probe.max_firing
     step_lines = [line for line in sidecar.metrics().splitlines()
                   if line.startswith(f'deadweight_step{{rank="0",run_id="{run_id}"')]
     assert step_lines and step_lines[0].endswith(" 8.0")

@@ -141,7 +141,11 @@ class StreamClient:
         """Queue a record; O(1), never blocks; the oldest record is dropped when full."""
         self.submitted += 1
         if len(self._queue) >= self.settings.max_queue:
-            self.dropped += 1
+            try:  # drop the oldest here, so a record the sender took meanwhile is not counted
+                self._queue.popleft()
+                self.dropped += 1
+            except IndexError:
+                pass
         self._queue.append((kind, record, time.time()))
         self._wake.set()
 

@@ -9,6 +9,7 @@ running, timed per submit() while the training thread otherwise sleeps (releases
 
 from __future__ import annotations
 
+import logging
 import os
 import statistics
 import tempfile
@@ -260,6 +261,7 @@ def _pct(values: list[float], q: float) -> float:
 def run(repeats: int, quick: bool) -> list[list[str]]:
     """Hand-off, ingest and /metrics rows."""
     rows: list[list[str]] = []
+    logging.getLogger("deadweight").setLevel(logging.ERROR)  # a client closing mid-stream warns
     with tempfile.TemporaryDirectory() as tmp, SidecarProcess(Path(tmp)) as sidecar:
         submit, build, bare = handoff(sidecar, 1000 if quick else 5000)
         rows.append(["hand-off: deque.append((kind, record, time.time()))", fmt_time(bare),

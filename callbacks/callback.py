@@ -38,6 +38,7 @@ from typing import Any
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from deadweight.callbacks import digest, membership, preflight
+from deadweight.callbacks.stop_agreement import StopAgreement
 from deadweight.callbacks.stream_client import ClientSettings, StreamClient
 from deadweight.callbacks.update_probe import UpdateProbe
 from deadweight.callbacks.wire import (
@@ -130,6 +131,8 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
         self._membership: membership.Membership | None = None
         self._lr = 0.0
         self._abort: str | None = None
+        self._agreement: StopAgreement | None = None
+        self._stop_proposed = False
 
     # -- hooks -------------------------------------------------------------------------------
 
@@ -146,6 +149,7 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
         output_dir = str(args.output_dir or ".")
         run_id = _shared_run_id(self.run_id or default_run_id(output_dir, time.time()))
         self.run_id = run_id
+        self._agreement = StopAgreement.create()  # collective, like the run id broadcast
         self._membership = membership.measure(model, optimizer)
         self._probe = UpdateProbe(self._membership.watched, self._membership.groups)
         record = RunStartRecord(
@@ -227,6 +231,8 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
         self._apply_directives(control)
+        if self._agreement is not None and self._agreement.step_end(self._stop_proposed):
+            control.should_training_stop = True  # every rank, after this same step
 
     def on_log(
         self,
@@ -262,6 +268,8 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
+        if self._agreement is not None:
+            self._agreement.close()
         if self.client is None:
             return
         reason = "stopped" if control.should_training_stop else "completed"
@@ -280,7 +288,11 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
             return
         for directive in self.client.take_directives():
             reason = f"deadweight {directive.detector}: {directive.reason}"
-            if directive.action == pb.Directive.ACTION_STOP:
+            if directive.action == pb.Directive.ACTION_STOP and self._agreement is not None:
+                if not self._stop_proposed:  # ranks see it a step apart: agree on one step
+                    log.warning("%s; stopping training on every rank", reason)
+                self._stop_proposed = True
+            elif directive.action == pb.Directive.ACTION_STOP:
                 if not control.should_training_stop:
                     log.warning("%s; stopping training", reason)
                 control.should_training_stop = True

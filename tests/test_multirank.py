@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from deadweight.demo.sidecar_process import free_port
+from deadweight.demo.sidecar_process import SidecarProcess, free_port
 from deadweight.proto import pb
 from deadweight.sidecar.registry import Registry
 from tests.faults import InProcessSidecar, Pipe, metric_value, poll
@@ -36,8 +36,8 @@ def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSidec
     process.stop()
 
 
-def _torchrun(sidecar: InProcessSidecar, tiny: tuple[Path, Path], out: Path,
-              mode: str) -> list[dict[str, Any]]:
+def _torchrun(sidecar: InProcessSidecar | SidecarProcess, tiny: tuple[Path, Path], out: Path,
+              mode: str, steps: int = STEPS) -> list[dict[str, Any]]:
     model_dir, adapter_dir = tiny
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "DEADWEIGHT_ADDRESS": sidecar.address, "OMP_NUM_THREADS": "1",
@@ -45,7 +45,7 @@ def _torchrun(sidecar: InProcessSidecar, tiny: tuple[Path, Path], out: Path,
     env.pop("DEADWEIGHT_RUN_ID", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           str(WORKER), str(model_dir), str(adapter_dir), str(out), mode]
+           str(WORKER), str(model_dir), str(adapter_dir), str(out), mode, str(steps)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -110,6 +110,23 @@ def test_frozen_ddp_run_is_caught_on_both_ranks(
     for label in ("0", "1"):
         assert (metric_value(text, "deadweight_grad_not_in_optimizer_params",
                              run_id=run.run_id, rank=label) or 0) > 0
+
+
+@pytest.mark.slow
+def test_stop_policy_stops_every_rank_after_the_same_step(
+    tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Ranks get STOP one step apart; a rank leaving early would strand its peer in the next
+    all-reduce (the job crashed in about half the runs before the ranks agreed on a step)."""
+    with SidecarProcess(tmp_path / "sidecar", policies={"frozen_weights": "stop"}) as sidecar:
+        reports = _torchrun(sidecar, tiny, tmp_path / "job", "frozen", steps=40)
+        steps = {r["global_step"] for r in reports}
+        assert len(steps) == 1, f"ranks stopped at different steps: {steps}"
+        assert steps.pop() < 40
+        run = sidecar.run_status(reports[0]["run_id"])
+        assert run is not None and sorted(run.ranks) == [0, 1]
+        frozen = {f.detector: f for f in run.findings}["frozen_weights"]
+        assert frozen.policy == "stop"
 
 
 def _step(rank: int, step: int, sq: float) -> pb.StreamRequest:

@@ -20,13 +20,13 @@ from pathlib import Path
 import grpc
 import structlog
 from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
-from prometheus_client import CollectorRegistry, start_http_server
 
 from deadweight.proto import MAX_MESSAGE_BYTES, add_monitor_servicer, pb, pb_grpc
 from deadweight.sidecar.actions import Actions
 from deadweight.sidecar.attestation import AttestationServer, attest_path
 from deadweight.sidecar.checkpoint_watcher import CheckpointWatcher
 from deadweight.sidecar.exporter import DeadweightCollector
+from deadweight.sidecar.metrics_http import MetricsServer
 from deadweight.sidecar.registry import Peer, Registry
 
 log = structlog.get_logger("deadweight.server")
@@ -159,7 +159,7 @@ class SidecarServer:
         self._stopped: asyncio.Event | None = None
         self._relisteners: list[grpc.aio.Server] = []
         self._error: BaseException | None = None
-        self._http: object | None = None
+        self._http: MetricsServer | None = None
         self.watcher: CheckpointWatcher | None = None
         self._attestation: AttestationServer | None = None
 
@@ -187,14 +187,10 @@ class SidecarServer:
     def _start_metrics(self) -> None:
         if not self.config.metrics_address:
             return
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(
-            DeadweightCollector(self.registry, self.actions, self.registry.detectors)
-        )
+        collector = DeadweightCollector(self.registry, self.actions, self.registry.detectors)
         host, port = _host_port(self.config.metrics_address)
-        httpd, _ = start_http_server(port, host, registry=registry)
-        self._http = httpd
-        self.metrics_port = int(httpd.server_address[1])
+        self._http = MetricsServer(host, port, collector.collect)
+        self.metrics_port = self._http.port
         log.info("metrics_listening", address=f"{host}:{self.metrics_port}")
 
     def _run(self) -> None:
@@ -284,10 +280,8 @@ class SidecarServer:
             self._attestation.stop()
         if self.watcher is not None:
             self.watcher.stop()
-        http = self._http
-        if http is not None:
-            http.shutdown()  # type: ignore[attr-defined]
-            http.server_close()  # type: ignore[attr-defined]
+        if self._http is not None:
+            self._http.stop()
 
     def wait(self) -> None:
         """Block until the server thread ends."""

@@ -32,10 +32,16 @@ class ClientSettings:
     max_inflight: int = 10_000
     batch_size: int = 256
     heartbeat_seconds: float = 5.0
+    #: The sender drains the queue at least this often; submit() wakes it only for a full
+    #: batch or an event that should not wait, so a hand-off costs no thread switch.
+    flush_seconds: float = 0.05
     connect_timeout_seconds: float = 2.0
     backoff_initial_seconds: float = 0.2
     backoff_max_seconds: float = 10.0
 
+
+#: Record kinds sent at once instead of with the next timed flush.
+URGENT_KINDS = frozenset({"checkpoint", "run_end"})
 
 #: The attestation socket sits next to the gRPC unix socket under this suffix.
 ATTEST_SUFFIX = ".attest"
@@ -147,7 +153,8 @@ class StreamClient:
             except IndexError:
                 pass
         self._queue.append((kind, record, time.time()))
-        self._wake.set()
+        if kind in URGENT_KINDS or len(self._queue) >= self.settings.batch_size:
+            self._wake.set()
 
     def take_directives(self) -> list[pb.Directive]:
         """Directives received since the last call."""
@@ -348,7 +355,8 @@ class StreamClient:
                     return
                 idle = time.monotonic() - last_sent
                 if idle < self.settings.heartbeat_seconds:
-                    self._wake.wait(self.settings.heartbeat_seconds - idle)
+                    wait = min(self.settings.flush_seconds, self.settings.heartbeat_seconds - idle)
+                    self._wake.wait(wait)
                     self._wake.clear()
                     continue
                 events = [self._heartbeat()]

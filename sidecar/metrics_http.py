@@ -51,7 +51,8 @@ def render(families: Iterable[Metric]) -> bytes:
                 continue
             if sample.labels:
                 labels = ",".join(
-                    f'{key}="{_escape_label(str(value))}"' for key, value in sample.labels.items()
+                    f'{key}="{_escape_label(str(value))}"'
+                    for key, value in sorted(sample.labels.items())
                 )
                 out.append(f"{sample.name}{{{labels}}} {_go_float(sample.value)}\n")
             else:

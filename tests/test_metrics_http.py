@@ -18,13 +18,13 @@ class _Awkward(Collector):
 
     def collect(self) -> Iterator[Metric]:
         gauge = GaugeMetricFamily("dw_gauge", 'help with "quotes" \\ and\nnewline',
-                                  labels=["run_id", "trainer"])
-        gauge.add_metric(['run "a"\\b\nc', "T"], 1.5)
-        gauge.add_metric(["nan", "T"], math.nan)
-        gauge.add_metric(["inf", "T"], math.inf)
-        gauge.add_metric(["-inf", "T"], -math.inf)
-        gauge.add_metric(["tiny", "T"], 1e-300)
-        gauge.add_metric(["int", "T"], 3.0)
+                                  labels=["trainer", "run_id"])  # not in sorted order
+        gauge.add_metric(["T", 'run "a"\\b\nc'], 1.5)
+        gauge.add_metric(["T", "nan"], math.nan)
+        gauge.add_metric(["T", "inf"], math.inf)
+        gauge.add_metric(["T", "-inf"], -math.inf)
+        gauge.add_metric(["T", "tiny"], 1e-300)
+        gauge.add_metric(["T", "int"], 3.0)
         yield gauge
         counter = CounterMetricFamily("dw_events", "a counter", labels=["rank"])
         counter.add_metric(["0"], 7.0)

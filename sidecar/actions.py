@@ -112,6 +112,12 @@ class Actions:
         self.store.set_result(action_id, event.result)
         self._count_and_log(event)
 
+    def forget(self, run_id: str) -> None:
+        """Drop an expired run's counters, so memory and /metrics stay bounded."""
+        with self._lock:
+            for key in [k for k in self.counts if k.run_id == run_id]:
+                del self.counts[key]
+
     def _count_and_log(self, event: ActionEvent) -> None:
         with self._lock:
             self.counts[ActionKey(event.run_id, event.trainer, event.detector, event.action,

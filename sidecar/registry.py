@@ -102,6 +102,10 @@ class ActionSink(Protocol):
 
     def resumed(self, run: RunState, finding: Finding) -> list[pb.Directive]: ...
 
+    def forget(self, run_id: str) -> None:
+        """The run expired: drop what is kept per run in memory (the journal stays)."""
+        ...
+
 
 class LogOnlyActions:
     """An action sink that only logs (for tests and the observe-everything mode)."""
@@ -115,6 +119,9 @@ class LogOnlyActions:
 
     def resumed(self, run: RunState, finding: Finding) -> list[pb.Directive]:
         return []
+
+    def forget(self, run_id: str) -> None:
+        return None
 
 
 @dataclass
@@ -289,9 +296,13 @@ class Registry:
         if not ended:
             return False
         _, run_id = min(ended)
-        del self._runs[run_id]
-        log.info("run_expired", run_id=run_id, reason="max_runs")
+        self._expire(run_id, "max_runs")
         return True
+
+    def _expire(self, run_id: str, reason: str) -> None:
+        del self._runs[run_id]
+        self.actions.forget(run_id)
+        log.info("run_expired", run_id=run_id, reason=reason)
 
     def _apply(self, entry: _RunEntry, request: pb.StreamRequest, peer: Peer) -> int:
         run = entry.state
@@ -493,8 +504,7 @@ class Registry:
         with self._lock:
             for run_id, entry in list(self._runs.items()):
                 if entry.state.ended and now - entry.state.ended_at > self.ended_ttl_seconds:
-                    del self._runs[run_id]
-                    log.info("run_expired", run_id=run_id)
+                    self._expire(run_id, "ttl")
                     continue
                 self._check_exits(entry, now)
                 self._evaluate(entry, now)

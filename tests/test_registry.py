@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from deadweight.proto import pb
 from deadweight.sidecar.registry import Registry
 
@@ -99,3 +101,16 @@ def test_run_end_resolves_standing_verdicts() -> None:
     assert registry.findings("r")["empty_optimizer"].firing
     _send(registry, pb.Event(seq=1, run_end=pb.RunEnd(step=3, reason="completed")))
     assert not registry.findings("r")["empty_optimizer"].firing
+
+
+def test_expired_runs_leave_the_action_counters() -> None:
+    from deadweight.sidecar.actions import Actions
+
+    actions = Actions()
+    registry = Registry(actions, ended_ttl_seconds=0.0)
+    _send(registry, _start(optimizer_tensors=0, optimizer_params=0), run_id="gone")
+    assert {key.run_id for key in actions.counts} == {"gone"}  # the page was counted
+    _send(registry, pb.Event(seq=1, run_end=pb.RunEnd(step=1)), run_id="gone")
+    registry.tick(now=time.time() + 1.0)
+    assert registry.runs() == []
+    assert not actions.counts

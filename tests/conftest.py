@@ -86,7 +86,10 @@ class MetricsProbe:
 
 #: Programs the tests drive for real; .ci/run installs them. Missing ones fail the session
 #: up front with one clear message instead of letting tests skip themselves into green.
-REQUIRED_PROGRAMS = ("prometheus", "promtool", "prometheus-alertmanager", "amtool", "openssl")
+REQUIRED_PROGRAMS = (
+    "prometheus", "promtool", "prometheus-alertmanager", "amtool", "openssl", "gcc", "buildah",
+    "debootstrap", "ip",
+)
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

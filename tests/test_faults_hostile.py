@@ -21,7 +21,7 @@ from deadweight.callbacks.stream_client import grpc_target
 from deadweight.demo.sidecar_process import SidecarProcess
 from deadweight.proto import MAX_MESSAGE_BYTES, pb
 from tests.faults import Pipe, metric_value, poll
-from tests.realprocs import find_binary, start_prometheus
+from tests.realprocs import start_prometheus
 
 pytestmark = pytest.mark.slow
 
@@ -159,7 +159,6 @@ def test_ended_runs_expire_from_metrics_after_the_ttl(hardened: SidecarProcess) 
     assert hardened.run_status("short-lived") is None
 
 
-@pytest.mark.skipif(find_binary(("prometheus",)) is None, reason="prometheus not installed")
 def test_prometheus_sees_the_sidecar_itself(tmp_path: Path) -> None:
     """`up` and deadweight_sidecar_info follow the daemon: a dead sidecar is visible."""
     sidecar = SidecarProcess(tmp_path / "sidecar").start()

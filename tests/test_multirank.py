@@ -23,7 +23,7 @@ from deadweight.demo.sidecar_process import SidecarProcess, free_port
 from deadweight.proto import pb
 from deadweight.sidecar.registry import Registry
 from tests.faults import InProcessSidecar, Pipe, metric_value, poll
-from tests.realprocs import find_binary, start_prometheus
+from tests.realprocs import start_prometheus
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
 STEPS = 4  # ddp_worker.STEPS
@@ -173,7 +173,6 @@ def _send_rank(sidecar: InProcessSidecar, rank: int, steps: list[float], dropped
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(find_binary(("prometheus",)) is None, reason="prometheus not installed")
 def test_prometheus_combines_two_nodes(tmp_path: Path) -> None:
     """The queries of docs/multinode.md, on a real Prometheus scraping two node sidecars."""
     nodes = [InProcessSidecar(tmp_path / f"node-{n}" / "dw.sock").start() for n in "ab"]

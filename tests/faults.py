@@ -7,7 +7,6 @@ count exactly which events arrived.
 
 from __future__ import annotations
 
-import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +16,7 @@ from deadweight.callbacks.stream_client import ClientSettings
 from deadweight.sidecar.registry import Registry
 from deadweight.sidecar.server import ServerConfig, SidecarServer
 from deadweight.sidecar.state import RunState
+from tests.realprocs import wait_for
 
 #: Reconnect quickly so a test does not wait out production backoffs.
 FAST = ClientSettings(
@@ -29,14 +29,7 @@ FAST = ClientSettings(
 
 def poll(check: Callable[[], Any], timeout: float = 15.0, what: str = "condition") -> Any:
     """Return check()'s first truthy value; fail after timeout (never a fixed sleep)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
+    return wait_for(check, timeout, interval=0.02, what=what)
 
 
 class InProcessSidecar:

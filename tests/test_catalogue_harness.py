@@ -6,7 +6,6 @@ ones that resolved when the run ended (``incidents`` counts how often a detector
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from deadweight.sidecar.registry import Finding, Registry
 from deadweight.sidecar.server import ServerConfig, SidecarServer
 from deadweight.sidecar.settings import DetectorSettings
 from deadweight.sidecar.state import RunState
+from tests.realprocs import wait_for
 
 #: Short windows so a handful of real steps can show a trend (defaults are in the README).
 TEST_SETTINGS = DetectorSettings(
@@ -26,14 +26,7 @@ TEST_SETTINGS = DetectorSettings(
 
 def poll(check: Callable[[], Any], what: str, timeout: float = 20.0) -> Any:
     """check() until it returns something truthy, or fail saying what never happened."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
+    return wait_for(check, timeout, interval=0.05, what=what)
 
 
 class LiveSidecar:

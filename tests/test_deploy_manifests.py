@@ -224,7 +224,15 @@ def test_crd_models_reject_bad_values_and_unknown_fields(operator_models: Any) -
 def test_prometheusrule_is_generated_from_alerts() -> None:
     assert prometheusrule.main(["--check"]) == 0, "run python -m deploy.kubernetes.prometheusrule"
     rules = load(ROOT / "alerts" / "deadweight.rules.yml")
-    assert load(KUBE / "prometheusrule.yaml")["spec"]["groups"] == rules["groups"]
+    shipped = load(KUBE / "prometheusrule.yaml")["spec"]["groups"]
+    assert shipped == prometheusrule.per_job_sidecar(rules["groups"])
+    down = [r for g in shipped for r in g["rules"] if r.get("alert") == "DeadweightSidecarDown"]
+    assert len(down) == 1 and "absent(" not in down[0]["expr"]  # no Job running is no page
+    assert "== 0" in down[0]["expr"]
+    others = [r for g in shipped for r in g["rules"] if r.get("alert") != "DeadweightSidecarDown"]
+    originals = [r for g in rules["groups"] for r in g["rules"]
+                 if r.get("alert") != "DeadweightSidecarDown"]
+    assert others == originals
 
 
 def test_prometheusrule_groups_pass_promtool(tmp_path: Path) -> None:

@@ -121,8 +121,9 @@ DETECTORS: tuple[DetectorAlert, ...] = (
     ),
     DetectorAlert(
         "stalled", "critical",
-        "Run {{ $labels.run_id }} made no progress and sent no heartbeat",
-        "no optimizer step and no heartbeat arrived within the stall window: the job is hung",
+        "Run {{ $labels.run_id }} stopped making progress",
+        "no message at all arrived within the stall window (the process is gone or frozen), "
+        "or heartbeats still arrive but no optimizer step did (the training loop is hung)",
         _ev("seconds_since_last_step", "step"),
     ),
     DetectorAlert(

@@ -9,10 +9,19 @@ PYTHON="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
-PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
+pip_install() {
+  # This machine's pip configuration lists index folders that may be absent; pip warns
+  # about each one on every call. The warning is noise; real errors still fail the script.
+  local log status=0
+  log=$(mktemp)
+  .venv/bin/python -m pip --disable-pip-version-check -q install "$@" >"$log" 2>&1 || status=$?
+  grep -v "is ignored: it is neither a file nor a directory" "$log" || true
+  rm -f "$log"
+  return "$status"
+}
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
-  "${PIP[@]}" install "torch==2.13.0"
+  pip_install "torch==2.13.0"
 fi
-"${PIP[@]}" install -e ".[train,dev]" 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
+pip_install -e ".[train,dev]"
 .venv/bin/python -c "import deadweight.callbacks, deadweight.sidecar.cli, torch, trl, peft" \
   || { echo "bootstrap: the environment is incomplete" >&2; exit 1; }

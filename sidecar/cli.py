@@ -113,7 +113,8 @@ def _status(args: argparse.Namespace) -> int:
     from deadweight.sidecar import status
 
     try:
-        response = status.fetch(args.address, args.token)
+        tls_ca = Path(args.tls_ca).read_bytes() if args.tls_ca else None
+        response = status.fetch(args.address, args.token, tls_ca=tls_ca)
     except grpc.RpcError as err:
         print(f"deadweight: cannot reach the sidecar at {args.address}: {err.code().name}",
               file=sys.stderr)
@@ -222,7 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
     status_cmd = commands.add_parser("status", help="live runs and verdicts of a sidecar")
     status_cmd.add_argument("--address", default=f"unix://{DEFAULT_SOCKET}",
                             help="sidecar address (default %(default)s)")
-    status_cmd.add_argument("--token", default=None)
+    status_cmd.add_argument("--token", default=None,
+                            help="bearer token (a TCP sidecar requires one)")
+    status_cmd.add_argument("--tls-ca", default=None, metavar="FILE",
+                            help="PEM CA that signed a TCP sidecar's certificate")
     status_cmd.set_defaults(func=_status)
 
     inspect = commands.add_parser(

@@ -139,3 +139,21 @@ def test_the_right_token_over_tls_reports_a_run_that_can_never_be_signalled(
         client.close()
     assert sidecar.status().runs  # the unix socket needs no token: its mode guards it
     assert Store(state).bindings("over-tcp") == {}  # no kernel identity over TCP
+
+
+def test_status_command_reaches_a_tls_sidecar_with_ca_and_token(
+    tls_sidecar: tuple[SidecarProcess, int, Path], cert: tuple[Path, Path], tmp_path: Path
+) -> None:
+    import subprocess
+    import sys
+
+    _, port, _ = tls_sidecar
+    command = [sys.executable, "-m", "deadweight.sidecar.cli", "status",
+               "--address", f"127.0.0.1:{port}", "--tls-ca", str(cert[0])]
+    good = subprocess.run([*command, "--token", TOKEN], capture_output=True, text=True,
+                          timeout=60)
+    assert good.returncode == 0, good.stderr
+    assert good.stdout.startswith(("RUN", "no runs"))
+    wrong = subprocess.run([*command, "--token", "wrong"], capture_output=True, text=True,
+                           timeout=60)
+    assert wrong.returncode == 2 and "UNAUTHENTICATED" in wrong.stderr

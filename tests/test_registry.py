@@ -114,3 +114,15 @@ def test_expired_runs_leave_the_action_counters() -> None:
     registry.tick(now=time.time() + 1.0)
     assert registry.runs() == []
     assert not actions.counts
+
+
+def test_a_batch_of_steps_reports_where_the_nonfinite_streak_began() -> None:
+    registry = Registry()
+    _send(registry, _start())
+    nan = float("nan")
+    _send(registry,  # one batch, as the client's timed flush delivers it
+          _step(1, 1, 1e-4, 1e-6), _log(2, 1, loss=1.0, grad_norm=0.5),
+          _step(3, 2, 1e-4, 1e-6), _log(4, 2, loss=nan, grad_norm=nan),
+          _step(5, 3, 1e-4, 1e-6), _log(6, 3, loss=nan, grad_norm=nan))
+    finding = registry.findings("r")["nonfinite_loss"]
+    assert finding.firing and finding.step == 2

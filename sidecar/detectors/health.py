@@ -7,7 +7,7 @@ import time
 
 from deadweight.sidecar.detectors.base import Policy, Severity, Verdict, fmt
 from deadweight.sidecar.settings import DetectorSettings
-from deadweight.sidecar.state import RunState
+from deadweight.sidecar.state import RunState, StepPoint
 
 
 class NonfiniteLoss:
@@ -31,8 +31,7 @@ class NonfiniteLoss:
             bad.append("weights")
         if not bad:
             return Verdict(False)
-        history = run.history("loss") or run.history("grad_norm")
-        step = max(history[-1][0] if history else 0, latest.step if latest else 0)
+        step = _first_bad_step(run, bad, steps)
         return Verdict(
             True,
             step=step,
@@ -42,6 +41,30 @@ class NonfiniteLoss:
                       "nonfinite_update_tensors": fmt(
                           latest.nonfinite_update_tensors if latest else 0)},
         )
+
+
+def _first_bad_step(run: RunState, bad: list[str], steps: list[StepPoint]) -> int:
+    """Where the current non-finite streak began: reports arrive in batches, so the latest
+    step of a batch is not necessarily the first bad one."""
+    starts: list[int] = []
+    for key in ("loss", "grad_norm"):
+        if key in bad:
+            first = None
+            for step, value in reversed(run.history(key)):
+                if math.isfinite(value):
+                    break
+                first = step
+            if first is not None:
+                starts.append(first)
+    if "weights" in bad:
+        first_point = None
+        for point in reversed(steps):
+            if point.nonfinite_update_tensors == 0:
+                break
+            first_point = point.step
+        if first_point is not None:
+            starts.append(first_point)
+    return min(starts, default=steps[-1].step if steps else 0)
 
 
 class Stalled:

@@ -126,3 +126,12 @@ def test_a_batch_of_steps_reports_where_the_nonfinite_streak_began() -> None:
           _step(5, 3, 1e-4, 1e-6), _log(6, 3, loss=nan, grad_norm=nan))
     finding = registry.findings("r")["nonfinite_loss"]
     assert finding.firing and finding.step == 2
+
+
+def test_frozen_weights_fires_at_the_step_the_streak_reached_k_even_in_one_batch() -> None:
+    registry = Registry()
+    _send(registry, _start(), _log(1, 0, loss=1.0, grad_norm=0.5))
+    _send(registry, *[_step(i + 2, i + 1, 1e-4, 0.0) for i in range(6)])
+    finding = registry.findings("r")["frozen_weights"]
+    assert finding.firing and finding.step == 3
+    assert finding.evidence["frozen_steps"] == "6" and finding.evidence["step"] == "6"

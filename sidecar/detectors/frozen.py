@@ -49,10 +49,12 @@ class FrozenWeights:
         if len(streak) < settings.frozen_steps or not (optimizer_empty or gradient_flows):
             return Verdict(False, step=last.step)
         first = streak[-1]
+        # The step at which the streak reached K: a batch may carry several steps at once.
+        reached = streak[-settings.frozen_steps]
         ratio = last.update_ratio
         return Verdict(
             True,
-            step=last.step,
+            step=reached.step,
             summary=(
                 f"weights unchanged for {len(streak)} optimizer steps "
                 f"(steps {first.step}-{last.step}) at lr {last.learning_rate:.3g} while "

@@ -27,11 +27,13 @@ ABORT (raised at the next hook) directive.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +64,31 @@ def _may_be_listening(address: str) -> bool:
         return True
     rest = address.removeprefix("unix:")
     return Path("/" + rest.lstrip("/") if rest.startswith("/") else rest).exists()
+
+
+class SidecarRequired(RuntimeError):
+    """Raised at train begin when ``require_sidecar=True`` and no sidecar answered."""
+
+
+def _shielded(hook: Callable[..., None]) -> Callable[..., None]:
+    """Run a monitoring hook; a failure of ours turns monitoring off, never training.
+
+    Only the two deliberate exceptions pass: ABORT from the sidecar and a missing sidecar
+    the user said is required.
+    """
+
+    @functools.wraps(hook)
+    def guarded(self: DeadweightCallback, *args: Any, **kwargs: Any) -> None:
+        if self._disabled:
+            return
+        try:
+            hook(self, *args, **kwargs)
+        except (DeadweightAbort, SidecarRequired):
+            raise
+        except Exception:
+            self._disable(hook.__name__)
+
+    return guarded
 
 
 class DeadweightAbort(RuntimeError):
@@ -133,6 +160,7 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
         self._abort: str | None = None
         self._agreement: StopAgreement | None = None
         self._stop_proposed = False
+        self._disabled = False
 
     # -- hooks -------------------------------------------------------------------------------
 
@@ -146,10 +174,24 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
         processing_class: Any = None,
         **kwargs: Any,
     ) -> None:
+        # The collectives come first and outside the shield: every rank must take part.
         output_dir = str(args.output_dir or ".")
-        run_id = _shared_run_id(self.run_id or default_run_id(output_dir, time.time()))
-        self.run_id = run_id
-        self._agreement = StopAgreement.create()  # collective, like the run id broadcast
+        self.run_id = _shared_run_id(self.run_id or default_run_id(output_dir, time.time()))
+        self._agreement = StopAgreement.create()
+        self._begin(args, state, control, model, optimizer, processing_class, output_dir)
+
+    @_shielded
+    def _begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: Any,
+        optimizer: Any,
+        processing_class: Any,
+        output_dir: str,
+    ) -> None:
+        run_id = str(self.run_id)
         self._membership = membership.measure(model, optimizer)
         self._probe = UpdateProbe(self._membership.watched, self._membership.groups)
         record = RunStartRecord(
@@ -179,7 +221,7 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
             self.client.wait_registered(self.start_timeout_seconds)
         elif self.require_sidecar:
             self.client.close(timeout=0.0)
-            raise RuntimeError(
+            raise SidecarRequired(
                 f"deadweight: no sidecar answered at {self.address} within "
                 f"{self.start_timeout_seconds}s and require_sidecar=True"
             )
@@ -188,8 +230,9 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
-        self._apply_directives(control)
+        self._directives(control)
 
+    @_shielded
     def on_pre_optimizer_step(
         self,
         args: TrainingArguments,
@@ -204,6 +247,7 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
         self._lr = _learning_rate(optimizer, lr_scheduler)
         self._probe.before_step()
 
+    @_shielded
     def on_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
@@ -230,10 +274,11 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
-        self._apply_directives(control)
+        self._directives(control)
         if self._agreement is not None and self._agreement.step_end(self._stop_proposed):
             control.should_training_stop = True  # every rank, after this same step
 
+    @_shielded
     def on_log(
         self,
         args: TrainingArguments,
@@ -249,6 +294,7 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
                                                record.dropped_keys))
         self._apply_directives(control)
 
+    @_shielded
     def on_save(
         self,
         args: TrainingArguments,
@@ -270,6 +316,10 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
     ) -> None:
         if self._agreement is not None:
             self._agreement.close()
+        self._end(state, control)
+
+    @_shielded
+    def _end(self, state: TrainerState, control: TrainerControl) -> None:
         if self.client is None:
             return
         reason = "stopped" if control.should_training_stop else "completed"
@@ -278,7 +328,21 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
         self.client.submit("run_end", RunEndRecord(state.global_step, reason))
         self.client.close(timeout=2.0)
 
+    def _disable(self, hook: str) -> None:
+        """Log our failure once and stop monitoring this run; training goes on."""
+        self._disabled = True
+        log.exception("deadweight: %s failed; monitoring is off for this run, training "
+                      "continues", hook)
+        self._probe = None
+        client, self.client = self.client, None
+        if client is not None:
+            client.close(timeout=0.0)
+
     # -- directives --------------------------------------------------------------------------
+
+    @_shielded
+    def _directives(self, control: TrainerControl) -> None:
+        self._apply_directives(control)
 
     def _apply_directives(self, control: TrainerControl) -> None:
         """STOP ends training gracefully; ABORT raises inside the training loop."""

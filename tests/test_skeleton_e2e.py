@@ -150,3 +150,27 @@ def test_environment_configures_the_callback(
     trainer.train()
     run = sidecar.run_status("from-environment")
     assert run is not None and run.step == 2 and run.trainer == "SFTTrainer"
+
+
+@pytest.mark.parametrize("where", ["train_begin", "optimizer_step"])
+def test_a_failure_of_ours_turns_monitoring_off_not_training(
+    where: str, tiny: tuple[Path, Path], sidecar: SidecarProcess, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    from deadweight.callbacks import callback as callback_module
+
+    def broken(*args: object, **kwargs: object) -> object:
+        raise ValueError("a probe bug")
+
+    target = ("digest_adapter" if where == "train_begin" else "grads_outside_optimizer")
+    owner = callback_module.digest if where == "train_begin" else callback_module.membership
+    monkeypatch.setattr(owner, target, broken)
+    model_dir, adapter_dir = tiny
+    model = runs.load_adapter(model_dir, adapter_dir, trainable=True)
+    callback = DeadweightCallback(address=sidecar.address, run_id=f"shielded-{where}")
+    trainer = runs.sft_trainer(model, model_dir, tmp_path, [callback], steps=4)
+    with caplog.at_level(logging.ERROR, logger="deadweight"):
+        trainer.train()
+    assert trainer.state.global_step == 4
+    errors = [r for r in caplog.records if r.name == "deadweight" and r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "monitoring is off" in errors[0].getMessage()

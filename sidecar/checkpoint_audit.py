@@ -17,7 +17,7 @@ from deadweight.sidecar.checkpoint_inspector import CheckpointInspection, inspec
 from deadweight.sidecar.checkpoint_watcher import CHECKPOINT_DIR
 from deadweight.sidecar.detectors import ALL, ARTIFACT_IDS
 from deadweight.sidecar.detectors.base import Verdict
-from deadweight.sidecar.detectors.checkpoints import unchanged_from
+from deadweight.sidecar.detectors.checkpoints import judge
 from deadweight.sidecar.settings import DetectorSettings
 from deadweight.sidecar.state import CheckpointPoint, RunState
 
@@ -49,10 +49,8 @@ def audit(paths: list[Path], initial: Path | None = None,
         point = CheckpointPoint(step=index + 1, path=inspection.path, combined_digest="",
                                 tensor_digests={}, adapter_bytes=inspection.tensor_bytes,
                                 time=time.time(), inspection=inspection)
-        run.checkpoints.append(point)
-        run.checkpoints_total += 1
-        point.unchanged_from = unchanged_from(run, point)
-        run.checkpoints_unchanged += bool(point.unchanged_from)
+        run.add_checkpoint(point)
+        judge(run, point)
         fired = []
         for detector in detectors:
             verdict = detector.evaluate(run, settings)

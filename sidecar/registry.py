@@ -363,9 +363,8 @@ class Registry:
             known.combined_digest = report.adapter.combined
             known.tensor_digests = dict(report.adapter.tensors)
             known.adapter_bytes = report.adapter.bytes
-            self._judge_checkpoint(run, known)
+            checkpoints.judge(run, known)
             return
-        run.checkpoints_total += 1
         point = CheckpointPoint(
             step=report.step,
             path=report.path,
@@ -374,19 +373,11 @@ class Registry:
             adapter_bytes=report.adapter.bytes,
             time=now,
         )
-        run.checkpoints.append(point)
+        run.add_checkpoint(point)
         self.store.add_checkpoint(run.run_id, point)
-        self._judge_checkpoint(run, point)
+        checkpoints.judge(run, point)
         if self.watcher is not None:
             self.watcher.submit(run.run_id, report.path)
-
-    def _judge_checkpoint(self, run: RunState, point: CheckpointPoint) -> None:
-        """Compare point with the previous checkpoint and the initial adapter; count it once."""
-        same = checkpoints.unchanged_from(run, point)
-        if same and not point.counted_unchanged:  # a counter: never decremented
-            run.checkpoints_unchanged += 1
-            point.counted_unchanged = True
-        point.unchanged_from = same  # the files' bytes overrule the in-memory digest
 
     def attach_watcher(self, watcher: CheckpointSink) -> None:
         """Route run output folders and reported checkpoints to watcher."""
@@ -407,16 +398,15 @@ class Registry:
             run = entry.state
             point = run.checkpoint(inspection.path)
             if point is None:
-                run.checkpoints_total += 1
                 point = CheckpointPoint(step=step, path=inspection.path,
                                         combined_digest=inspection.adapter_digest,
                                         tensor_digests=dict(inspection.tensor_digests),
                                         adapter_bytes=inspection.tensor_bytes, time=time.time())
-                run.checkpoints.append(point)
+                run.add_checkpoint(point)
                 self.store.add_checkpoint(run.run_id, point)
             point.inspection = inspection
             point.adapter_bytes = inspection.tensor_bytes
-            self._judge_checkpoint(run, point)
+            checkpoints.judge(run, point)
             self._evaluate(entry)
             return True
 

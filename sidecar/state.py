@@ -223,6 +223,11 @@ class RunState:
             )
         return combined
 
+    def add_checkpoint(self, point: CheckpointPoint) -> None:
+        """Remember a new checkpoint; the total is a counter, the window is bounded."""
+        self.checkpoints.append(point)
+        self.checkpoints_total += 1
+
     def checkpoint(self, path: str) -> CheckpointPoint | None:
         """The remembered checkpoint at path, if any."""
         for point in self.checkpoints:

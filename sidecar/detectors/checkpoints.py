@@ -6,6 +6,7 @@ and they only look at checkpoints written after an optimizer step at lr > 0.
 
 from __future__ import annotations
 
+from deadweight.sidecar.checkpoint_inspector import CheckpointInspection
 from deadweight.sidecar.detectors.base import Policy, Severity, Verdict, fmt, trained_before
 from deadweight.sidecar.settings import DetectorSettings
 from deadweight.sidecar.state import CheckpointPoint, RunState
@@ -24,10 +25,23 @@ def unchanged_from(run: RunState, point: CheckpointPoint) -> str:
     return ""
 
 
-def _latest_inspected(run: RunState) -> CheckpointPoint | None:
+def judge(run: RunState, point: CheckpointPoint) -> None:
+    """Compare point with the previous checkpoint and the initial adapter; count it once.
+
+    Called again when the files' inspection arrives: their bytes overrule the in-memory
+    digest, but deadweight_checkpoint_unchanged_total is a counter and never goes down.
+    """
+    same = unchanged_from(run, point)
+    if same and not point.counted_unchanged:
+        run.checkpoints_unchanged += 1
+        point.counted_unchanged = True
+    point.unchanged_from = same
+
+
+def _latest_inspected(run: RunState) -> tuple[CheckpointPoint, CheckpointInspection] | None:
     for point in reversed(run.checkpoints):
         if point.inspection is not None:
-            return point
+            return point, point.inspection
     return None
 
 
@@ -69,10 +83,10 @@ class AdapterNeverTrained:
     scope = "artifact"
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
-        point = _latest_inspected(run)
-        if point is None or point.inspection is None:
+        latest = _latest_inspected(run)
+        if latest is None:
             return None
-        ins = point.inspection
+        point, ins = latest
         if (not ins.is_adapter or ins.lora_b_tensors == 0 or ins.lora_b_nonzero_tensors > 0
                 or not trained_before(run, point.step)):
             return Verdict(False, step=point.step)
@@ -97,10 +111,10 @@ class AdapterBloat:
     scope = "artifact"
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
-        point = _latest_inspected(run)
-        if point is None or point.inspection is None:
+        latest = _latest_inspected(run)
+        if latest is None:
             return None
-        ins = point.inspection
+        point, ins = latest
         extra = ins.non_lora_params
         if not ins.is_adapter or extra <= settings.adapter_bloat_ratio * max(ins.lora_params, 1):
             return Verdict(False, step=point.step)
@@ -129,10 +143,11 @@ class PickleCheckpoint:
     scope = "artifact"
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
-        point = _latest_inspected(run)
-        if point is None or point.inspection is None:
+        latest = _latest_inspected(run)
+        if latest is None:
             return None
-        files = point.inspection.pickle_files
+        point, ins = latest
+        files = ins.pickle_files
         if not files:
             return Verdict(False, step=point.step)
         return Verdict(

@@ -64,6 +64,16 @@ def stopping_sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sidec
         yield process
 
 
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """An in-process sidecar (real gRPC on a unix socket) whose findings a test reads directly."""
+    from tests.test_catalogue_harness import LiveSidecar
+
+    sidecar = LiveSidecar(tmp_path_factory.mktemp("live"))
+    yield sidecar
+    sidecar.stop()
+
+
 class MetricsProbe:
     """A TrainerCallback that scrapes /metrics at every step end and keeps each detector's max.
 

@@ -9,7 +9,6 @@ the control for every detector here.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,15 +24,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 @pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveSidecar]:
-    sidecar = LiveSidecar(tmp_path_factory.mktemp("live"))
-    yield sidecar
-    sidecar.stop()
-
-
-@pytest.fixture(scope="module")
-def qwen(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    return runs.prepare(tmp_path_factory.mktemp("models"), "qwen2")
+def qwen(tiny: tuple[Path, Path]) -> tuple[Path, Path]:
+    """The session's tiny Qwen2-style model and adapter (built once for every module)."""
+    return tiny
 
 
 def _base(model_dir: Path) -> Any:

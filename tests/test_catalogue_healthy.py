@@ -9,7 +9,6 @@ Only ``no_kl_anchor`` (information) may fire, and only for GRPO with beta 0.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,13 +33,6 @@ MATRIX: dict[str, dict[str, Any]] = {
     "grpo-gpt2-beta-lora-warmup-decay": dict(
         kind="grpo", arch="gpt2", setup="fresh", beta=0.04, warmup=2, weight_decay=0.1),
 }
-
-
-@pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveSidecar]:
-    sidecar = LiveSidecar(tmp_path_factory.mktemp("live"))
-    yield sidecar
-    sidecar.stop()
 
 
 @pytest.fixture(scope="module")

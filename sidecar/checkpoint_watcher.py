@@ -105,6 +105,9 @@ class CheckpointWatcher:
         self.settle_seconds = settle_seconds
         self.scan_seconds = scan_seconds
         self.inspected = 0
+        #: Completed passes of the worker (drain, scan, settle): lets a caller wait for the
+        #: watcher to have looked again, rather than for a length of time.
+        self.passes = 0
         self._requests: queue.Queue[tuple[str, str, str]] = queue.Queue()
         self._watched: dict[tuple[str, str], _Watched] = {}
         self._pending: dict[Path, _Pending] = {}
@@ -153,6 +156,7 @@ class CheckpointWatcher:
                 self._settle()
             except Exception:  # the watcher must outlive one bad folder
                 log.exception("checkpoint_watcher_failed")
+            self.passes += 1
 
     def _drain(self) -> None:
         while True:

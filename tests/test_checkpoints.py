@@ -89,6 +89,12 @@ class Sink:
         return True
 
 
+def _passes(watcher: CheckpointWatcher, more: int) -> None:
+    """Wait until the watcher has completed `more` further passes of its loop."""
+    target = watcher.passes + more
+    poll(lambda: watcher.passes >= target, f"{more} more watcher passes")
+
+
 def test_watcher_waits_for_a_complete_folder_created_after_registration(tmp_path: Path) -> None:
     sink = Sink()
     watcher = CheckpointWatcher(sink, settle_seconds=0.5, scan_seconds=0.1)
@@ -112,14 +118,14 @@ def test_watcher_waits_for_a_complete_folder_created_after_registration(tmp_path
                 time.sleep(0.02)
             handle.write(staged[len(staged) // 2:])
         poll(lambda: sink.seen, "the watcher to inspect the finished checkpoint")
-        time.sleep(0.3)  # no second inspection of unchanged files
+        _passes(watcher, 3)  # it looked again, more than once: no second inspection
         assert len(sink.seen) == 1
         run_id, inspection, step = sink.seen[0]
         assert (run_id, step, inspection.path) == ("run", 5, str(folder))
         assert inspection.lora_b_nonzero_tensors == 1
 
         watcher.submit("run", str(folder))  # the callback's report of the same files
-        time.sleep(0.3)
+        _passes(watcher, 2)  # the report was drained and settled
         assert len(sink.seen) == 1
     finally:
         watcher.stop()

@@ -289,9 +289,7 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
     ) -> None:
         if self.client is None or not logs:
             return
-        record = numeric_logs(logs)
-        self.client.submit("log", type(record)(state.global_step, record.values,
-                                               record.dropped_keys))
+        self.client.submit("log", numeric_logs(logs, state.global_step))
         self._apply_directives(control)
 
     @_shielded

@@ -7,7 +7,7 @@ The training thread hands plain records to the stream client; the sender thread 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from deadweight.callbacks.digest import AdapterDigest
@@ -68,15 +68,10 @@ class RunEndRecord:
     reason: str
 
 
-@dataclass
-class _Counter:
-    dropped: int = 0
-    kept: dict[str, float] = field(default_factory=dict)
-
-
-def numeric_logs(logs: dict[str, Any]) -> LogRecord:
+def numeric_logs(logs: dict[str, Any], step: int) -> LogRecord:
     """Every numeric (or None-for-NaN) log value, bounded in key count and key length."""
-    counter = _Counter()
+    kept: dict[str, float] = {}
+    dropped = 0
     for key, value in logs.items():
         if isinstance(value, bool):
             value = float(value)
@@ -84,11 +79,11 @@ def numeric_logs(logs: dict[str, Any]) -> LogRecord:
             value = math.nan  # TRL logs a metric that was NaN for a whole window as None
         if not isinstance(value, int | float):
             continue
-        if len(counter.kept) >= MAX_LOG_KEYS or len(key) > MAX_KEY_LENGTH:
-            counter.dropped += 1
+        if len(kept) >= MAX_LOG_KEYS or len(key) > MAX_KEY_LENGTH:
+            dropped += 1
             continue
-        counter.kept[str(key)] = float(value)
-    return LogRecord(step=0, values=counter.kept, dropped_keys=counter.dropped)
+        kept[str(key)] = float(value)
+    return LogRecord(step=step, values=kept, dropped_keys=dropped)
 
 
 def digest_message(digest: AdapterDigest) -> pb.AdapterDigest:

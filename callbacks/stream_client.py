@@ -86,6 +86,19 @@ def grpc_target(address: str) -> str:
     return address
 
 
+def open_channel(target: str, tls_root: bytes | None = None) -> grpc.Channel:
+    """TLS (with the given CA) for TCP targets when a CA is set; plain for unix sockets."""
+    options = [
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.enable_retries", 0),
+    ]
+    if tls_root is not None and unix_socket_path(target) is None:
+        creds = grpc.ssl_channel_credentials(root_certificates=tls_root)
+        return grpc.secure_channel(target, creds, options=options)
+    return grpc.insecure_channel(target, options=options)
+
+
 class StreamClient:
     """One (run_id, rank) stream to the sidecar, fed without blocking the training thread."""
 
@@ -97,7 +110,6 @@ class StreamClient:
         to_event: Callable[[str, Any], pb.Event],
         token: str | None = None,
         settings: ClientSettings | None = None,
-        channel_factory: Callable[[str], grpc.Channel] | None = None,
         tls_ca: str | None = None,
     ) -> None:
         self.address = address
@@ -107,7 +119,6 @@ class StreamClient:
         self._to_event = to_event
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._tls_root = self._read_ca(tls_ca)
-        self._channel_factory = channel_factory or self._default_channel
         self._attestation = ""
         self._attest_warned = False
         self._queue: deque[tuple[str, Any, float]] = deque(maxlen=self.settings.max_queue)
@@ -122,7 +133,6 @@ class StreamClient:
         self._pending_resend: list[pb.Event] = []
         self.last_step = 0
         self._seq = 0
-        self._acked = 0
         self._warned = False
         self._closing = False
         self._channel: grpc.Channel | None = None
@@ -215,24 +225,6 @@ class StreamClient:
                         "fail the TLS handshake", path, err)
             return None
 
-    def _default_channel(self, target: str) -> grpc.Channel:
-        """TLS (with the given CA) for TCP targets when a CA is set; plain for unix sockets."""
-        if self._tls_root is not None and unix_socket_path(target) is None:
-            creds = grpc.ssl_channel_credentials(root_certificates=self._tls_root)
-            return grpc.secure_channel(target, creds, options=self._channel_options())
-        return self._insecure_channel(target)
-
-    @staticmethod
-    def _channel_options() -> list[tuple[str, int]]:
-        return [
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.enable_retries", 0),
-        ]
-
-    def _insecure_channel(self, target: str) -> grpc.Channel:
-        return grpc.insecure_channel(target, options=self._channel_options())
-
     def _attest(self, target: str) -> str:
         """A fresh nonce for this connection (unix sockets only); one warning when absent."""
         path = unix_socket_path(target)
@@ -287,7 +279,7 @@ class StreamClient:
 
     def _stream_once(self) -> None:
         target = grpc_target(self.address)
-        channel = self._channel_factory(target)
+        channel = open_channel(target, self._tls_root)
         self._channel = channel
         try:
             grpc.channel_ready_future(channel).result(
@@ -313,7 +305,6 @@ class StreamClient:
             self._rejections.add(rejected)  # each reason once: a rejected run must not flood
             log.warning("deadweight: sidecar rejected a batch: %s", rejected)
         with self._lock:
-            self._acked = max(self._acked, response.ack_seq)
             while self._inflight and self._inflight[0].seq <= response.ack_seq:
                 self._inflight.popleft()
         self._start_acked.set()

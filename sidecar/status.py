@@ -2,18 +2,8 @@
 
 from __future__ import annotations
 
-import grpc
-
-from deadweight.callbacks.stream_client import grpc_target
+from deadweight.callbacks.stream_client import grpc_target, open_channel
 from deadweight.proto import monitor_stub, pb
-
-
-def _channel(address: str, tls_ca: bytes | None) -> grpc.Channel:
-    """TLS when a CA is given (a TCP sidecar), a plain channel otherwise (the unix socket)."""
-    target = grpc_target(address)
-    if tls_ca is not None:
-        return grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=tls_ca))
-    return grpc.insecure_channel(target)
 
 
 def fetch(
@@ -21,7 +11,7 @@ def fetch(
 ) -> pb.StatusResponse:
     """The sidecar's Status answer; raises ``grpc.RpcError`` when it cannot be reached."""
     metadata = (("authorization", f"Bearer {token}"),) if token else ()
-    with _channel(address, tls_ca) as channel:
+    with open_channel(grpc_target(address), tls_ca) as channel:
         stub = monitor_stub(channel)
         response: pb.StatusResponse = stub.Status(
             pb.StatusRequest(), timeout=timeout, metadata=metadata

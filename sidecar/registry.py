@@ -576,9 +576,7 @@ class Registry:
             entry.findings[detector] = finding
             if finding.firing and not run.ended:
                 entry.held.add(detector)
-                resumed = getattr(self.actions, "resumed", None)
-                if resumed is not None:
-                    entry.directives.extend(resumed(run, finding))
+                entry.directives.extend(self.actions.resumed(run, finding))
 
     # -- readers ---------------------------------------------------------------------------
 

@@ -41,7 +41,12 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from deadweight.callbacks import digest, membership, preflight
 from deadweight.callbacks.stop_agreement import StopAgreement
-from deadweight.callbacks.stream_client import ClientSettings, StreamClient
+from deadweight.callbacks.stream_client import (
+    ClientSettings,
+    StreamClient,
+    grpc_target,
+    unix_socket_path,
+)
 from deadweight.callbacks.update_probe import UpdateProbe
 from deadweight.callbacks.wire import (
     CheckpointRecord,
@@ -60,10 +65,8 @@ DEFAULT_ADDRESS = "unix:///run/deadweight/deadweight.sock"
 
 def _may_be_listening(address: str) -> bool:
     """False when the address is a unix socket path that does not exist: no need to wait."""
-    if not address.startswith("unix:"):
-        return True
-    rest = address.removeprefix("unix:")
-    return Path("/" + rest.lstrip("/") if rest.startswith("/") else rest).exists()
+    path = unix_socket_path(grpc_target(address))
+    return path is None or Path(path).exists()
 
 
 class SidecarRequired(RuntimeError):

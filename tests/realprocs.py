@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import time
 import urllib.error
@@ -18,6 +17,8 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
+
+from deadweight.demo.sidecar_process import free_port
 
 _P = TypeVar("_P", bound="RealProcess")
 
@@ -32,14 +33,6 @@ def find_binary(names: tuple[str, ...]) -> str | None:
         if path:
             return path
     return None
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def http_get(url: str, timeout: float = 5.0) -> bytes:

@@ -36,6 +36,8 @@ class RunStartRecord:
     host: str = ""
     sharded: bool = False
     attestation: str = ""
+    wrapper: str = ""
+    requested_wrapper: str = ""
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,7 @@ def _run_start(r: RunStartRecord) -> pb.RunStart:
                 )
                 for a in m.adapters
             ],
+            layout=m.layout,
         ),
         preflight=pb.Preflight(
             is_peft=f.is_peft,
@@ -133,6 +136,8 @@ def _run_start(r: RunStartRecord) -> pb.RunStart:
         attestation=r.attestation,
         sharded=r.sharded,
         host=r.host,
+        wrapper=r.wrapper,
+        requested_wrapper=r.requested_wrapper,
     )
 
 

@@ -168,3 +168,17 @@ def requested_wrapper(args: Any) -> str:
         version = config.get("version", 1) if isinstance(config, dict) else 1
         return "fsdp2" if int(version or 1) == 2 else "fsdp1"
     return ""
+
+
+def unwrap_model(model: Any) -> Any:
+    """The user's model under DDP, FSDP1 or a DeepSpeed engine (FSDP2 modifies it in place)."""
+    seen: set[int] = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        inner = getattr(model, "module", None)
+        if not isinstance(inner, torch.nn.Module):
+            break
+        if not (_is_ddp(model) or is_deepspeed(model) or _fsdp1_modules(model)[:1] == [model]):
+            break
+        model = inner
+    return model

@@ -1,0 +1,126 @@
+"""``deadweight.watch`` on raw training loops, each a real process against a real sidecar.
+
+Every loop runs twice, healthy and frozen (see ``raw_loop_worker``): the frozen run is caught
+by ``frozen_weights`` while it is live, the healthy one leaves no finding at all. Multi-rank
+loops run under a real ``torchrun --nproc-per-node 2`` with gloo. The FSDP2 run also checks
+the arithmetic of sharding: the update norm the sidecar combines from the ranks' local shards
+equals the norm of the same update on the unsharded parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from deadweight.demo.sidecar_process import SidecarProcess, free_port
+from deadweight.proto import pb
+from tests.faults import metric_value
+
+WORKER = Path(__file__).with_name("raw_loop_worker.py")
+STEPS = 6  # raw_loop_worker.STEPS
+DISTRIBUTED = ("ddp", "fsdp2", "fsdp1-orig", "fsdp1-flat", "deepspeed")
+
+
+def _run_loop(sidecar: SidecarProcess, loop: str, mode: str, out: Path) -> list[dict[str, Any]]:
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "DEADWEIGHT_ADDRESS": sidecar.address, "OMP_NUM_THREADS": "1",
+           "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(WORKER.parent.parent),
+           "DEADWEIGHT_TEST_METRICS": f"http://127.0.0.1:{sidecar.metrics_port}/metrics"}
+    env.pop("DEADWEIGHT_RUN_ID", None)
+    ranks = 2 if loop in DISTRIBUTED else 1
+    if ranks == 2:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    else:
+        cmd = [sys.executable]
+    done = subprocess.run(cmd + [str(WORKER), loop, mode, str(out)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
+    assert len({r["run_id"] for r in reports}) == 1, "ranks reported under different ids"
+    assert all(r["steps"] == STEPS and r["dropped"] == 0 for r in reports)
+    return reports
+
+
+def _findings(sidecar: SidecarProcess, run_id: str, ranks: int) -> dict[str, pb.Finding]:
+    run = sidecar.run_status(run_id)
+    assert run is not None, f"sidecar never saw run {run_id}"
+    assert list(run.ranks) == list(range(ranks)) and run.step == STEPS
+    return {f.detector: f for f in run.findings}
+
+
+def _check(sidecar: SidecarProcess, loop: str, mode: str, reports: list[dict[str, Any]]) -> None:
+    findings = _findings(sidecar, reports[0]["run_id"], len(reports))
+    live = reports[0]["live_firing"]
+    if mode == "healthy":
+        assert findings == {}, {k: f.summary for k, f in findings.items()}
+        assert "frozen_weights" in live and set(live.values()) == {0.0}, live
+    else:
+        frozen = findings["frozen_weights"]
+        assert frozen.evidence["update_norm"] == "0" and frozen.step <= 3
+        assert live.get("frozen_weights") == 1.0  # caught while the loop was running
+        assert "empty_optimizer" not in findings  # the optimizer is wrong, not empty
+
+
+@pytest.mark.parametrize("mode", ["healthy", "frozen"])
+@pytest.mark.parametrize("loop", ["single", "accelerate"])
+def test_single_process_loops(loop: str, mode: str, sidecar: SidecarProcess,
+                              tmp_path: Path) -> None:
+    (report,) = _run_loop(sidecar, loop, mode, tmp_path)
+    assert (report["wrapper"], report["layout"], report["sharded"]) == ("none", "identity", False)
+    assert report["watched_names"] == ["scale", "backbone.0.weight", "backbone.0.bias",
+                                       "head.weight", "head.bias"] or mode == "healthy"
+    _check(sidecar, loop, mode, [report])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["healthy", "frozen"])
+def test_ddp_loop(mode: str, sidecar: SidecarProcess, tmp_path: Path) -> None:
+    reports = _run_loop(sidecar, "ddp", mode, tmp_path)
+    assert {(r["wrapper"], r["sharded"]) for r in reports} == {("ddp", False)}
+    _check(sidecar, "ddp", mode, reports)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["healthy", "frozen"])
+def test_fsdp2_loop(mode: str, sidecar: SidecarProcess, tmp_path: Path) -> None:
+    reports = _run_loop(sidecar, "fsdp2", mode, tmp_path)
+    assert {(r["wrapper"], r["layout"], r["sharded"]) for r in reports} == {
+        ("fsdp2", "identity", True)}
+    # ``scale`` has one element: rank 1's shard of it is empty and is not watched.
+    assert "scale" in reports[0]["watched_names"]
+    assert "scale" not in reports[1]["watched_names"]
+    _check(sidecar, "fsdp2", mode, reports)
+    if mode == "healthy":
+        assert reports[0]["optimizer_params"] + reports[1]["optimizer_params"] == 8 * 32 + 32 \
+            + 32 * 4 + 4 + 1  # the shards add up to the whole model
+        reference = reports[0]["reference_update_norms"]
+        assert len(reference) == STEPS and all(r > 0 for r in reference)
+        combined = metric_value(sidecar.metrics(), "deadweight_update_norm",
+                                run_id=reports[0]["run_id"])
+        assert combined is not None
+        assert math.isclose(combined, reference[-1], rel_tol=1e-6), (combined, reference[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["healthy", "frozen"])
+@pytest.mark.parametrize("flavour", ["orig", "flat"])
+def test_fsdp1_loop(flavour: str, mode: str, sidecar: SidecarProcess, tmp_path: Path) -> None:
+    reports = _run_loop(sidecar, f"fsdp1-{flavour}", mode, tmp_path)
+    layout = "identity" if flavour == "orig" else "flat"
+    assert {(r["wrapper"], r["layout"], r["sharded"]) for r in reports} == {
+        ("fsdp1", layout, True)}
+    names = set(reports[0]["watched_names"]) | set(reports[1]["watched_names"])
+    if flavour == "orig":  # the user's names, each parameter held by one rank or both
+        assert names == {"scale", "backbone.0.weight", "backbone.0.bias", "head.weight",
+                         "head.bias"}
+    else:  # one flat parameter per wrapped module, recognised as such
+        assert names and all(n.endswith("flat_param") for n in names), names
+    _check(sidecar, f"fsdp1-{flavour}", mode, reports)

@@ -182,3 +182,15 @@ def unwrap_model(model: Any) -> Any:
             break
         model = inner
     return model
+
+
+#: Module names wrappers insert into parameter names (FSDP1, activation checkpointing,
+#: torch.compile); they say nothing about which layer a parameter is.
+WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def clean_name(name: str) -> str:
+    """A parameter name as the user's model spells it, wrapper modules left out."""
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name

@@ -124,10 +124,11 @@ def measure(model: torch.nn.Module, optimizer: Any,
     kind_index: dict[str, list[int]] = {}
     trainable_tensors = trainable_params = trainable_outside = 0
     seen: set[int] = set()
-    for name, param in model.named_parameters():
+    for wrapped_name, param in model.named_parameters():
         if id(param) in seen:  # tied weights appear once
             continue
         seen.add(id(param))
+        name = layouts.clean_name(wrapped_name)
         adapter = adapter_of(name, adapters)
         local = layouts.local_view(param)
         if adapter is not None:

@@ -7,8 +7,10 @@ Usage: ``[torchrun --nproc-per-node 2] tests/raw_loop_worker.py LOOP MODE OUT_DI
 - replicated loops (single, ddp, accelerate): the backbone is frozen and the head trains;
   the frozen run hands the optimizer the backbone (the wrong module), so the head gets
   gradients that no optimizer applies and nothing moves.
-- sharded loops (fsdp2, fsdp1-*): the frozen run builds the optimizer before sharding, so it
-  holds the parameters the wrapper replaced; the model trains on new ones nobody updates.
+- fsdp1-orig does the same (``use_orig_params=True`` keeps the parameter objects, so it
+  tolerates a frozen backbone and an optimizer built before wrapping alike).
+- fsdp2 and fsdp1-flat: the frozen run builds the optimizer before sharding, so it holds the
+  parameters the wrapper replaced; the model trains on new ones nobody updates.
 
 No run id is given: every rank reports under rank 0's. Each rank writes ``rank<N>.json`` with
 what it knows (run id, steps, membership, and for fsdp2 the unsharded reference norm of each
@@ -115,7 +117,17 @@ def main(loop: str, mode: str, out: Path) -> int:
     reference: list[float] = []
     engine: Any = None
     accelerator: Any = None
-    if loop in ("single", "ddp", "accelerate", "deepspeed"):
+    if loop == "fsdp1-orig":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        model.backbone.requires_grad_(False)
+        model = FullyShardedDataParallel(model, use_orig_params=True,
+                                         device_id=torch.device("cpu"))
+        inner = model.module
+        optimizer = torch.optim.AdamW(
+            inner.backbone.parameters() if mode == "frozen"
+            else [p for p in model.parameters() if p.requires_grad], lr=LR)
+    elif loop in ("single", "ddp", "accelerate", "deepspeed"):
         model.backbone.requires_grad_(False)
         params = (model.backbone.parameters() if mode == "frozen"
                   else [p for p in model.parameters() if p.requires_grad])
@@ -149,7 +161,7 @@ def main(loop: str, mode: str, out: Path) -> int:
         else:
             from torch.distributed.fsdp import FullyShardedDataParallel
 
-            model = FullyShardedDataParallel(model, use_orig_params=loop == "fsdp1-orig",
+            model = FullyShardedDataParallel(model, use_orig_params=False,
                                              device_id=torch.device("cpu"))
         optimizer = stale or torch.optim.AdamW(model.parameters(), lr=LR)
     sharded = loop.startswith("fsdp")

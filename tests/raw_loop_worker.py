@@ -139,6 +139,8 @@ def main(loop: str, mode: str, out: Path) -> int:
                       "optimizer": {"type": "AdamW",
                                     "params": {"lr": LR, "torch_adam": True}}}
             deepspeed.init_distributed(dist_backend="gloo")
+            # Only healthy: both frozen setups tried here fail loudly under ZeRO-2 (an
+            # optimizer without trainable parameters at initialize, a head swapped after it).
             engine, optimizer, _, _ = deepspeed.initialize(
                 model=model, model_parameters=list(params), config=config)
             model = engine

@@ -124,3 +124,19 @@ def test_fsdp1_loop(flavour: str, mode: str, sidecar: SidecarProcess, tmp_path: 
     else:  # one flat parameter per wrapped module, recognised as such
         assert names and all(n.endswith("flat_param") for n in names), names
     _check(sidecar, f"fsdp1-{flavour}", mode, reports)
+
+
+@pytest.mark.slow
+def test_deepspeed_zero2_loop_is_not_an_empty_optimizer(sidecar: SidecarProcess,
+                                                        tmp_path: Path) -> None:
+    """ZeRO-2 on CPU with gloo: the optimizer holds flat fp32 partitions, so identity alone
+    would report an empty optimizer (a false page on every run); the engine's own map
+    (``bit16_groups``) says which model parameters it trains. Healthy only: the frozen
+    setups tried (no trainable parameter at initialize, a module swapped after it) make
+    DeepSpeed fail loudly, so there is no silent failure to catch."""
+    reports = _run_loop(sidecar, "deepspeed", "healthy", tmp_path)
+    assert {(r["wrapper"], r["layout"], r["sharded"]) for r in reports} == {
+        ("deepspeed", "engine", False)}
+    # head and scale: what the engine partitions, counted by identity on the model
+    assert {r["optimizer_params"] for r in reports} == {32 * 4 + 4 + 1}
+    _check(sidecar, "deepspeed", "healthy", reports)

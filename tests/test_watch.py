@@ -49,10 +49,11 @@ def _run_loop(sidecar: SidecarProcess, loop: str, mode: str, out: Path) -> list[
     return reports
 
 
-def _findings(sidecar: SidecarProcess, run_id: str, ranks: int) -> dict[str, pb.Finding]:
+def _findings(sidecar: SidecarProcess, run_id: str, ranks: int,
+              steps: int = STEPS) -> dict[str, pb.Finding]:
     run = sidecar.run_status(run_id)
     assert run is not None, f"sidecar never saw run {run_id}"
-    assert list(run.ranks) == list(range(ranks)) and run.step == STEPS
+    assert list(run.ranks) == list(range(ranks)) and run.step == steps
     return {f.detector: f for f in run.findings}
 
 
@@ -140,3 +141,39 @@ def test_deepspeed_zero2_loop_is_not_an_empty_optimizer(sidecar: SidecarProcess,
     # head and scale: what the engine partitions, counted by identity on the model
     assert {r["optimizer_params"] for r in reports} == {32 * 4 + 4 + 1}
     _check(sidecar, "deepspeed", "healthy", reports)
+
+
+def test_unmappable_deepspeed_optimizer_is_unknown_not_empty(
+    sidecar: SidecarProcess, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A DeepSpeed ZeRO optimizer whose partition map cannot be read (here: a real
+    ``DeepSpeedZeroOptimizer`` object, not initialised, so it has no ``bit16_groups``) holds
+    flat partitions that are none of the model's parameters. Identity would call that an
+    empty optimizer; the client says "unknown" once and the sidecar stays silent."""
+    import logging
+
+    import torch
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    import deadweight
+
+    model = torch.nn.Linear(4, 2)
+    optimizer = DeepSpeedZeroOptimizer.__new__(DeepSpeedZeroOptimizer)
+    # as ZeRO builds it: an inner torch optimizer over a flat fp32 partition
+    optimizer.optimizer = torch.optim.AdamW([torch.zeros(10, requires_grad=True)], lr=1e-3)
+    run_id = "deepspeed-unknown-membership"
+    with caplog.at_level(logging.WARNING, logger="deadweight"):
+        with deadweight.watch(model, optimizer, run_id=run_id, address=sidecar.address,
+                              start_timeout_seconds=10.0) as monitor:
+            assert monitor.client is not None and monitor.client.wait_registered(10.0)
+            membership = monitor._run.membership
+            assert membership is not None and membership.layout == "unknown"
+            assert membership.trainable_params == 4 * 2 + 2
+    warnings = [r.getMessage() for r in caplog.records if r.name == "deadweight"]
+    assert len(warnings) == 1 and "membership is reported as unknown" in warnings[0]
+    # By identity the flat partition is no parameter of the model: both trainable tensors
+    # would count as outside the optimizer (a false grad_not_in_optimizer page).
+    assert _findings(sidecar, run_id, 1, steps=0) == {}
+    from tests.conftest import firing_values
+
+    assert firing_values(sidecar.metrics(), run_id).get("empty_optimizer") == 0.0

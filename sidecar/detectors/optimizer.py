@@ -6,6 +6,9 @@ from deadweight.sidecar.detectors.base import Policy, Severity, Verdict, fmt
 from deadweight.sidecar.settings import DetectorSettings
 from deadweight.sidecar.state import RunState
 
+#: ``OptimizerMembership.layout`` when the client could not map the optimizer's partitions.
+MEMBERSHIP_UNKNOWN = "unknown"
+
 
 class EmptyOptimizer:
     """At train begin the optimizer holds no parameters: nothing this run does can train.
@@ -23,8 +26,8 @@ class EmptyOptimizer:
         if run.start is None:
             return None
         m = run.start.membership
-        if m.optimizer_tensors > 0:
-            return Verdict(False)
+        if m.optimizer_tensors > 0 or m.layout == MEMBERSHIP_UNKNOWN:
+            return Verdict(False)  # unknown: a partitioning optimizer the client cannot map
         return Verdict(
             True,
             step=0,

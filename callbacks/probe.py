@@ -253,12 +253,14 @@ class RunProbe:
                 step, str(Path(path).resolve()), digest.digest_adapter(model)))
 
     def end(self, step: int, reason: str, timeout: float = 2.0) -> None:
-        """Report the run end and flush what is queued within timeout."""
-        client, self.client = self.client, None
+        """Report the run end and flush what is queued within timeout.
+
+        The client stays readable afterwards (its counters tell what was sent and dropped).
+        """
         self.update = None
-        if client is not None:
-            client.submit("run_end", RunEndRecord(step, reason))
-            client.close(timeout=timeout)
+        if self.client is not None:
+            self.client.submit("run_end", RunEndRecord(step, reason))
+            self.client.close(timeout=timeout)
 
     def directives(self) -> list[pb.Directive]:
         return self.client.take_directives() if self.client is not None else []

@@ -40,7 +40,7 @@ def _run_loop(sidecar: SidecarProcess, loop: str, mode: str, out: Path) -> list[
                "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
     else:
         cmd = [sys.executable]
-    done = subprocess.run(cmd + [str(WORKER), loop, mode, str(out)], env=env,
+    done = subprocess.run([*cmd, str(WORKER), loop, mode, str(out)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
@@ -162,13 +162,13 @@ def test_unmappable_deepspeed_optimizer_is_unknown_not_empty(
     # as ZeRO builds it: an inner torch optimizer over a flat fp32 partition
     optimizer.optimizer = torch.optim.AdamW([torch.zeros(10, requires_grad=True)], lr=1e-3)
     run_id = "deepspeed-unknown-membership"
-    with caplog.at_level(logging.WARNING, logger="deadweight"):
-        with deadweight.watch(model, optimizer, run_id=run_id, address=sidecar.address,
-                              start_timeout_seconds=10.0) as monitor:
-            assert monitor.client is not None and monitor.client.wait_registered(10.0)
-            membership = monitor._run.membership
-            assert membership is not None and membership.layout == "unknown"
-            assert membership.trainable_params == 4 * 2 + 2
+    with caplog.at_level(logging.WARNING, logger="deadweight"), deadweight.watch(
+            model, optimizer, run_id=run_id, address=sidecar.address,
+            start_timeout_seconds=10.0) as monitor:
+        assert monitor.client is not None and monitor.client.wait_registered(10.0)
+        membership = monitor._run.membership
+        assert membership is not None and membership.layout == "unknown"
+        assert membership.trainable_params == 4 * 2 + 2
     warnings = [r.getMessage() for r in caplog.records if r.name == "deadweight"]
     assert len(warnings) == 1 and "membership is reported as unknown" in warnings[0]
     # By identity the flat partition is no parameter of the model: both trainable tensors

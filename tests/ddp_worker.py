@@ -1,13 +1,13 @@
 """One rank of a real DDP job (``torchrun --nproc-per-node 2``, gloo on CPU) with the callback.
 
-Usage: ``torchrun --nproc-per-node 2 tests/ddp_worker.py MODEL_DIR ADAPTER_DIR OUT_DIR
-MODE [STEPS [OVERRIDES_JSON]]`` with ``DEADWEIGHT_ADDRESS`` set; MODE is ``healthy``
-(adapter loaded trainable) or ``frozen``: the optimizer holds none of the adapter's tensors
-(built by hand on the frozen base weights and handed to the trainer), so gradients reach the
-adapter on every rank and nothing moves. (The pure F1 mistake, an adapter loaded without ``is_trainable``, is not
-silent under DDP: PyTorch refuses to wrap a model with nothing to train.) No run id is
-given: every rank must report under rank 0's id. Each rank writes ``rank<N>.json`` with its own
-figures so the test can compare them with what the sidecar shows.
+Usage: ``torchrun --nproc-per-node 2 tests/ddp_worker.py MODEL_DIR ADAPTER_DIR OUT_DIR MODE
+[STEPS [OVERRIDES_JSON]]`` with ``DEADWEIGHT_ADDRESS`` set; MODE is ``healthy`` (adapter loaded
+trainable) or ``frozen``: the optimizer holds none of the adapter's tensors (built by hand on
+the frozen base weights and handed to the trainer), so gradients reach the adapter on every rank
+and nothing moves. (The pure F1 mistake, an adapter loaded without ``is_trainable``, is not
+silent under DDP: PyTorch refuses to wrap a model with nothing to train.) No run id is given:
+every rank must report under rank 0's id. Each rank writes ``rank<N>.json`` with its own figures
+so the test can compare them with what the sidecar shows.
 """
 
 from __future__ import annotations

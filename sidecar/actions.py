@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import structlog
 
 from deadweight.proto import pb
+from deadweight.sidecar.detectors import BY_ID
 from deadweight.sidecar.detectors.base import Policy
 from deadweight.sidecar.registry import Finding
 from deadweight.sidecar.state import RunState
@@ -194,10 +195,11 @@ class Actions:
 
     def _fire_pager(self, run: RunState, finding: Finding) -> None:
         assert self.pager is not None
+        spec = BY_ID[finding.detector].spec  # the wording the Prometheus rule carries too
         self.pager.fire(  # the pager appends the evidence to the description
             run.run_id, finding.detector, finding.severity,
-            summary=f"{finding.detector} on run {run.run_id}",
-            description=f"{finding.summary}.",
+            summary=spec.render_summary(run.run_id),
+            description=f"Run {run.run_id}: {spec.meaning} ({finding.summary}).",
             evidence=dict(sorted(finding.evidence.items())),
             starts_at=finding.fired_at or None,
         )

@@ -289,3 +289,13 @@ def test_promtool_cases_catch_a_broken_rule(tmp_path: Path) -> None:
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert "DeadweightFrozenWeights" in out.stdout + out.stderr
+
+
+def test_the_default_dashboard_link_opens_the_shipped_run_dashboard_on_its_run() -> None:
+    import json
+
+    board = json.loads((ROOT / "dashboards" / "deadweight-run.json").read_text())
+    variables = {v["name"] for v in board["templating"]["list"]}
+    link = dashboard_url(DEFAULTS.dashboard, "run-1")
+    assert f"/d/{board['uid']}/" in link
+    assert "run_id" in variables and link.endswith("?var-run_id=run-1")

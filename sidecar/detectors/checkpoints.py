@@ -51,11 +51,11 @@ class _InspectedCheckpoint(SpecDetector):
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
         for point in reversed(run.checkpoints):
             if point.inspection is not None:
-                return self.judge(run, point, point.inspection, settings)
+                return self.judge_inspected(run, point, point.inspection, settings)
         return None
 
-    def judge(self, run: RunState, point: CheckpointPoint, ins: CheckpointInspection,
-              settings: DetectorSettings) -> Verdict:
+    def judge_inspected(self, run: RunState, point: CheckpointPoint, ins: CheckpointInspection,
+                        settings: DetectorSettings) -> Verdict:
         raise NotImplementedError
 
 
@@ -113,8 +113,8 @@ class AdapterNeverTrained(_InspectedCheckpoint):
         inhibited_by=ROOT_CAUSES,
     )
 
-    def judge(self, run: RunState, point: CheckpointPoint, ins: CheckpointInspection,
-              settings: DetectorSettings) -> Verdict:
+    def judge_inspected(self, run: RunState, point: CheckpointPoint, ins: CheckpointInspection,
+                        settings: DetectorSettings) -> Verdict:
         if (not ins.is_adapter or ins.lora_b_tensors == 0 or ins.lora_b_nonzero_tensors > 0
                 or not trained_before(run, point.step)):
             return Verdict(False, step=point.step)
@@ -147,8 +147,8 @@ class AdapterBloat(_InspectedCheckpoint):
         evidence=(Evidence("checkpoint_adapter_bytes", 483328), Evidence("checkpoints_total")),
     )
 
-    def judge(self, run: RunState, point: CheckpointPoint, ins: CheckpointInspection,
-              settings: DetectorSettings) -> Verdict:
+    def judge_inspected(self, run: RunState, point: CheckpointPoint, ins: CheckpointInspection,
+                        settings: DetectorSettings) -> Verdict:
         extra = ins.non_lora_params
         if not ins.is_adapter or extra <= settings.adapter_bloat_ratio * max(ins.lora_params, 1):
             return Verdict(False, step=point.step)
@@ -184,8 +184,8 @@ class PickleCheckpoint(_InspectedCheckpoint):
         evidence=(Evidence("checkpoints_total"),),
     )
 
-    def judge(self, run: RunState, point: CheckpointPoint, ins: CheckpointInspection,
-              settings: DetectorSettings) -> Verdict:
+    def judge_inspected(self, run: RunState, point: CheckpointPoint, ins: CheckpointInspection,
+                        settings: DetectorSettings) -> Verdict:
         files = ins.pickle_files
         if not files:
             return Verdict(False, step=point.step)

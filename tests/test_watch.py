@@ -18,9 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from deadweight.demo.sidecar_process import SidecarProcess, free_port
 from deadweight.proto import pb
+from tests import raw_loop_worker
 from tests.faults import metric_value
 
 WORKER = Path(__file__).with_name("raw_loop_worker.py")
@@ -152,7 +154,6 @@ def test_unmappable_deepspeed_optimizer_is_unknown_not_empty(
     empty optimizer; the client says "unknown" once and the sidecar stays silent."""
     import logging
 
-    import torch
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     import deadweight
@@ -177,3 +178,66 @@ def test_unmappable_deepspeed_optimizer_is_unknown_not_empty(
     from tests.conftest import firing_values
 
     assert firing_values(sidecar.metrics(), run_id).get("empty_optimizer") == 0.0
+
+
+def _tiny_loop(model: torch.nn.Module, optimizer: torch.optim.Optimizer, monitor: Any,
+               steps: int, metrics_url: str | None = None) -> int:
+    """A raw loop in this process; returns the steps it ran (it ends early on should_stop)."""
+    torch.manual_seed(3)
+    for step in range(1, steps + 1):
+        x, y = torch.randn(4, 8), torch.randn(4, 4)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        norm = float(torch.nn.utils.clip_grad_norm_(
+            [p for p in model.parameters() if p.requires_grad], 1e9))
+        optimizer.step()
+        optimizer.zero_grad()
+        monitor.log(step, loss=loss, grad_norm=norm)
+        if metrics_url is not None:
+            raw_loop_worker._seen(metrics_url, monitor.run_id, 0, step, {})
+        if monitor.should_stop:
+            return step
+    return steps
+
+
+def test_stop_directive_sets_should_stop(stopping_sidecar: SidecarProcess) -> None:
+    """A frozen raw loop under a sidecar whose policy stops frozen runs: the loop sees
+    ``monitor.should_stop`` and ends early, as a Trainer would."""
+    import deadweight
+
+    model = raw_loop_worker._net()
+    model.backbone.requires_grad_(False)
+    optimizer = torch.optim.AdamW(model.backbone.parameters(), lr=raw_loop_worker.LR)
+    url = f"http://127.0.0.1:{stopping_sidecar.metrics_port}/metrics"
+    with deadweight.watch(model, optimizer, run_id="watch-stop",
+                          address=stopping_sidecar.address) as monitor:
+        ran = _tiny_loop(model, optimizer, monitor, 40, url)
+    assert monitor.should_stop and ran < 40
+    run = stopping_sidecar.run_status("watch-stop")
+    assert run is not None and run.ended
+    frozen = {f.detector: f for f in run.findings}["frozen_weights"]
+    assert frozen.policy == "stop" and frozen.step <= ran
+
+
+def test_a_failure_of_ours_turns_monitoring_off_not_training(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    import deadweight
+    from deadweight.callbacks import membership
+
+    def broken(*args: object, **kwargs: object) -> object:
+        raise ValueError("a probe bug")
+
+    monkeypatch.setattr(membership, "grads_outside_optimizer", broken)
+    model = raw_loop_worker._net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=raw_loop_worker.LR)
+    before = [p.detach().clone() for p in model.parameters()]
+    with caplog.at_level(logging.ERROR, logger="deadweight"), deadweight.watch(
+            model, optimizer, address=f"unix://{tmp_path}/absent.sock") as monitor:
+        assert _tiny_loop(model, optimizer, monitor, 5) == 5
+    assert monitor.step == 5  # the hooks kept counting; the loop trained
+    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    errors = [r for r in caplog.records if r.name == "deadweight" and r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "monitoring is off" in errors[0].getMessage()

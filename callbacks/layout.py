@@ -152,10 +152,14 @@ def recognise(model: Any, optimizer: Any) -> Layout:
 
 
 def local_view(param: torch.Tensor) -> torch.Tensor:
-    """What this rank holds of a parameter: the local shard of a DTensor, else the tensor."""
+    """What this rank holds of a parameter: the local shard of a DTensor, the partition of a
+    ZeRO-3 parameter (whose own tensor is an empty placeholder between uses), else itself."""
     if is_dtensor(param):
         local: torch.Tensor = param.to_local()  # type: ignore[attr-defined]
         return local
+    partition = getattr(param, "ds_tensor", None)
+    if isinstance(partition, torch.Tensor):
+        return partition
     return param
 
 

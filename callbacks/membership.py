@@ -180,6 +180,6 @@ def measure(model: torch.nn.Module, optimizer: Any,
 
 
 def grads_outside_optimizer(outside: list[torch.nn.Parameter]) -> tuple[int, int]:
-    """(tensors, elements) among params outside the optimizer that carry a gradient."""
+    """(tensors, elements this rank holds) among params outside the optimizer with a gradient."""
     with_grad = [p for p in outside if p.grad is not None]
-    return len(with_grad), sum(p.numel() for p in with_grad)
+    return len(with_grad), sum(layouts.local_view(p).numel() for p in with_grad)

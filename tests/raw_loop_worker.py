@@ -2,7 +2,8 @@
 
 Usage: ``[torchrun --nproc-per-node 2] tests/raw_loop_worker.py LOOP MODE OUT_DIR`` with
 ``DEADWEIGHT_ADDRESS`` set. LOOP is ``single``, ``ddp``, ``fsdp2``, ``fsdp1-orig``,
-``fsdp1-flat``, ``accelerate`` or ``deepspeed``; MODE is ``healthy`` or ``frozen``:
+``fsdp1-flat``, ``accelerate``, ``deepspeed`` (ZeRO-2) or ``deepspeed3``; MODE is
+``healthy`` or ``frozen``:
 
 - replicated loops (single, ddp, accelerate): the backbone is frozen and the head trains;
   the frozen run hands the optimizer the backbone (the wrong module), so the head gets
@@ -108,7 +109,7 @@ def main(loop: str, mode: str, out: Path) -> int:
 
     torch.set_num_threads(1)
     distributed = "WORLD_SIZE" in os.environ and loop not in ("single", "accelerate")
-    if distributed and loop != "deepspeed":
+    if distributed and not loop.startswith("deepspeed"):
         dist.init_process_group("gloo")
     rank = int(os.environ.get("RANK", "0"))
     torch.manual_seed(100 + rank)
@@ -127,15 +128,15 @@ def main(loop: str, mode: str, out: Path) -> int:
         optimizer = torch.optim.AdamW(
             inner.backbone.parameters() if mode == "frozen"
             else [p for p in model.parameters() if p.requires_grad], lr=LR)
-    elif loop in ("single", "ddp", "accelerate", "deepspeed"):
+    elif loop in ("single", "ddp", "accelerate", "deepspeed", "deepspeed3"):
         model.backbone.requires_grad_(False)
         params = (model.backbone.parameters() if mode == "frozen"
                   else [p for p in model.parameters() if p.requires_grad])
-        if loop == "deepspeed":
+        if loop.startswith("deepspeed"):
             import deepspeed
 
             config = {"train_micro_batch_size_per_gpu": 4,
-                      "zero_optimization": {"stage": 2},
+                      "zero_optimization": {"stage": 3 if loop == "deepspeed3" else 2},
                       "optimizer": {"type": "AdamW",
                                     "params": {"lr": LR, "torch_adam": True}}}
             deepspeed.init_distributed(dist_backend="gloo")

@@ -27,7 +27,7 @@ from tests.faults import metric_value
 
 WORKER = Path(__file__).with_name("raw_loop_worker.py")
 STEPS = 6  # raw_loop_worker.STEPS
-DISTRIBUTED = ("ddp", "fsdp2", "fsdp1-orig", "fsdp1-flat", "deepspeed")
+DISTRIBUTED = ("ddp", "fsdp2", "fsdp1-orig", "fsdp1-flat", "deepspeed", "deepspeed3")
 
 
 def _run_loop(sidecar: SidecarProcess, loop: str, mode: str, out: Path) -> list[dict[str, Any]]:
@@ -130,18 +130,26 @@ def test_fsdp1_loop(flavour: str, mode: str, sidecar: SidecarProcess, tmp_path: 
 
 
 @pytest.mark.slow
-def test_deepspeed_zero2_loop_is_not_an_empty_optimizer(sidecar: SidecarProcess,
-                                                        tmp_path: Path) -> None:
-    """ZeRO-2 on CPU with gloo: the optimizer holds flat fp32 partitions, so identity alone
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_loop_is_not_an_empty_optimizer(stage: int, sidecar: SidecarProcess,
+                                                  tmp_path: Path) -> None:
+    """ZeRO-2/3 on CPU with gloo: the optimizer holds flat fp32 partitions, so identity alone
     would report an empty optimizer (a false page on every run); the engine's own map
-    (``bit16_groups``) says which model parameters it trains. Healthy only: the frozen
-    setups tried (no trainable parameter at initialize, a module swapped after it) make
-    DeepSpeed fail loudly, so there is no silent failure to catch."""
-    reports = _run_loop(sidecar, "deepspeed", "healthy", tmp_path)
+    (``bit16_groups``, ZeRO-3 ``fp16_groups``) says which model parameters it trains. Under
+    ZeRO-3 each rank measures its partition (``ds_tensor``; the parameter itself is an empty
+    placeholder) and the run is sharded. Healthy only: the frozen setups tried (no trainable
+    parameter at initialize, a module swapped after it) make DeepSpeed fail loudly, so there
+    is no silent failure to catch."""
+    reports = _run_loop(sidecar, "deepspeed" if stage == 2 else "deepspeed3", "healthy",
+                        tmp_path)
     assert {(r["wrapper"], r["layout"], r["sharded"]) for r in reports} == {
-        ("deepspeed", "engine", False)}
-    # head and scale: what the engine partitions, counted by identity on the model
-    assert {r["optimizer_params"] for r in reports} == {32 * 4 + 4 + 1}
+        ("deepspeed", "engine", stage == 3)}
+    trained = 32 * 4 + 4 + 1  # head and scale, counted by identity on the model
+    if stage == 2:  # every rank holds the whole parameters
+        assert {r["optimizer_params"] for r in reports} == {trained}
+    else:  # partitions, each parameter padded to a multiple of the world size
+        total = sum(r["optimizer_params"] for r in reports)
+        assert trained <= total <= trained + 3, total
     _check(sidecar, "deepspeed", "healthy", reports)
 
 

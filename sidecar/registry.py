@@ -614,6 +614,8 @@ class Registry:
                     step=run.step,
                     last_seen_seconds=max(0.0, now - run.last_seen),
                     ended=run.ended,
+                    wrapper=run.start.wrapper if run.start is not None else "",
+                    sharded=run.start.sharded if run.start is not None else False,
                     findings=[
                         pb.Finding(
                             detector=f.detector, severity=f.severity, firing=f.firing,

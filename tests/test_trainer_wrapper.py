@@ -34,6 +34,7 @@ def test_fsdp_config_that_fell_back_to_ddp_is_visible(
     run_id = reports[0]["run_id"]
     run = sidecar.run_status(run_id)
     assert run is not None and sorted(run.ranks) == [0, 1] and run.step == 2
+    assert (run.wrapper, run.sharded) == ("ddp", False)
     findings = {f.detector: f for f in run.findings}
     firing = firing_values(sidecar.metrics(), run_id)
     if config == "fsdp2":

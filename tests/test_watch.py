@@ -51,16 +51,18 @@ def _run_loop(sidecar: SidecarProcess, loop: str, mode: str, out: Path) -> list[
     return reports
 
 
-def _findings(sidecar: SidecarProcess, run_id: str, ranks: int,
-              steps: int = STEPS) -> dict[str, pb.Finding]:
+def _findings(sidecar: SidecarProcess, run_id: str, ranks: int, steps: int = STEPS,
+              wrapper: str = "none") -> dict[str, pb.Finding]:
     run = sidecar.run_status(run_id)
     assert run is not None, f"sidecar never saw run {run_id}"
     assert list(run.ranks) == list(range(ranks)) and run.step == steps
+    assert run.wrapper == wrapper  # what deadweight status shows
     return {f.detector: f for f in run.findings}
 
 
 def _check(sidecar: SidecarProcess, loop: str, mode: str, reports: list[dict[str, Any]]) -> None:
-    findings = _findings(sidecar, reports[0]["run_id"], len(reports))
+    findings = _findings(sidecar, reports[0]["run_id"], len(reports),
+                         wrapper=reports[0]["wrapper"])
     live = reports[0]["live_firing"]
     if mode == "healthy":
         assert findings == {}, {k: f.summary for k, f in findings.items()}
@@ -182,7 +184,7 @@ def test_unmappable_deepspeed_optimizer_is_unknown_not_empty(
     assert len(warnings) == 1 and "membership is reported as unknown" in warnings[0]
     # By identity the flat partition is no parameter of the model: both trainable tensors
     # would count as outside the optimizer (a false grad_not_in_optimizer page).
-    assert _findings(sidecar, run_id, 1, steps=0) == {}
+    assert _findings(sidecar, run_id, 1, steps=0, wrapper="deepspeed") == {}
     from tests.conftest import firing_values
 
     assert firing_values(sidecar.metrics(), run_id).get("empty_optimizer") == 0.0

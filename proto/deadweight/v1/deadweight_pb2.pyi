@@ -301,7 +301,7 @@ class StatusResponse(_message.Message):
     def __init__(self, runs: _Optional[_Iterable[_Union[RunStatus, _Mapping]]] = ...) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("run_id", "trainer", "ranks", "step", "last_seen_seconds", "ended", "findings")
+    __slots__ = ("run_id", "trainer", "ranks", "step", "last_seen_seconds", "ended", "findings", "wrapper", "sharded")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     TRAINER_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
@@ -309,6 +309,8 @@ class RunStatus(_message.Message):
     LAST_SEEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ENDED_FIELD_NUMBER: _ClassVar[int]
     FINDINGS_FIELD_NUMBER: _ClassVar[int]
+    WRAPPER_FIELD_NUMBER: _ClassVar[int]
+    SHARDED_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     trainer: str
     ranks: _containers.RepeatedScalarFieldContainer[int]
@@ -316,7 +318,9 @@ class RunStatus(_message.Message):
     last_seen_seconds: float
     ended: bool
     findings: _containers.RepeatedCompositeFieldContainer[Finding]
-    def __init__(self, run_id: _Optional[str] = ..., trainer: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., step: _Optional[int] = ..., last_seen_seconds: _Optional[float] = ..., ended: _Optional[bool] = ..., findings: _Optional[_Iterable[_Union[Finding, _Mapping]]] = ...) -> None: ...
+    wrapper: str
+    sharded: bool
+    def __init__(self, run_id: _Optional[str] = ..., trainer: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., step: _Optional[int] = ..., last_seen_seconds: _Optional[float] = ..., ended: _Optional[bool] = ..., findings: _Optional[_Iterable[_Union[Finding, _Mapping]]] = ..., wrapper: _Optional[str] = ..., sharded: _Optional[bool] = ...) -> None: ...
 
 class Finding(_message.Message):
     __slots__ = ("detector", "severity", "firing", "step", "summary", "evidence", "policy")

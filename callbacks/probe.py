@@ -26,12 +26,7 @@ from deadweight.callbacks import digest, membership
 from deadweight.callbacks import layout as layouts
 from deadweight.callbacks.preflight import PreflightFacts
 from deadweight.callbacks.preflight import versions as preflight_versions
-from deadweight.callbacks.stream_client import (
-    ClientSettings,
-    StreamClient,
-    grpc_target,
-    unix_socket_path,
-)
+from deadweight.callbacks.stream_client import ClientSettings, StreamClient
 from deadweight.callbacks.update_probe import UpdateProbe
 from deadweight.callbacks.wire import (
     CheckpointRecord,
@@ -42,6 +37,7 @@ from deadweight.callbacks.wire import (
     to_event,
 )
 from deadweight.proto import pb
+from deadweight.proto.transport import grpc_target, unix_socket_path
 
 log = logging.getLogger("deadweight")
 

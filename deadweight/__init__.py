@@ -1,7 +1,8 @@
 """deadweight: catch fine-tuning runs that report a healthy loss while their weights stay frozen.
 
 The packages live in top-level folders (``callbacks/``, ``sidecar/``, ``proto/``, ``demo/``);
-this folder links them under one import name, ``deadweight.*``. ``deadweight.watch`` (any
+this folder links them under one import name, ``deadweight.*``, and holds the ``deadweight``
+command (``cli.py``), which adds ``demo`` to the sidecar's commands. ``deadweight.watch`` (any
 PyTorch loop) is imported on first use, so ``import deadweight`` stays light.
 """
 

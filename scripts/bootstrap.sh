@@ -22,6 +22,6 @@ pip_install() {
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   pip_install "torch==2.13.0"
 fi
-pip_install -e ".[train,dev]"
+pip_install -e ".[train,dev,integrations]"
 .venv/bin/python -c "import deadweight.callbacks, deadweight.sidecar.cli, torch, trl, peft" \
   || { echo "bootstrap: the environment is incomplete" >&2; exit 1; }

@@ -193,8 +193,18 @@ def unwrap_model(model: Any) -> Any:
 WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 
 
-def clean_name(name: str) -> str:
-    """A parameter name as the user's model spells it, wrapper modules left out."""
+def clean_name(name: str, outer: str = "") -> str:
+    """A parameter name as the user's model spells it, wrapper modules left out (``outer``:
+    the prefix of a root wrapper, ``module.`` under DDP or a DeepSpeed engine)."""
+    if outer and name.startswith(outer):
+        name = name[len(outer):]
     for prefix in WRAPPER_PREFIXES:
         name = name.replace(prefix, "")
     return name
+
+
+def root_prefix(model: Any) -> str:
+    """``module.`` when model is a DDP or DeepSpeed wrapper around the user's module."""
+    wrapped = _is_ddp(model) or is_deepspeed(model)
+    return "module." if wrapped and isinstance(getattr(model, "module", None), torch.nn.Module) \
+        else ""

@@ -124,11 +124,12 @@ def measure(model: torch.nn.Module, optimizer: Any,
     kind_index: dict[str, list[int]] = {}
     trainable_tensors = trainable_params = trainable_outside = 0
     seen: set[int] = set()
+    outer = layouts.root_prefix(model)
     for wrapped_name, param in model.named_parameters():
         if id(param) in seen:  # tied weights appear once
             continue
         seen.add(id(param))
-        name = layouts.clean_name(wrapped_name)
+        name = layouts.clean_name(wrapped_name, outer)
         adapter = adapter_of(name, adapters)
         local = layouts.local_view(param)
         if adapter is not None:

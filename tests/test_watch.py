@@ -90,6 +90,8 @@ def test_single_process_loops(loop: str, mode: str, sidecar: SidecarProcess,
 def test_ddp_loop(mode: str, sidecar: SidecarProcess, tmp_path: Path) -> None:
     reports = _run_loop(sidecar, "ddp", mode, tmp_path)
     assert {(r["wrapper"], r["sharded"]) for r in reports} == {("ddp", False)}
+    assert set(reports[0]["watched_names"]) == {"scale", "head.weight", "head.bias"} | (
+        {"backbone.0.weight", "backbone.0.bias"} if mode == "frozen" else set())
     _check(sidecar, "ddp", mode, reports)
 
 
@@ -147,6 +149,8 @@ def test_deepspeed_loop_is_not_an_empty_optimizer(stage: int, sidecar: SidecarPr
     assert {(r["wrapper"], r["layout"], r["sharded"]) for r in reports} == {
         ("deepspeed", "engine", stage == 3)}
     trained = 32 * 4 + 4 + 1  # head and scale, counted by identity on the model
+    assert {tuple(r["watched_names"]) for r in reports} == {("scale", "head.weight",
+                                                             "head.bias")}
     if stage == 2:  # every rank holds the whole parameters
         assert {r["optimizer_params"] for r in reports} == {trained}
     else:  # partitions, each parameter padded to a multiple of the world size

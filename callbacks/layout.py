@@ -169,8 +169,9 @@ def requested_wrapper(args: Any) -> str:
         return "deepspeed"
     if getattr(args, "fsdp", None):
         config = getattr(args, "fsdp_config", None) or {}
-        version = config.get("version", 1) if isinstance(config, dict) else 1
-        return "fsdp2" if int(version or 1) == 2 else "fsdp1"
+        # transformers 5 defaults to FSDP2 when the config names no version
+        version = config.get("version", 2) if isinstance(config, dict) else 2
+        return "fsdp1" if int(version or 2) == 1 else "fsdp2"
     return ""
 
 

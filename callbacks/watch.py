@@ -254,6 +254,9 @@ def watch(model: Any, optimizer: Any, run_id: str | None = None, address: str | 
           **options: Any) -> Monitor:
     """Monitor a training loop: call after wrapping the model and building the optimizer.
 
+    On a multi-rank job call it on every rank (it agrees on rank 0's run id and sets up the
+    stop agreement with one collective each).
+
     Keyword options: ``token``, ``output_dir`` (the folder the sidecar watches for
     checkpoints), ``trainer`` (a name for the run's kind), ``config``, ``settings``,
     ``tls_ca``, ``require_sidecar``, ``start_timeout_seconds``. Address, run id and token

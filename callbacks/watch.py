@@ -98,8 +98,9 @@ class Monitor:
             self._run.run_id or default_run_id(folder or name, time.time()))
         self._agreement = StopAgreement.create()
         self._start(rank, world, folder, trainer, config or {})
-        if not self._disabled:
-            self._hook(layout.inner_optimizer(optimizer))
+        inner = layout.inner_optimizer(optimizer)
+        if not self._disabled and callable(getattr(inner, "step", None)):
+            self._hook(inner)
 
     # -- what the loop calls -----------------------------------------------------------------
 

@@ -11,8 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from deadweight.callbacks import DeadweightCallback
-from deadweight.sidecar.registry import Finding, Registry
-from deadweight.sidecar.server import ServerConfig, SidecarServer
+from deadweight.sidecar.app import Sidecar
+from deadweight.sidecar.finding import Finding
+from deadweight.sidecar.registry import Registry
+from deadweight.sidecar.server import ServerConfig
 from deadweight.sidecar.settings import DetectorSettings
 from deadweight.sidecar.state import RunState
 from tests.realprocs import wait_for
@@ -35,7 +37,7 @@ class LiveSidecar:
     def __init__(self, folder: Path, settings: DetectorSettings = TEST_SETTINGS) -> None:
         self.registry = Registry(settings=settings)
         self.socket = folder / "deadweight.sock"
-        self.server = SidecarServer(
+        self.server = Sidecar(
             self.registry, None,
             ServerConfig(socket_path=str(self.socket), metrics_address=None,
                          checkpoint_settle_seconds=0.5),

@@ -81,7 +81,8 @@ class MonitorServicer(pb_grpc.MonitorServiceServicer):  # type: ignore[misc]
         peer = Peer(address=context.peer())
         try:
             async for request in request_iterator:
-                yield self.registry.ingest(request, peer)
+                # In a worker thread: a slow store write for one run stalls no other stream.
+                yield await asyncio.to_thread(self.registry.ingest, request, peer)
                 if peer.rejected:  # a rank bound to another process: this stream ends here
                     await context.abort(grpc.StatusCode.PERMISSION_DENIED, peer.rejected)
         except DecodeError as err:  # bytes that are not a StreamRequest end this stream only
@@ -216,7 +217,7 @@ class SidecarServer:
         while True:
             await asyncio.sleep(TICK_SECONDS)
             try:
-                self.registry.tick()
+                await asyncio.to_thread(self.registry.tick)
                 await self._relisten_if_deleted()
             except Exception:
                 log.exception("tick_failed")

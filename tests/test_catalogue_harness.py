@@ -32,7 +32,7 @@ def poll(check: Callable[[], Any], what: str, timeout: float = 20.0) -> Any:
 
 
 class LiveSidecar:
-    """A SidecarServer + Registry in this process, on a socket in a temp folder."""
+    """An app.Sidecar around a Registry in this process, on a socket in a temp folder."""
 
     def __init__(self, folder: Path, settings: DetectorSettings = TEST_SETTINGS) -> None:
         self.registry = Registry(settings=settings)

@@ -98,3 +98,27 @@ def test_incident_numbers_continue_across_a_restart_and_a_reused_run_id(
     fire_and_end(registry)
     numbers = [i.incident for i in store.incidents("r") if i.detector == "frozen_weights"]
     assert numbers == [1, 2]
+
+
+def test_over_the_socket_a_blocked_write_stalls_no_other_stream(tmp_path: Path) -> None:
+    from tests.faults import InProcessSidecar, Pipe
+
+    store = GatedStore("slow")
+    sidecar = InProcessSidecar(tmp_path / "dw.sock", Registry(store=store)).start()
+    slow_pipe, fast_pipe = Pipe(sidecar.address), Pipe(sidecar.address)
+    try:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            slow = pool.submit(slow_pipe.send, _start("slow"))
+            assert store.writing.wait(STUCK_SECONDS)
+            assert not fast_pipe.send(_start("fast")).error
+            answer = fast_pipe.send(pb.StreamRequest(run_id="fast", rank=0,
+                                                     events=healthy_events(1, 1)))
+            assert not answer.error and answer.ack_seq == 2
+            assert not slow.done()
+            store.gate.set()
+            assert not slow.result(STUCK_SECONDS).error
+    finally:
+        store.gate.set()
+        slow_pipe.close()
+        fast_pipe.close()
+        sidecar.stop()

@@ -37,6 +37,7 @@ from deadweight.callbacks.wire import (
     to_event,
 )
 from deadweight.proto import pb
+from deadweight.proto.kinds import EventKind
 from deadweight.proto.transport import grpc_target, unix_socket_path
 
 log = logging.getLogger("deadweight")
@@ -228,7 +229,7 @@ class RunProbe:
         tensors, params = membership.grads_outside_optimizer(self.membership.outside_optimizer)
         self.client.last_step = step
         self.client.submit(
-            "step",
+            EventKind.STEP,
             StepRecord(
                 step=step,
                 learning_rate=self._lr,
@@ -241,11 +242,11 @@ class RunProbe:
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         if self.client is not None and values:
-            self.client.submit("log", numeric_logs(values, step))
+            self.client.submit(EventKind.LOG, numeric_logs(values, step))
 
     def checkpoint(self, step: int, path: str | os.PathLike[str], model: Any) -> None:
         if self.client is not None:
-            self.client.submit("checkpoint", CheckpointRecord(
+            self.client.submit(EventKind.CHECKPOINT, CheckpointRecord(
                 step, str(Path(path).resolve()), digest.digest_adapter(model)))
 
     def end(self, step: int, reason: str, timeout: float = 2.0) -> None:
@@ -255,7 +256,7 @@ class RunProbe:
         """
         self.update = None
         if self.client is not None:
-            self.client.submit("run_end", RunEndRecord(step, reason))
+            self.client.submit(EventKind.RUN_END, RunEndRecord(step, reason))
             self.client.close(timeout=timeout)
 
     def directives(self) -> list[pb.Directive]:

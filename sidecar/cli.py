@@ -165,6 +165,30 @@ def _inspect(args: argparse.Namespace) -> int:
     return 1 if any(r.findings for r in results) else 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    from deadweight.sidecar import report
+    from deadweight.sidecar.settings import DetectorSettings
+    from deadweight.sidecar.store import DB_NAME, Store
+
+    if not (Path(args.state_dir) / DB_NAME).is_file():
+        print(f"deadweight report: no state database in {args.state_dir} (the sidecar's "
+              "--state-dir)", file=sys.stderr)
+        return 2
+    store = Store(args.state_dir)
+    try:
+        page = report.render(report.load(store, args.run_id),
+                             frozen_ratio_floor=DetectorSettings().frozen_ratio_floor)
+    except report.ReportUnavailable as err:
+        print(f"deadweight report: {err}", file=sys.stderr)
+        return 2
+    finally:
+        store.close()
+    out = Path(args.out or f"deadweight-{args.run_id}.html")
+    out.write_text(page, encoding="utf-8")
+    print(f"deadweight report: wrote {out}")
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from deadweight.demo import scenario
 
@@ -238,6 +262,15 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--setting", action="append", type=_setting, metavar="NAME=VALUE",
                          help="override a detector threshold (e.g. adapter_bloat_ratio=2)")
     inspect.set_defaults(func=_inspect)
+
+    report_cmd = commands.add_parser(
+        "report", help="one self-contained HTML page per run, from the sidecar's state dir")
+    report_cmd.add_argument("run_id", metavar="RUN_ID")
+    report_cmd.add_argument("--state-dir", required=True, metavar="DIR",
+                            help="the --state-dir of the sidecar that watched the run")
+    report_cmd.add_argument("--out", default=None, metavar="FILE.html",
+                            help="where to write it (default deadweight-RUN_ID.html)")
+    report_cmd.set_defaults(func=_report)
 
     demo = commands.add_parser("demo", help="catch a real frozen-adapter run on a tiny model")
     demo.add_argument("--workdir", default=None, help="keep the demo's files here")

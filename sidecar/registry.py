@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 import structlog
 
 from deadweight.proto import pb
-from deadweight.sidecar import detectors, limits
+from deadweight.sidecar import detectors, history, limits
 from deadweight.sidecar.attestation import Attestor, ProcessIdentity, is_alive
 from deadweight.sidecar.detectors import checkpoints
 from deadweight.sidecar.detectors.base import Detector, Policy, Verdict
@@ -135,6 +135,8 @@ class _RunEntry:
     #: detectors whose firing finding was read back after a restart, not yet re-confirmed.
     held: set[str] = field(default_factory=set)
     exit_checked_at: float = 0.0
+    #: The last optimizer step written to the store's history (for the run report).
+    history_step: int = 0
 
 
 class Registry:
@@ -323,8 +325,12 @@ class Registry:
                 self._on_run_start(run, request.rank, event.run_start)
             elif kind == "step":
                 self._on_step(run, request.rank, event.step, now)
+                self._record_step_history(entry, event.step, now)
             elif kind == "log":
                 run.record_log(event.log.step, dict(event.log.values))
+                series = history.log_series(dict(event.log.values))
+                if series:
+                    self.store.add_history(run.run_id, "log", event.log.step, series, now)
             elif kind == "checkpoint":
                 self._on_checkpoint(run, event.checkpoint, now)
             elif kind == "heartbeat":
@@ -356,6 +362,17 @@ class Registry:
         rank.steps.append(StepPoint.from_report(report, now))
         rank.step = report.step
         rank.last_step_time = now
+
+    def _record_step_history(self, entry: _RunEntry, report: pb.StepReport,
+                             now: float) -> None:
+        """Keep the newest combined step for the report, once every rank has reported it."""
+        combined = entry.state.combined_steps()
+        if not combined or combined[-1].step <= entry.history_step:
+            return
+        point = combined[-1]
+        entry.history_step = point.step
+        self.store.add_history(entry.state.run_id, "step", point.step,
+                               history.step_series(point, report), now)
 
     def _on_checkpoint(self, run: RunState, report: pb.CheckpointReport, now: float) -> None:
         known = run.checkpoint(report.path)

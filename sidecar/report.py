@@ -85,36 +85,43 @@ def _svg(figure: Any) -> str:
     return text[text.index("<svg"):]  # drop the XML prolog: the SVG sits inside HTML
 
 
-def _mark_verdicts(axes: Axes, incidents: Sequence[StoredIncident]) -> None:
+def _mark_verdicts(axes: Axes, incidents: Sequence[StoredIncident], label: bool) -> None:
     for incident in incidents:
+        if incident.severity not in ("critical", "warning"):
+            continue
         color = "#c62828" if incident.severity == "critical" else "#ef6c00"
         axes.axvline(incident.step, color=color, linestyle="--", linewidth=1)
-        axes.annotate(incident.detector, (incident.step, 1.0), xycoords=("data", "axes fraction"),
-                      rotation=90, va="top", ha="right", fontsize=7, color=color)
+        if label:
+            axes.annotate(incident.detector, (incident.step, 1.0),
+                          xycoords=("data", "axes fraction"), rotation=90, va="top",
+                          ha="right", fontsize=7, color=color)
 
 
 def _movement_plot(record: RunRecord, floor: float) -> str:
     import matplotlib.pyplot as plt
 
-    figure, (moved, loss) = plt.subplots(1, 2, figsize=(11, 3.2))
+    figure, (moved, ratio, loss) = plt.subplots(1, 3, figsize=(13, 3.2))
     xs, norms = _series(record.steps, "update_norm")
+    moved.plot(xs, norms, marker="o", markersize=3, color="#1565c0")
+    moved.set_title("update L2 per optimizer step", fontsize=10)
+    moved.set_xlabel("optimizer step", fontsize=8)
+    if norms and max(norms) == 0:
+        moved.text(0.5, 0.75, "0 on every step: nothing moved", transform=moved.transAxes,
+                   ha="center", color="#b71c1c", fontsize=10, fontweight="bold")
+    _mark_verdicts(moved, record.incidents, label=True)
     rx, ratios = _series(record.steps, "update_ratio")
-    moved.plot(xs, norms, marker="o", markersize=3, color="#1565c0", label="update L2")
-    moved.set_xlabel("optimizer step")
-    moved.set_ylabel("update L2", color="#1565c0")
-    twin = moved.twinx()
-    twin.plot(rx, ratios, marker="s", markersize=3, color="#2e7d32", label="scale-free ratio")
-    twin.axhline(floor, color="#c62828", linestyle=":", label=f"frozen floor {floor:g}")
-    twin.set_ylabel("update / (lr·√n)", color="#2e7d32")
-    twin.legend(loc="upper right", fontsize=7)
-    moved.set_title("deadweight: did the weights move?")
-    _mark_verdicts(moved, record.incidents)
+    ratio.plot(rx, ratios, marker="s", markersize=3, color="#2e7d32", label="update / (lr·√n)")
+    ratio.axhline(floor, color="#c62828", linestyle=":", label=f"frozen floor {floor:g}")
+    ratio.set_title("scale-free update ratio", fontsize=10)
+    ratio.set_xlabel("optimizer step", fontsize=8)
+    ratio.legend(fontsize=7)
+    _mark_verdicts(ratio, record.incidents, label=False)
     for key, color in (("loss", "#6a1b9a"), ("grad_norm", "#ef6c00")):
         lx, ly = _series(record.logs, key)
         if lx:
             loss.plot(lx, ly, marker="o", markersize=3, color=color, label=key)
-    loss.set_xlabel("step")
-    loss.set_title("what a loss-only view shows")
+    loss.set_xlabel("step", fontsize=8)
+    loss.set_title("what a loss-only view shows", fontsize=10)
     loss.legend(fontsize=7)
     return _svg(figure)
 
@@ -132,7 +139,7 @@ def _rl_plot(record: RunRecord) -> str | None:
         ax.plot(xs, ys, marker="o", markersize=3)
         ax.set_title(key, fontsize=9)
         ax.set_xlabel("step", fontsize=8)
-        _mark_verdicts(ax, record.incidents)
+        _mark_verdicts(ax, record.incidents, label=False)
     return _svg(figure)
 
 

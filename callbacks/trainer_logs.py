@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Iterable
+from types import FrameType
 from typing import Any
 
 #: Frames above the hook searched for the callback handler (the hook may be wrapped).
@@ -33,7 +34,7 @@ def run_first(callback: object) -> bool:
     """Move callback to the front of the CallbackHandler calling this hook; False if none."""
     from transformers.trainer_callback import CallbackHandler
 
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     for _ in range(_MAX_FRAMES):
         if frame is None:
             return False

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,3 +21,80 @@ def test_sidecar_starts_from_a_folder_that_holds_a_deadweight_folder(
     monkeypatch.chdir(tmp_path)
     with SidecarProcess(tmp_path / "sidecar") as process:
         assert process.status().runs == []
+
+
+def _serve(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "deadweight.cli", "serve", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_second_serve_refuses_a_live_socket_and_the_first_keeps_its_runs_and_kill_path(
+    tmp_path: Path,
+) -> None:
+    from deadweight.proto.transport import attest_path
+
+    with SidecarProcess(tmp_path / "first") as first:
+        attest = attest_path(str(first.socket_path))
+        assert attest.exists()
+        second = _serve("--socket", str(first.socket_path), "--metrics-address", "127.0.0.1:0")
+        assert second.returncode == 2
+        assert "another process is listening on" in second.stderr
+        assert "Traceback" not in second.stderr
+        assert first.socket_path.exists() and attest.exists()
+        assert first.status().runs == []  # still answering on the same socket
+
+
+def test_a_stale_socket_from_a_crash_is_replaced(tmp_path: Path) -> None:
+    import socket
+
+    path = tmp_path / "sock" / "deadweight.sock"
+    path.parent.mkdir()
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(path))
+    stale.close()  # the file stays; nobody listens
+    with SidecarProcess(tmp_path) as process:
+        assert process.socket_path == path and process.status().runs == []
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--metrics-address", "nonsense"], "expected HOST:PORT"),
+    (["--listen", "nowhere"], "expected HOST:PORT"),
+    (["--log-level", "LOUD"], "invalid choice: 'loud'"),
+    (["--socket", "/proc/no-such-folder/deadweight.sock"],
+     "cannot create the socket folder /proc/no-such-folder"),
+])
+def test_serve_mistakes_are_one_clear_line(tmp_path: Path, flags: list[str],
+                                           message: str) -> None:
+    done = _serve("--socket", str(tmp_path / "s.sock"), "--metrics-address", "127.0.0.1:0",
+                  *flags)
+    assert done.returncode == 2
+    assert message in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_serve_names_the_port_it_cannot_take(tmp_path: Path) -> None:
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        done = _serve("--socket", str(tmp_path / "s.sock"), "--metrics-address",
+                      f"127.0.0.1:{port}")
+    finally:
+        taken.close()
+    assert done.returncode == 2
+    assert f"cannot serve /metrics on 127.0.0.1:{port}: Address already in use" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_serve_help_shows_every_default() -> None:
+    done = subprocess.run([sys.executable, "-m", "deadweight.cli", "serve", "--help"],
+                          capture_output=True, text=True, timeout=30,
+                          env={**os.environ, "COLUMNS": "200"})
+    for flag, default in (("--socket", "/run/deadweight/deadweight.sock"),
+                          ("--stop-grace-seconds", "120.0"), ("--kill-grace-seconds", "30.0"),
+                          ("--log-level", "info"), ("--metrics-address", "127.0.0.1:9464")):
+        block = done.stdout.split(f"  {flag} ", 1)[1].split("\n  -", 1)[0]
+        assert f"(default {default})" in " ".join(block.split()), block

@@ -98,3 +98,34 @@ def test_serve_help_shows_every_default() -> None:
                           ("--log-level", "info"), ("--metrics-address", "127.0.0.1:9464")):
         block = done.stdout.split(f"  {flag} ", 1)[1].split("\n  -", 1)[0]
         assert f"(default {default})" in " ".join(block.split()), block
+
+
+@pytest.mark.slow
+def test_a_finished_run_does_not_own_checkpoints_written_later_in_its_folder(
+    tmp_path: Path, tiny: tuple[Path, Path]
+) -> None:
+    """A copy of the last checkpoint, made after the run ended, pages nobody."""
+    import shutil
+
+    from deadweight.demo import runs
+    from tests.test_catalogue_harness import LiveSidecar, poll
+
+    live = LiveSidecar(tmp_path / "sidecar")
+    try:
+        model_dir, adapter_dir = tiny
+        model = runs.load_adapter(model_dir, adapter_dir, trainable=True)
+        out = tmp_path / "run"
+        runs.sft_trainer(model, model_dir, out, [live.callback("reused-dir")], steps=4,
+                         save_steps=2).train()
+        live.wait_inspected("reused-dir", 2)
+        assert live.run("reused-dir").ended
+        shutil.copytree(out / "checkpoint-4", out / "checkpoint-6")
+        watcher = live.server.watcher
+        assert watcher is not None
+        target = watcher.passes + 3  # the watcher has looked at the folder again, thrice
+        poll(lambda: watcher.passes >= target, "three more watcher passes")
+        run = live.run("reused-dir")
+        assert run.checkpoint(str(out / "checkpoint-6")) is None
+        assert live.fired("reused-dir") == {}
+    finally:
+        live.stop()

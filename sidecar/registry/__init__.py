@@ -181,10 +181,18 @@ class Registry:
 
     def record_inspection(self, run_id: str, inspection: CheckpointInspection,
                           step: int = 0) -> bool:
-        """Attach what the files of a checkpoint hold to the run; False for an unknown run."""
+        """Attach what the files of a checkpoint hold to the run; False for an unknown run.
+
+        A run that ended owns only the checkpoints it reported: one written later in its
+        folder (a copy, another job reusing the output dir) is not its doing and is ignored.
+        """
         with self._lock:
             entry = self._table.get(run_id)
             if entry is None:
+                return False
+            if entry.state.ended and entry.state.checkpoint(inspection.path) is None:
+                log.info("checkpoint_after_run_end_ignored", run_id=run_id,
+                         path=inspection.path, reason=entry.state.end_reason)
                 return False
             self._events.apply_inspection(entry, inspection, step)
             self._lifecycle.evaluate(entry)

@@ -129,3 +129,21 @@ def test_a_finished_run_does_not_own_checkpoints_written_later_in_its_folder(
         assert live.fired("reused-dir") == {}
     finally:
         live.stop()
+
+
+def test_inspect_labels_checkpoints_with_their_own_steps(tiny: tuple[Path, Path],
+                                                         tmp_path: Path) -> None:
+    import shutil
+
+    from deadweight.sidecar.checkpoint_audit import audit, render
+
+    _, adapter = tiny
+    for step in (2, 10):  # 10 sorts after 2 although "checkpoint-10" < "checkpoint-2"
+        shutil.copytree(adapter, tmp_path / f"checkpoint-{step}")
+    results = audit([tmp_path / "checkpoint-10", tmp_path / "checkpoint-2"], initial=adapter)
+    text = render(results)
+    assert "checkpoint at step 2 is byte-identical to the initial adapter" in text
+    assert "checkpoint at step 10 is byte-identical to the previous (step 2) adapter" in text
+    assert "step 1 " not in text and "note:" not in text
+    mixed = render(audit([adapter, tmp_path / "checkpoint-2"]))
+    assert mixed.startswith("note: the paths are not all checkpoint-<step> folders")

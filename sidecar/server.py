@@ -93,7 +93,7 @@ class MonitorServicer(pb_grpc.MonitorServiceServicer):  # type: ignore[misc]
         self, request: pb.StatusRequest, context: grpc.aio.ServicerContext
     ) -> pb.StatusResponse:
         await self._authorize(context)
-        return self.registry.status()
+        return await asyncio.to_thread(self.registry.status, request.run_id)
 
 
 class SocketInUse(OSError):

@@ -147,3 +147,33 @@ def test_inspect_labels_checkpoints_with_their_own_steps(tiny: tuple[Path, Path]
     assert "step 1 " not in text and "note:" not in text
     mixed = render(audit([adapter, tmp_path / "checkpoint-2"]))
     assert mixed.startswith("note: the paths are not all checkpoint-<step> folders")
+
+
+@pytest.mark.slow
+def test_status_says_which_verdict_stopped_a_run(stopping_sidecar: SidecarProcess,
+                                                tiny: tuple[Path, Path],
+                                                tmp_path: Path) -> None:
+    from deadweight.callbacks import DeadweightCallback
+    from deadweight.demo import runs
+    from deadweight.sidecar import status
+
+    model_dir, adapter_dir = tiny
+    model = runs.load_adapter(model_dir, adapter_dir, trainable=False)
+    callback = DeadweightCallback(address=stopping_sidecar.address, run_id="stopped-run")
+    trainer = runs.sft_trainer(model, model_dir, tmp_path, [callback], steps=12)
+    trainer.train()
+    assert trainer.state.global_step < 12
+    only = status.fetch(stopping_sidecar.address, run_id="stopped-run")
+    assert [r.run_id for r in only.runs] == ["stopped-run"]  # the filter holds
+    run = only.runs[0]
+    assert run.ended and run.end_reason
+    stops = [a for a in run.actions if a.action == "stop"]
+    assert [(a.detector, a.result) for a in stops] == [("frozen_weights", "sent")]
+    done = subprocess.run([sys.executable, "-m", "deadweight.cli", "status", "--address",
+                           stopping_sidecar.address], capture_output=True, text=True,
+                          timeout=30)
+    line = next(x for x in done.stdout.splitlines() if x.startswith("stopped-run"))
+    assert f"stopped by frozen_weights at step {stops[0].step} (STOP)" in line
+    assert f"action   stop for frozen_weights at step {stops[0].step}: sent" in done.stdout
+    frozen = next(f for f in run.findings if f.detector == "frozen_weights")
+    assert f"fired at step {frozen.step}: weights unchanged" in done.stdout

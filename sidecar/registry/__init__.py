@@ -55,6 +55,9 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("deadweight.registry")
 
+#: Actions listed per run in a Status answer (the newest; the journal keeps them all).
+MAX_STATUS_ACTIONS = 20
+
 #: Seconds between checks that the registered processes of live runs still exist.
 EXIT_CHECK_SECONDS = 5.0
 
@@ -127,7 +130,8 @@ class Registry:
             self._flush(entry)
             with self._lock:
                 rank_directives = entry.take_directives(request.rank)
-            return pb.StreamResponse(ack_seq=ack, directives=rank_directives)
+                firing = sorted(d for d, f in entry.findings.items() if f.firing)
+            return pb.StreamResponse(ack_seq=ack, directives=rank_directives, firing=firing)
         except IngestError as err:
             if entry is not None:  # admitted before the refusal: its writes still happen
                 self._flush(entry)
@@ -288,8 +292,13 @@ class Registry:
     def frozen_streak(self, run: RunState) -> int:
         return FrozenWeights.streak(run, self.settings)
 
-    def status(self) -> pb.StatusResponse:
-        return status_response(self.runs(), time.time())
+    def status(self, run_id: str = "") -> pb.StatusResponse:
+        """Every run (or the one named), with the actions journaled for it (read unlocked)."""
+        runs = [(run, findings) for run, findings in self.runs()
+                if not run_id or run.run_id == run_id]
+        actions = {run.run_id: self.store.actions(run_id=run.run_id)[-MAX_STATUS_ACTIONS:]
+                   for run, _ in runs}
+        return status_response(runs, actions, time.time())
 
 
 __all__ = [

@@ -253,8 +253,9 @@ class StreamClient:
                 self._stream_once()
             except grpc.FutureTimeoutError:
                 self._warn_unreachable("no answer")
-            except grpc.FutureCancelledError:
-                pass  # close() gave up waiting for a connection
+            except grpc.FutureCancelledError:  # close() gave up waiting for a connection
+                if not self.connects:
+                    self._warn_unreachable("no answer before the run ended")
             except grpc.RpcError as err:
                 code = err.code() if hasattr(err, "code") else None
                 self._warn_unreachable(str(code))

@@ -177,3 +177,16 @@ def test_status_says_which_verdict_stopped_a_run(stopping_sidecar: SidecarProces
     assert f"action   stop for frozen_weights at step {stops[0].step}: sent" in done.stdout
     frozen = next(f for f in run.findings if f.detector == "frozen_weights")
     assert f"fired at step {frozen.step}: weights unchanged" in done.stdout
+
+
+@pytest.mark.slow
+def test_bootstrap_says_what_it_is_doing() -> None:
+    """The first `bash scripts/demo.sh` used to be silent for two minutes."""
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(["bash", str(root / "scripts" / "bootstrap.sh")], capture_output=True,
+                          text=True, timeout=900, cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert "bootstrap: installing deadweight[train,dev,report] and its dependencies " \
+           "(first run: about 2 minutes)" in lines
+    assert lines[-1] == "bootstrap: ready: .venv"

@@ -73,6 +73,6 @@ def test_healthy_run_ends_with_every_detector_at_zero(
     assert not [k for k, f in findings.items() if f.firing]  # every detector at 0 at the end
     assert run.checkpoints_unchanged == 0
     assert len({p.digest for p in run.checkpoints}) == 2
-    assert all(p.inspection is not None and p.inspection.lora_b_nonzero_tensors > 0
+    assert all(p.inspection is not None and p.inspection.moved_modules > 0
                for p in run.checkpoints)
     assert len(ALL) == 21

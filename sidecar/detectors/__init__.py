@@ -11,6 +11,7 @@ from deadweight.sidecar.detectors.checkpoints import (
     AdapterBloat,
     AdapterNeverTrained,
     CheckpointUnchanged,
+    EmptyAdapter,
     PickleCheckpoint,
 )
 from deadweight.sidecar.detectors.frozen import FrozenWeights
@@ -54,6 +55,7 @@ ALL: tuple[Detector, ...] = (
     CheckpointUnchanged(),
     AdapterNeverTrained(),
     AdapterBloat(),
+    EmptyAdapter(),
     PickleCheckpoint(),
 )
 

@@ -74,7 +74,12 @@ class CheckpointUnchanged:
 
 
 class AdapterNeverTrained:
-    """Every ``lora_B`` tensor of the saved adapter is exactly zero: the adapter is a no-op."""
+    """Every adapted module of the saved adapter is still at its method's untrained identity.
+
+    LoRA's ``B = 0``, IA3's ones, LoHa's ``hada_w2_b = 0``, ...: such an adapter computes
+    exactly what the base model computes. Methods with a random start (prompt tuning) have no
+    identity to test; an unchanged checkpoint is their evidence.
+    """
 
     id = "adapter_never_trained"
     severity = Severity.CRITICAL
@@ -87,22 +92,24 @@ class AdapterNeverTrained:
         if latest is None:
             return None
         point, ins = latest
-        if (not ins.is_adapter or ins.lora_b_tensors == 0 or ins.lora_b_nonzero_tensors > 0
+        if (not ins.is_adapter or ins.identity_modules == 0 or ins.moved_modules > 0
                 or not trained_before(run, point.step)):
             return Verdict(False, step=point.step)
         return Verdict(
             True,
             step=point.step,
-            summary=(f"all {ins.lora_b_tensors} lora_B tensors in {point.path} are exactly "
-                     f"zero: the adapter changes nothing"),
-            evidence={"checkpoint": point.path, "step": fmt(point.step),
-                      "lora_b_tensors": fmt(ins.lora_b_tensors), "lora_b_nonzero_tensors": "0",
-                      "lora_params": fmt(ins.lora_params)},
+            summary=(f"all {ins.identity_modules} adapted modules of the {ins.method} adapter "
+                     f"in {point.path} are at its untrained identity ({ins.identity}): the "
+                     f"adapter changes nothing"),
+            evidence={"checkpoint": point.path, "step": fmt(point.step), "method": ins.method,
+                      "identity": ins.identity, "identity_modules": fmt(ins.identity_modules),
+                      "moved_modules": "0", "adapter_params": fmt(ins.adapter_params)},
         )
 
 
 class AdapterBloat:
-    """The adapter file carries non-LoRA tensors (embeddings, lm_head) larger than the LoRA."""
+    """The adapter file carries tensors of the base model (embeddings, lm_head) larger than
+    the adapter's own tensors."""
 
     id = "adapter_bloat"
     severity = Severity.WARNING
@@ -115,21 +122,61 @@ class AdapterBloat:
         if latest is None:
             return None
         point, ins = latest
-        extra = ins.non_lora_params
-        if not ins.is_adapter or extra <= settings.adapter_bloat_ratio * max(ins.lora_params, 1):
+        extra = ins.non_adapter_params
+        own = max(ins.adapter_params, 1)
+        if not ins.is_adapter or ins.adapter_tensors == 0 or extra <= (
+                settings.adapter_bloat_ratio * own):
             return Verdict(False, step=point.step)
-        names = sorted(ins.non_lora, key=lambda t: -t[1])
+        names = sorted(ins.non_adapter, key=lambda t: -t[1])
         return Verdict(
             True,
             step=point.step,
-            summary=(f"adapter holds {extra} non-LoRA params ({', '.join(n for n, _ in names[:3])}"
-                     f") vs {ins.lora_params} LoRA params: {ins.tensor_bytes} bytes"),
-            evidence={"checkpoint": point.path, "non_lora_params": fmt(extra),
-                      "lora_params": fmt(ins.lora_params),
-                      "ratio": fmt(extra / max(ins.lora_params, 1)),
+            summary=(f"adapter holds {extra} params of the base model ("
+                     f"{', '.join(n for n, _ in names[:3])}) vs {ins.adapter_params} "
+                     f"{ins.method} params: {ins.tensor_bytes} bytes"),
+            evidence={"checkpoint": point.path, "non_adapter_params": fmt(extra),
+                      "adapter_params": fmt(ins.adapter_params), "method": ins.method,
+                      "ratio": fmt(extra / own),
                       "adapter_bytes": fmt(ins.tensor_bytes),
-                      "non_lora_tensors": ",".join(n for n, _ in names[:5]),
+                      "non_adapter_tensors": ",".join(n for n, _ in names[:5]),
                       "step": fmt(point.step)},
+        )
+
+
+class EmptyAdapter:
+    """The saved adapter holds no tensor, or tensors without a single element.
+
+    ZeRO-3 and FSDP keep each parameter partitioned across ranks; a save that does not gather
+    them writes shape-``[0]`` tensors (or none): the file loads and changes nothing.
+    """
+
+    id = "empty_adapter"
+    severity = Severity.CRITICAL
+    default_policy = Policy.PAGE
+    latching = False
+    scope = "artifact"
+
+    def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
+        latest = _latest_inspected(run)
+        if latest is None:
+            return None
+        point, ins = latest
+        if not ins.weights_file:
+            return Verdict(False, step=point.step)
+        tensors = len(ins.tensor_digests)
+        if tensors and not ins.empty_tensors:
+            return Verdict(False, step=point.step)
+        what = ("no tensor at all" if not tensors else
+                f"{len(ins.empty_tensors)} of {tensors} tensors with no element")
+        return Verdict(
+            True,
+            step=point.step,
+            summary=f"{ins.weights_file} in {point.path} holds {what}: the saved weights are "
+                    f"empty (a partitioned save that was never gathered?)",
+            evidence={"checkpoint": point.path, "step": fmt(point.step),
+                      "tensors": fmt(tensors), "empty_tensors": fmt(len(ins.empty_tensors)),
+                      "empty_tensor_names": ",".join(ins.empty_tensors[:5]),
+                      "bytes": fmt(ins.tensor_bytes)},
         )
 
 

@@ -39,7 +39,15 @@ from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from deadweight.callbacks import digest, membership, preflight
+from deadweight.callbacks import (
+    dataset_rows,
+    digest,
+    heads,
+    membership,
+    preflight,
+    resume,
+    stop_token,
+)
 from deadweight.callbacks.stop_agreement import StopAgreement
 from deadweight.callbacks.stream_client import (
     ClientSettings,
@@ -160,6 +168,7 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
         self._probe: UpdateProbe | None = None
         self._membership: membership.Membership | None = None
         self._lr = 0.0
+        self._model: Any = None
         self._abort: str | None = None
         self._agreement: StopAgreement | None = None
         self._stop_proposed = False
@@ -181,7 +190,8 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
         output_dir = str(args.output_dir or ".")
         self.run_id = _shared_run_id(self.run_id or default_run_id(output_dir, time.time()))
         self._agreement = StopAgreement.create()
-        self._begin(args, state, control, model, optimizer, processing_class, output_dir)
+        self._begin(args, state, control, model, optimizer, processing_class, output_dir,
+                    kwargs.get("train_dataloader"))
 
     @_shielded
     def _begin(
@@ -193,21 +203,28 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
         optimizer: Any,
         processing_class: Any,
         output_dir: str,
+        train_dataloader: Any = None,
     ) -> None:
         run_id = str(self.run_id)
+        self._model = model
         self._membership = membership.measure(model, optimizer)
         self._probe = UpdateProbe(self._membership.watched, self._membership.groups)
         record = RunStartRecord(
             trainer=preflight.trainer_name(args),
             world_size=int(getattr(args, "world_size", 1)),
             output_dir=str(Path(output_dir).resolve()),
-            config=preflight.numeric_config(args, int(state.max_steps or 0)),
+            config={**preflight.numeric_config(args, int(state.max_steps or 0)),
+                    **preflight.adapter_numbers(model)},
             config_text=preflight.text_config(args),
             versions=preflight.versions(),
             membership=self._membership,
             preflight=preflight.gather(model, processing_class),
             initial_adapter=digest.digest_adapter(model),
             host=socket.gethostname(),
+            stop_token=stop_token.check(train_dataloader, processing_class),
+            heads=heads.check(model),
+            resume=resume.check(output_dir, int(state.global_step or 0)),
+            dataset_rows=dataset_rows.count(train_dataloader),
         )
         self.client = StreamClient(
             self.address,
@@ -252,7 +269,12 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
 
     @_shielded
     def on_optimizer_step(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        optimizer: Any = None,
+        **kw: Any,
     ) -> None:
         if self._probe is None or self.client is None or self._membership is None:
             return
@@ -271,6 +293,8 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
                 optimizer_params=self._membership.optimizer_params,
                 grad_not_in_optimizer_tensors=tensors,
                 grad_not_in_optimizer_params=params,
+                optimizer_step_skipped=bool(getattr(optimizer, "step_was_skipped", False)),
+                adalora_rank_pattern_set=preflight.adalora_allocated(self._model),
             ),
         )
 

@@ -50,3 +50,16 @@ class DetectorSettings:
     dpo_window: int = 5
     #: adapter_bloat: non-LoRA parameters saved in an adapter, relative to its LoRA parameters.
     adapter_bloat_ratio: float = 1.0
+    #: zero_gradient: consecutive log reports (at lr > 0) with grad_norm exactly 0.
+    zero_gradient_logs: int = 3
+    #: optimizer_steps_skipped: consecutive optimizer steps the optimizer skipped (fp16 loss
+    #: scaling saw inf/NaN gradients) before it fires.
+    skipped_steps: int = 3
+    #: completions_truncated: consecutive log reports in which every completion hit
+    #: max_completion_length (clipped_ratio 1, no terminated completion).
+    truncated_logs: int = 4
+    #: dataset_shrunk: fraction of the given training rows the trainer dropped before it fires.
+    dataset_drop_fraction: float = 0.05
+    #: low_precision_update: fraction of the optimizer's elements held in bf16/fp16 (updated
+    #: without an fp32 master copy) before it fires.
+    low_precision_fraction: float = 0.5

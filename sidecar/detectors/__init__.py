@@ -28,6 +28,17 @@ from deadweight.sidecar.detectors.setup import (
     NoKlAnchor,
     PartialTargetModules,
 )
+from deadweight.sidecar.detectors.silent import (
+    AdaloraNotAllocated,
+    CompletionsTruncated,
+    DatasetShrunk,
+    LowPrecisionUpdate,
+    OptimizerStepsSkipped,
+    ResumeLostAdapter,
+    StopTokenUntrained,
+    UnsavedHead,
+    ZeroGradient,
+)
 from deadweight.sidecar.detectors.trends import (
     CompletionLengthCollapse,
     DpoLikelihoodCollapse,
@@ -52,6 +63,15 @@ ALL: tuple[Detector, ...] = (
     EntropyCollapse(),
     CompletionLengthCollapse(),
     DpoLikelihoodCollapse(),
+    ZeroGradient(),
+    OptimizerStepsSkipped(),
+    LowPrecisionUpdate(),
+    StopTokenUntrained(),
+    UnsavedHead(),
+    DatasetShrunk(),
+    ResumeLostAdapter(),
+    AdaloraNotAllocated(),
+    CompletionsTruncated(),
     CheckpointUnchanged(),
     AdapterNeverTrained(),
     AdapterBloat(),

@@ -16,7 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 from datasets import Dataset
 from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 
 from deadweight.demo.tiny_models import build_model, sample_lines
@@ -179,3 +179,12 @@ def collapsing_pairs(n: int = 16) -> dict[str, list[str]]:
         "chosen": [" yes no yes"] * n,
         "rejected": [" yes no yes no yes"] * n,
     }
+
+
+class AdaloraAllocator(TrainerCallback):  # type: ignore[misc]
+    """What an AdaLoRA run needs and no trainer does: ``update_and_allocate`` after each
+    optimizer step, while the gradients are still there."""
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None,
+                          **kwargs: Any) -> None:
+        model.base_model.update_and_allocate(state.global_step + 1)

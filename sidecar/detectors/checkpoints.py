@@ -144,7 +144,7 @@ class AdapterBloat:
 
 
 class EmptyAdapter:
-    """The saved adapter holds no tensor, or tensors without a single element.
+    """The saved weights hold no tensor, or only tensors without a single element.
 
     ZeRO-3 and FSDP keep each parameter partitioned across ranks; a save that does not gather
     them writes shape-``[0]`` tensors (or none): the file loads and changes nothing.
@@ -164,10 +164,9 @@ class EmptyAdapter:
         if not ins.weights_file:
             return Verdict(False, step=point.step)
         tensors = len(ins.tensor_digests)
-        if tensors and not ins.empty_tensors:
+        if tensors and len(ins.empty_tensors) < tensors:  # AdaLoRA prunes some to rank 0
             return Verdict(False, step=point.step)
-        what = ("no tensor at all" if not tensors else
-                f"{len(ins.empty_tensors)} of {tensors} tensors with no element")
+        what = "no tensor at all" if not tensors else f"{tensors} tensors without an element"
         return Verdict(
             True,
             step=point.step,

@@ -143,6 +143,24 @@ def _learning_rate(optimizer: Any, lr_scheduler: Any) -> float:
     return 0.0
 
 
+def _loss_scale(optimizer: Any) -> float | None:
+    """The fp16 loss scale of the optimizer's GradScaler, None without one."""
+    scaler = getattr(optimizer, "scaler", None)
+    get_scale = getattr(scaler, "get_scale", None)
+    if not callable(get_scale) or not getattr(scaler, "is_enabled", lambda: False)():
+        return None
+    return float(get_scale())
+
+
+def _step_skipped(optimizer: Any, scale_before: float | None) -> bool:
+    """Whether the optimizer skipped this step: the wrapper says so, or the loss scale backed
+    off (a GradScaler lowers it exactly when it finds inf/NaN gradients and skips)."""
+    if getattr(optimizer, "step_was_skipped", False) is True:
+        return True
+    after = _loss_scale(optimizer)
+    return scale_before is not None and after is not None and after < scale_before
+
+
 class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
     """Stream optimizer membership, per-step weight updates and trainer logs to the sidecar."""
 
@@ -169,6 +187,7 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
         self._membership: membership.Membership | None = None
         self._lr = 0.0
         self._model: Any = None
+        self._loss_scale: float | None = None
         self._abort: str | None = None
         self._agreement: StopAgreement | None = None
         self._stop_proposed = False
@@ -265,6 +284,7 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
         if self._probe is None:
             return
         self._lr = _learning_rate(optimizer, lr_scheduler)
+        self._loss_scale = _loss_scale(optimizer)
         self._probe.before_step()
 
     @_shielded
@@ -293,7 +313,7 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
                 optimizer_params=self._membership.optimizer_params,
                 grad_not_in_optimizer_tensors=tensors,
                 grad_not_in_optimizer_params=params,
-                optimizer_step_skipped=bool(getattr(optimizer, "step_was_skipped", False)),
+                optimizer_step_skipped=_step_skipped(optimizer, self._loss_scale),
                 adalora_rank_pattern_set=preflight.adalora_allocated(self._model),
             ),
         )

@@ -21,7 +21,7 @@ NUMERIC_KEYS = (
     "learning_rate", "warmup_steps", "warmup_ratio", "weight_decay", "max_steps",
     "num_train_epochs", "gradient_accumulation_steps", "per_device_train_batch_size",
     "max_grad_norm", "beta", "num_generations", "max_completion_length", "temperature",
-    "epsilon", "logging_steps", "save_steps", "seed",
+    "epsilon", "logging_steps", "save_steps", "seed", "max_length",
 )
 TEXT_KEYS = ("lr_scheduler_type", "optim", "loss_type", "save_strategy", "logging_strategy")
 VERSIONED = ("torch", "transformers", "trl", "peft", "accelerate", "deadweight")

@@ -113,10 +113,12 @@ def sft_trainer(
     lr: float = 2e-4,
     save_steps: int = 3,
     peft_config: LoraConfig | None = None,
+    tokenizer: Any = None,
+    data_collator: Any = None,
     **overrides: Any,
 ) -> SFTTrainer:
     """An SFTTrainer on generated sentences, 32 tokens at most."""
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_dir)
     args = SFTConfig(
         output_dir=str(output_dir),
         per_device_train_batch_size=2,
@@ -126,7 +128,7 @@ def sft_trainer(
     dataset = Dataset.from_dict({"text": sample_lines(64, seed=4)})
     return SFTTrainer(
         model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
-        callbacks=callbacks, peft_config=peft_config,
+        callbacks=callbacks, peft_config=peft_config, data_collator=data_collator,
     )
 
 
@@ -155,13 +157,13 @@ def dpo_trainer(
     rows: dict[str, list[str]] | None = None,
     **overrides: Any,
 ) -> DPOTrainer:
-    """A DPOTrainer on generated preference pairs, 32 tokens at most."""
+    """A DPOTrainer on generated preference pairs, 64 tokens at most."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     args = DPOConfig(
         output_dir=str(output_dir),
         beta=beta,
         per_device_train_batch_size=2,
-        max_length=32,
+        max_length=64,  # at 32 some generated prompts fill it and DPO drops their rows
         **{**common_args(steps, warmup, lr, save_steps), **overrides},
     )
     dataset = Dataset.from_dict(rows or preference_rows(32))
@@ -188,3 +190,46 @@ class AdaloraAllocator(TrainerCallback):  # type: ignore[misc]
     def on_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None,
                           **kwargs: Any) -> None:
         model.base_model.update_and_allocate(state.global_step + 1)
+
+
+def terminating(model_dir: Path, bias: float = 6.0) -> dict[str, Any]:
+    """GRPO generation settings under which a tiny random policy ends some completions.
+
+    A random tiny model almost never samples its stop token within a few tokens, so every
+    completion is cut (``completions/clipped_ratio`` 1); a healthy policy ends its answers.
+    Biasing the stop token's logit gives the tiny model that property.
+    """
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return {"generation_kwargs": {"sequence_bias": [[[tokenizer.eos_token_id], bias]]}}
+
+
+def reward_trainer(
+    model: Any,
+    model_dir: Path,
+    output_dir: Path,
+    callbacks: list[Any],
+    steps: int = 6,
+    lr: float = 2e-4,
+    save_steps: int = 3,
+    peft_config: Any = None,
+    **overrides: Any,
+) -> Any:
+    """A RewardTrainer (sequence-classification head) on the generated preference pairs."""
+    from trl import RewardConfig, RewardTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    args = RewardConfig(
+        output_dir=str(output_dir), per_device_train_batch_size=2, max_length=32,
+        **{**common_args(steps, 0, lr, save_steps), **overrides},
+    )
+    return RewardTrainer(
+        model=model, args=args, train_dataset=Dataset.from_dict(preference_rows(32)),
+        processing_class=tokenizer, callbacks=callbacks, peft_config=peft_config,
+    )
+
+
+def reward_model(model_dir: Path) -> Any:
+    """The tiny causal LM loaded with a new, randomly initialised one-logit score head."""
+    from transformers import AutoModelForSequenceClassification
+
+    return AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1)

@@ -192,7 +192,7 @@ class AdaloraAllocator(TrainerCallback):  # type: ignore[misc]
         model.base_model.update_and_allocate(state.global_step + 1)
 
 
-def terminating(model_dir: Path, bias: float = 6.0) -> dict[str, Any]:
+def terminating(model_dir: Path, bias: float = 4.0) -> dict[str, Any]:
     """GRPO generation settings under which a tiny random policy ends some completions.
 
     A random tiny model almost never samples its stop token within a few tokens, so every
@@ -219,7 +219,7 @@ def reward_trainer(
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     args = RewardConfig(
-        output_dir=str(output_dir), per_device_train_batch_size=2, max_length=32,
+        output_dir=str(output_dir), per_device_train_batch_size=2, max_length=128,
         **{**common_args(steps, 0, lr, save_steps), **overrides},
     )
     return RewardTrainer(
@@ -233,3 +233,95 @@ def reward_model(model_dir: Path) -> Any:
     from transformers import AutoModelForSequenceClassification
 
     return AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1)
+
+
+def rloo_trainer(
+    model: Any,
+    model_dir: Path,
+    output_dir: Path,
+    callbacks: list[Any],
+    beta: float = 0.0,
+    steps: int = 4,
+    lr: float = 2e-4,
+    save_steps: int = 2,
+    peft_config: Any = None,
+    **overrides: Any,
+) -> Any:
+    """An RLOOTrainer shaped like ``grpo_trainer``: 2 generations of at most 8 tokens."""
+    from trl import RLOOConfig, RLOOTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    shape = dict(per_device_train_batch_size=2, num_generations=2, max_completion_length=8)
+    args = RLOOConfig(output_dir=str(output_dir), beta=beta,
+                      **{**shape, **common_args(steps, 0, lr, save_steps), **overrides})
+    return RLOOTrainer(
+        model=model, reward_funcs=length_reward, args=args,
+        train_dataset=Dataset.from_dict({"prompt": sample_lines(32, seed=3)}),
+        processing_class=tokenizer, callbacks=callbacks, peft_config=peft_config,
+    )
+
+
+def kto_trainer(
+    model: Any,
+    model_dir: Path,
+    output_dir: Path,
+    callbacks: list[Any],
+    steps: int = 4,
+    lr: float = 2e-4,
+    save_steps: int = 2,
+    peft_config: Any = None,
+    **overrides: Any,
+) -> Any:
+    """A KTOTrainer on the preference pairs unpaired: desirable and undesirable completions."""
+    from trl import KTOConfig, KTOTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    pairs = preference_rows(16)
+    rows = {"prompt": pairs["prompt"] * 2, "completion": pairs["chosen"] + pairs["rejected"],
+            "label": [True] * 16 + [False] * 16}
+    args = KTOConfig(output_dir=str(output_dir), per_device_train_batch_size=4, max_length=64,
+                     **{**common_args(steps, 0, lr, save_steps), **overrides})
+    return KTOTrainer(
+        model=model, args=args, train_dataset=Dataset.from_dict(rows),
+        processing_class=tokenizer, callbacks=callbacks, peft_config=peft_config,
+    )
+
+
+def teacher_model(model_dir: Path, seed: int = 1) -> Any:
+    """A teacher that knows something the student does not: the tiny model, perturbed.
+
+    The student's own weights teach nothing: a fresh LoRA leaves student == teacher, the
+    distillation loss sits at its minimum and every gradient is exactly 0.
+    """
+    teacher = AutoModelForCausalLM.from_pretrained(model_dir)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in teacher.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 0.05)
+    return teacher
+
+
+def distillation_trainer(
+    model: Any,
+    model_dir: Path,
+    output_dir: Path,
+    callbacks: list[Any],
+    teacher: Any = None,
+    steps: int = 4,
+    lr: float = 2e-4,
+    save_steps: int = 2,
+    peft_config: Any = None,
+    **overrides: Any,
+) -> Any:
+    """A DistillationTrainer: the tiny student learns from a teacher on generated prompts."""
+    from trl import DistillationConfig, DistillationTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    args = DistillationConfig(output_dir=str(output_dir), per_device_train_batch_size=2,
+                              max_completion_length=8,
+                              **{**common_args(steps, 0, lr, save_steps), **overrides})
+    return DistillationTrainer(
+        model=model, teacher_model=teacher or teacher_model(model_dir),
+        args=args, train_dataset=Dataset.from_dict({"prompt": sample_lines(32, seed=3)}),
+        processing_class=tokenizer, callbacks=callbacks, peft_config=peft_config,
+    )

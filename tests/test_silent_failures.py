@@ -344,3 +344,24 @@ def test_fp16_steps_all_skipped(live: LiveSidecar, tiny: tuple[Path, Path],
     assert "frozen_weights" not in live.fired("fp16-skipped")  # skipped is not frozen
     silent(live, "fp16-scaled", "optimizer_steps_skipped", "frozen_weights")
     assert not any(p.skipped for p in live.run("fp16-scaled").combined_steps())
+
+
+# -- zero gradient, again: distillation from the student's own weights -------------------------
+
+
+def test_distillation_from_an_identical_teacher_has_no_gradient(
+    live: LiveSidecar, tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A fresh LoRA leaves the student equal to a teacher loaded from the same weights: the
+    loss sits at its minimum and no gradient flows; a different teacher teaches."""
+    model_dir, _ = tiny
+    started = train(runs.distillation_trainer(
+        _base(model_dir), model_dir, tmp_path / "bad", [live.callback("distill-self")],
+        teacher=_base(model_dir), steps=4, save_steps=10, peft_config=runs.lora_config()))
+    zero = detected(live, "distill-self", "zero_gradient", started)
+    assert zero.evidence["grad_norm"] == "0"
+
+    train(runs.distillation_trainer(_base(model_dir), model_dir, tmp_path / "good",
+                                    [live.callback("distill-teacher")], steps=4, save_steps=10,
+                                    peft_config=runs.lora_config()))
+    silent(live, "distill-teacher", "zero_gradient")

@@ -7,7 +7,14 @@ and they only look at checkpoints written after an optimizer step at lr > 0.
 from __future__ import annotations
 
 from deadweight.sidecar.checkpoint_inspector import CheckpointInspection
-from deadweight.sidecar.detectors.base import Policy, Severity, Verdict, fmt, trained_before
+from deadweight.sidecar.detectors.base import SpecDetector, Verdict, fmt, trained_before
+from deadweight.sidecar.detectors.spec import (
+    ROOT_CAUSES,
+    DetectorSpec,
+    Evidence,
+    Severity,
+    Threshold,
+)
 from deadweight.sidecar.settings import DetectorSettings
 from deadweight.sidecar.state import CheckpointPoint, RunState
 
@@ -38,21 +45,37 @@ def judge(run: RunState, point: CheckpointPoint) -> None:
     point.unchanged_from = same
 
 
-def _latest_inspected(run: RunState) -> tuple[CheckpointPoint, CheckpointInspection] | None:
-    for point in reversed(run.checkpoints):
-        if point.inspection is not None:
-            return point, point.inspection
-    return None
+class _InspectedCheckpoint(SpecDetector):
+    """A detector over the latest checkpoint whose files were inspected: no verdict before."""
+
+    def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
+        for point in reversed(run.checkpoints):
+            if point.inspection is not None:
+                return self.judge_inspected(run, point, point.inspection, settings)
+        return None
+
+    def judge_inspected(self, run: RunState, point: CheckpointPoint, ins: CheckpointInspection,
+                        settings: DetectorSettings) -> Verdict:
+        raise NotImplementedError
 
 
-class CheckpointUnchanged:
+class CheckpointUnchanged(SpecDetector):
     """The latest checkpoint is byte-identical to the previous one or to the initial adapter."""
 
-    id = "checkpoint_unchanged"
-    severity = Severity.CRITICAL
-    default_policy = Policy.PAGE
-    latching = False
-    scope = "artifact"
+    spec = DetectorSpec(
+        id="checkpoint_unchanged",
+        severity=Severity.CRITICAL,
+        scope="artifact",
+        summary="Run {run_id} writes checkpoints identical to the initial adapter",
+        meaning="the saved adapter tensors hash equal to the previous or initial ones: the run "
+        "produces nothing new",
+        fires_when="the latest checkpoint's adapter bytes (per-tensor xxh3-128) equal the "
+        "previous checkpoint's or the initial adapter's",
+        cadence="every checkpoint after a step that should have moved weights",
+        evidence=(Evidence("checkpoint_unchanged_total", 2), Evidence("checkpoints_total"),
+                  Evidence("update_norm", 0), Evidence("loss")),
+        inhibited_by=ROOT_CAUSES,
+    )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
         if not run.checkpoints:
@@ -73,7 +96,7 @@ class CheckpointUnchanged:
         )
 
 
-class AdapterNeverTrained:
+class AdapterNeverTrained(_InspectedCheckpoint):
     """Every adapted module of the saved adapter is still at its method's untrained identity.
 
     LoRA's ``B = 0``, IA3's ones, LoHa's ``hada_w2_b = 0``, ...: such an adapter computes
@@ -81,17 +104,26 @@ class AdapterNeverTrained:
     identity to test; an unchanged checkpoint is their evidence.
     """
 
-    id = "adapter_never_trained"
-    severity = Severity.CRITICAL
-    default_policy = Policy.PAGE
-    latching = False
-    scope = "artifact"
+    spec = DetectorSpec(
+        id="adapter_never_trained",
+        severity=Severity.CRITICAL,
+        scope="artifact",
+        summary="Run {run_id} saved an adapter that was never trained",
+        meaning="every adapted module of the saved adapter is still at its PEFT method's "
+        "untrained identity (LoRA B = 0, IA3 ones, ...): the adapter is the identity it "
+        "started as",
+        fires_when="every adapted module of the saved adapter is exactly at its method's "
+        "untrained identity, read per `peft_type` (LoRA/DoRA `lora_B` = 0, AdaLoRA `lora_E` = "
+        "0, IA3 `ia3_l` = 1, LoHa/LoKr/VeRA/OFT factor = 0, BOFT `boft_R` = 0 and `boft_s` = "
+        "1; prompt/prefix tuning have none)",
+        cadence="every inspected checkpoint",
+        evidence=(Evidence("checkpoints_total"), Evidence("checkpoint_adapter_bytes"),
+                  Evidence("update_norm", 0)),
+        inhibited_by=ROOT_CAUSES,
+    )
 
-    def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
-        latest = _latest_inspected(run)
-        if latest is None:
-            return None
-        point, ins = latest
+    def judge_inspected(self, run: RunState, point: CheckpointPoint, ins: CheckpointInspection,
+                        settings: DetectorSettings) -> Verdict:
         if (not ins.is_adapter or ins.identity_modules == 0 or ins.moved_modules > 0
                 or not trained_before(run, point.step)):
             return Verdict(False, step=point.step)
@@ -107,21 +139,27 @@ class AdapterNeverTrained:
         )
 
 
-class AdapterBloat:
+class AdapterBloat(_InspectedCheckpoint):
     """The adapter file carries tensors of the base model (embeddings, lm_head) larger than
     the adapter's own tensors."""
 
-    id = "adapter_bloat"
-    severity = Severity.WARNING
-    default_policy = Policy.PAGE
-    latching = False
-    scope = "artifact"
+    spec = DetectorSpec(
+        id="adapter_bloat",
+        severity=Severity.WARNING,
+        scope="artifact",
+        summary="Run {run_id} saves an adapter with full base-model tensors",
+        meaning="the adapter file holds base-model tensors (embed_tokens, lm_head, wte) and is "
+        "far larger than its own adapter weights",
+        fires_when="the saved adapter holds tensors that are not its PEFT method's own "
+        "(`embed_tokens`, `lm_head`, `wte`) with more parameters than the method's tensors",
+        thresholds=(Threshold("adapter_bloat_ratio", "ratio",
+                              "base-model parameters saved in an adapter, relative to the "
+                              "adapter method's own parameters"),),
+        evidence=(Evidence("checkpoint_adapter_bytes", 483328), Evidence("checkpoints_total")),
+    )
 
-    def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
-        latest = _latest_inspected(run)
-        if latest is None:
-            return None
-        point, ins = latest
+    def judge_inspected(self, run: RunState, point: CheckpointPoint, ins: CheckpointInspection,
+                        settings: DetectorSettings) -> Verdict:
         extra = ins.non_adapter_params
         own = max(ins.adapter_params, 1)
         if not ins.is_adapter or ins.adapter_tensors == 0 or extra <= (
@@ -143,24 +181,28 @@ class AdapterBloat:
         )
 
 
-class EmptyAdapter:
+class EmptyAdapter(_InspectedCheckpoint):
     """The saved weights hold no tensor, or only tensors without a single element.
 
     ZeRO-3 and FSDP keep each parameter partitioned across ranks; a save that does not gather
     them writes shape-``[0]`` tensors (or none): the file loads and changes nothing.
     """
 
-    id = "empty_adapter"
-    severity = Severity.CRITICAL
-    default_policy = Policy.PAGE
-    latching = False
-    scope = "artifact"
+    spec = DetectorSpec(
+        id="empty_adapter",
+        severity=Severity.CRITICAL,
+        scope="artifact",
+        summary="Run {run_id} saved an empty adapter",
+        meaning="the checkpoint's weights file holds no tensor, only tensors without an element, "
+        "or no bytes at all (a partitioned ZeRO-3/FSDP save that was never gathered)",
+        fires_when="the inspected weights file is 0 bytes, holds no tensor, or every tensor has "
+        "a 0 in its shape",
+        cadence="every inspected checkpoint",
+        evidence=(Evidence("checkpoint_adapter_bytes", 0), Evidence("checkpoints_total")),
+    )
 
-    def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
-        latest = _latest_inspected(run)
-        if latest is None:
-            return None
-        point, ins = latest
+    def judge_inspected(self, run: RunState, point: CheckpointPoint, ins: CheckpointInspection,
+                        settings: DetectorSettings) -> Verdict:
         if not ins.weights_file:
             return Verdict(False, step=point.step)
         tensors = len(ins.tensor_digests)
@@ -179,20 +221,25 @@ class EmptyAdapter:
         )
 
 
-class PickleCheckpoint:
+class PickleCheckpoint(_InspectedCheckpoint):
     """A checkpoint holds pickled weights (``.bin``, ``.pt``): loading them runs code."""
 
-    id = "pickle_checkpoint"
-    severity = Severity.WARNING
-    default_policy = Policy.PAGE
-    latching = False
-    scope = "artifact"
+    spec = DetectorSpec(
+        id="pickle_checkpoint",
+        severity=Severity.WARNING,
+        scope="artifact",
+        summary="Run {run_id} wrote a pickle checkpoint",
+        meaning="a checkpoint holds a pickle file (adapter_model.bin / pytorch_model.bin); "
+        "loading it can run arbitrary code",
+        fires_when="a checkpoint holds pickled weights (`adapter_model.bin`, `*.pt`, ...); the "
+        "Trainer's own resume files (`training_args.bin`, `optimizer.pt`, `scheduler.pt`, "
+        "`rng_state*.pth`) are not counted",
+        cadence="every inspected checkpoint",
+        evidence=(Evidence("checkpoints_total"),),
+    )
 
-    def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
-        latest = _latest_inspected(run)
-        if latest is None:
-            return None
-        point, ins = latest
+    def judge_inspected(self, run: RunState, point: CheckpointPoint, ins: CheckpointInspection,
+                        settings: DetectorSettings) -> Verdict:
         files = ins.pickle_files
         if not files:
             return Verdict(False, step=point.step)

@@ -8,14 +8,8 @@ trainer dropped, a resume that restarted the adapter, an AdaLoRA that never allo
 
 from __future__ import annotations
 
-from deadweight.sidecar.detectors.base import (
-    Policy,
-    Severity,
-    Verdict,
-    finite_history,
-    fmt,
-    is_rl,
-)
+from deadweight.sidecar.detectors.base import SpecDetector, Verdict, finite_history, fmt, is_rl
+from deadweight.sidecar.detectors.spec import DetectorSpec, Evidence, Severity, Threshold
 from deadweight.sidecar.settings import DetectorSettings
 from deadweight.sidecar.state import RunState
 
@@ -23,7 +17,7 @@ from deadweight.sidecar.state import RunState
 LOW_PRECISION = frozenset({"bfloat16", "float16"})
 
 
-class ZeroGradient:
+class ZeroGradient(SpecDetector):
     """grad_norm is exactly 0 at lr > 0 with a non-empty optimizer: nothing to learn from.
 
     DPO with beta 0 (loss ln 2 for every pair), a loss detached from the weights, a reward
@@ -31,10 +25,18 @@ class ZeroGradient:
     ``frozen_weights`` leaves alone because no gradient flows.
     """
 
-    id = "zero_gradient"
-    severity = Severity.CRITICAL
-    default_policy = Policy.PAGE
-    latching = False
+    spec = DetectorSpec(
+        id="zero_gradient",
+        severity=Severity.CRITICAL,
+        summary="Run {run_id} trains with a gradient of exactly zero",
+        meaning="grad_norm is exactly 0 at lr > 0 with a non-empty optimizer: the loss gives "
+        "the weights nothing to learn from (DPO with beta 0, a detached loss, a flat reward)",
+        fires_when="`grad_norm` exactly 0 in the last log reports at lr > 0 (skipped fp16 "
+        "steps left out) while the optimizer holds parameters",
+        thresholds=(Threshold("zero_gradient_logs", "log reports",
+                              "consecutive log reports at lr > 0 with grad_norm exactly 0"),),
+        evidence=(Evidence("grad_norm", 0), Evidence("update_norm", 0), Evidence("loss")),
+    )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
         grads = finite_history(run, "grad_norm")
@@ -64,17 +66,25 @@ class ZeroGradient:
         )
 
 
-class OptimizerStepsSkipped:
+class OptimizerStepsSkipped(SpecDetector):
     """The optimizer skipped K steps in a row: fp16 loss scaling found inf/NaN gradients.
 
     A skipped step is no evidence of frozen weights (``frozen_weights`` ignores it); a run
     whose every step is skipped is its own failure: the weights never change.
     """
 
-    id = "optimizer_steps_skipped"
-    severity = Severity.CRITICAL
-    default_policy = Policy.PAGE
-    latching = False
+    spec = DetectorSpec(
+        id="optimizer_steps_skipped",
+        severity=Severity.CRITICAL,
+        summary="Run {run_id} skips every optimizer step",
+        meaning="the optimizer skipped several steps in a row (fp16 loss scaling found inf/NaN "
+        "gradients): the weights do not change",
+        fires_when="the last optimizer steps were all skipped (the optimizer says so, or its "
+        "GradScaler backed off)",
+        thresholds=(Threshold("skipped_steps", "optimizer steps",
+                              "consecutive skipped optimizer steps"),),
+        evidence=(Evidence("update_norm", 0), Evidence("grad_norm"), Evidence("step")),
+    )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
         steps = run.combined_steps()
@@ -102,7 +112,7 @@ class OptimizerStepsSkipped:
         )
 
 
-class LowPrecisionUpdate:
+class LowPrecisionUpdate(SpecDetector):
     """The optimizer updates weights held in bf16/fp16, without an fp32 master copy.
 
     An update below half a unit in the last place rounds back to the old value: at lr 2e-4
@@ -111,10 +121,19 @@ class LowPrecisionUpdate:
     fp32 adapter autocast; a DoRA magnitude left in bf16; a pure-bf16 full fine-tune).
     """
 
-    id = "low_precision_update"
-    severity = Severity.WARNING
-    default_policy = Policy.PAGE
-    latching = True
+    spec = DetectorSpec(
+        id="low_precision_update",
+        severity=Severity.WARNING,
+        latching=True,
+        summary="Run {run_id} updates bf16/fp16 weights without an fp32 master copy",
+        meaning="most elements the optimizer updates are held in bf16 or fp16: updates below "
+        "half a unit in the last place are lost, so many weights never move",
+        fires_when="at train begin, the share of the optimizer's elements held in bf16/fp16 "
+        "reaches the threshold",
+        thresholds=(Threshold("low_precision_fraction", "ratio",
+                              "share of the optimizer's elements held in bf16/fp16"),),
+        evidence=(Evidence("optimizer_params"), Evidence("update_ratio"), Evidence("loss")),
+    )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
         if run.start is None:
@@ -136,17 +155,25 @@ class LowPrecisionUpdate:
         )
 
 
-class StopTokenUntrained:
+class StopTokenUntrained(SpecDetector):
     """The labels of a collated batch never train the stop token: the model never learns to stop.
 
     ``pad_token == eos_token`` with transformers' LM collator masks every eos label; a chat
     template or completion mask can leave the end-of-turn token outside the loss.
     """
 
-    id = "stop_token_untrained"
-    severity = Severity.WARNING
-    default_policy = Policy.PAGE
-    latching = True
+    spec = DetectorSpec(
+        id="stop_token_untrained",
+        severity=Severity.WARNING,
+        latching=True,
+        summary="Run {run_id} never trains the stop token",
+        meaning="the labels of a batch collated at train begin never contain the stop token: "
+        "the model never learns to stop (pad == eos with the LM collator, a template that "
+        "leaves the end of turn outside the loss)",
+        fires_when="at train begin, the trainer's collator applied to the first rows yields "
+        "labels without the stop token (`eos_token`)",
+        evidence=(Evidence("loss"), Evidence("step")),
+    )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
         if run.start is None:
@@ -169,15 +196,22 @@ class StopTokenUntrained:
         )
 
 
-class UnsavedHead:
+class UnsavedHead(SpecDetector):
     """A newly initialised output head is not in ``modules_to_save``: the saved adapter reloads
     with a new random head (frozen and random all along, or trained and then lost)."""
 
-    id = "unsaved_head"
-    severity = Severity.CRITICAL
-    default_policy = Policy.PAGE
-    latching = True
-    scope = "artifact"
+    spec = DetectorSpec(
+        id="unsaved_head",
+        severity=Severity.CRITICAL,
+        latching=True,
+        scope="artifact",
+        summary="Run {run_id} trains around a random head its adapter does not save",
+        meaning="a newly initialised output head (score, classifier) is not in modules_to_save: "
+        "the saved adapter reloads with a new random head",
+        fires_when="at train begin, a head absent from the base checkpoint is not listed in "
+        "the adapter's `modules_to_save`",
+        evidence=(Evidence("trainable_params"), Evidence("checkpoint_adapter_bytes")),
+    )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
         if run.start is None:
@@ -202,13 +236,22 @@ class UnsavedHead:
         )
 
 
-class DatasetShrunk:
+class DatasetShrunk(SpecDetector):
     """The trainer dropped part of the training rows during its own preparation, unannounced."""
 
-    id = "dataset_shrunk"
-    severity = Severity.WARNING
-    default_policy = Policy.PAGE
-    latching = True
+    spec = DetectorSpec(
+        id="dataset_shrunk",
+        severity=Severity.WARNING,
+        latching=True,
+        summary="Run {run_id} trains on a silently shrunken dataset",
+        meaning="the trainer dropped part of the training rows in its own preparation (too "
+        "long for max_length) without a count",
+        fires_when="at train begin, the rows the trainer kept fall short of the rows it was "
+        "given by at least the threshold",
+        thresholds=(Threshold("dataset_drop_fraction", "ratio",
+                              "share of the given training rows the trainer dropped"),),
+        evidence=(Evidence("step"), Evidence("loss")),
+    )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
         if run.start is None:
@@ -232,14 +275,21 @@ class DatasetShrunk:
         )
 
 
-class ResumeLostAdapter:
+class ResumeLostAdapter(SpecDetector):
     """After resuming, the adapter in memory is not the adapter of the checkpoint resumed from:
     training restarted from a fresh (or another) adapter while the step count went on."""
 
-    id = "resume_lost_adapter"
-    severity = Severity.CRITICAL
-    default_policy = Policy.PAGE
-    latching = True
+    spec = DetectorSpec(
+        id="resume_lost_adapter",
+        severity=Severity.CRITICAL,
+        latching=True,
+        summary="Run {run_id} resumed without the adapter it resumed from",
+        meaning="after resume_from_checkpoint the adapter in memory differs from the "
+        "checkpoint's adapter: training restarted while the step count went on",
+        fires_when="at train begin of a resumed run, the digest of the adapter in memory "
+        "differs from the digest of the resumed checkpoint's adapter file",
+        evidence=(Evidence("step"), Evidence("loss")),
+    )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
         if run.start is None:
@@ -267,14 +317,21 @@ class ResumeLostAdapter:
         )
 
 
-class AdaloraNotAllocated:
+class AdaloraNotAllocated(SpecDetector):
     """AdaLoRA past ``tinit + deltaT`` has no rank_pattern: nothing calls ``update_and_allocate``
     (transformers and TRL never do), so it trains as a plain LoRA of rank ``init_r``."""
 
-    id = "adalora_not_allocated"
-    severity = Severity.WARNING
-    default_policy = Policy.PAGE
-    latching = False
+    spec = DetectorSpec(
+        id="adalora_not_allocated",
+        severity=Severity.WARNING,
+        summary="Run {run_id} trains AdaLoRA as plain LoRA",
+        meaning="AdaLoRA is past tinit + deltaT without a rank_pattern: nothing calls "
+        "update_and_allocate, so ranks are never allocated",
+        fires_when="an AdaLoRA run reports a step past `tinit + deltaT + 1` and no rank pattern "
+        "was ever allocated",
+        cadence="every optimizer step",
+        evidence=(Evidence("trainable_params"), Evidence("step")),
+    )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
         config = run.config
@@ -303,17 +360,25 @@ class AdaloraNotAllocated:
         )
 
 
-class CompletionsTruncated:
+class CompletionsTruncated(SpecDetector):
     """Every GRPO/RLOO completion hits max_completion_length: the policy never sees an ending.
 
     ``completions/clipped_ratio`` is 1 and ``completions/mean_terminated_length`` 0 in every
     log report of the window; rewards still vary, so nothing else fires.
     """
 
-    id = "completions_truncated"
-    severity = Severity.WARNING
-    default_policy = Policy.PAGE
-    latching = False
+    spec = DetectorSpec(
+        id="completions_truncated",
+        severity=Severity.WARNING,
+        summary="Run {run_id}: no completion ever ends",
+        meaning="every GRPO/RLOO completion hits max_completion_length (clipped_ratio 1, no "
+        "terminated completion): the policy never sees an ending",
+        fires_when="`completions/clipped_ratio` is 1 and `completions/mean_terminated_length` "
+        "0 in every log report of the window",
+        thresholds=(Threshold("truncated_logs", "log reports",
+                              "consecutive log reports with every completion truncated"),),
+        evidence=(Evidence("completion_mean_length"), Evidence("reward")),
+    )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
         if not is_rl(run):

@@ -60,11 +60,17 @@ def test_adapter_cast_to_bf16_updates_in_low_precision(
 
     model_dir, _ = tiny
     model = get_peft_model(_base(model_dir), runs.lora_config()).to(torch.bfloat16)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_A" in n}
     started = train(runs.sft_trainer(model, model_dir, tmp_path / "bad",
                                      [live.callback("bf16-cast")], steps=4, save_steps=10))
     low = detected(live, "bf16-cast", "low_precision_update", started)
     assert low.evidence["dtypes"].startswith("bfloat16=") and low.step == 0
     assert "frozen_weights" not in live.fired("bf16-cast")  # every tensor still moves
+    after = dict(model.named_parameters())
+    still = sum(int((after[n] == b).sum()) for n, b in before.items())
+    total = sum(b.numel() for b in before.values())
+    assert all(not torch.equal(after[n], b) for n, b in before.items())
+    assert still / total > 0.3  # yet a large share of lora_A elements never moved
 
     # Twin: a bf16 base with PEFT's default autocast keeps the adapter (and its updates) fp32.
     twin = get_peft_model(_base(model_dir, dtype=torch.bfloat16), runs.lora_config())

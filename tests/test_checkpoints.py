@@ -151,3 +151,37 @@ def test_watcher_waits_for_a_complete_folder_created_after_registration(tmp_path
         assert len(sink.seen) == 1
     finally:
         watcher.stop()
+
+
+def test_method_from_names_when_the_config_is_missing(tmp_path: Path) -> None:
+    """A bare adapter file still gets its method's names and identity; a full model is no
+    adapter; an unknown peft_type judges nothing untrained and calls nothing bloat."""
+    cases = {
+        "adalora": ({"m.q_proj.lora_A": torch.ones(2, 4), "m.q_proj.lora_E": torch.zeros(2, 1),
+                     "m.q_proj.lora_B": torch.ones(4, 2)}, "ADALORA", (1, 0)),
+        "loha": ({"m.q_proj.hada_w1_a": torch.ones(4, 2), "m.q_proj.hada_w1_b": torch.ones(2, 4),
+                  "m.q_proj.hada_w2_a": torch.ones(4, 2),
+                  "m.q_proj.hada_w2_b": torch.zeros(2, 4)}, "LOHA", (1, 0)),
+        "boft": ({"m.q_proj.boft_R": torch.zeros(1, 2, 2, 2),
+                  "m.q_proj.boft_s": torch.full((4, 1), 1.5)}, "BOFT", (1, 1)),
+    }
+    for name, (tensors, method, counts) in cases.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        save_file(tensors, str(folder / "adapter_model.safetensors"))
+        inspection = inspect_path(folder)
+        assert inspection.method == method
+        assert (inspection.identity_modules, inspection.moved_modules) == counts
+        assert inspection.non_adapter == ()
+
+    save_file({"model.layers.0.q_proj.weight": torch.ones(4, 4)},
+              str(tmp_path / "full.safetensors"))
+    full = inspect_path(tmp_path / "full.safetensors")
+    assert not full.is_adapter and full.method == "" and full.non_adapter == ()
+
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    save_file({"m.q_proj.newmethod_w": torch.zeros(2, 2)}, str(odd / "adapter_model.safetensors"))
+    (odd / "adapter_config.json").write_text('{"peft_type": "NEWMETHOD"}')
+    unknown = inspect_path(odd)
+    assert unknown.method == "UNKNOWN" and unknown.identity_modules == 0

@@ -35,7 +35,7 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
@@ -64,6 +64,7 @@ from deadweight.proto.kinds import EventKind
 from deadweight.proto.transport import grpc_target, unix_socket_path
 
 log = logging.getLogger("deadweight")
+T = TypeVar("T")
 
 DEFAULT_ADDRESS = "unix:///run/deadweight/deadweight.sock"
 
@@ -138,6 +139,16 @@ def _learning_rate(optimizer: Any, lr_scheduler: Any) -> float:
     for group in getattr(optimizer, "param_groups", []) or []:
         return float(group.get("lr", 0.0))
     return 0.0
+
+
+def _optional_fact(gather: Callable[..., T], *args: Any) -> T | None:
+    """A fact that only sharpens a verdict: when gathering it fails (an odd dataset, an
+    unreadable checkpoint), the run is reported without it rather than not at all."""
+    try:
+        return gather(*args)
+    except Exception:
+        log.debug("deadweight: %s unavailable", gather.__qualname__, exc_info=True)
+        return None
 
 
 def _loss_scale(optimizer: Any) -> float | None:
@@ -237,10 +248,10 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
             preflight=preflight.gather(model, processing_class),
             initial_adapter=digest.digest_adapter(model),
             host=socket.gethostname(),
-            stop_token=stop_token.check(train_dataloader, processing_class),
-            heads=heads.check(model),
-            resume=resume.check(output_dir, int(state.global_step or 0)),
-            dataset_rows=dataset_rows.count(train_dataloader),
+            stop_token=_optional_fact(stop_token.check, train_dataloader, processing_class),
+            heads=_optional_fact(heads.check, model),
+            resume=_optional_fact(resume.check, output_dir, int(state.global_step or 0)),
+            dataset_rows=_optional_fact(dataset_rows.count, train_dataloader),
         )
         self.client = StreamClient(
             self.address,

@@ -208,11 +208,14 @@ class _ChunkedKernel:
     Per chunk: copy the new weights into the spare snapshot (the only write to memory), one
     subtraction of the two flat snapshots, then norms and the changed-element count over the
     chunk while it is still in L2. The spare becomes the snapshot, so no refresh copy is needed.
-    Changed elements are counted as sign(new - old) != 0; a tensor with no such element is
-    re-checked on its bytes (a sign-of-zero flip, a flushed subnormal) and then counted exactly.
+    Changed elements are counted as (new - old) != 0 (the squared norm of that 0/1 mask: exact,
+    as a piece holds far fewer than 2**22 elements); a tensor with no such element, or with a
+    non-finite value, is re-checked on its bytes (a sign-of-zero flip, a flushed subnormal)
+    and then counted exactly.
     """
 
-    def __init__(self, sources: list[torch.Tensor], chunk_bytes: int = CHUNK_BYTES) -> None:
+    def __init__(self, sources: list[torch.Tensor], chunk_bytes: int | None = None) -> None:
+        chunk_bytes = chunk_bytes or CHUNK_BYTES
         self._sources = sources
         self._count = len(sources)
         self._parts: list[_ChunkedDtype] = []
@@ -252,7 +255,7 @@ class _ChunkedDtype:
         self.rows_index = torch.tensor(rows, dtype=torch.int64)
         self._sources = sources
         dtype = sources[0].dtype
-        self._wide = _wide(dtype)
+        self._wide = _wide(dtype)  # set for 16-bit dtypes
         self._bits = _int_view(dtype)
         size = torch.empty(0, dtype=dtype).element_size()
         limit = max(chunk_bytes // size, 1)
@@ -287,7 +290,10 @@ class _ChunkedDtype:
             last = members[-1]
             self._chunks.append((start, offsets[last] + pieces[last][1].numel(), members))
         span = max((end - begin for begin, end, _ in self._chunks), default=1)
-        self._scratch = torch.zeros(max(span, 1), dtype=dtype)
+        self._scratch = torch.zeros(max(span, 1), dtype=dtype)  # new - old
+        # 16-bit: a float32 0/1 mask of moved elements, whose norm stays exact (see run)
+        self._mask = (torch.zeros(max(span, 1), dtype=torch.float32)
+                      if self._wide is not None else self._scratch)
         self._owner = torch.tensor([i for i, _ in pieces], dtype=torch.int64)
         self._numel = torch.tensor([float(s.numel()) for s in sources], dtype=torch.float64)
         self._pieces = pieces
@@ -298,6 +304,7 @@ class _ChunkedDtype:
              [[self._slot(buf, offsets[k], pieces[k][1]) for k in members]
               for buf in self._buffers],
              [self._slot(self._scratch, offsets[k] - begin, pieces[k][1]) for k in members],
+            [self._slot(self._mask, offsets[k] - begin, pieces[k][1]) for k in members],
              begin, end)
             for begin, end, members in self._chunks
         ]
@@ -332,19 +339,21 @@ class _ChunkedDtype:
         diff_l2: list[torch.Tensor] = []
         weight_l2: list[torch.Tensor] = []
         moved: list[torch.Tensor] = []
-        wide = self._wide
-        for sources, slots, scratch, begin, end in self._plan:
+        for sources, slots, scratch, mask, begin, end in self._plan:
             torch._foreach_copy_(slots[new], sources)
             diff = self._scratch[:end - begin]
             torch.sub(new_buf[begin:end], old_buf[begin:end], out=diff)
-            diff_l2 += torch._foreach_norm(scratch, 2, dtype=wide)
-            weight_l2 += torch._foreach_norm(slots[new], 2, dtype=wide)
-            torch.sign(diff, out=diff)
-            moved += torch._foreach_norm(scratch, 1, dtype=wide)
+            # 16-bit norms come back in 16 bits (three digits, accumulated in float32):
+            # asking for float32 output doubles their cost
+            norms = torch._foreach_norm(scratch + slots[new], 2)
+            diff_l2 += norms[:len(scratch)]
+            weight_l2 += norms[len(scratch):]
+            torch.ne(diff, 0, out=self._mask[:end - begin])  # 1.0 where the element moved
+            moved += torch._foreach_norm(mask, 2)  # sqrt of the count
         n = len(self._sources)
         per_piece = torch.stack([torch.stack(diff_l2).double().square(),
                                  torch.stack(weight_l2).double().square(),
-                                 torch.stack(moved).double()], dim=1)
+                                 torch.stack(moved).double().square().round()], dim=1)
         sums = torch.zeros(n, 3, dtype=torch.float64).index_add_(0, self._owner, per_piece)
         numel = self._numel
         nonfinite = ~torch.isfinite(sums[:, 0]) | ~torch.isfinite(sums[:, 2])

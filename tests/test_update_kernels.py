@@ -15,7 +15,6 @@ from hypothesis import strategies as st
 
 from deadweight.callbacks import update_native
 from deadweight.callbacks.update_probe import (
-    PendingStats,
     TensorGroup,
     UpdateProbe,
     UpdateStats,

@@ -256,7 +256,7 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
     ) -> None:
         if self._probe is None or self.client is None or self._membership is None:
             return
-        stats = self._probe.after_step()
+        stats = self._probe.after_step_deferred()  # read later, by the sender thread
         if stats is None:
             return
         tensors, params = membership.grads_outside_optimizer(self._membership.outside_optimizer)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from deadweight.callbacks import update_native
 from deadweight.callbacks.update_probe import (
+    PendingStats,
     TensorGroup,
     UpdateProbe,
     UpdateStats,
@@ -262,9 +263,10 @@ def test_kernels_agree(data: list[list[float]], moves: list[bool], dtype: torch.
     assert len(set(results)) == 1
 
 
-def accelerator_probe(tensors: list[torch.Tensor]) -> UpdateProbe:
+def accelerator_probe(tensors: list[torch.Tensor],
+                      groups: Sequence[TensorGroup] = ()) -> UpdateProbe:
     """A probe running the accelerator (CUDA) code path of the torch kernel, here on CPU."""
-    probe = UpdateProbe(tensors, path="torch")
+    probe = UpdateProbe(tensors, groups, path="torch")
     probe._kernel = _DeviceKernel(probe._sources)
     return probe
 
@@ -330,3 +332,53 @@ def test_sample_is_evenly_spaced_runs_from_first_to_last(path: str) -> None:
         assert stats is not None
         seen.append(stats.unchanged_tensors == 0)
     assert seen == [True, True, False]
+
+
+@pytest.mark.parametrize("path", [*PATHS, "accelerator"])
+def test_partial_freeze_by_precision_is_counted_per_element_and_per_group(path: str) -> None:
+    # bf16 weights near 1.0 with updates of 1e-3 (a bf16 ULP there is 2**-7): about half the
+    # elements get an update too small to change their bytes. The tensor-level test sees every
+    # tensor change; the element counts see what did not move, per group, with its dtype.
+    gen = torch.Generator().manual_seed(5)
+    lora_a = (1.0 + 0.01 * torch.randn(64, 32, generator=gen)).bfloat16()
+    lora_b = torch.randn(32, 64, generator=gen)  # float32: every element moves
+    groups = [TensorGroup("lora_A", "module", [0]), TensorGroup("lora_B", "module", [1])]
+    tensors = [lora_a, lora_b]
+    if path == "accelerator":
+        probe = accelerator_probe(tensors, groups)
+    else:
+        probe = UpdateProbe(tensors, groups, path=path)  # type: ignore[arg-type]
+    old = [t.clone() for t in tensors]
+    scale = torch.where(torch.rand(64, 32, generator=gen) < 0.5, 1e-3, 3e-2)
+    stats = step(probe, tensors, [(scale * torch.sign(torch.randn(64, 32, generator=gen)))
+                                  .bfloat16(), torch.full((32, 64), 0.25)])
+    ref = reference(old, tensors)
+    assert stats.unchanged_tensors == 0
+    assert stats.unchanged_elements == ref["same"]
+    by_name = {g.name: g for g in stats.groups}
+    a, b = by_name["lora_A"], by_name["lora_B"]
+    assert (a.elements, a.dtype, b.elements, b.dtype) == (2048, "bfloat16", 2048, "float32")
+    assert b.unchanged_elements == 0
+    assert 0.3 * 2048 < a.unchanged_elements == ref["same"] < 0.7 * 2048
+
+
+@pytest.mark.parametrize("path", [*PATHS, "accelerator"])
+def test_a_deferred_read_keeps_its_own_step(path: str) -> None:
+    # The callback reads a step's figures later, from the sender thread, after the training
+    # thread has run the next step: each pending result must still hold its own step.
+    t = torch.zeros(100)
+    probe = (accelerator_probe([t]) if path == "accelerator"
+             else UpdateProbe([t], path=path))  # type: ignore[arg-type]
+    pending = []
+    for delta in (1.0, 0.0, 2.0):
+        probe.before_step()
+        with torch.no_grad():
+            t[:10] += delta
+        result = probe.after_step_deferred()
+        assert isinstance(result, PendingStats)
+        pending.append(result)
+    stats = [p.result() for p in pending]
+    assert [s.update_sq_sum for s in stats] == pytest.approx([10.0, 0.0, 40.0])
+    assert [s.unchanged_elements for s in stats] == [90, 100, 90]
+    assert [s.unchanged_tensors for s in stats] == [0, 1, 0]
+    assert pending[0].result() is stats[0]  # read once, kept

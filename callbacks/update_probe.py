@@ -348,7 +348,11 @@ class _ChunkedDtype:
             norms = torch._foreach_norm(scratch + slots[new], 2)
             diff_l2 += norms[:len(scratch)]
             weight_l2 += norms[len(scratch):]
-            torch.ne(diff, 0, out=self._mask[:end - begin])  # 1.0 where the element moved
+            if self._wide is None:  # 1.0 where the element moved
+                torch.ne(diff, 0, out=self._mask[:end - begin])
+            else:  # 16-bit: the bytes compared (exact, and cheaper than a 16-bit compare)
+                torch.ne(new_buf[begin:end].view(self._bits), old_buf[begin:end].view(self._bits),
+                         out=self._mask[:end - begin])
             moved += torch._foreach_norm(mask, 2)  # sqrt of the count
         n = len(self._sources)
         per_piece = torch.stack([torch.stack(diff_l2).double().square(),
@@ -359,8 +363,10 @@ class _ChunkedDtype:
         nonfinite = ~torch.isfinite(sums[:, 0]) | ~torch.isfinite(sums[:, 2])
         changed = sums[:, 2] > 0
         same = numel - torch.where(nonfinite, 0.0, sums[:, 2])
-        # exact bytes where the arithmetic saw nothing move, or could not count
-        for i in torch.nonzero(~changed | nonfinite).flatten().tolist():
+        # exact bytes where the arithmetic saw nothing move, or could not count (16-bit
+        # counts already are byte counts)
+        recheck = (~changed | nonfinite) if self._wide is None else torch.zeros_like(changed)
+        for i in torch.nonzero(recheck).flatten().tolist():
             differ = sum(int(torch.ne(a.view(self._bits), b.view(self._bits)).sum())
                          for a, b in zip(self._tensor_views[new][i], self._tensor_views[old][i],
                                          strict=True))

@@ -487,8 +487,12 @@ class UpdateProbe:
         self._ready = False
         self._group_index = self._build_group_index(len(self._tensors))
         self._bind()
-        log.info("deadweight: update pass runs the %s kernel on %d tensors", self.describe(),
-                 len(self._tensors))
+        # the CPU torch fallback is several times slower than the installed kernel: say so
+        slow = (self.path == "torch" and path == "auto" and bool(self._sources)
+                and all(s.device.type == "cpu" for s in self._sources))
+        log.log(logging.WARNING if slow else logging.INFO,
+                "deadweight: update pass runs the %s kernel on %d tensors", self.describe(),
+                len(self._tensors))
 
     def describe(self) -> str:
         """Which kernel runs, and why (the one log line at start)."""

@@ -382,3 +382,22 @@ def test_a_deferred_read_keeps_its_own_step(path: str) -> None:
     assert [s.unchanged_elements for s in stats] == [90, 100, 90]
     assert [s.unchanged_tensors for s in stats] == [0, 1, 0]
     assert pending[0].result() is stats[0]  # read once, kept
+
+
+def test_one_log_line_says_which_kernel_runs(
+    fresh_native: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="deadweight"):
+        UpdateProbe([torch.zeros(4)])
+    (line,) = [r for r in caplog.records if "update pass runs" in r.getMessage()]
+    assert "native (installed C kernel" in line.getMessage() and line.levelno == logging.INFO
+    caplog.clear()
+    monkeypatch.setenv("DEADWEIGHT_NATIVE", "0")
+    update_native.reset()
+    with caplog.at_level(logging.INFO, logger="deadweight"):
+        UpdateProbe([torch.zeros(4)])
+    (line,) = [r for r in caplog.records if "update pass runs" in r.getMessage()]
+    assert "torch (DEADWEIGHT_NATIVE=0)" in line.getMessage()
+    assert line.levelno == logging.WARNING  # the slow fallback is worth seeing

@@ -184,37 +184,45 @@ def run_device(device: str, repeats: int, quick: bool) -> list[list[str]]:
             host: dict[str, list[float]] = {"probe": [], "eager": []}
             gpu: dict[str, list[float]] = {"probe": [], "eager": [], "copy": []}
             syncs = {"probe": 0, "eager": 0}
-            pending: object = None
-            for round_ in range(repeats + 1):
-                for name in ("probe", "eager", "copy"):
-                    begin = torch.cuda.Event(enable_timing=True)
-                    end = torch.cuda.Event(enable_timing=True)
+            for _ in range(repeats):
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+                    enable_timing=True)
+                torch.cuda.synchronize()
+                begin.record()
+                dst.copy_(src)
+                end.record()
+                torch.cuda.synchronize()
+                gpu["copy"].append(begin.elapsed_time(end) / 1e3)
+            # each variant in its own phase, so neither sees the other's writes (steady state)
+            for name, variant in (("probe", probe), ("eager", eager)):
+                pending: PendingStats | None = None
+                for round_ in range(repeats + 1):
+                    events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
                     torch.cuda.synchronize()
-                    if name == "copy":
-                        begin.record()
-                        dst.copy_(src)
-                        end.record()
+                    t0 = time.perf_counter()
+                    events[0].record()
+                    _, n_before = _count_syncs(variant.before_step)
+                    events[1].record()
+                    t1 = time.perf_counter()
+                    _step(tensors)  # the optimizer step, not timed
+                    previous = pending
+                    t2 = time.perf_counter()
+                    events[2].record()
+                    if isinstance(variant, UpdateProbe):
+                        pending, n_after = _count_syncs(
+                            variant.after_step_deferred)  # type: ignore[assignment]
                     else:
-                        variant: UpdateProbe | EagerForeach = probe if name == "probe" else eager
-                        variant.before_step()
-                        _step(tensors)
-                        begin.record()
-                        t0 = time.perf_counter()
-                        previous = pending
-                        if name == "probe":
-                            pending, n = _count_syncs(probe.after_step_deferred)
-                        else:
-                            _, n = _count_syncs(eager.after_step)
-                        elapsed = time.perf_counter() - t0
-                        end.record()
-                        if name == "probe" and isinstance(previous, PendingStats):
-                            previous.result()  # last step's figures (the sender's job)
-                        if round_:
-                            host[name].append(elapsed)
-                            syncs[name] += n
+                        _, n_after = _count_syncs(variant.after_step)
+                    events[3].record()
+                    t3 = time.perf_counter()
+                    if previous is not None:
+                        previous.result()  # last step's figures (the sender thread's job)
                     torch.cuda.synchronize()
-                    if round_:
-                        gpu[name].append(begin.elapsed_time(end) / 1e3)
+                    if round_:  # round 0 fills the snapshot
+                        host[name].append((t1 - t0) + (t3 - t2))
+                        gpu[name].append((events[0].elapsed_time(events[1])
+                                          + events[2].elapsed_time(events[3])) / 1e3)
+                        syncs[name] += n_before + n_after
             bound = 3 * nbytes / (2 * nbytes / min(gpu["copy"]))
             for name in ("probe", "eager"):
                 rows.append([

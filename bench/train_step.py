@@ -142,7 +142,7 @@ def run(repeats: int, quick: bool, device: str = "cpu") -> list[list[str]]:
         rows.append(["  probe figures read + summarised (sender thread, one step later)",
                      fmt_time(read), f"{read / step:.3%}", "", "", "",
                      "off the training thread"])
-    rows += run_peers(model, tokens, optimizer, 2 if quick else 3, dev)
+    rows += run_peers(model, tokens, optimizer, 1 if quick else 3, dev)
     del model, optimizer, variants
     if not cuda:  # the Trainer section runs on the CPU (use_cpu)
         rows += run_trainer(steps)

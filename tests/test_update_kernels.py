@@ -181,7 +181,7 @@ def test_sampled_mode_bounds_the_snapshot(path: str) -> None:
 
 def test_auto_takes_the_native_kernel_on_cpu_when_it_builds() -> None:
     probe = UpdateProbe([torch.zeros(4)])
-    assert NATIVE, "the native kernel did not build (is gcc installed?)"
+    assert NATIVE, "no native kernel: build it with pip install -e . (needs a C compiler)"
     assert probe.path == "native"
     half = UpdateProbe([torch.zeros(4, dtype=torch.float16)])
     assert half.path == "torch"  # no native float16 loop: the torch kernel covers it

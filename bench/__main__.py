@@ -25,6 +25,9 @@ def main(argv: list[str] | None = None) -> int:
                              "and the training step then run there)")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    cuda = args.device != "cpu"
+    if cuda and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: torch sees no CUDA device here")
     setup_torch()
     repeats = 5 if args.quick else 11
     only = set(args.only or [])
@@ -41,9 +44,6 @@ def main(argv: list[str] | None = None) -> int:
     copy_bw, read_bw = measure_bandwidth(repeats)
     print(f"memory bandwidth (1 thread, 256 MiB): copy {copy_bw / 1e9:.1f} GB/s "
           f"(read+write bytes), read {read_bw / 1e9:.1f} GB/s")
-    cuda = args.device != "cpu"
-    if cuda and not torch.cuda.is_available():
-        parser.error(f"--device {args.device}: torch sees no CUDA device here")
     if wanted("update_pass"):
         if cuda:
             update_pass.run_device(args.device, repeats, args.quick)

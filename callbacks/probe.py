@@ -235,7 +235,7 @@ class RunProbe:
         """Measure and report the update of the step that just ran."""
         if self.update is None or self.client is None or self.membership is None:
             return
-        stats = self.update.after_step()
+        stats = self.update.after_step_deferred()  # read later, by the sender thread
         if stats is None:
             return
         tensors, params = membership.grads_outside_optimizer(self.membership.outside_optimizer)

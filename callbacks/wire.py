@@ -16,7 +16,7 @@ from deadweight.callbacks.membership import Membership
 from deadweight.callbacks.preflight import PreflightFacts
 from deadweight.callbacks.resume import ResumeFacts
 from deadweight.callbacks.stop_token import StopTokenFacts
-from deadweight.callbacks.update_probe import UpdateStats
+from deadweight.callbacks.update_probe import PendingStats, UpdateStats
 from deadweight.proto import pb
 from deadweight.proto.kinds import EventKind
 
@@ -52,7 +52,8 @@ class RunStartRecord:
 class StepRecord:
     step: int
     learning_rate: float
-    stats: UpdateStats
+    #: Pending on the training thread; read by the sender thread (``to_event``).
+    stats: UpdateStats | PendingStats
     optimizer_params: int
     grad_not_in_optimizer_tensors: int
     grad_not_in_optimizer_params: int
@@ -173,7 +174,7 @@ def _run_start(r: RunStartRecord) -> pb.RunStart:
 
 
 def _step(r: StepRecord) -> pb.StepReport:
-    s = r.stats
+    s = r.stats.result() if isinstance(r.stats, PendingStats) else r.stats
     report = pb.StepReport(
         step=r.step,
         learning_rate=r.learning_rate,
@@ -187,10 +188,12 @@ def _step(r: StepRecord) -> pb.StepReport:
         grad_not_in_optimizer_params=r.grad_not_in_optimizer_params,
         nonfinite_update_tensors=s.nonfinite_update_tensors,
         sampled=s.sampled,
+        unchanged_elements=s.unchanged_elements,
         groups=[
             pb.GroupUpdate(
                 name=g.name, kind=g.kind, update_sq_sum=g.update_sq_sum,
                 tensors=g.tensors, unchanged_tensors=g.unchanged_tensors,
+                elements=g.elements, unchanged_elements=g.unchanged_elements, dtype=g.dtype,
             )
             for g in s.groups
         ],

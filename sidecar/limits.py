@@ -101,13 +101,26 @@ def _run_start(start: pb.RunStart) -> str | None:
     )
 
 
+def _step(step: pb.StepReport) -> str | None:
+    groups = step.groups
+    if len(groups) > MAX_LIST_ENTRIES:
+        return f"step.groups has more than {MAX_LIST_ENTRIES} entries"
+    if step.ByteSize() <= MAX_TEXT_LENGTH:
+        return None  # no text in it can be longer than the whole (the usual step report)
+    for group in groups:
+        if len(group.name) > MAX_TEXT_LENGTH or len(group.kind) > MAX_TEXT_LENGTH \
+                or len(group.dtype) > MAX_TEXT_LENGTH:
+            return f"step.groups has an entry longer than {MAX_TEXT_LENGTH} characters"
+    return None
+
+
 def event_problem(event: pb.Event) -> str | None:
     """Why one event is refused, or None."""
     kind = kind_of(event)
     if kind == EventKind.RUN_START:
         return _run_start(event.run_start)
     if kind == EventKind.STEP:
-        return _list("step.groups", (g.name for g in event.step.groups))
+        return _step(event.step)
     if kind == EventKind.LOG:
         return _map("log.values", event.log.values, key_limit=MAX_LOG_KEY_LENGTH)
     if kind == EventKind.CHECKPOINT:

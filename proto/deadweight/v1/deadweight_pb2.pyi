@@ -235,7 +235,7 @@ class AdapterDigest(_message.Message):
     def __init__(self, combined: _Optional[str] = ..., tensors: _Optional[_Mapping[str, str]] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class StepReport(_message.Message):
-    __slots__ = ("step", "learning_rate", "update_sq_sum", "param_sq_sum", "watched_tensors", "watched_params", "optimizer_params", "unchanged_tensors", "grad_not_in_optimizer_tensors", "nonfinite_update_tensors", "grad_sq_sum", "groups", "sampled", "grad_not_in_optimizer_params", "optimizer_step_skipped", "adalora_rank_pattern_set")
+    __slots__ = ("step", "learning_rate", "update_sq_sum", "param_sq_sum", "watched_tensors", "watched_params", "optimizer_params", "unchanged_tensors", "grad_not_in_optimizer_tensors", "nonfinite_update_tensors", "grad_sq_sum", "groups", "sampled", "grad_not_in_optimizer_params", "unchanged_elements", "optimizer_step_skipped", "adalora_rank_pattern_set")
     STEP_FIELD_NUMBER: _ClassVar[int]
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     UPDATE_SQ_SUM_FIELD_NUMBER: _ClassVar[int]
@@ -250,6 +250,7 @@ class StepReport(_message.Message):
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
     GRAD_NOT_IN_OPTIMIZER_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    UNCHANGED_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_STEP_SKIPPED_FIELD_NUMBER: _ClassVar[int]
     ADALORA_RANK_PATTERN_SET_FIELD_NUMBER: _ClassVar[int]
     step: int
@@ -266,25 +267,32 @@ class StepReport(_message.Message):
     groups: _containers.RepeatedCompositeFieldContainer[GroupUpdate]
     sampled: bool
     grad_not_in_optimizer_params: int
+    unchanged_elements: int
     optimizer_step_skipped: bool
     adalora_rank_pattern_set: bool
-    def __init__(self, step: _Optional[int] = ..., learning_rate: _Optional[float] = ..., update_sq_sum: _Optional[float] = ..., param_sq_sum: _Optional[float] = ..., watched_tensors: _Optional[int] = ..., watched_params: _Optional[int] = ..., optimizer_params: _Optional[int] = ..., unchanged_tensors: _Optional[int] = ..., grad_not_in_optimizer_tensors: _Optional[int] = ..., nonfinite_update_tensors: _Optional[int] = ..., grad_sq_sum: _Optional[float] = ..., groups: _Optional[_Iterable[_Union[GroupUpdate, _Mapping]]] = ..., sampled: _Optional[bool] = ..., grad_not_in_optimizer_params: _Optional[int] = ..., optimizer_step_skipped: _Optional[bool] = ..., adalora_rank_pattern_set: _Optional[bool] = ...) -> None: ...
+    def __init__(self, step: _Optional[int] = ..., learning_rate: _Optional[float] = ..., update_sq_sum: _Optional[float] = ..., param_sq_sum: _Optional[float] = ..., watched_tensors: _Optional[int] = ..., watched_params: _Optional[int] = ..., optimizer_params: _Optional[int] = ..., unchanged_tensors: _Optional[int] = ..., grad_not_in_optimizer_tensors: _Optional[int] = ..., nonfinite_update_tensors: _Optional[int] = ..., grad_sq_sum: _Optional[float] = ..., groups: _Optional[_Iterable[_Union[GroupUpdate, _Mapping]]] = ..., sampled: _Optional[bool] = ..., grad_not_in_optimizer_params: _Optional[int] = ..., unchanged_elements: _Optional[int] = ..., optimizer_step_skipped: _Optional[bool] = ..., adalora_rank_pattern_set: _Optional[bool] = ...) -> None: ...
 
 class GroupUpdate(_message.Message):
-    __slots__ = ("name", "kind", "update_sq_sum", "tensors", "unchanged_tensors", "optimizer_tensors")
+    __slots__ = ("name", "kind", "update_sq_sum", "tensors", "unchanged_tensors", "optimizer_tensors", "elements", "unchanged_elements", "dtype")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     UPDATE_SQ_SUM_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     UNCHANGED_TENSORS_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    UNCHANGED_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: str
     update_sq_sum: float
     tensors: int
     unchanged_tensors: int
     optimizer_tensors: int
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., update_sq_sum: _Optional[float] = ..., tensors: _Optional[int] = ..., unchanged_tensors: _Optional[int] = ..., optimizer_tensors: _Optional[int] = ...) -> None: ...
+    elements: int
+    unchanged_elements: int
+    dtype: str
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., update_sq_sum: _Optional[float] = ..., tensors: _Optional[int] = ..., unchanged_tensors: _Optional[int] = ..., optimizer_tensors: _Optional[int] = ..., elements: _Optional[int] = ..., unchanged_elements: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class LogReport(_message.Message):
     __slots__ = ("step", "values", "dropped_keys")

@@ -67,9 +67,9 @@ def stopping_sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sidec
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """An in-process sidecar (real gRPC on a unix socket) whose findings a test reads directly."""
-    from tests.test_catalogue_harness import LiveSidecar
+    from tests.inprocess_sidecar import InProcessSidecar
 
-    sidecar = LiveSidecar(tmp_path_factory.mktemp("live"))
+    sidecar = InProcessSidecar.live(tmp_path_factory.mktemp("live"))
     yield sidecar
     sidecar.stop()
 

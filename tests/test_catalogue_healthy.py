@@ -16,7 +16,7 @@ import pytest
 
 from deadweight.demo import runs
 from deadweight.sidecar.detectors import ALL
-from tests.test_catalogue_harness import LiveSidecar
+from tests.inprocess_sidecar import InProcessSidecar
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +52,7 @@ def _model(setup: str, arch: str, model_dir: Path, adapter_dir: Path) -> tuple[A
 
 @pytest.mark.parametrize("name", list(MATRIX))
 def test_healthy_run_ends_with_every_detector_at_zero(
-    name: str, live: LiveSidecar, models: dict[str, tuple[Path, Path]], tmp_path: Path
+    name: str, live: InProcessSidecar, models: dict[str, tuple[Path, Path]], tmp_path: Path
 ) -> None:
     case = dict(MATRIX[name])
     kind, arch, setup = case.pop("kind"), case.pop("arch"), case.pop("setup")

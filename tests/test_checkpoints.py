@@ -21,7 +21,7 @@ from deadweight.sidecar.checkpoint_inspector import (
     inspect_path,
 )
 from deadweight.sidecar.checkpoint_watcher import CheckpointWatcher
-from tests.test_catalogue_harness import poll
+from tests.realprocs import wait_for
 
 
 def test_file_digests_equal_the_callbacks_in_memory_digests(tmp_path: Path) -> None:
@@ -92,7 +92,7 @@ class Sink:
 def _passes(watcher: CheckpointWatcher, more: int) -> None:
     """Wait until the watcher has completed `more` further passes of its loop."""
     target = watcher.passes + more
-    poll(lambda: watcher.passes >= target, f"{more} more watcher passes")
+    wait_for(lambda: watcher.passes >= target, 20, what=f"{more} more watcher passes")
 
 
 def test_watcher_waits_for_a_complete_folder_created_after_registration(tmp_path: Path) -> None:
@@ -117,7 +117,7 @@ def test_watcher_waits_for_a_complete_folder_created_after_registration(tmp_path
                 assert not sink.seen, "inspected a half-written file"
                 time.sleep(0.02)
             handle.write(staged[len(staged) // 2:])
-        poll(lambda: sink.seen, "the watcher to inspect the finished checkpoint")
+        wait_for(lambda: sink.seen, 20, what="the watcher to inspect the finished checkpoint")
         _passes(watcher, 3)  # it looked again, more than once: no second inspection
         assert len(sink.seen) == 1
         run_id, inspection, step = sink.seen[0]

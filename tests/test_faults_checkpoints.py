@@ -26,7 +26,8 @@ from safetensors.numpy import save_file
 from deadweight.demo.sidecar_process import SidecarProcess
 from deadweight.proto import pb
 from deadweight.sidecar.checkpoint_inspector import inspect_path
-from tests.faults import Pipe, poll
+from tests.faults import Pipe
+from tests.realprocs import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -64,7 +65,7 @@ class Watched:
         def find() -> dict[str, Any] | None:
             return next((x for x in self.lines(path) if x.get("event") in events), None)
 
-        line: dict[str, Any] = poll(find, timeout=20, what=f"{events} for {path.name}")
+        line: dict[str, Any] = wait_for(find, 20, what=f"{events} for {path.name}")
         return line
 
     def still_works(self, name: str = "checkpoint-999") -> None:
@@ -216,7 +217,7 @@ def test_a_file_truncated_while_hashed_does_not_kill_the_sidecar(run: Watched) -
     weights = folder / "adapter_model.safetensors"
     _sparse_safetensors(weights, 4 << 30)
     run.report(folder)
-    poll(lambda: _open_by(pid, weights), timeout=20, what="the watcher to open the file")
+    wait_for(lambda: _open_by(pid, weights), 20, what="the watcher to open the file")
     os.truncate(weights, 100)
     line = run.wait_line(folder, "checkpoint_not_inspected", "checkpoint_inspected")
     assert run.sidecar.process.poll() is None, "the sidecar died while hashing"
@@ -245,7 +246,7 @@ def test_a_pickle_checkpoint_is_flagged_and_never_opened(run: Watched, tmp_path:
         findings = {f.detector: f for f in status.findings} if status else {}
         return findings.get("pickle_checkpoint")
 
-    finding = poll(pickle_finding, what="pickle_checkpoint to fire")
+    finding = wait_for(pickle_finding, 20, what="pickle_checkpoint to fire")
     assert finding.firing and "adapter_model.bin" in str(dict(finding.evidence))
     assert not marker.exists()  # deadweight never unpickles anything
     run.still_works()

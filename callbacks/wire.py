@@ -128,6 +128,8 @@ def _run_start(r: RunStartRecord) -> pb.RunStart:
             modules_to_save=f.modules_to_save,
             active_adapter=f.active_adapter,
             lora_rank=f.lora_rank,
+            embedding_module=f.embedding_module,
+            trainable_token_modules=f.trainable_token_modules,
         ),
         initial_adapter=digest_message(r.initial_adapter),
         attestation=r.attestation,

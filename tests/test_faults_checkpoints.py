@@ -188,23 +188,33 @@ def test_symlinks_leaving_the_output_folder_are_not_followed(
     run.still_works()
 
 
-def test_a_folder_deleted_while_hashed(run: Watched) -> None:
-    folder = run.out / "checkpoint-1"
-    folder.mkdir()
-    _sparse_safetensors(folder / "adapter_model.safetensors", 1 << 30)
-    run.report(folder)
-    shutil.rmtree(folder)
-    line = run.wait_line(folder, "checkpoint_not_inspected", "checkpoint_inspected")
-    if line["event"] == "checkpoint_not_inspected":
-        assert "No such file" in line["error"] or "no such file" in line["error"], line
-    run.still_works()
-
-
-def _open_by(pid: int, path: Path) -> bool:
+def _open_by(pid: int, path: Path, deleted: bool = False) -> bool:
+    """Whether process pid holds path open (``deleted``: open, and unlinked since)."""
+    name = f"{path} (deleted)" if deleted else str(path)
     try:
-        return any(os.readlink(fd) == str(path) for fd in Path(f"/proc/{pid}/fd").iterdir())
+        return any(os.readlink(fd) == name for fd in Path(f"/proc/{pid}/fd").iterdir())
     except OSError:
         return False
+
+
+def test_a_folder_deleted_while_hashed(run: Watched) -> None:
+    """The folder goes while the watcher hashes its weights (it holds the file open): the
+    hash ends on the open file, the folder listing after it fails, and the checkpoint is
+    logged as not inspected, naming the missing path."""
+    assert run.sidecar.process is not None
+    pid = run.sidecar.process.pid
+    folder = run.out / "checkpoint-1"
+    folder.mkdir()
+    weights = folder / "adapter_model.safetensors"
+    _sparse_safetensors(weights, 512 << 20)  # seconds of hashing: the deletion lands inside
+    run.report(folder)
+    wait_for(lambda: _open_by(pid, weights), 20, what="the watcher to open the file")
+    shutil.rmtree(folder)
+    assert _open_by(pid, weights, deleted=True), "the hash ended before the folder was deleted"
+    line = run.wait_line(folder, "checkpoint_not_inspected", "checkpoint_inspected")
+    assert line["event"] == "checkpoint_not_inspected", line
+    assert "No such file" in line["error"] and str(folder) in line["error"], line
+    run.still_works()
 
 
 def test_a_file_truncated_while_hashed_does_not_kill_the_sidecar(run: Watched) -> None:

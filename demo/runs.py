@@ -66,7 +66,9 @@ def terminating_model(folder: Path, arch: str = "qwen2") -> Path:
     model_dir = folder / f"model-{arch}-terminating"
     if (model_dir / "config.json").exists():
         return model_dir
-    base_dir = build_model(folder / f"model-{arch}", arch)
+    base_dir = folder / f"model-{arch}"
+    if not (base_dir / "config.json").exists():
+        build_model(base_dir, arch)
     low, high = TERMINATING_WORDS
     lines = [" ".join(line.split()[: low + i % (high - low + 1)])
              for i, line in enumerate(sample_lines(128, seed=7))]

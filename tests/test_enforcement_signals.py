@@ -11,6 +11,7 @@ import pytest
 
 from deadweight.sidecar.attestation import ProcessIdentity, boot_id, start_time
 from deadweight.sidecar.enforcer import send_signal
+from tests.enforcement_support import assert_never_signalled
 
 
 @pytest.fixture()
@@ -34,23 +35,16 @@ def test_the_identified_process_gets_the_signal(sleeper: subprocess.Popen[bytes]
     assert sleeper.wait(10) == -signal.SIGTERM
 
 
-def _assert_never_signalled(child: subprocess.Popen[bytes]) -> None:
-    """A SIGKILL sent earlier would be the child's cause of death whenever it lands; ending it
-    now with SIGTERM and reading the cause settles it without racing the kernel."""
-    child.send_signal(signal.SIGTERM)
-    assert child.wait(10) == -signal.SIGTERM, "the process was signalled before the test's own"
-
-
 def test_a_reused_pid_is_never_signalled(sleeper: subprocess.Popen[bytes]) -> None:
     assert send_signal(_identity(sleeper.pid, shift=1), signal.SIGKILL) == "pid_reused"
     assert send_signal(_identity(sleeper.pid, boot="an-earlier-boot"),
                        signal.SIGKILL) == "pid_reused"
-    _assert_never_signalled(sleeper)
+    assert_never_signalled(sleeper)
 
 
 def test_dry_run_verifies_and_spares(sleeper: subprocess.Popen[bytes]) -> None:
     assert send_signal(_identity(sleeper.pid), signal.SIGKILL, dry_run=True) == "dry_run"
-    _assert_never_signalled(sleeper)
+    assert_never_signalled(sleeper)
 
 
 def test_gone_and_forbidden_targets(sleeper: subprocess.Popen[bytes]) -> None:

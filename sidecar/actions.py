@@ -13,15 +13,16 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import structlog
 
 from deadweight.proto import pb
+from deadweight.sidecar.detectors import BY_ID
 from deadweight.sidecar.detectors.base import Policy
-from deadweight.sidecar.registry import Finding
-from deadweight.sidecar.state import RunState
+from deadweight.sidecar.finding import Finding, RunFacts
 from deadweight.sidecar.store import Store
 
 log = structlog.get_logger("deadweight.actions")
@@ -40,10 +41,9 @@ class Pager(Protocol):
     def resolve(self, run_id: str, detector: str, severity: str) -> None: ...
 
 
-class Escalator(Protocol):
-    """Takes over an incident whose policy is ``kill`` once STOP went out (the enforcer)."""
-
-    def begin(self, run: RunState, finding: Finding, stop_at: float, stop_step: int) -> None: ...
+#: Takes over an incident whose policy is ``kill`` once STOP went out (``Enforcer.begin``):
+#: called with the run, the finding, when STOP went out and the run's step then.
+Escalate = Callable[[RunFacts, Finding, float, int], None]
 
 
 @dataclass(frozen=True)
@@ -81,11 +81,11 @@ class Actions:
     """The action sink the registry calls on every verdict transition."""
 
     def __init__(self, pager: Pager | None = None, dry_run: bool = False,
-                 store: Store | None = None) -> None:
+                 store: Store | None = None, escalate: Escalate | None = None) -> None:
         self.pager = pager
         self.dry_run = dry_run
         self.store = store or Store()
-        self.escalator: Escalator | None = None
+        self.escalate = escalate
         self.counts: Counter[ActionKey] = Counter()
         self._lock = threading.Lock()
 
@@ -129,17 +129,17 @@ class Actions:
             **event.detail,
         )
 
-    def _event(self, run: RunState, finding: Finding, action: str, result: str,
+    def _event(self, run: RunFacts, finding: Finding, action: str, result: str,
                **detail: Any) -> ActionEvent:
         return ActionEvent(run.run_id, run.trainer, finding.detector, finding.incidents,
                            action, result, evidence=dict(finding.evidence), detail=detail)
 
-    def _done(self, run: RunState, finding: Finding, action: str) -> bool:
+    def _done(self, run: RunFacts, finding: Finding, action: str) -> bool:
         return self.store.has_action(run.run_id, finding.detector, finding.incidents, action)
 
     # -- verdict transitions ---------------------------------------------------------------
 
-    def fired(self, run: RunState, finding: Finding) -> list[pb.Directive]:
+    def fired(self, run: RunFacts, finding: Finding) -> list[pb.Directive]:
         level = policy_level(finding.policy)
         directives: list[pb.Directive] = []
         if level >= LEVEL[Policy.PAGE] and not self._done(run, finding, "page"):
@@ -151,11 +151,11 @@ class Actions:
             else:
                 directives.append(self._stop_directive(finding))
                 self.record(self._event(run, finding, "stop", "sent", step=run.step), at=now)
-            if level >= LEVEL[Policy.KILL] and self.escalator is not None:
-                self.escalator.begin(run, finding, stop_at=now, stop_step=run.step)
+            if level >= LEVEL[Policy.KILL] and self.escalate is not None:
+                self.escalate(run, finding, now, run.step)
         return directives
 
-    def resumed(self, run: RunState, finding: Finding) -> list[pb.Directive]:
+    def resumed(self, run: RunFacts, finding: Finding) -> list[pb.Directive]:
         """A firing incident read back after a restart: re-assert, never repeat.
 
         The page is re-asserted with its original start time (Alertmanager sees the same
@@ -172,7 +172,7 @@ class Actions:
             self.record(self._event(run, finding, "stop", "requeued"))
         return directives
 
-    def resolved(self, run: RunState, finding: Finding) -> None:
+    def resolved(self, run: RunFacts, finding: Finding) -> None:
         paged = policy_level(finding.policy) >= LEVEL[Policy.PAGE]
         if paged and self.pager is not None and not self.dry_run:
             self.pager.resolve(run.run_id, finding.detector, finding.severity)
@@ -182,7 +182,7 @@ class Actions:
         return pb.Directive(action=pb.Directive.ACTION_STOP, detector=finding.detector,
                             reason=finding.summary)
 
-    def _page(self, run: RunState, finding: Finding) -> None:
+    def _page(self, run: RunFacts, finding: Finding) -> None:
         if self.dry_run:
             self.record(self._event(run, finding, "page", "dry_run"))
             return
@@ -192,12 +192,16 @@ class Actions:
         self.record(self._event(run, finding, "page", "queued"))
         self._fire_pager(run, finding)
 
-    def _fire_pager(self, run: RunState, finding: Finding) -> None:
+    def _fire_pager(self, run: RunFacts, finding: Finding) -> None:
         assert self.pager is not None
+        # The wording the Prometheus rule carries too (a detector outside ALL has none).
+        detector = BY_ID.get(finding.detector)
+        summary = (detector.spec.render_summary(run.run_id) if detector is not None
+                   else f"{finding.detector} on run {run.run_id}")
+        meaning = f"{detector.spec.meaning} " if detector is not None else ""
         self.pager.fire(  # the pager appends the evidence to the description
-            run.run_id, finding.detector, finding.severity,
-            summary=f"{finding.detector} on run {run.run_id}",
-            description=f"{finding.summary}.",
+            run.run_id, finding.detector, finding.severity, summary=summary,
+            description=f"Run {run.run_id}: {meaning}({finding.summary}).",
             evidence=dict(sorted(finding.evidence.items())),
             starts_at=finding.fired_at or None,
         )

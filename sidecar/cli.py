@@ -1,22 +1,32 @@
-"""The ``deadweight`` command: serve, status, demo."""
+"""The sidecar's commands: serve, status, inspect.
+
+``deadweight demo`` is added by the top-level entry point (``deadweight.cli``): the sidecar
+never imports the demo, so an install without it (the sidecar image) still has every command
+here.
+"""
 
 from __future__ import annotations
 
 import argparse
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deadweight import __version__
-from deadweight.sidecar.alertmanager import DEFAULT_RUNBOOK_BASE_URL
+from deadweight.sidecar import alert_links
 from deadweight.sidecar.detectors import BY_ID
 from deadweight.sidecar.detectors.base import Policy
 
 if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    from deadweight.sidecar.app import SidecarConfig
     from deadweight.sidecar.server import ServerConfig
     from deadweight.sidecar.settings import DetectorSettings
+
+    Commands: TypeAlias = argparse._SubParsersAction[argparse.ArgumentParser]
 
 DEFAULT_SOCKET = "/run/deadweight/deadweight.sock"
 
@@ -36,57 +46,54 @@ def _policy(text: str) -> tuple[str, Policy]:
         raise argparse.ArgumentTypeError(f"unknown action {action!r}; use {choices}") from None
 
 
+def _url_pattern(allowed: frozenset[str]) -> Callable[[str], str]:
+    """An argparse type: a URL pattern whose placeholders are all in allowed."""
+
+    def parse(text: str) -> str:
+        try:
+            return alert_links.check_pattern(text, allowed)
+        except alert_links.BadPattern as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    return parse
+
+
 def _serve(args: argparse.Namespace) -> int:
-    from deadweight.sidecar import logs
-    from deadweight.sidecar.actions import Actions
-    from deadweight.sidecar.attestation import Attestor
-    from deadweight.sidecar.enforcer import Enforcer
-    from deadweight.sidecar.registry import Registry
-    from deadweight.sidecar.server import (
-        InsecureTransport,
-        SidecarServer,
-        check_transport,
-    )
-    from deadweight.sidecar.store import Store
+    from deadweight.sidecar import app, logs
+    from deadweight.sidecar.server import InsecureTransport, check_transport
 
     logs.configure(args.log_level)
     try:
-        config = _server_config(args)
-        check_transport(config)
+        config = _sidecar_config(args)
+        check_transport(config.server)
     except (InsecureTransport, OSError) as err:
         print(f"deadweight serve: {err}", file=sys.stderr)
         return 2
-    store = Store(args.state_dir)
-    pager = None
-    if args.alertmanager_url:
-        from deadweight.sidecar.alertmanager import AlertmanagerPusher
-
-        pager = AlertmanagerPusher(args.alertmanager_url, args.runbook_base_url)
-    actions = Actions(pager=pager, dry_run=args.dry_run, store=store)
-    registry = Registry(actions, settings=_settings(args.setting),
-                        policies=dict(args.policy or []), max_runs=args.max_runs,
-                        ended_ttl_seconds=args.run_ttl_seconds, store=store,
-                        attestor=Attestor())
-    enforcer = Enforcer(registry, store, actions, stop_grace_seconds=args.stop_grace_seconds,
-                        kill_grace_seconds=args.kill_grace_seconds)
-    actions.escalator = enforcer
-    registry.resume()
-    enforcer.resume()
-    enforcer.start()
-    server = SidecarServer(registry, actions, config)
-    server.start()
+    sidecar = app.build(config)
+    sidecar.start()
 
     def _stop(signum: int, frame: object) -> None:
-        server.stop()
+        sidecar.stop()
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
-    server.wait()
-    enforcer.stop()
-    if pager is not None:
-        pager.close()
-    store.close()
+    sidecar.wait()
+    sidecar.close()
     return 0
+
+
+def _sidecar_config(args: argparse.Namespace) -> SidecarConfig:
+    """The whole sidecar's configuration from the serve flags."""
+    from deadweight.sidecar.app import SidecarConfig
+
+    return SidecarConfig(
+        server=_server_config(args), state_dir=args.state_dir,
+        alertmanager_url=args.alertmanager_url, runbook_url_pattern=args.runbook_url_pattern,
+        dashboard_url_pattern=args.dashboard_url_pattern,
+        dry_run=args.dry_run, policies=dict(args.policy or []), settings=_settings(args.setting),
+        max_runs=args.max_runs, run_ttl_seconds=args.run_ttl_seconds,
+        stop_grace_seconds=args.stop_grace_seconds, kill_grace_seconds=args.kill_grace_seconds,
+    )
 
 
 def _server_config(args: argparse.Namespace) -> ServerConfig:
@@ -165,14 +172,8 @@ def _inspect(args: argparse.Namespace) -> int:
     return 1 if any(r.findings for r in results) else 0
 
 
-def _demo(args: argparse.Namespace) -> int:
-    from deadweight.demo import scenario
-
-    return scenario.main(workdir=Path(args.workdir) if args.workdir else None,
-                         steps=args.steps)
-
-
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(*more_commands: Callable[[Commands], None]) -> argparse.ArgumentParser:
+    """The sidecar's commands; each of ``more_commands`` adds its own to the same parser."""
     parser = argparse.ArgumentParser(
         prog="deadweight",
         description="Catch fine-tuning runs that report a healthy loss while their weights "
@@ -189,8 +190,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="observe|page|stop|kill for one detector (repeatable)")
     serve.add_argument("--alertmanager-url", default=None, metavar="URL",
                        help="page through this Alertmanager's API v2 (e.g. http://host:9093)")
-    serve.add_argument("--runbook-base-url", default=DEFAULT_RUNBOOK_BASE_URL, metavar="URL",
-                       help="runbook links in pages: URL/<detector>.md (default %(default)s)")
+    serve.add_argument("--runbook-url-pattern", type=_url_pattern(alert_links.RUNBOOK_PLACEHOLDERS),
+                       default=alert_links.DEFAULT_RUNBOOK_URL_PATTERN, metavar="PATTERN",
+                       help="runbook_url of pushed alerts; {detector} and {alertname} are "
+                       "filled in; use the pattern the rules were generated with "
+                       "(default %(default)s: this sidecar's /runbooks/)")
+    serve.add_argument("--dashboard-url-pattern",
+                       type=_url_pattern(alert_links.DASHBOARD_PLACEHOLDERS),
+                       default=alert_links.DEFAULT_DASHBOARD_URL_PATTERN, metavar="PATTERN",
+                       help="dashboard_url and generatorURL of pushed alerts; {run_id} is filled "
+                       "in (default %(default)s)")
     serve.add_argument("--listen", default=None, metavar="HOST:PORT",
                        help="also serve gRPC on TCP (needs --tls-cert, --tls-key, --token-file)")
     serve.add_argument("--tls-cert", default=None, metavar="FILE", help="PEM certificate chain")
@@ -239,10 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="override a detector threshold (e.g. adapter_bloat_ratio=2)")
     inspect.set_defaults(func=_inspect)
 
-    demo = commands.add_parser("demo", help="catch a real frozen-adapter run on a tiny model")
-    demo.add_argument("--workdir", default=None, help="keep the demo's files here")
-    demo.add_argument("--steps", type=int, default=12, help="steps per run")
-    demo.set_defaults(func=_demo)
+    for add in more_commands:
+        add(commands)
     return parser
 
 

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from deadweight.callbacks.stream_client import grpc_target, open_channel
 from deadweight.proto import monitor_stub, pb
+from deadweight.proto.transport import bearer_metadata, grpc_target, open_channel
 
 
 def fetch(
     address: str, token: str | None = None, timeout: float = 5.0, tls_ca: bytes | None = None
 ) -> pb.StatusResponse:
     """The sidecar's Status answer; raises ``grpc.RpcError`` when it cannot be reached."""
-    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    metadata = bearer_metadata(token)
     with open_channel(grpc_target(address), tls_ca) as channel:
         stub = monitor_stub(channel)
         response: pb.StatusResponse = stub.Status(

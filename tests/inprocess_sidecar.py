@@ -1,4 +1,4 @@
-"""The one in-process sidecar for tests: the real ``SidecarServer`` (grpc.aio on a real unix
+"""The one in-process sidecar for tests: the real ``app.Sidecar`` (grpc.aio on a real unix
 socket, the real checkpoint watcher, ``/metrics`` over HTTP) with its registry in this process.
 
 Keeping the sidecar in the test process lets a test read every finding with its evidence,
@@ -13,8 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from deadweight.callbacks import DeadweightCallback
-from deadweight.sidecar.registry import Finding, Registry
-from deadweight.sidecar.server import ServerConfig, SidecarServer
+from deadweight.sidecar.app import Sidecar
+from deadweight.sidecar.finding import Finding
+from deadweight.sidecar.registry import Registry
+from deadweight.sidecar.server import ServerConfig
 from deadweight.sidecar.settings import DetectorSettings
 from deadweight.sidecar.state import RunState
 from tests.realprocs import wait_for
@@ -27,7 +29,7 @@ TEST_SETTINGS = DetectorSettings(
 
 
 class InProcessSidecar:
-    """A SidecarServer + Registry in this process: start, stop, restart, read its registry."""
+    """An app.Sidecar around a Registry in this process: start, stop, restart, read it."""
 
     def __init__(self, socket_path: Path, registry: Registry | None = None,
                  settings: DetectorSettings | None = None,
@@ -36,7 +38,7 @@ class InProcessSidecar:
         self.address = f"unix://{socket_path}"
         self.registry = registry or Registry(settings=settings or DetectorSettings())
         self.checkpoint_settle_seconds = checkpoint_settle_seconds
-        self.server: SidecarServer | None = None
+        self.server: Sidecar | None = None
 
     @classmethod
     def live(cls, folder: Path, settings: DetectorSettings = TEST_SETTINGS) -> InProcessSidecar:
@@ -48,7 +50,7 @@ class InProcessSidecar:
     def start(self) -> InProcessSidecar:
         config = ServerConfig(socket_path=str(self.socket_path), metrics_address="127.0.0.1:0",
                               checkpoint_settle_seconds=self.checkpoint_settle_seconds)
-        self.server = SidecarServer(self.registry, None, config)
+        self.server = Sidecar(self.registry, None, config)
         self.server.start()
         return self
 

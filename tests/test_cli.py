@@ -8,10 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from deadweight.demo.sidecar_process import SidecarProcess
 
-CLI = [sys.executable, "-m", "deadweight.sidecar.cli"]
+#: The installed ``deadweight`` script runs this entry point.
+CLI = [sys.executable, "-m", "deadweight.cli"]
 
 
 def _run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -68,6 +70,35 @@ def test_version() -> None:
     assert result.returncode == 0 and result.stdout.startswith("deadweight ")
 
 
+@pytest.mark.parametrize(
+    ("absent", "message"),
+    [("deadweight.demo", "this install holds no demo"), ("torch", "needs 'torch'")],
+)
+def test_demo_without_its_code_or_the_training_stack_says_what_it_needs(
+    absent: str, message: str
+) -> None:
+    """As in the sidecar image: the demo (or torch) is missing, the command says so."""
+    script = (f"import sys; sys.modules[{absent!r}] = None; "  # importing it now fails
+              "from deadweight.cli import main; sys.exit(main(['demo']))")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert message in result.stderr and "pip install 'deadweight[train]'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_the_sidecar_commands_alone_have_no_demo() -> None:
+    result = subprocess.run([sys.executable, "-m", "deadweight.sidecar.cli", "demo"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "invalid choice: 'demo'" in result.stderr
+    assert "demo" in _run("--help").stdout
+
+
+def test_the_script_runs_the_entry_point_with_the_demo() -> None:
+    scripts = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert scripts["project"]["scripts"] == {"deadweight": "deadweight.cli:main"}
+
+
 @pytest.mark.slow
 def test_demo_catches_the_frozen_run_and_spares_the_control(tmp_path: Path) -> None:
     result = _run("demo", "--workdir", str(tmp_path), timeout=300)
@@ -75,3 +106,11 @@ def test_demo_catches_the_frozen_run_and_spares_the_control(tmp_path: Path) -> N
     assert "RESULT: frozen run caught and stopped" in result.stdout
     assert "frozen_weights [critical, policy stop]" in result.stdout
     assert "differs from the initial adapter: False" in result.stdout
+
+
+def test_serve_refuses_a_link_pattern_with_an_unknown_placeholder(tmp_path: Path) -> None:
+    result = _run("serve", "--socket", str(tmp_path / "s.sock"),
+                  "--runbook-url-pattern", "https://wiki.example.com/{runbook}")
+    assert result.returncode == 2
+    assert "unknown placeholder(s) ['runbook']" in result.stderr
+    assert "{alertname}, {detector}" in result.stderr

@@ -153,6 +153,23 @@ def test_image_holds_the_sidecar_dependencies_and_no_training_stack(container: s
     assert not installed & TRAINING_ONLY, installed & TRAINING_ONLY
 
 
+def test_image_holds_no_training_side_and_no_demo(container: str) -> None:
+    names = ("deadweight.sidecar", "deadweight.proto.transport", "deadweight.callbacks",
+             "deadweight.demo")
+    script = ("import importlib.util as u, json; "
+              f"print(json.dumps({{n: u.find_spec(n) is not None for n in {names!r}}}))")
+    out = run([*BUILDAH, "run", "--isolation", "chroot", container, "--",
+               "python3", "-c", script]).stdout
+    assert json.loads(out) == {"deadweight.sidecar": True, "deadweight.proto.transport": True,
+                               "deadweight.callbacks": False, "deadweight.demo": False}
+    # `deadweight demo` in the image is a clear error, not a traceback.
+    demo = ("import subprocess; p = subprocess.run(['deadweight', 'demo'], capture_output=True, "
+            "text=True); print(p.returncode); print(p.stderr)")
+    code, _, stderr = run([*BUILDAH, "run", "--isolation", "chroot", container, "--",
+                           "python3", "-c", demo]).stdout.partition("\n")
+    assert code == "2" and "this install holds no demo" in stderr, stderr
+
+
 @pytest.fixture
 def netns() -> Iterator[list[str]]:
     """A private network namespace with loopback up; yields the nsenter prefix for it."""
@@ -195,6 +212,10 @@ def test_sidecar_serves_metrics_in_the_image(image: str, container: str,
         metrics = run([*in_ctr, "python3", "-c", fetch]).stdout
         version = pyproject()["project"]["version"]
         assert f'deadweight_sidecar_info{{version="{version}"}} 1.0' in metrics, metrics
+        # The runbooks ship in the image and open as HTML on the metrics port.
+        page = ("import urllib.request as u; print(u.urlopen("
+                f"'http://127.0.0.1:{port}/runbooks/frozen_weights', timeout=5).read().decode())")
+        assert "<h1>DeadweightFrozenWeights</h1>" in run([*in_ctr, "python3", "-c", page]).stdout
 
         socket_path = flag(config["Entrypoint"], "--socket")
         probe = (f"import os, stat; s = os.stat({socket_path!r}); "

@@ -41,6 +41,8 @@ class RunEntry:
     #: detector -> the highest incident number it ever had on this run id (store included).
     last_incident: dict[str, int] = field(default_factory=dict)
     exit_checked_at: float = 0.0
+    #: The last optimizer step written to the store's history (for the run report).
+    history_step: int = 0
     outbox: Outbox = field(init=False)
 
     def __post_init__(self) -> None:

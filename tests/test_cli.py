@@ -37,9 +37,9 @@ def test_status_shows_runs_and_verdicts(sidecar: SidecarProcess) -> None:
     assert result.stdout.splitlines()[0].split() == ["RUN", "TRAINER", "RANKS", "STEP", "SEEN",
                                                      "STATE"]
     # A start without optimizer membership reads as an empty optimizer: a live verdict.
-    assert re.search(r"^cli-status +SFTTrainer +1 +3 +\d+s  running FIRING empty_optimizer$",
+    assert re.search(r"^cli-status +SFTTrainer +1 +3 +\d+s  running; FIRING empty_optimizer$",
                      result.stdout, re.MULTILINE), result.stdout
-    assert "  FIRING   empty_optimizer [critical, policy page] step 0: " in result.stdout
+    assert "  FIRING   empty_optimizer [critical, policy page] fired at step 0: " in result.stdout
     assert "      optimizer_params = 0\n" in result.stdout
     text = render(pb.StatusResponse(runs=[pb.RunStatus(
         run_id="r1", trainer="SFTTrainer", ranks=[0], step=7, findings=[pb.Finding(

@@ -43,6 +43,8 @@ class PreflightFacts:
     active_adapter: str = ""
     lora_rank: int = 0
     adapter_layer_names: list[str] = field(default_factory=list)
+    embedding_module: str = ""
+    trainable_token_modules: list[str] = field(default_factory=list)
 
 
 def trainer_name(args: Any) -> str:
@@ -169,6 +171,28 @@ def adalora_allocated(model: Any) -> bool | None:
     return None
 
 
+def _module_name(model: Any, layer: Any) -> str:
+    """The short name (``embed_tokens``, ``wte``) under which model holds layer, or ""."""
+    named = getattr(model, "named_modules", None)
+    if layer is None or not callable(named):
+        return ""
+    for name, module in named():
+        if module is layer:
+            return str(name).rsplit(".", 1)[-1]
+    return ""
+
+
+def _trainable_token_modules(config: Any, embedding_module: str) -> list[str]:
+    """Modules whose chosen token rows train (PEFT ``trainable_token_indices``): a plain list
+    of indices applies to the input embedding, a dict names its modules."""
+    indices = getattr(config, "trainable_token_indices", None)
+    if isinstance(indices, dict):
+        return sorted(str(k) for k, v in indices.items() if v)
+    if indices:
+        return [embedding_module or "embedding"]
+    return []
+
+
 def gather(model: Any, processing_class: Any = None) -> PreflightFacts:
     """Read PEFT and embedding facts from model (any model; PEFT fields stay empty otherwise)."""
     facts = PreflightFacts()
@@ -178,6 +202,7 @@ def gather(model: Any, processing_class: Any = None) -> PreflightFacts:
         weight = getattr(layer, "weight", None)
         if weight is not None:
             facts.embedding_rows = int(weight.shape[0])
+        facts.embedding_module = _module_name(model, layer)
     tokenizer = getattr(processing_class, "tokenizer", processing_class)
     if tokenizer is not None and hasattr(tokenizer, "__len__"):
         facts.tokenizer_size = len(tokenizer)
@@ -192,6 +217,7 @@ def gather(model: Any, processing_class: Any = None) -> PreflightFacts:
     facts.peft_type = str(getattr(config, "peft_type", "")).split(".")[-1]
     facts.lora_rank = int(getattr(config, "r", 0) or 0)
     facts.modules_to_save = sorted(getattr(config, "modules_to_save", None) or [])
+    facts.trainable_token_modules = _trainable_token_modules(config, facts.embedding_module)
     facts.base_vocab_size = _base_vocab_size(str(getattr(config, "base_model_name_or_path", "")))
     targets = getattr(config, "target_modules", None)
     matched = getattr(getattr(model, "base_model", None), "targeted_module_names", []) or []

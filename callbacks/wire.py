@@ -143,6 +143,8 @@ def _run_start(r: RunStartRecord) -> pb.RunStart:
             active_adapter=f.active_adapter,
             lora_rank=f.lora_rank,
             adapter_layer_names=f.adapter_layer_names,
+            embedding_module=f.embedding_module,
+            trainable_token_modules=f.trainable_token_modules,
         ),
         initial_adapter=digest_message(r.initial_adapter),
         attestation=r.attestation,

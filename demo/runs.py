@@ -28,10 +28,16 @@ def lora_config(targets: Sequence[str] = LORA_TARGETS, r: int = 4) -> LoraConfig
     return LoraConfig(r=r, lora_alpha=8, target_modules=list(targets), task_type="CAUSAL_LM")
 
 
-def prepare(folder: Path, arch: str = "qwen2") -> tuple[Path, Path]:
-    """A tiny model and an initial LoRA adapter saved next to it: (model_dir, adapter_dir)."""
-    model_dir = build_model(folder / f"model-{arch}", arch)
-    adapter_dir = folder / f"adapter-{arch}"
+def prepare(folder: Path, arch: str = "qwen2", terminating: bool = False) -> tuple[Path, Path]:
+    """A tiny model and an initial LoRA adapter saved next to it: (model_dir, adapter_dir).
+
+    ``terminating=True`` gives the model a few SFT steps on short lines ending in eos first
+    (see ``terminating_model``), so GRPO completions end on their own.
+    """
+    suffix = f"{arch}-terminating" if terminating else arch
+    model_dir = (terminating_model(folder, arch) if terminating
+                 else build_model(folder / f"model-{arch}", arch))
+    adapter_dir = folder / f"adapter-{suffix}"
     if not (adapter_dir / "adapter_model.safetensors").exists():
         base = AutoModelForCausalLM.from_pretrained(model_dir)
         targets = ["c_attn"] if arch == "gpt2" else LORA_TARGETS
@@ -43,6 +49,37 @@ def prepare(folder: Path, arch: str = "qwen2") -> tuple[Path, Path]:
                     param.normal_(0.0, 0.02)
         peft_model.save_pretrained(adapter_dir)
     return model_dir, adapter_dir
+
+
+#: Words per line of the eos-teaching data: short enough that a continuation ends well inside
+#: the GRPO completion budget (8 tokens), long enough that lengths vary.
+TERMINATING_WORDS = (1, 4)
+
+
+def terminating_model(folder: Path, arch: str = "qwen2") -> Path:
+    """A tiny model that emits eos: full SFT on short lines (eos appended), saved once.
+
+    A random tiny model almost never samples eos, so every GRPO completion is clipped at the
+    length limit and completion length and entropy stay flat; a healthy GRPO control on such a
+    model cannot show a length or entropy detector firing wrongly. Cached in folder.
+    """
+    model_dir = folder / f"model-{arch}-terminating"
+    if (model_dir / "config.json").exists():
+        return model_dir
+    base_dir = folder / f"model-{arch}"
+    if not (base_dir / "config.json").exists():
+        build_model(base_dir, arch)
+    low, high = TERMINATING_WORDS
+    lines = [" ".join(line.split()[: low + i % (high - low + 1)])
+             for i, line in enumerate(sample_lines(128, seed=7))]
+    trainer = sft_trainer(AutoModelForCausalLM.from_pretrained(base_dir), base_dir,
+                          folder / f"sft-{arch}-terminating", [], steps=30, lr=5e-3,
+                          save_steps=1000, per_device_train_batch_size=8, save_strategy="no",
+                          texts=lines)  # SFTTrainer appends eos to every line
+    trainer.train()
+    trainer.model.save_pretrained(model_dir)
+    trainer.processing_class.save_pretrained(model_dir)
+    return model_dir
 
 
 def load_adapter(model_dir: Path, adapter_dir: Path, trainable: bool) -> Any:
@@ -115,17 +152,18 @@ def sft_trainer(
     peft_config: LoraConfig | None = None,
     tokenizer: Any = None,
     data_collator: Any = None,
+    texts: list[str] | None = None,
     **overrides: Any,
 ) -> SFTTrainer:
-    """An SFTTrainer on generated sentences, 32 tokens at most."""
+    """An SFTTrainer on generated sentences (or texts), 32 tokens at most."""
     tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_dir)
     args = SFTConfig(
         output_dir=str(output_dir),
-        per_device_train_batch_size=2,
         max_length=32,
-        **{**common_args(steps, warmup, lr, save_steps), **overrides},
+        **{"per_device_train_batch_size": 2, **common_args(steps, warmup, lr, save_steps),
+           **overrides},
     )
-    dataset = Dataset.from_dict({"text": sample_lines(64, seed=4)})
+    dataset = Dataset.from_dict({"text": texts or sample_lines(64, seed=4)})
     return SFTTrainer(
         model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
         callbacks=callbacks, peft_config=peft_config, data_collator=data_collator,

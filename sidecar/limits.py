@@ -87,6 +87,8 @@ def _run_start(start: pb.RunStart) -> str | None:
         or _list("run_start.preflight.requested_target_modules", f.requested_target_modules)
         or _list("run_start.preflight.unmatched_target_modules", f.unmatched_target_modules)
         or _list("run_start.preflight.modules_to_save", f.modules_to_save)
+        or _list("run_start.preflight.trainable_token_modules", f.trainable_token_modules)
+        or _text("run_start.preflight.embedding_module", f.embedding_module)
         or _text("run_start.preflight.peft_type", f.peft_type)
         or _text("run_start.preflight.target_modules_regex", f.target_modules_regex)
         or _text("run_start.preflight.active_adapter", f.active_adapter)

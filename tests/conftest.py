@@ -72,9 +72,9 @@ def stopping_sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sidec
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """An in-process sidecar (real gRPC on a unix socket) whose findings a test reads directly."""
-    from tests.test_catalogue_harness import LiveSidecar
+    from tests.inprocess_sidecar import InProcessSidecar
 
-    sidecar = LiveSidecar(tmp_path_factory.mktemp("live"))
+    sidecar = InProcessSidecar.live(tmp_path_factory.mktemp("live"))
     yield sidecar
     sidecar.stop()
 
@@ -105,6 +105,40 @@ REQUIRED_PROGRAMS = (
     "prometheus", "promtool", "prometheus-alertmanager", "amtool", "openssl", "gcc", "buildah",
     "debootstrap", "ip", "chromium",
 )
+
+
+#: The seed of this session's property-based tests (fresh each run unless given).
+FUZZ_SEED = pytest.StashKey[object]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Every run fuzzes with a fresh seed; ``--hypothesis-seed=N`` replays run N exactly."""
+    from hypothesis import core
+
+    seed = config.getoption("hypothesis_seed", None)
+    if seed is None:
+        import secrets
+
+        seed = secrets.randbelow(2**32)
+        core.global_force_seed = seed
+    config.stash[FUZZ_SEED] = seed
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """A failing property-based test names the seed that reproduces its run."""
+    outcome = yield
+    report = outcome.get_result()
+    module = getattr(item, "module", None)
+    fuzzed = any(getattr(v, "__module__", "").startswith("hypothesis")
+                 for v in vars(module).values()) if module is not None else False
+    if report.failed and fuzzed:
+        seed = item.config.stash.get(FUZZ_SEED, None)
+        report.sections.append(("hypothesis seed", f"rerun with --hypothesis-seed={seed}"))
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"hypothesis seed: {config.stash.get(FUZZ_SEED, None)} (--hypothesis-seed to replay)"
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -70,3 +71,13 @@ def stop_all(*processes: subprocess.Popen[bytes]) -> None:
         if process.poll() is None:
             process.kill()
             process.wait(10)
+
+
+def assert_never_signalled(process: subprocess.Popen[bytes]) -> None:
+    """No signal reached process before now: end it with SIGUSR1 and read its cause of death.
+
+    A SIGTERM or SIGKILL sent earlier is the cause whenever it lands, even if the process was
+    not reaped yet when the test looked (``poll() is None`` races the kernel there).
+    """
+    process.send_signal(signal.SIGUSR1)
+    assert process.wait(10) == -signal.SIGUSR1, f"pid {process.pid} was signalled before"

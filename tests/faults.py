@@ -1,23 +1,13 @@
-"""Shared helpers for the fault tests: an in-process sidecar, a hook-at-step callback, polling.
-
-The in-process sidecar is the real ``app.Sidecar`` (grpc.aio on a real unix socket plus
-``/metrics`` over HTTP); keeping it in the test process lets a test read the registry and
-count exactly which events arrived.
-"""
+"""Shared helpers for the fault tests: fast client settings, a hook-at-step callback, a
+/metrics sample reader and a hand-driven stream (the in-process sidecar is in
+``tests/inprocess_sidecar.py``)."""
 
 from __future__ import annotations
 
-import urllib.request
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from deadweight.callbacks.stream_client import ClientSettings
-from deadweight.sidecar.app import Sidecar
-from deadweight.sidecar.registry import Registry
-from deadweight.sidecar.server import ServerConfig
-from deadweight.sidecar.state import RunState
-from tests.realprocs import wait_for
 
 #: Reconnect quickly so a test does not wait out production backoffs.
 FAST = ClientSettings(
@@ -26,47 +16,6 @@ FAST = ClientSettings(
     backoff_initial_seconds=0.05,
     backoff_max_seconds=0.2,
 )
-
-
-def poll(check: Callable[[], Any], timeout: float = 15.0, what: str = "condition") -> Any:
-    """Return check()'s first truthy value; fail after timeout (never a fixed sleep)."""
-    return wait_for(check, timeout, interval=0.02, what=what)
-
-
-class InProcessSidecar:
-    """A real sidecar server in this process: start, stop, restart, read its registry."""
-
-    def __init__(self, socket_path: Path, registry: Registry | None = None) -> None:
-        self.socket_path = socket_path
-        self.address = f"unix://{socket_path}"
-        self.registry = registry or Registry()
-        self.server: Sidecar | None = None
-
-    def start(self) -> InProcessSidecar:
-        config = ServerConfig(socket_path=str(self.socket_path), metrics_address="127.0.0.1:0")
-        self.server = Sidecar(self.registry, None, config)
-        self.server.start()
-        return self
-
-    def stop(self) -> None:
-        if self.server is not None:
-            self.server.stop()
-            self.server = None
-
-    def metrics(self) -> str:
-        assert self.server is not None and self.server.metrics_port is not None
-        url = f"http://127.0.0.1:{self.server.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return str(response.read().decode())
-
-    def run(self, run_id: str) -> RunState | None:
-        return self.registry.run(run_id)
-
-    def steps(self, run_id: str, rank: int = 0) -> list[int]:
-        run = self.registry.run(run_id)
-        if run is None or rank not in run.ranks:
-            return []
-        return [p.step for p in run.ranks[rank].steps]
 
 
 def at_steps(actions: dict[int, Callable[[], None]]) -> Any:

@@ -4,14 +4,21 @@ KTO, Reward, Distillation) that learn, and no detector says otherwise.
 It covers what healthy tiny runs look like and must not alarm on: GRPO loss near 0, step 1 at
 lr 0 under warmup, gradient accumulation, weight decay, a saved adapter re-trained (GRPO and
 DPO add a "ref" copy), beta 0 and beta > 0, three architectures, a bf16 base whose adapter
-PEFT keeps in fp32, a reward model whose new head is saved. GRPO/RLOO policies end some of
-their completions (a stop-token bias on the tiny model), as a healthy policy does. The sidecar
-uses the short test windows of the failure tests, so the control is at least as strict as the
-detection. Only ``no_kl_anchor`` (information) may fire, and only for GRPO/RLOO with beta 0.
+PEFT keeps in fp32, a reward model whose new head is saved, and new tokens added the correct
+way. The sidecar uses the short test windows of the failure tests, and a stall window
+of seconds, so the control is at least as strict as the detection: a detector that fired
+wrongly on any of these runs fails its test. Only ``no_kl_anchor`` (information) may fire, and
+only for GRPO/RLOO with beta 0.
+
+GRPO and RLOO run on models that learned to emit eos (``runs.terminating_model``): their completions
+end on their own, so completion length and entropy really move and a length or entropy
+detector that fired on noise would show here.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +26,17 @@ import pytest
 
 from deadweight.demo import runs
 from deadweight.sidecar.detectors import ALL
-from tests.test_catalogue_harness import LiveSidecar
+from deadweight.sidecar.state import RunState
+from tests.inprocess_sidecar import TEST_SETTINGS, InProcessSidecar
 
 pytestmark = pytest.mark.slow
+
+#: stalled_seconds and stalled_step_seconds for the matrix: a few seconds, against steps of
+#: about 0.2 s, so a stall verdict on a healthy run would show (the defaults are 300/1800 s).
+STALL_SECONDS = 3.0
+
+#: Four completions per step: two alone make a 3-log mean length too noisy to be a control.
+GRPO_SHAPE: dict[str, Any] = dict(num_generations=4, per_device_train_batch_size=4)
 
 MATRIX: dict[str, dict[str, Any]] = {
     "sft-qwen2-lora-warmup-accum-decay": dict(
@@ -47,12 +62,28 @@ MATRIX: dict[str, dict[str, Any]] = {
 BUILDERS = {"sft": runs.sft_trainer, "dpo": runs.dpo_trainer, "grpo": runs.grpo_trainer,
             "rloo": runs.rloo_trainer, "kto": runs.kto_trainer, "reward": runs.reward_trainer,
             "distillation": runs.distillation_trainer}
+#: Trainers that sample completions: they run on the models that learned to end them.
+SAMPLING = ("grpo", "rloo")
+
+Models = dict[tuple[str, bool], tuple[Path, Path]]
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSidecar]:
+    """The module's sidecar: the failure tests' windows, and a stall window of seconds."""
+    settings = replace(TEST_SETTINGS, stalled_seconds=STALL_SECONDS,
+                       stalled_step_seconds=STALL_SECONDS)
+    sidecar = InProcessSidecar.live(tmp_path_factory.mktemp("healthy"), settings)
+    yield sidecar
+    sidecar.stop()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> Models:
+    """(arch, terminating) -> (model_dir, adapter_dir); GRPO uses the terminating models."""
     folder = tmp_path_factory.mktemp("models")
-    return {arch: runs.prepare(folder, arch) for arch in ("qwen2", "llama", "gpt2")}
+    return {(arch, terminating): runs.prepare(folder, arch, terminating=terminating)
+            for arch in ("qwen2", "llama", "gpt2") for terminating in (False, True)}
 
 
 def _model(setup: str, arch: str, model_dir: Path, adapter_dir: Path) -> tuple[Any, Any]:
@@ -72,32 +103,100 @@ def _model(setup: str, arch: str, model_dir: Path, adapter_dir: Path) -> tuple[A
     return AutoModelForCausalLM.from_pretrained(model_dir), runs.lora_config(targets)
 
 
+def _series(run: RunState, key: str) -> list[float]:
+    return [v for _, v in run.history(key)]
+
+
+def assert_completions_move(run: RunState) -> None:
+    """The GRPO control is not vacuous: completions end on their own (not all clipped at the
+    length limit) and completion length and entropy change from step to step."""
+    clipped = _series(run, "completions/clipped_ratio")
+    terminated = _series(run, "completions/mean_terminated_length")
+    lengths = _series(run, "completions/mean_length")
+    entropy = _series(run, "entropy")
+    assert len(clipped) == len(lengths) == len(entropy) == 8
+    assert min(clipped) < 1.0 and max(terminated) > 0.0, (clipped, terminated)
+    assert max(lengths) - min(lengths) >= 1.0, lengths  # whole tokens, not rounding noise
+    assert max(entropy) - min(entropy) > 0.01, entropy  # a random tiny model: < 0.003
+
+
+def assert_silent(live: InProcessSidecar, run_id: str, allowed: set[str]) -> None:
+    """No detector outside allowed fired at any point of the run, and none fires at its end."""
+    fired = {k: (f.summary, f.evidence) for k, f in live.fired(run_id).items()
+             if k not in allowed}
+    assert fired == {}
+    assert not [k for k, f in live.findings(run_id).items() if f.firing and k not in allowed]
+
+
 @pytest.mark.parametrize("name", list(MATRIX))
 def test_healthy_run_ends_with_every_detector_at_zero(
-    name: str, live: LiveSidecar, models: dict[str, tuple[Path, Path]], tmp_path: Path
+    name: str, live: InProcessSidecar, models: Models, tmp_path: Path
 ) -> None:
     case = dict(MATRIX[name])
     kind, arch, setup = case.pop("kind"), case.pop("arch"), case.pop("setup")
     steps, save_steps = case.pop("steps", 8), case.pop("save_steps", 4)
-    model_dir, adapter_dir = models[arch]
+    model_dir, adapter_dir = models[arch, kind in SAMPLING]
     model, peft_config = _model(setup, arch, model_dir, adapter_dir)
-    if kind in ("grpo", "rloo"):
-        case.update(runs.terminating(model_dir))
+    shape = GRPO_SHAPE if kind == "grpo" else {}
     trainer = BUILDERS[kind](model, model_dir, tmp_path, [live.callback(name)],
-                             steps=steps, save_steps=save_steps, peft_config=peft_config, **case)
+                             steps=steps, save_steps=save_steps, peft_config=peft_config,
+                             **shape, **case)
     trainer.train()
     assert trainer.state.global_step == steps
 
     run = live.wait_inspected(name, 2)
     beta0 = kind == "rloo" or (kind == "grpo" and case.get("beta") == 0.0)
     allowed = {"no_kl_anchor"} if beta0 else set()
-    fired = {k: (f.summary, f.evidence) for k, f in live.fired(name).items()
-             if k not in allowed}
-    assert fired == {}
-    findings = live.findings(name)
-    assert not [k for k, f in findings.items() if f.firing]  # every detector at 0 at the end
+    assert_silent(live, name, allowed)
+    if kind == "grpo":
+        assert_completions_move(run)
     assert run.checkpoints_unchanged == 0
     assert len({p.digest for p in run.checkpoints}) == 2
     assert all(p.inspection is not None and p.inspection.moved_modules > 0
                for p in run.checkpoints)
     assert len(ALL) == 32
+
+
+@pytest.mark.parametrize(("arch", "saved_by"), [("qwen2", "trainable_token_indices"),
+                                                ("gpt2", "modules_to_save")])
+def test_new_tokens_trained_on_purpose_are_not_embedding_resized(
+    arch: str, saved_by: str, live: InProcessSidecar, models: Models, tmp_path: Path
+) -> None:
+    """Tokens added + ``resize_token_embeddings``, the new rows trained through PEFT: the
+    correct resize. embedding_resized must stay silent (the failing case, a resize that
+    trains nothing, is ``test_f5_resized_embedding_bloats_the_adapter``)."""
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir, _ = models[arch, False]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.add_tokens(["<|tool|>", "<|result|>"], special_tokens=True)
+    tokenizer_dir = tmp_path / "tokenizer"
+    tokenizer.save_pretrained(tokenizer_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    base_vocab = model.config.vocab_size
+    model.resize_token_embeddings(len(tokenizer))
+    embedding = "wte" if arch == "gpt2" else "embed_tokens"
+    new_ids = tokenizer.convert_tokens_to_ids(["<|tool|>", "<|result|>"])
+    trains_rows: dict[str, Any] = (
+        {"trainable_token_indices": {embedding: new_ids}} if saved_by == "trainable_token_indices"
+        else {"modules_to_save": [embedding]})
+    config = LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM",
+                        target_modules=["c_attn"] if arch == "gpt2" else runs.LORA_TARGETS,
+                        **trains_rows)
+    run_id = f"resize-{arch}-{saved_by}"
+    trainer = runs.sft_trainer(model, tokenizer_dir, tmp_path / "out", [live.callback(run_id)],
+                               steps=2, save_steps=2, peft_config=config)
+    trainer.train()
+
+    run = live.wait_inspected(run_id, 1)
+    assert run.start is not None
+    facts = run.start.preflight
+    assert (facts.embedding_rows, facts.base_vocab_size) == (len(tokenizer), base_vocab)
+    assert facts.embedding_rows > facts.base_vocab_size  # the resize the detector looks at
+    assert facts.embedding_module == embedding
+    # PEFT saves a resized embedding with the adapter whichever way it trains: the adapter
+    # does carry it, so adapter_bloat is right to say so; nothing else may fire.
+    assert_silent(live, run_id, {"adapter_bloat"})
+    bloat = live.fired(run_id)["adapter_bloat"]
+    assert embedding in bloat.evidence["non_adapter_tensors"]

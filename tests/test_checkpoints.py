@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 import struct
+import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +22,7 @@ from deadweight.sidecar.checkpoint_inspector import (
     inspect_path,
 )
 from deadweight.sidecar.checkpoint_watcher import CheckpointWatcher
-from tests.test_catalogue_harness import poll
+from tests.realprocs import wait_for
 
 
 def test_file_digests_equal_the_callbacks_in_memory_digests(tmp_path: Path) -> None:
@@ -114,12 +114,27 @@ class Sink:
 def _passes(watcher: CheckpointWatcher, more: int) -> None:
     """Wait until the watcher has completed `more` further passes of its loop."""
     target = watcher.passes + more
-    poll(lambda: watcher.passes >= target, f"{more} more watcher passes")
+    wait_for(lambda: watcher.passes >= target, 20, what=f"{more} more watcher passes")
 
 
-def test_watcher_waits_for_a_complete_folder_created_after_registration(tmp_path: Path) -> None:
+class WatcherClock:
+    """The watcher's wall clock, moved by the test: settling becomes a condition, not a race
+    between a sleep in the test and the watcher's own timing."""
+
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def time(self) -> float:
+        return self.now
+
+
+def test_watcher_waits_for_a_complete_folder_created_after_registration(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = WatcherClock()
+    monkeypatch.setattr(sys.modules[CheckpointWatcher.__module__], "time", clock)
     sink = Sink()
-    watcher = CheckpointWatcher(sink, settle_seconds=0.5, scan_seconds=0.1)
+    watcher = CheckpointWatcher(sink, settle_seconds=0.5, scan_seconds=0.05)
     watcher.start()
     try:
         output = tmp_path / "out"  # does not exist yet: the Trainer creates it at its first save
@@ -134,17 +149,23 @@ def test_watcher_waits_for_a_complete_folder_created_after_registration(tmp_path
         with weights.open("wb") as handle:  # a slow writer: half now, half after a pause
             handle.write(staged[: len(staged) // 2])
             handle.flush()
-            written = time.monotonic()
-            while time.monotonic() - written < 0.3:
-                assert not sink.seen, "inspected a half-written file"
-                time.sleep(0.02)
+            _passes(watcher, 3)  # it found the half-written folder
+            clock.now += 0.4  # unchanged for less than the settle time
+            _passes(watcher, 3)
+            assert not sink.seen, "inspected a half-written file"
             handle.write(staged[len(staged) // 2:])
-        poll(lambda: sink.seen, "the watcher to inspect the finished checkpoint")
+        _passes(watcher, 3)  # it saw the file change: the settle clock starts again
+        clock.now += 0.3  # 0.7 s since the folder appeared, 0.3 s since its last change
+        _passes(watcher, 3)
+        assert not sink.seen, "inspected a file that changed less than settle_seconds ago"
+        clock.now += 0.3
+        wait_for(lambda: sink.seen, 20, what="the watcher to inspect the finished checkpoint")
         _passes(watcher, 3)  # it looked again, more than once: no second inspection
         assert len(sink.seen) == 1
         run_id, inspection, step = sink.seen[0]
         assert (run_id, step, inspection.path) == ("run", 5, str(folder))
         assert inspection.moved_modules == 1
+        assert inspection.tensor_bytes == 2 * 64 * 64 * 4  # the whole file, not its first half
 
         watcher.submit("run", str(folder))  # the callback's report of the same files
         _passes(watcher, 2)  # the report was drained and settled

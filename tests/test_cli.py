@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,10 +23,24 @@ def _run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
 def test_status_shows_runs_and_verdicts(sidecar: SidecarProcess) -> None:
     from deadweight.proto import pb
     from deadweight.sidecar.status import render
+    from tests.faults import Pipe
 
-    result = _run("status", "--address", sidecar.address)
+    pipe = Pipe(sidecar.address)  # a live run at step 3 that the command must list
+    try:
+        for event in (pb.Event(run_start=pb.RunStart(trainer="SFTTrainer")),
+                      pb.Event(seq=1, step=pb.StepReport(step=3, learning_rate=1e-4))):
+            assert not pipe.send(pb.StreamRequest(run_id="cli-status", events=[event])).error
+        result = _run("status", "--address", sidecar.address)
+    finally:
+        pipe.close()
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith(("RUN", "no runs"))
+    assert result.stdout.splitlines()[0].split() == ["RUN", "TRAINER", "RANKS", "STEP", "SEEN",
+                                                     "STATE"]
+    # A start without optimizer membership reads as an empty optimizer: a live verdict.
+    assert re.search(r"^cli-status +SFTTrainer +1 +3 +\d+s  running; FIRING empty_optimizer$",
+                     result.stdout, re.MULTILINE), result.stdout
+    assert "  FIRING   empty_optimizer [critical, policy page] fired at step 0: " in result.stdout
+    assert "      optimizer_params = 0\n" in result.stdout
     text = render(pb.StatusResponse(runs=[pb.RunStatus(
         run_id="r1", trainer="SFTTrainer", ranks=[0], step=7, wrapper="fsdp2", sharded=True,
         findings=[pb.Finding(

@@ -222,3 +222,18 @@ def test_stall_clock_starts_when_the_rank_is_heard_not_at_run_creation() -> None
     run.ranks.clear()  # restored, no rank reconnected yet: no clock to judge by
     registry.tick(run.created + 7200)
     assert "stalled" not in feed.fired()
+
+
+def test_a_resize_fires_unless_its_new_rows_train_on_purpose() -> None:
+    """Only the embedding's own module counts: saving lm_head alone leaves the rows random."""
+    cases = {"none": {}, "lm_head_only": {"modules_to_save": ["lm_head"]},
+             "saved": {"modules_to_save": ["embed_tokens", "lm_head"]},
+             "trainable_tokens": {"trainable_token_modules": ["embed_tokens"]}}
+    fired = {}
+    for name, covered in cases.items():
+        preflight = pb.Preflight(is_peft=True, embedding_rows=322, base_vocab_size=320,
+                                 embedding_module="embed_tokens", **covered)
+        feed = Feed(Registry(), trainer="SFTTrainer", run_id=name, preflight=preflight)
+        fired[name] = "embedding_resized" in feed.fired()
+    assert fired == {"none": True, "lm_head_only": True, "saved": False,
+                     "trainable_tokens": False}

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from deadweight.sidecar.store import Store
 from tests.enforcement_support import (
+    assert_never_signalled,
     enforcement_outcome,
     journal,
     kill_sidecar,
@@ -25,7 +26,7 @@ def test_dry_run_journals_every_step_and_signals_nothing(tmp_path: Path) -> None
         try:
             wait_for(lambda: enforcement_outcome(store, "dry") == "dry_run", 120,
                      what="the dry-run escalation to close")
-            assert client.poll() is None
+            assert_never_signalled(client)
             log = sidecar.log_path.read_text()
         finally:
             stop_all(client)

@@ -19,6 +19,7 @@ from deadweight.demo.sidecar_process import SidecarProcess
 from deadweight.sidecar.attestation import start_time
 from deadweight.sidecar.store import DB_NAME, Store
 from tests.enforcement_support import (
+    assert_never_signalled,
     enforcement_outcome,
     journal,
     kill_sidecar,
@@ -64,11 +65,12 @@ def test_a_pid_claimed_in_messages_is_never_signalled(
         wait_journal(store, "attested-liar", ("exit", "exited"), 30)
         wait_for(lambda: enforcement_outcome(store, claimed) not in ("", "open"), 30,
                  what="the liar's escalation to close")
-        assert liar.poll() is None  # no identity: nobody was signalled for that run
+        assert_never_signalled(liar)  # no identity: nobody was signalled for that run
     finally:
         stop_all(liar, attested)
 
-    assert victim.poll() is None and start_time(victim.pid) == born
+    assert start_time(victim.pid) == born
+    assert_never_signalled(victim)
     assert all(a.pid != victim.pid for a in store.actions())
     assert journal(store, claimed) == [("page", "no_pager"), ("stop", "sent"),
                                        ("sigterm", "no_identity")]
@@ -96,7 +98,7 @@ def test_a_pid_whose_start_time_changed_is_never_signalled(
         wait_journal(store, "reused", ("exit", "pid_reused"), STOP_GRACE)
         wait_for(lambda: enforcement_outcome(store, "reused") not in ("", "open"), 30,
                  what="the escalation to close")
-        assert client.poll() is None
+        assert_never_signalled(client)
     finally:
         stop_all(client)
     assert journal(store, "reused") == [("page", "no_pager"), ("stop", "sent"),

@@ -11,6 +11,7 @@ import pytest
 
 from deadweight.sidecar.attestation import ProcessIdentity, boot_id, start_time
 from deadweight.sidecar.enforcer import send_signal
+from tests.enforcement_support import assert_never_signalled
 
 
 @pytest.fixture()
@@ -38,12 +39,12 @@ def test_a_reused_pid_is_never_signalled(sleeper: subprocess.Popen[bytes]) -> No
     assert send_signal(_identity(sleeper.pid, shift=1), signal.SIGKILL) == "pid_reused"
     assert send_signal(_identity(sleeper.pid, boot="an-earlier-boot"),
                        signal.SIGKILL) == "pid_reused"
-    assert sleeper.poll() is None
+    assert_never_signalled(sleeper)
 
 
 def test_dry_run_verifies_and_spares(sleeper: subprocess.Popen[bytes]) -> None:
     assert send_signal(_identity(sleeper.pid), signal.SIGKILL, dry_run=True) == "dry_run"
-    assert sleeper.poll() is None
+    assert_never_signalled(sleeper)
 
 
 def test_gone_and_forbidden_targets(sleeper: subprocess.Popen[bytes]) -> None:

@@ -26,7 +26,8 @@ from safetensors.numpy import save_file
 from deadweight.demo.sidecar_process import SidecarProcess
 from deadweight.proto import pb
 from deadweight.sidecar.checkpoint_inspector import inspect_path
-from tests.faults import Pipe, poll
+from tests.faults import Pipe
+from tests.realprocs import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -64,7 +65,7 @@ class Watched:
         def find() -> dict[str, Any] | None:
             return next((x for x in self.lines(path) if x.get("event") in events), None)
 
-        line: dict[str, Any] = poll(find, timeout=20, what=f"{events} for {path.name}")
+        line: dict[str, Any] = wait_for(find, 20, what=f"{events} for {path.name}")
         return line
 
     def still_works(self, name: str = "checkpoint-999") -> None:
@@ -171,7 +172,7 @@ def test_a_zero_byte_adapter_is_inspected_and_called_empty(run: Watched) -> None
         found = [f for f in status.findings if f.detector == "empty_adapter"] if status else []
         return found[0] if found else None
 
-    finding = poll(empty, timeout=20, what="empty_adapter on the 0-byte adapter")
+    finding = wait_for(empty, 20, what="empty_adapter on the 0-byte adapter")
     assert finding.firing and finding.evidence["tensors"] == "0"
     run.still_works()
 
@@ -203,23 +204,33 @@ def test_symlinks_leaving_the_output_folder_are_not_followed(
     run.still_works()
 
 
-def test_a_folder_deleted_while_hashed(run: Watched) -> None:
-    folder = run.out / "checkpoint-1"
-    folder.mkdir()
-    _sparse_safetensors(folder / "adapter_model.safetensors", 1 << 30)
-    run.report(folder)
-    shutil.rmtree(folder)
-    line = run.wait_line(folder, "checkpoint_not_inspected", "checkpoint_inspected")
-    if line["event"] == "checkpoint_not_inspected":
-        assert "No such file" in line["error"] or "no such file" in line["error"], line
-    run.still_works()
-
-
-def _open_by(pid: int, path: Path) -> bool:
+def _open_by(pid: int, path: Path, deleted: bool = False) -> bool:
+    """Whether process pid holds path open (``deleted``: open, and unlinked since)."""
+    name = f"{path} (deleted)" if deleted else str(path)
     try:
-        return any(os.readlink(fd) == str(path) for fd in Path(f"/proc/{pid}/fd").iterdir())
+        return any(os.readlink(fd) == name for fd in Path(f"/proc/{pid}/fd").iterdir())
     except OSError:
         return False
+
+
+def test_a_folder_deleted_while_hashed(run: Watched) -> None:
+    """The folder goes while the watcher hashes its weights (it holds the file open): the
+    hash ends on the open file, the folder listing after it fails, and the checkpoint is
+    logged as not inspected, naming the missing path."""
+    assert run.sidecar.process is not None
+    pid = run.sidecar.process.pid
+    folder = run.out / "checkpoint-1"
+    folder.mkdir()
+    weights = folder / "adapter_model.safetensors"
+    _sparse_safetensors(weights, 512 << 20)  # seconds of hashing: the deletion lands inside
+    run.report(folder)
+    wait_for(lambda: _open_by(pid, weights), 20, what="the watcher to open the file")
+    shutil.rmtree(folder)
+    assert _open_by(pid, weights, deleted=True), "the hash ended before the folder was deleted"
+    line = run.wait_line(folder, "checkpoint_not_inspected", "checkpoint_inspected")
+    assert line["event"] == "checkpoint_not_inspected", line
+    assert "No such file" in line["error"] and str(folder) in line["error"], line
+    run.still_works()
 
 
 def test_a_file_truncated_while_hashed_does_not_kill_the_sidecar(run: Watched) -> None:
@@ -232,7 +243,7 @@ def test_a_file_truncated_while_hashed_does_not_kill_the_sidecar(run: Watched) -
     weights = folder / "adapter_model.safetensors"
     _sparse_safetensors(weights, 4 << 30)
     run.report(folder)
-    poll(lambda: _open_by(pid, weights), timeout=20, what="the watcher to open the file")
+    wait_for(lambda: _open_by(pid, weights), 20, what="the watcher to open the file")
     os.truncate(weights, 100)
     line = run.wait_line(folder, "checkpoint_not_inspected", "checkpoint_inspected")
     assert run.sidecar.process.poll() is None, "the sidecar died while hashing"
@@ -261,7 +272,7 @@ def test_a_pickle_checkpoint_is_flagged_and_never_opened(run: Watched, tmp_path:
         findings = {f.detector: f for f in status.findings} if status else {}
         return findings.get("pickle_checkpoint")
 
-    finding = poll(pickle_finding, what="pickle_checkpoint to fire")
+    finding = wait_for(pickle_finding, 20, what="pickle_checkpoint to fire")
     assert finding.firing and "adapter_model.bin" in str(dict(finding.evidence))
     assert not marker.exists()  # deadweight never unpickles anything
     run.still_works()

@@ -20,8 +20,8 @@ import pytest
 from deadweight.callbacks.stream_client import grpc_target
 from deadweight.demo.sidecar_process import SidecarProcess
 from deadweight.proto import MAX_MESSAGE_BYTES, pb
-from tests.faults import Pipe, metric_value, poll
-from tests.realprocs import start_prometheus
+from tests.faults import Pipe, metric_value
+from tests.realprocs import start_prometheus, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -125,9 +125,9 @@ def test_a_silent_run_is_stalled_not_healthy(hardened: SidecarProcess) -> None:
         last_step_time = metric_value(text, "deadweight_last_step_timestamp_seconds",
                                       run_id="goes-silent", rank="0")
         assert last_step_time is not None
-        poll(lambda: metric_value(hardened.metrics(), "deadweight_detector_firing",
-                                  run_id="goes-silent", detector="stalled") == 1.0,
-             what="stalled to fire on the silent run")
+        wait_for(lambda: metric_value(hardened.metrics(), "deadweight_detector_firing",
+                                  run_id="goes-silent", detector="stalled") == 1.0, 20,
+                 what="stalled to fire on the silent run")
         text = hardened.metrics()
         assert metric_value(text, "deadweight_run_active", run_id="goes-silent") == 1.0
         assert metric_value(text, "deadweight_last_step_timestamp_seconds",
@@ -153,8 +153,8 @@ def test_ended_runs_expire_from_metrics_after_the_ttl(hardened: SidecarProcess) 
         pipe.close()
     ended_at = time.monotonic()
     assert metric_value(hardened.metrics(), "deadweight_run_active", run_id="short-lived") == 0
-    poll(lambda: 'run_id="short-lived"' not in hardened.metrics(), timeout=15,
-         what="the ended run to leave /metrics")
+    wait_for(lambda: 'run_id="short-lived"' not in hardened.metrics(), 15,
+             what="the ended run to leave /metrics")
     assert time.monotonic() - ended_at >= 1.0  # not before the 2 s TTL (minus scrape slack)
     assert hardened.run_status("short-lived") is None
 
@@ -170,14 +170,14 @@ def test_prometheus_sees_the_sidecar_itself(tmp_path: Path) -> None:
     )
     try:
         with start_prometheus(tmp_path / "prom", config) as prom:
-            poll(lambda: prom.query('up{job="deadweight"} == 1'), timeout=30,
-                 what="the sidecar scraped as up")
+            wait_for(lambda: prom.query('up{job="deadweight"} == 1'), 30,
+                     what="the sidecar scraped as up")
             info = prom.query('deadweight_sidecar_info{job="deadweight"}')
             assert info and info[0]["value"][1] == "1"
             sidecar.stop()
-            poll(lambda: prom.query('up{job="deadweight"} == 0'), timeout=30,
-                 what="up to drop to 0 once the sidecar is gone")
-            poll(lambda: not prom.query('deadweight_sidecar_info{job="deadweight"}'),
-                 timeout=30, what="the sidecar's own series to go stale")
+            wait_for(lambda: prom.query('up{job="deadweight"} == 0'), 30,
+                     what="up to drop to 0 once the sidecar is gone")
+            wait_for(lambda: not prom.query('deadweight_sidecar_info{job="deadweight"}'), 30,
+                     what="the sidecar's own series to go stale")
     finally:
         sidecar.stop()

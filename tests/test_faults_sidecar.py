@@ -18,7 +18,9 @@ from deadweight.callbacks import DeadweightCallback
 from deadweight.callbacks.stream_client import ClientSettings, StreamClient
 from deadweight.demo import runs
 from deadweight.demo.sidecar_process import SidecarProcess
-from tests.faults import FAST, InProcessSidecar, at_steps, metric_value, poll
+from tests.faults import FAST, at_steps, metric_value
+from tests.inprocess_sidecar import InProcessSidecar
+from tests.realprocs import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -59,7 +61,7 @@ def test_absent_at_start_then_started_mid_run(tiny: tuple[Path, Path], tmp_path:
     def start_and_wait() -> None:
         assert sidecar.run(run_id) is None
         sidecar.start()
-        poll(lambda: sidecar.steps(run_id) == [1, 2, 3], what="queued steps 1..3 delivered")
+        wait_for(lambda: sidecar.steps(run_id) == [1, 2, 3], 20, what="queued steps 1..3 delivered")
 
     try:
         _train(tiny, tmp_path / "out", [callback, at_steps({3: start_and_wait})])
@@ -92,8 +94,9 @@ def test_drops_are_counted_and_reported_after_reconnect(
         # saves after this hook).
         seen["submitted"], seen["dropped"] = client.submitted, client.dropped
         sidecar.start()
-        poll(lambda: (r := sidecar.run(run_id)) is not None
-             and r.ranks[0].dropped_events == client.dropped, what="drop count at the sidecar")
+        wait_for(lambda: (r := sidecar.run(run_id)) is not None
+                 and r.ranks[0].dropped_events == client.dropped, 20,
+                 what="drop count at the sidecar")
         text = sidecar.metrics()
         seen["exported"] = int(metric_value(text, "deadweight_client_dropped_events_total",
                                             run_id=run_id, rank="0") or -1)
@@ -121,8 +124,8 @@ def test_killed_and_restarted_sidecar(tiny: tuple[Path, Path], tmp_path: Path) -
 
     def kill() -> None:
         assert process.process is not None
-        poll(lambda: (r := process.run_status(run_id)) is not None and r.step == 3,
-             what="step 3 at the first sidecar")
+        wait_for(lambda: (r := process.run_status(run_id)) is not None and r.step == 3, 20,
+                 what="step 3 at the first sidecar")
         process.process.send_signal(signal.SIGKILL)
         process.process.wait(10)
 
@@ -130,8 +133,8 @@ def test_killed_and_restarted_sidecar(tiny: tuple[Path, Path], tmp_path: Path) -
         assert not process.socket_path.exists() or process.process is not None
         process.start()  # same socket path: the stale socket file is replaced
         # Steps 4..6 were measured while no sidecar ran; the queue delivers them.
-        poll(lambda: (r := process.run_status(run_id)) is not None and r.step == 6,
-             what="re-registration and the queued steps")
+        wait_for(lambda: (r := process.run_status(run_id)) is not None and r.step == 6, 20,
+                 what="re-registration and the queued steps")
 
     try:
         _train(tiny, tmp_path / "out", [callback, at_steps({3: kill, 6: restart})], steps=steps)
@@ -158,8 +161,8 @@ def test_killed_for_good_the_undelivered_are_counted_in_a_warning(
 
     def kill() -> None:
         assert process.process is not None
-        poll(lambda: (r := process.run_status(run_id)) is not None and r.step == 3,
-             what="step 3 at the sidecar")
+        wait_for(lambda: (r := process.run_status(run_id)) is not None and r.step == 3, 20,
+                 what="step 3 at the sidecar")
         process.process.send_signal(signal.SIGKILL)
         process.process.wait(10)
 
@@ -190,7 +193,7 @@ def test_socket_deleted_mid_run(tiny: tuple[Path, Path], tmp_path: Path) -> None
         assert client.dropped == 0 and client.connects == 1  # never had to reconnect
         assert _delivered(sidecar, run_id) == client.submitted
 
-        poll(sidecar.socket_path.exists, what="the sidecar to listen again on its socket")
+        wait_for(sidecar.socket_path.exists, 20, what="the sidecar to listen again on its socket")
         late = DeadweightCallback(address=sidecar.address, run_id="after-deletion",
                                   settings=FAST)
         _train(tiny, tmp_path / "out2", [late], steps=3)

@@ -23,7 +23,7 @@ from deadweight.callbacks import DeadweightCallback
 from deadweight.callbacks.stream_client import ClientSettings, StreamClient
 from deadweight.demo import runs
 from deadweight.proto import add_monitor_servicer, pb, pb_grpc
-from tests.faults import poll
+from tests.realprocs import wait_for
 
 
 class StalledServicer(pb_grpc.MonitorServiceServicer):  # type: ignore[misc]
@@ -67,7 +67,7 @@ def test_handoff_stays_constant_against_a_stalled_server(
     client = StreamClient(address, "stalled", 0, _small_event, settings=settings)
     client.start(0)
     assert client.wait_connected(10.0)
-    poll(lambda: servicer.first, what="the stalled server to read the run start")
+    wait_for(lambda: servicer.first, 20, what="the stalled server to read the run start")
 
     total = 50_000
     durations: list[float] = []
@@ -89,7 +89,7 @@ def test_handoff_stays_constant_against_a_stalled_server(
         in_flight = len(client._inflight) + len(client._pending_resend)
         return client.submitted == client.dropped + client.queued + in_flight
 
-    poll(accounted, what="submitted == dropped + queued + in flight")
+    wait_for(accounted, 20, what="submitted == dropped + queued + in flight")
     assert client.submitted == total
     assert client.dropped >= total - settings.max_queue - settings.max_inflight
     first, last = durations[:1000], durations[-1000:]

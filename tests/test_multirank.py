@@ -22,8 +22,9 @@ import pytest
 from deadweight.demo.sidecar_process import SidecarProcess, free_port
 from deadweight.proto import pb
 from deadweight.sidecar.registry import Registry
-from tests.faults import InProcessSidecar, Pipe, metric_value, poll
-from tests.realprocs import start_prometheus
+from tests.faults import Pipe, metric_value
+from tests.inprocess_sidecar import InProcessSidecar
+from tests.realprocs import start_prometheus, wait_for
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
 STEPS = 4  # ddp_worker.STEPS
@@ -189,8 +190,8 @@ def test_prometheus_combines_two_nodes(tmp_path: Path) -> None:
                 result = prom.query(expr)
                 return float(result[0]["value"][1]) if result else None
 
-            poll(lambda: value('count(up{job="deadweight"} == 1)') == 2, timeout=30,
-                 what="both node sidecars scraped")
+            wait_for(lambda: value('count(up{job="deadweight"} == 1)') == 2, 30,
+                     what="both node sidecars scraped")
             whole = value("sqrt(sum by (run_id) (deadweight_update_norm ^ 2))")
             assert whole is not None and math.isclose(whole, math.sqrt(1 + 4 + 9 + 16))
             per_node = sorted(float(r["value"][1]) for r in
@@ -205,8 +206,8 @@ def test_prometheus_combines_two_nodes(tmp_path: Path) -> None:
             assert prom.query('absent_over_time(deadweight_sidecar_info{job="deadweight"}[5m])'
                               ) == []  # parses; empty while the sidecars report
             nodes[1].stop()  # a blind node shows up as down, not as healthy silence
-            poll(lambda: value('count(up{job="deadweight"} == 0)') == 1, timeout=30,
-                 what="the dead node's sidecar to be down")
+            wait_for(lambda: value('count(up{job="deadweight"} == 0)') == 1, 30,
+                     what="the dead node's sidecar to be down")
     finally:
         for node in nodes:
             node.stop()

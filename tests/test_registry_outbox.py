@@ -101,7 +101,8 @@ def test_incident_numbers_continue_across_a_restart_and_a_reused_run_id(
 
 
 def test_over_the_socket_a_blocked_write_stalls_no_other_stream(tmp_path: Path) -> None:
-    from tests.faults import InProcessSidecar, Pipe
+    from tests.faults import Pipe
+    from tests.inprocess_sidecar import InProcessSidecar
 
     store = GatedStore("slow")
     sidecar = InProcessSidecar(tmp_path / "dw.sock", Registry(store=store)).start()

@@ -152,16 +152,28 @@ def test_the_right_token_over_tls_reports_a_run_that_can_never_be_signalled(
 def test_status_command_reaches_a_tls_sidecar_with_ca_and_token(
     tls_sidecar: tuple[SidecarProcess, int, Path], cert: tuple[Path, Path], tmp_path: Path
 ) -> None:
+    import re
     import subprocess
     import sys
 
-    _, port, _ = tls_sidecar
+    from tests.faults import Pipe
+
+    sidecar, port, _ = tls_sidecar
     command = [sys.executable, "-m", "deadweight.sidecar.cli", "status",
                "--address", f"127.0.0.1:{port}", "--tls-ca", str(cert[0])]
-    good = subprocess.run([*command, "--token", TOKEN], capture_output=True, text=True,
-                          timeout=60)
+    pipe = Pipe(sidecar.address)  # a run on the unix socket, listed over TLS
+    try:
+        start = pb.Event(run_start=pb.RunStart(trainer="DPOTrainer"))
+        assert not pipe.send(pb.StreamRequest(run_id="tls-status", events=[start])).error
+        good = subprocess.run([*command, "--token", TOKEN], capture_output=True, text=True,
+                              timeout=60)
+    finally:
+        pipe.close()
     assert good.returncode == 0, good.stderr
-    assert good.stdout.startswith(("RUN", "no runs"))
+    assert good.stdout.splitlines()[0].split() == ["RUN", "TRAINER", "RANKS", "STEP", "SEEN",
+                                                   "STATE"]
+    assert re.search(r"^tls-status +DPOTrainer +1 +0 +\d+s  running; FIRING empty_optimizer$",
+                     good.stdout, re.MULTILINE), good.stdout
     wrong = subprocess.run([*command, "--token", "wrong"], capture_output=True, text=True,
                            timeout=60)
     assert wrong.returncode == 2 and "UNAUTHENTICATED" in wrong.stderr

@@ -57,11 +57,14 @@ class PartialTargetModules(SpecDetector):
 
 
 class EmbeddingResized(SpecDetector):
-    """The embedding has a different row count than the base model's vocabulary.
+    """The embedding has a different row count than the base model's vocabulary, and its new
+    rows are neither trained nor saved on purpose.
 
-    Typically a pad token added and ``resize_token_embeddings`` called before LoRA: PEFT then
-    saves the whole embedding (and a tied or separate lm_head) in every adapter, and the
-    adapter no longer loads on the unmodified base model.
+    Typically a pad token added and ``resize_token_embeddings`` called before LoRA: the new
+    rows stay random, PEFT saves the whole embedding (and a tied or separate lm_head) in every
+    adapter, and the adapter no longer loads on the unmodified base model. A resize whose
+    embedding is in ``modules_to_save`` or in ``trainable_token_indices`` is the correct way
+    to add tokens and stays silent.
     """
 
     spec = DetectorSpec(
@@ -70,10 +73,12 @@ class EmbeddingResized(SpecDetector):
         latching=True,
         scope="artifact",  # it predicts what every saved adapter will hold
         summary="Run {run_id} resized the token embeddings under a LoRA adapter",
-        meaning="the embedding rows differ from the base vocabulary, so the adapter will carry "
-        "the whole embedding and no longer load on the base model",
+        meaning="the embedding rows differ from the base vocabulary and the new rows do not "
+        "train, so the adapter will carry the whole embedding and no longer load on the base "
+        "model",
         fires_when="the embedding's rows differ from the base model's `vocab_size` (pad token "
-        "added + `resize_token_embeddings` before LoRA): the adapter will carry the embedding "
+        "added + `resize_token_embeddings` before LoRA) and neither `modules_to_save` nor "
+        "`trainable_token_indices` trains the new rows: the adapter will carry the embedding "
         "or not load on the base",
         evidence=(Evidence("checkpoint_adapter_bytes"), Evidence("trainable_params")),
     )
@@ -86,19 +91,25 @@ class EmbeddingResized(SpecDetector):
             return Verdict(False)
         if f.embedding_rows == f.base_vocab_size:
             return Verdict(False)
+        if f.embedding_module and f.embedding_module in (
+                *f.modules_to_save, *f.trainable_token_modules):
+            return Verdict(False)  # the new rows train and the adapter carries them on purpose
         return Verdict(
             True,
             step=0,
             summary=(
                 f"embedding has {f.embedding_rows} rows but the base model's vocabulary is "
-                f"{f.base_vocab_size}: the adapter will carry the embedding or not load on "
-                f"the base"
+                f"{f.base_vocab_size}, and {f.embedding_module or 'the embedding'} is neither in "
+                f"modules_to_save nor in trainable_token_indices: the new rows stay untrained "
+                f"and the adapter will carry the embedding or not load on the base"
             ),
             evidence={
                 "embedding_rows": fmt(f.embedding_rows),
                 "base_vocab_size": fmt(f.base_vocab_size),
                 "tokenizer_size": fmt(f.tokenizer_size),
                 "modules_to_save": ",".join(f.modules_to_save) or "none",
+                "trainable_token_modules": ",".join(f.trainable_token_modules) or "none",
+                "embedding_module": f.embedding_module or "unknown",
                 "step": "0 (train begin)",
             },
         )

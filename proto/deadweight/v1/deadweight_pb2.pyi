@@ -190,7 +190,7 @@ class AdapterCoverage(_message.Message):
     def __init__(self, name: _Optional[str] = ..., tensors: _Optional[int] = ..., params: _Optional[int] = ..., in_optimizer_tensors: _Optional[int] = ..., active: _Optional[bool] = ...) -> None: ...
 
 class Preflight(_message.Message):
-    __slots__ = ("is_peft", "peft_type", "requested_target_modules", "target_modules_regex", "unmatched_target_modules", "embedding_rows", "base_vocab_size", "tokenizer_size", "modules_to_save", "active_adapter", "lora_rank", "adapter_layer_names")
+    __slots__ = ("is_peft", "peft_type", "requested_target_modules", "target_modules_regex", "unmatched_target_modules", "embedding_rows", "base_vocab_size", "tokenizer_size", "modules_to_save", "active_adapter", "lora_rank", "embedding_module", "trainable_token_modules", "adapter_layer_names")
     IS_PEFT_FIELD_NUMBER: _ClassVar[int]
     PEFT_TYPE_FIELD_NUMBER: _ClassVar[int]
     REQUESTED_TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
@@ -202,6 +202,8 @@ class Preflight(_message.Message):
     MODULES_TO_SAVE_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_MODULE_FIELD_NUMBER: _ClassVar[int]
+    TRAINABLE_TOKEN_MODULES_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_LAYER_NAMES_FIELD_NUMBER: _ClassVar[int]
     is_peft: bool
     peft_type: str
@@ -214,8 +216,10 @@ class Preflight(_message.Message):
     modules_to_save: _containers.RepeatedScalarFieldContainer[str]
     active_adapter: str
     lora_rank: int
+    embedding_module: str
+    trainable_token_modules: _containers.RepeatedScalarFieldContainer[str]
     adapter_layer_names: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, is_peft: _Optional[bool] = ..., peft_type: _Optional[str] = ..., requested_target_modules: _Optional[_Iterable[str]] = ..., target_modules_regex: _Optional[str] = ..., unmatched_target_modules: _Optional[_Iterable[str]] = ..., embedding_rows: _Optional[int] = ..., base_vocab_size: _Optional[int] = ..., tokenizer_size: _Optional[int] = ..., modules_to_save: _Optional[_Iterable[str]] = ..., active_adapter: _Optional[str] = ..., lora_rank: _Optional[int] = ..., adapter_layer_names: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, is_peft: _Optional[bool] = ..., peft_type: _Optional[str] = ..., requested_target_modules: _Optional[_Iterable[str]] = ..., target_modules_regex: _Optional[str] = ..., unmatched_target_modules: _Optional[_Iterable[str]] = ..., embedding_rows: _Optional[int] = ..., base_vocab_size: _Optional[int] = ..., tokenizer_size: _Optional[int] = ..., modules_to_save: _Optional[_Iterable[str]] = ..., active_adapter: _Optional[str] = ..., lora_rank: _Optional[int] = ..., embedding_module: _Optional[str] = ..., trainable_token_modules: _Optional[_Iterable[str]] = ..., adapter_layer_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AdapterDigest(_message.Message):
     __slots__ = ("combined", "tensors", "bytes")

@@ -108,23 +108,24 @@ def test_a_finished_run_does_not_own_checkpoints_written_later_in_its_folder(
     import shutil
 
     from deadweight.demo import runs
-    from tests.test_catalogue_harness import LiveSidecar, poll
+    from tests.inprocess_sidecar import InProcessSidecar
+    from tests.realprocs import wait_for
 
-    live = LiveSidecar(tmp_path / "sidecar")
+    live = InProcessSidecar.live(tmp_path / "sidecar")
     try:
         model_dir, adapter_dir = tiny
         model = runs.load_adapter(model_dir, adapter_dir, trainable=True)
-        out = tmp_path / "run"
+        out = tmp_path / "sidecar" / "run"  # under the folder the sidecar may read
         runs.sft_trainer(model, model_dir, out, [live.callback("reused-dir")], steps=4,
                          save_steps=2).train()
         live.wait_inspected("reused-dir", 2)
-        assert live.run("reused-dir").ended
+        assert live.seen("reused-dir").ended
         shutil.copytree(out / "checkpoint-4", out / "checkpoint-6")
+        assert live.server is not None and live.server.watcher is not None
         watcher = live.server.watcher
-        assert watcher is not None
         target = watcher.passes + 3  # the watcher has looked at the folder again, thrice
-        poll(lambda: watcher.passes >= target, "three more watcher passes")
-        run = live.run("reused-dir")
+        wait_for(lambda: watcher.passes >= target, 20, what="three more watcher passes")
+        run = live.seen("reused-dir")
         assert run.checkpoint(str(out / "checkpoint-6")) is None
         assert live.fired("reused-dir") == {}
     finally:

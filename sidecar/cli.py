@@ -104,6 +104,7 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         tls_cert=Path(args.tls_cert).read_bytes() if args.tls_cert else None,
         tls_key=Path(args.tls_key).read_bytes() if args.tls_key else None,
         insecure=args.insecure,
+        watch_roots=tuple(args.watch_root or ()),
     )
 
 
@@ -199,6 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="bearer token TCP clients must present")
     serve.add_argument("--insecure", action="store_true",
                        help="allow TCP without TLS and token (never for a shared network)")
+    serve.add_argument("--watch-root", action="append", default=None, metavar="DIR",
+                       help="folder under which runs' checkpoints may be read (repeatable); "
+                       "without one, no client-named path is read and every run's output "
+                       "folder is refused with a finding")
     serve.add_argument("--state-dir", default=None, metavar="DIR",
                        help="keep runs, checkpoint hashes, incidents and the action journal "
                        "here (SQLite) so a restart resumes them; default: memory only")

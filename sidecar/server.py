@@ -50,6 +50,9 @@ class ServerConfig:
     #: Seconds a checkpoint folder's files must stay unchanged before it is inspected
     #: (a folder the callback reported is inspected at once).
     checkpoint_settle_seconds: float = 2.0
+    #: Folders under which client-named checkpoint paths may be read (``--watch-root``);
+    #: empty: none is read, every run's output folder is refused with a finding.
+    watch_roots: tuple[str, ...] = ()
     #: Allow TCP without TLS and a token (a private test network only).
     insecure: bool = False
     grpc_options: list[tuple[str, int]] = field(
@@ -174,7 +177,11 @@ class SidecarServer:
             self._attestation.start()
         if self.config.watch_checkpoints:
             self.watcher = CheckpointWatcher(self.registry,
-                                             self.config.checkpoint_settle_seconds)
+                                             self.config.checkpoint_settle_seconds,
+                                             roots=self.config.watch_roots)
+            if not self.config.watch_roots:
+                log.warning("checkpoint_paths_refused", reason="no --watch-root given: no "
+                            "client-named checkpoint folder is read")
             self.watcher.start()
             self.registry.attach_watcher(self.watcher)
         self._thread = threading.Thread(target=self._run, name="deadweight-grpc", daemon=True)

@@ -6,6 +6,7 @@ ones that resolved when the run ended (``incidents`` counts how often a detector
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,8 @@ class LiveSidecar:
         self.server = SidecarServer(
             self.registry, None,
             ServerConfig(socket_path=str(self.socket), metrics_address=None,
-                         checkpoint_settle_seconds=0.5),
+                         checkpoint_settle_seconds=0.5,
+                         watch_roots=(tempfile.gettempdir(),)),
         )
         self.server.start()
 

@@ -97,7 +97,8 @@ def _passes(watcher: CheckpointWatcher, more: int) -> None:
 
 def test_watcher_waits_for_a_complete_folder_created_after_registration(tmp_path: Path) -> None:
     sink = Sink()
-    watcher = CheckpointWatcher(sink, settle_seconds=0.5, scan_seconds=0.1)
+    watcher = CheckpointWatcher(sink, settle_seconds=0.5, scan_seconds=0.1,
+                                roots=[tmp_path])
     watcher.start()
     try:
         output = tmp_path / "out"  # does not exist yet: the Trainer creates it at its first save

@@ -86,11 +86,12 @@ def grpc_target(address: str) -> str:
     return address
 
 
-def open_channel(target: str, tls_root: bytes | None = None) -> grpc.Channel:
+def open_channel(target: str, tls_root: bytes | None = None,
+                 max_receive_bytes: int = MAX_MESSAGE_BYTES) -> grpc.Channel:
     """TLS (with the given CA) for TCP targets when a CA is set; plain for unix sockets."""
     options = [
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", max_receive_bytes),
         ("grpc.enable_retries", 0),
     ]
     if tls_root is not None and unix_socket_path(target) is None:

@@ -28,6 +28,7 @@ from deadweight.sidecar.checkpoint_watcher import CheckpointWatcher
 from deadweight.sidecar.exporter import DeadweightCollector
 from deadweight.sidecar.metrics_http import MetricsServer
 from deadweight.sidecar.registry import Peer, Registry
+from deadweight.sidecar.status import STATUS_MAX_BYTES, bounded
 
 log = structlog.get_logger("deadweight.server")
 
@@ -58,7 +59,7 @@ class ServerConfig:
     grpc_options: list[tuple[str, int]] = field(
         default_factory=lambda: [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", STATUS_MAX_BYTES + 1024 * 1024),
         ]
     )
 
@@ -101,7 +102,7 @@ class MonitorServicer(pb_grpc.MonitorServiceServicer):  # type: ignore[misc]
         self, request: pb.StatusRequest, context: grpc.aio.ServicerContext
     ) -> pb.StatusResponse:
         await self._authorize(context)
-        return self.registry.status()
+        return bounded(self.registry.status())
 
 
 def _prepare_socket(path: Path) -> None:

@@ -47,7 +47,7 @@ def _serve(args: argparse.Namespace) -> int:
         SidecarServer,
         check_transport,
     )
-    from deadweight.sidecar.store import Store
+    from deadweight.sidecar.store import StateDirUnsafe, Store
 
     logs.configure(args.log_level)
     try:
@@ -56,7 +56,11 @@ def _serve(args: argparse.Namespace) -> int:
     except (InsecureTransport, OSError) as err:
         print(f"deadweight serve: {err}", file=sys.stderr)
         return 2
-    store = Store(args.state_dir)
+    try:
+        store = Store(args.state_dir)
+    except (StateDirUnsafe, OSError) as err:
+        print(f"deadweight serve: {err}", file=sys.stderr)
+        return 2
     pager = None
     if args.alertmanager_url:
         from deadweight.sidecar.alertmanager import AlertmanagerPusher

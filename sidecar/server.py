@@ -253,6 +253,8 @@ class SidecarServer:
             try:
                 self.registry.tick()
                 await self._relisten_if_deleted()
+                if self._attestation is not None:
+                    self._attestation.ensure_listening()
             except Exception:
                 log.exception("tick_failed")
 

@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 from deadweight import __version__
 from deadweight.sidecar.actions import Actions
 from deadweight.sidecar.detectors.base import Detector
+from deadweight.sidecar.limits import digest_label
 from deadweight.sidecar.registry import Registry
 from deadweight.sidecar.state import RunState
 
@@ -59,6 +60,23 @@ class DeadweightCollector(Collector):
         yield info
         yield from self._run_metrics()
         yield from self._action_metrics()
+        yield from self._guard_metrics()
+
+    def _guard_metrics(self) -> Iterator[Metric]:
+        """Counters of what the sidecar refused or could not do (attacks and accidents)."""
+        writes = CounterMetricFamily(
+            "deadweight_state_write_failures",
+            "Writes to the state database that failed (disk full, I/O error); the actions "
+            "they carried stay pending and are retried.")
+        store = self.actions.store if self.actions is not None else None
+        writes.add_metric([], float(store.write_failures if store is not None else 0))
+        yield writes
+        refused = CounterMetricFamily(
+            "deadweight_checkpoint_refused",
+            "Client-named checkpoint paths not read (outside --watch-root, another uid's, "
+            "over a cap, not a regular file).")
+        refused.add_metric([], float(getattr(self.registry.watcher, "refused", 0)))
+        yield refused
 
     def _run_metrics(self) -> Iterator[Metric]:
         firing = _gauge("deadweight_detector_firing",
@@ -124,7 +142,7 @@ class DeadweightCollector(Collector):
             if run.checkpoints:
                 latest_ckpt = run.checkpoints[-1]
                 ckpt_bytes.add_metric(labels, float(latest_ckpt.adapter_bytes))
-                ckpt_info.add_metric([*labels, latest_ckpt.combined_digest or "none"], 1.0)
+                ckpt_info.add_metric([*labels, digest_label(latest_ckpt.combined_digest)], 1.0)
         yield from (firing, active, step, last, update_norm, update_ratio, frozen, opt,
                     trainable, outside, dropped, ckpts, unchanged, ckpt_bytes, ckpt_info)
         yield from logs.values()

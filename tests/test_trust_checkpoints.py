@@ -183,6 +183,9 @@ def test_paths_outside_the_watch_roots_are_refused(
         line = watched.wait_line(folder, "checkpoint_refused")
         assert "outside the allowed roots" in line["reason"], line
         assert not [x for x in watched.lines(folder) if x["event"] == "checkpoint_inspected"]
+    refused = next(float(x.split()[-1]) for x in process.metrics().splitlines()
+                   if x.startswith("deadweight_checkpoint_refused_total "))
+    assert refused >= 3
 
 
 def test_without_a_watch_root_no_client_path_is_read(tmp_path: Path) -> None:

@@ -125,3 +125,21 @@ def test_log_lines_stay_bounded_when_a_client_sends_megabytes(
     assert json.loads(line)["detector"] == "partial_target_modules"
     longest = max(len(x) for x in process.log_path.read_text(errors="replace").splitlines())
     assert longest < 300_000, longest
+
+
+def test_a_client_digest_that_is_not_hex_never_becomes_a_label(
+    sidecar: tuple[SidecarProcess, Pipe],
+) -> None:
+    process, pipe = sidecar
+    hostile = 'ab"} 1\ndeadweight_fake{run_id="x'  # an injection attempt, 37 characters
+    for run_id, digest in (("digest-hostile", hostile), ("digest-hex", "0123abcd" * 4)):
+        assert not pipe.send(pb.StreamRequest(run_id=run_id, events=[
+            pb.Event(run_start=pb.RunStart(trainer="SFTTrainer")),
+            pb.Event(seq=1, checkpoint=pb.CheckpointReport(
+                step=1, path=f"/nowhere/{run_id}/checkpoint-1",
+                adapter=pb.AdapterDigest(combined=digest)))])).error
+    text = process.metrics()
+    lines = [x for x in text.splitlines() if x.startswith("deadweight_checkpoint_info{")]
+    assert any('run_id="digest-hostile"' in x and 'digest="invalid"' in x for x in lines)
+    assert any('run_id="digest-hex"' in x and 'digest="0123abcd' in x for x in lines)
+    assert "deadweight_fake" not in text

@@ -45,6 +45,8 @@ class Escalator(Protocol):
 
     def begin(self, run: RunState, finding: Finding, stop_at: float, stop_step: int) -> None: ...
 
+    def supersede(self, run_id: str) -> None: ...
+
 
 @dataclass(frozen=True)
 class ActionKey:
@@ -111,6 +113,12 @@ class Actions:
         """Write the result of an action journaled as pending."""
         self.store.set_result(action_id, event.result)
         self._count_and_log(event)
+
+    def superseded(self, run_id: str) -> None:
+        """The run id started a new incarnation: escalations of the old one end here, so
+        its processes' successors are never signalled for it."""
+        if self.escalator is not None:
+            self.escalator.supersede(run_id)
 
     def forget(self, run_id: str) -> None:
         """Drop an expired run's counters, so memory and /metrics stay bounded."""

@@ -70,7 +70,9 @@ def _serve(args: argparse.Namespace) -> int:
     registry = Registry(actions, settings=_settings(args.setting),
                         policies=dict(args.policy or []), max_runs=args.max_runs,
                         ended_ttl_seconds=args.run_ttl_seconds, store=store,
-                        attestor=Attestor())
+                        attestor=Attestor(), allow_unattested=args.allow_unattested,
+                        silent_run_seconds=args.silent_run_seconds,
+                        trainer_uids=args.trainer_uid or ())
     enforcer = Enforcer(registry, store, actions, stop_grace_seconds=args.stop_grace_seconds,
                         kill_grace_seconds=args.kill_grace_seconds)
     actions.escalator = enforcer
@@ -204,6 +206,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="bearer token TCP clients must present")
     serve.add_argument("--insecure", action="store_true",
                        help="allow TCP without TLS and token (never for a shared network)")
+    serve.add_argument("--allow-unattested", action="store_true",
+                       help="accept runs on the unix socket from processes that did not "
+                       "attest (logged at start and exported as deadweight_unattested_allowed)")
+    serve.add_argument("--trainer-uid", action="append", type=int, default=None,
+                       metavar="UID", help="only attested processes of this uid may report "
+                       "runs (repeatable; default: any uid that can reach the socket)")
+    serve.add_argument("--silent-run-seconds", type=float, default=3600.0, metavar="SECONDS",
+                       help="end a live run that sent nothing for this long (default 3600)")
     serve.add_argument("--watch-root", action="append", default=None, metavar="DIR",
                        help="folder under which runs' checkpoints may be read (repeatable); "
                        "without one, no client-named path is read and every run's output "

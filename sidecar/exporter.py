@@ -55,12 +55,14 @@ class DeadweightCollector(Collector):
         self.detectors = detectors
 
     def collect(self) -> Iterator[Metric]:
+        """Every family, built under the registry's lock: a run stepping meanwhile (its dicts
+        and deques growing) can never make a scrape fail or mix two moments."""
         info = _gauge("deadweight_sidecar_info", "The sidecar's version.", ["version"])
         info.add_metric([__version__], 1.0)
-        yield info
-        yield from self._run_metrics()
-        yield from self._action_metrics()
-        yield from self._guard_metrics()
+        with self.registry.lock:
+            families = [info, *self._run_metrics(), *self._action_metrics(),
+                        *self._guard_metrics()]
+        yield from families
 
     def _guard_metrics(self) -> Iterator[Metric]:
         """Counters of what the sidecar refused or could not do (attacks and accidents)."""
@@ -77,6 +79,30 @@ class DeadweightCollector(Collector):
             "over a cap, not a regular file).")
         refused.add_metric([], float(getattr(self.registry.watcher, "refused", 0)))
         yield refused
+        batches = CounterMetricFamily(
+            "deadweight_batches_refused",
+            "Batches refused, by kind: attestation (an unattested stream on the unix socket), "
+            "identity (a rank or run of another process), capacity, invalid.",
+            labels=["kind"])
+        for kind in ("attestation", "identity", "capacity", "invalid"):
+            batches.add_metric([kind], float(self.registry.refusals[kind]))
+        yield batches
+        lives = CounterMetricFamily(
+            "deadweight_run_incarnations",
+            "Incarnations started by a rank rebound to another process or a run id used "
+            "again (the old incarnation is closed, its verdicts kept).")
+        lives.add_metric([], float(self.registry.incarnations_started))
+        yield lives
+        pending = CounterMetricFamily(
+            "deadweight_verdicts_pending",
+            "Verdict firings postponed because the journal could not be written.")
+        pending.add_metric([], float(self.registry.pending_verdicts))
+        yield pending
+        optional = _gauge("deadweight_unattested_allowed",
+                          "1 when the operator let unattested streams register runs on the "
+                          "unix socket (--allow-unattested).", [])
+        optional.add_metric([], 1.0 if self.registry.allow_unattested else 0.0)
+        yield optional
 
     def _run_metrics(self) -> Iterator[Metric]:
         firing = _gauge("deadweight_detector_firing",

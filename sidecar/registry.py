@@ -4,13 +4,25 @@
 transition (firing or resolved) to the actions; the answer carries the ack and any directive
 for that rank. ``tick`` handles what time alone decides (stalled runs, expiry of ended runs).
 Everything runs under one lock: readers (exporter, status) see a consistent run.
+
+Trust: on the unix socket a run is written only by processes the kernel identified
+(attestation), unless the operator opted out (``allow_unattested``, logged and exported). A
+run's ranks are bound once: a RunStart from another process for a bound rank, or for a run
+that ended, starts a new incarnation (fresh state and sequence numbers; the old one's verdicts
+stay in the journal, its firing findings resolve). Unattested streams never write to an
+attested run; a new rank must attest as the run's uid. Only the rank that started the
+incarnation ends the run or sets its run-wide logs. Live runs that send nothing for
+``silent_run_seconds`` end as ``silent``. A journal write that fails (a full disk) leaves the
+verdict pending: it fires, with its actions, at the next evaluation once the write succeeds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -24,7 +36,7 @@ from deadweight.sidecar.detectors.base import Detector, Policy, Verdict
 from deadweight.sidecar.detectors.frozen import FrozenWeights
 from deadweight.sidecar.settings import DetectorSettings
 from deadweight.sidecar.state import CheckpointPoint, RunState, StepPoint
-from deadweight.sidecar.store import RETENTION_SECONDS, Store
+from deadweight.sidecar.store import RETENTION_SECONDS, Store, StoreWriteFailed
 
 if TYPE_CHECKING:
     from deadweight.sidecar.checkpoint_inspector import CheckpointInspection
@@ -33,7 +45,7 @@ if TYPE_CHECKING:
 class CheckpointSink(Protocol):
     """Told where a run writes checkpoints and which ones it reported (the watcher)."""
 
-    def watch(self, run_id: str, output_dir: str) -> None: ...
+    def watch(self, run_id: str, output_dir: str, owner_uid: int | None = None) -> None: ...
 
     def submit(self, run_id: str, path: str) -> None: ...
 
@@ -48,6 +60,8 @@ MAX_RANK = 65535
 RESUME_HOLD_STEPS = 8
 #: Seconds between checks that the registered processes of live runs still exist.
 EXIT_CHECK_SECONDS = 5.0
+#: A live run that sends nothing (not even a heartbeat) for this long ends as ``silent``.
+SILENT_RUN_SECONDS = 3600.0
 
 
 class IngestError(ValueError):
@@ -56,6 +70,25 @@ class IngestError(ValueError):
 
 class IdentityRejected(IngestError):
     """A batch for a rank that another (kernel-identified) process registered."""
+
+
+class CapacityError(IngestError):
+    """The sidecar holds as many runs as it may."""
+
+
+def _refusal_kind(err: IngestError) -> str:
+    """The ``kind`` label of a refused batch (a few fixed values: bounded cardinality)."""
+    if isinstance(err, AttestationRequired):
+        return "attestation"
+    if isinstance(err, IdentityRejected):
+        return "identity"
+    if isinstance(err, CapacityError):
+        return "capacity"
+    return "invalid"
+
+
+class AttestationRequired(IdentityRejected):
+    """A stream on the unix socket that did not prove who it is (and no opt-out)."""
 
 
 @dataclass
@@ -91,6 +124,8 @@ class Peer:
     address: str = ""
     identity: ProcessIdentity | None = None
     rejected: str = ""
+    #: run_id -> the incarnation this stream registered in; a newer one closes the stream.
+    incarnations: dict[str, int] = field(default_factory=dict)
 
 
 class ActionSink(Protocol):
@@ -135,6 +170,10 @@ class _RunEntry:
     #: detectors whose firing finding was read back after a restart, not yet re-confirmed.
     held: set[str] = field(default_factory=set)
     exit_checked_at: float = 0.0
+    #: Counts from 1 per run id in this sidecar; a rebind or a reuse starts the next one.
+    incarnation: int = 1
+    #: The rank whose RunStart started this incarnation: only it ends the run.
+    leader: int | None = None
 
 
 class Registry:
@@ -151,6 +190,9 @@ class Registry:
         store: Store | None = None,
         attestor: Attestor | None = None,
         resume_hold_steps: int = RESUME_HOLD_STEPS,
+        allow_unattested: bool = False,
+        silent_run_seconds: float = SILENT_RUN_SECONDS,
+        trainer_uids: Iterable[int] = (),
     ) -> None:
         self.actions = actions or LogOnlyActions()
         self.store = store or Store()
@@ -167,6 +209,25 @@ class Registry:
         self._runs: dict[str, _RunEntry] = {}
         self.rejected_batches = 0
         self.duplicate_events = 0
+        #: On the unix socket, streams need not attest (the operator's opt-out).
+        self.allow_unattested = allow_unattested
+        self.silent_run_seconds = silent_run_seconds
+        #: Uids whose attested processes may report (empty: any uid that reaches the socket).
+        self.trainer_uids = frozenset(trainer_uids)
+        #: Refused batches by kind (attestation, identity, capacity, limits): on /metrics.
+        self.refusals: Counter[str] = Counter()
+        #: Incarnations started by a rebind or a run id used again.
+        self.incarnations_started = 0
+        #: Verdicts whose journal write failed; they fire once it succeeds.
+        self.pending_verdicts = 0
+        if attestor is not None and allow_unattested:
+            log.warning("attestation_optional", note="unattested streams on the unix socket "
+                        "may register runs; they can be paged and stopped, never signalled")
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The registry's lock: hold it to read live run state consistently (the exporter)."""
+        return self._lock
 
     # -- ingest ----------------------------------------------------------------------------
 
@@ -176,10 +237,15 @@ class Registry:
         try:
             self._validate(request)
             with self._lock:
-                binding = self._authorize(self._runs.get(request.run_id), request, peer)
+                entry = self._runs.get(request.run_id)
+                if entry is not None and self._starts_incarnation(entry, request, peer):
+                    entry = self._new_incarnation(entry, request.rank, peer)
+                binding = self._authorize(entry, request, peer)
                 entry = self._entry(request)
                 if binding is not None:
                     self._bind(entry, request.rank, binding)
+                if self._has_run_start(request) or request.run_id not in peer.incarnations:
+                    peer.incarnations[request.run_id] = entry.incarnation
                 ack = self._apply(entry, request, peer)
                 self._evaluate(entry)
                 rank_directives = self._take_directives(entry, request.rank)
@@ -187,6 +253,7 @@ class Registry:
         except IngestError as err:
             if isinstance(err, IdentityRejected):
                 peer.rejected = str(err)
+            self.refusals[_refusal_kind(err)] += 1
             self.rejected_batches += 1
             log.warning("batch_rejected", run_id=request.run_id[:MAX_RUN_ID_LENGTH],
                         reason=str(err))
@@ -207,18 +274,73 @@ class Registry:
         if problem is not None:
             raise IngestError(problem)
 
+    @staticmethod
+    def _has_run_start(request: pb.StreamRequest) -> bool:
+        return any(e.WhichOneof("body") == "run_start" for e in request.events)
+
     def _entry(self, request: pb.StreamRequest) -> _RunEntry:
         entry = self._runs.get(request.run_id)
         if entry is not None:
             return entry
-        if not any(e.WhichOneof("body") == "run_start" for e in request.events):
+        if not self._has_run_start(request):
             raise IngestError(f"unknown run_id {request.run_id!r}: send run_start first")
         if len(self._runs) >= self.max_runs and not self._evict_oldest_ended():
-            raise IngestError(f"sidecar already tracks {self.max_runs} live runs")
-        entry = _RunEntry(RunState(request.run_id))
-        self.store.forget_bindings(request.run_id)  # a run id used again: old processes go
+            raise CapacityError(f"sidecar already tracks {self.max_runs} live runs")
+        entry = _RunEntry(RunState(request.run_id), leader=request.rank)
+        self._journal(self.store.forget_bindings, request.run_id)  # old processes go
         self._runs[request.run_id] = entry
         log.info("run_registered", run_id=request.run_id, rank=request.rank)
+        return entry
+
+    # -- incarnations ----------------------------------------------------------------------
+
+    def _starts_incarnation(self, entry: _RunEntry, request: pb.StreamRequest,
+                            peer: Peer) -> bool:
+        """True when a RunStart begins a new life of this run id rather than joining it.
+
+        That is a run that ended, a rank bound to another process (a rebind: the old process
+        may be a pre-registered impostor or a restarted rank), or, for unattested runs, a rank
+        whose sequence numbers start again (a new process)."""
+        start_seq = next((e.seq for e in request.events
+                          if e.WhichOneof("body") == "run_start"), None)
+        if start_seq is None:
+            return False
+        if entry.state.ended:
+            return True
+        self._redeem(request, peer)
+        bound = entry.identities.get(request.rank)
+        if bound is not None and peer.identity is not None:
+            # Rebinding a rank: the same uid (a restarted or reused job) or a process that is
+            # gone. A live process of another uid keeps its run (_authorize refuses).
+            return peer.identity != bound and (
+                peer.identity.uid == bound.uid or not is_alive(bound))
+        if entry.identities and peer.identity is not None:
+            return False  # a new rank of an attested run: _authorize decides
+        rank = entry.state.ranks.get(request.rank)
+        return bool(rank is not None and not entry.identities and peer.identity is None
+                    and rank.last_seq and start_seq and start_seq <= rank.last_seq
+                    and peer.incarnations.get(request.run_id) != entry.incarnation)
+
+    def _new_incarnation(self, old: _RunEntry, rank: int, peer: Peer) -> _RunEntry:
+        """Close the old incarnation (its verdicts stay journaled) and start a fresh one."""
+        run = old.state
+        now = time.time()
+        if not run.ended:
+            self._end(old, "superseded", now)
+        for finding in old.findings.values():
+            if finding.firing:
+                self._resolve(old, finding, "incarnation closed")
+        superseded = getattr(self.actions, "superseded", None)
+        if callable(superseded):
+            superseded(run.run_id)
+        entry = _RunEntry(RunState(run.run_id), incarnation=old.incarnation + 1, leader=rank)
+        self._runs[run.run_id] = entry
+        self._journal(self.store.forget_bindings, run.run_id)
+        self.incarnations_started += 1
+        log.warning("run_incarnation_started", run_id=run.run_id, incarnation=entry.incarnation,
+                    rank=rank, previous_step=run.step, previous_end=run.end_reason,
+                    pid=peer.identity.pid if peer.identity else None,
+                    uid=peer.identity.uid if peer.identity else None)
         return entry
 
     # -- identity --------------------------------------------------------------------------
@@ -233,6 +355,51 @@ class Registry:
         from identified processes of the same uid. A pid in any message field counts for
         nothing.
         """
+        self._redeem(request, peer)
+        if entry is None and not self._has_run_start(request):
+            raise IngestError(f"unknown run_id {request.run_id!r}: send run_start first")
+        if (peer.identity is None and self.attestor is not None and not self.allow_unattested
+                and peer.address.startswith("unix:")):
+            raise AttestationRequired(
+                f"run {request.run_id!r} rank {request.rank}: this sidecar requires "
+                "attestation on the unix socket (RunStart.attestation from the .attest socket)")
+        if (self.trainer_uids and peer.identity is not None
+                and peer.identity.uid not in self.trainer_uids):
+            raise AttestationRequired(
+                f"run {request.run_id!r}: uid {peer.identity.uid} is not a trainer uid of this "
+                f"sidecar ({', '.join(str(u) for u in sorted(self.trainer_uids))})")
+        if entry is None:
+            return peer.identity
+        known = peer.incarnations.get(request.run_id)
+        if known is not None and known != entry.incarnation and not self._has_run_start(
+                request):
+            raise IdentityRejected(
+                f"run {request.run_id!r} started incarnation {entry.incarnation}; this stream "
+                f"belongs to incarnation {known}, which is closed: send run_start again")
+        if entry.identities and peer.identity is None:
+            raise IdentityRejected(
+                f"run {request.run_id!r} is written by attested processes only; this stream "
+                "did not attest")
+        bound = entry.identities.get(request.rank)
+        owner_uid = next(iter(entry.identities.values())).uid if entry.identities else None
+        if bound is not None:
+            if peer.identity == bound:
+                return None
+            raise IdentityRejected(
+                f"rank {request.rank} of run {request.run_id!r} is registered to another "
+                f"process (uid {bound.uid}); only that process may report for it"
+            )
+        if owner_uid is not None and request.rank not in entry.state.ranks and (
+            peer.identity is None or peer.identity.uid != owner_uid
+        ):
+            raise IdentityRejected(
+                f"run {request.run_id!r} was registered by attested processes of uid "
+                f"{owner_uid}; a new rank must attest as the same uid"
+            )
+        return peer.identity
+
+    def _redeem(self, request: pb.StreamRequest, peer: Peer) -> None:
+        """Turn the RunStart's nonce into the stream's kernel identity (once per stream)."""
         start = next((e.run_start for e in request.events
                       if e.WhichOneof("body") == "run_start"), None)
         if start is not None and start.attestation and peer.identity is None:
@@ -246,33 +413,10 @@ class Registry:
                                 rank=request.rank, reason="unknown, used or stale nonce")
                 else:
                     peer.pid, peer.uid = peer.identity.pid, peer.identity.uid
-        if entry is None:
-            return peer.identity
-        bound = entry.identities.get(request.rank)
-        owner_uid = next(iter(entry.identities.values())).uid if entry.identities else None
-        if bound is not None:
-            if peer.identity == bound:
-                return None
-            if peer.identity is not None and peer.identity.uid == owner_uid and not is_alive(
-                bound
-            ):
-                return peer.identity  # the rank's process was replaced (restarted rank)
-            raise IdentityRejected(
-                f"rank {request.rank} of run {request.run_id!r} is registered to another "
-                "process; only that process may report for it"
-            )
-        if owner_uid is not None and request.rank not in entry.state.ranks and (
-            peer.identity is None or peer.identity.uid != owner_uid
-        ):
-            raise IdentityRejected(
-                f"run {request.run_id!r} was registered by attested processes of uid "
-                f"{owner_uid}; a new rank must attest as the same uid"
-            )
-        return peer.identity
 
     def _bind(self, entry: _RunEntry, rank: int, identity: ProcessIdentity) -> None:
         entry.identities[rank] = identity
-        self.store.bind(entry.state.run_id, rank, identity)
+        self._journal(self.store.bind, entry.state.run_id, rank, identity)
         log.info("rank_bound", run_id=entry.state.run_id, rank=rank, pid=identity.pid,
                  uid=identity.uid, start_time=identity.start_time)
 
@@ -320,33 +464,40 @@ class Registry:
                 continue
             rank.last_seq = max(rank.last_seq, event.seq)
             if kind == "run_start":
-                self._on_run_start(run, request.rank, event.run_start)
+                self._on_run_start(entry, request.rank, event.run_start)
             elif kind == "step":
                 self._on_step(run, request.rank, event.step, now)
             elif kind == "log":
-                run.record_log(event.log.step, dict(event.log.values))
+                if request.rank == entry.leader:  # run-wide values: the leader's only
+                    run.record_log(event.log.step, dict(event.log.values))
             elif kind == "checkpoint":
                 self._on_checkpoint(run, event.checkpoint, now)
             elif kind == "heartbeat":
                 rank.dropped_events = max(rank.dropped_events, event.heartbeat.dropped_events)
             elif kind == "run_end":
+                if request.rank != entry.leader:
+                    log.info("rank_ended", run_id=run.run_id, rank=request.rank,
+                             reason=event.run_end.reason, leader=entry.leader)
+                    continue  # only the rank that started the run ends it
                 run.ended = True
                 run.end_reason = event.run_end.reason or "completed"
                 run.ended_at = now
-                self.store.end_run(run.run_id, run.end_reason, now)
+                self._journal(self.store.end_run, run.run_id, run.end_reason, now)
                 log.info("run_ended", run_id=run.run_id, reason=run.end_reason,
                          step=event.run_end.step)
         return rank.last_seq
 
-    def _on_run_start(self, run: RunState, rank: int, start: pb.RunStart) -> None:
+    def _on_run_start(self, entry: _RunEntry, rank: int, start: pb.RunStart) -> None:
+        run = entry.state
         start.trainer = limits.label_value(start.trainer)  # exported as a label
-        if run.start is None or rank <= min(run.ranks, default=rank):
+        if run.start is None or rank == entry.leader:
             run.start = start
-            self.store.upsert_run(run.run_id, run.trainer, start)
+            self._journal(self.store.upsert_run, run.run_id, run.trainer, start)
         run.rank(rank).membership = start.membership
-        run.ended = False
         if self.watcher is not None and start.output_dir:
-            self.watcher.watch(run.run_id, start.output_dir)
+            bound = entry.identities.get(rank)
+            self.watcher.watch(run.run_id, start.output_dir,
+                               owner_uid=bound.uid if bound is not None else None)
 
     def _on_step(self, run: RunState, rank_id: int, report: pb.StepReport, now: float) -> None:
         rank = run.rank(rank_id)
@@ -374,7 +525,7 @@ class Registry:
             time=now,
         )
         run.add_checkpoint(point)
-        self.store.add_checkpoint(run.run_id, point)
+        self._journal(self.store.add_checkpoint, run.run_id, point)
         checkpoints.judge(run, point)
         if self.watcher is not None:
             self.watcher.submit(run.run_id, report.path)
@@ -403,7 +554,7 @@ class Registry:
                                         tensor_digests=dict(inspection.tensor_digests),
                                         adapter_bytes=inspection.tensor_bytes, time=time.time())
                 run.add_checkpoint(point)
-                self.store.add_checkpoint(run.run_id, point)
+                self._journal(self.store.add_checkpoint, run.run_id, point)
             point.inspection = inspection
             point.adapter_bytes = inspection.tensor_bytes
             checkpoints.judge(run, point)
@@ -444,39 +595,48 @@ class Registry:
                 self._resolve(entry, finding, "recovered")
 
     def _fire(self, entry: _RunEntry, detector: Detector, verdict: Verdict) -> None:
-        finding = entry.findings.get(detector.id) or Finding(
+        previous = entry.findings.get(detector.id)
+        finding = Finding(
             detector=detector.id,
             severity=detector.severity.value,
             policy=self.policies[detector.id].value,
+            firing=True,
+            step=verdict.step,
+            summary=verdict.summary,
+            evidence=dict(verdict.evidence),
+            fired_at=time.time(),
+            # Numbering continues from the journal, so a run id used again (or a run that
+            # expired from memory) never shares an incident, and its actions, with the past.
+            incidents=max(previous.incidents if previous else 0, self.store.last_incident(
+                entry.state.run_id, detector.id)) + 1,
         )
-        finding.firing = True
-        finding.step = verdict.step
-        finding.summary = verdict.summary
-        finding.evidence = dict(verdict.evidence)
-        finding.fired_at = time.time()
-        # Numbering continues from the journal, so a run id used again (or a run that
-        # expired from memory) never shares an incident, and its actions, with the past.
-        finding.incidents = max(finding.incidents, self.store.last_incident(
-            entry.state.run_id, detector.id)) + 1
+        try:  # journal first: a verdict whose incident is not on disk has not fired yet
+            self.store.open_incident(
+                entry.state.run_id, finding.detector, finding.incidents, finding.severity,
+                finding.policy, finding.step, finding.summary, finding.evidence,
+                finding.fired_at, enforce=finding.policy == Policy.KILL.value,
+            )
+            directives = self.actions.fired(entry.state, finding)
+        except StoreWriteFailed as err:
+            self.pending_verdicts += 1
+            log.error("verdict_pending", run_id=entry.state.run_id, detector=detector.id,
+                      error=str(err), note="the journal cannot be written; the verdict and "
+                      "its actions are tried again at the next evaluation")
+            return
         entry.findings[detector.id] = finding
-        self.store.open_incident(
-            entry.state.run_id, finding.detector, finding.incidents, finding.severity,
-            finding.policy, finding.step, finding.summary, finding.evidence,
-            finding.fired_at, enforce=finding.policy == Policy.KILL.value,
-        )
         log.warning(
             "detector_fired", run_id=entry.state.run_id, detector=detector.id,
             severity=finding.severity, policy=finding.policy, step=verdict.step,
             summary=verdict.summary, evidence=verdict.evidence,
         )
-        entry.directives.extend(self.actions.fired(entry.state, finding))
+        entry.directives.extend(directives)
 
     def _resolve(self, entry: _RunEntry, finding: Finding, why: str) -> None:
         finding.firing = False
         finding.resolved_at = time.time()
         entry.held.discard(finding.detector)
-        self.store.resolve_incident(entry.state.run_id, finding.detector, finding.incidents,
-                                    finding.resolved_at)
+        self._journal(self.store.resolve_incident, entry.state.run_id, finding.detector,
+                      finding.incidents, finding.resolved_at)
         log.info("detector_resolved", run_id=entry.state.run_id, detector=finding.detector,
                  reason=why)
         self.actions.resolved(entry.state, finding)
@@ -496,6 +656,9 @@ class Registry:
                 if entry.state.ended and now - entry.state.ended_at > self.ended_ttl_seconds:
                     self._expire(run_id, "ttl")
                     continue
+                if (not entry.state.ended
+                        and now - entry.state.last_seen > self.silent_run_seconds):
+                    self._end(entry, "silent", now)
                 self._check_exits(entry, now)
                 self._evaluate(entry, now)
 
@@ -513,7 +676,7 @@ class Registry:
         run.ended = True
         run.end_reason = reason
         run.ended_at = now
-        self.store.end_run(run.run_id, reason, now)
+        self._journal(self.store.end_run, run.run_id, reason, now)
         log.info("run_ended", run_id=run.run_id, reason=reason, step=run.step)
 
     def mark_ended(self, run_id: str, reason: str) -> None:
@@ -598,6 +761,12 @@ class Registry:
         with self._lock:
             entry = self._runs.get(run_id)
             return None if entry is None else entry.state
+
+    def _journal(self, write: Callable[..., object], *args: object) -> None:
+        """A journal write that may fail (a full disk) without losing the live state: the
+        store counted and logged it; memory stays authoritative until the next start."""
+        with contextlib.suppress(StoreWriteFailed):
+            write(*args)
 
     def frozen_streak(self, run: RunState) -> int:
         return FrozenWeights.streak(run, self.settings)

@@ -13,6 +13,7 @@ from deadweight.sidecar.detectors.base import Detector, SpecDetector, Verdict
 from deadweight.sidecar.detectors.checkpoints import (
     AdapterBloat,
     AdapterNeverTrained,
+    CheckpointRefused,
     CheckpointUnchanged,
     PickleCheckpoint,
 )
@@ -59,6 +60,7 @@ ALL: tuple[Detector, ...] = (
     AdapterNeverTrained(),
     AdapterBloat(),
     PickleCheckpoint(),
+    CheckpointRefused(),
 )
 
 BY_ID: dict[str, Detector] = {d.id: d for d in ALL}

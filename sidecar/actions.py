@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import structlog
 
 from deadweight.proto import pb
+from deadweight.sidecar.detectors import BY_ID
 from deadweight.sidecar.detectors.base import Policy
 from deadweight.sidecar.registry import Finding
 from deadweight.sidecar.state import RunState
@@ -202,10 +203,14 @@ class Actions:
 
     def _fire_pager(self, run: RunState, finding: Finding) -> None:
         assert self.pager is not None
+        # The wording the Prometheus rule carries too (a detector outside ALL has none).
+        detector = BY_ID.get(finding.detector)
+        summary = (detector.spec.render_summary(run.run_id) if detector is not None
+                   else f"{finding.detector} on run {run.run_id}")
+        meaning = f"{detector.spec.meaning} " if detector is not None else ""
         self.pager.fire(  # the pager appends the evidence to the description
-            run.run_id, finding.detector, finding.severity,
-            summary=f"{finding.detector} on run {run.run_id}",
-            description=f"{finding.summary}.",
+            run.run_id, finding.detector, finding.severity, summary=summary,
+            description=f"Run {run.run_id}: {meaning}({finding.summary}).",
             evidence=dict(sorted(finding.evidence.items())),
             starts_at=finding.fired_at or None,
         )

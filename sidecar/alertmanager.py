@@ -1,10 +1,11 @@
 """Push deadweight's own pages to the Alertmanager API v2, off the ingest path.
 
 The sidecar pages even when no Prometheus scrapes it. The labels are exactly the ones the
-Prometheus rules in alerts/ produce ({alertname, run_id, detector, severity}), so Alertmanager
-sees one alert whichever path delivers it first. Callers only touch a dict under a lock; one
-background thread does all network I/O, retries with backoff, and re-sends firing alerts
-periodically because Alertmanager resolves an alert whose endsAt passes without a re-send.
+Prometheus rules in alerts/ produce ({alertname, run_id, detector, severity}) and the
+annotations carry the same summary, runbook_url and dashboard_url (``alert_links``), so
+Alertmanager sees one alert whichever path delivers it first. Callers only touch a dict under
+a lock; one background thread does all network I/O, retries with backoff, and re-sends firing
+alerts periodically because Alertmanager resolves an alert whose endsAt passes without one.
 """
 
 from __future__ import annotations
@@ -18,19 +19,21 @@ import urllib.request
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-DEFAULT_RUNBOOK_BASE_URL = "https://github.com/deadweight/deadweight/blob/main/alerts/runbooks/"
+from deadweight.sidecar.alert_links import (
+    DASHBOARD_PLACEHOLDERS,
+    DEFAULT_DASHBOARD_URL_PATTERN,
+    DEFAULT_RUNBOOK_URL_PATTERN,
+    RUNBOOK_PLACEHOLDERS,
+    alert_name,
+    check_pattern,
+    dashboard_url,
+    runbook_url,
+)
+
+__all__ = ["AlertmanagerPusher", "alert_name", "dashboard_url", "format_description",
+           "runbook_url"]
 
 _log = logging.getLogger(__name__)
-
-
-def alert_name(detector: str) -> str:
-    """Alert name shared by the rules and the push path: Deadweight + CamelCase(detector)."""
-    return "Deadweight" + "".join(part.capitalize() for part in detector.split("_"))
-
-
-def runbook_url(base: str, detector: str) -> str:
-    """Link to the runbook of one detector (one Markdown file per detector)."""
-    return base.rstrip("/") + "/" + detector + ".md"
 
 
 def _rfc3339(ts: float) -> str:
@@ -83,7 +86,8 @@ class AlertmanagerPusher:
     def __init__(
         self,
         url: str,
-        runbook_base_url: str = DEFAULT_RUNBOOK_BASE_URL,
+        runbook_url_pattern: str = DEFAULT_RUNBOOK_URL_PATTERN,
+        dashboard_url_pattern: str = DEFAULT_DASHBOARD_URL_PATTERN,
         *,
         resend_interval: float = 60.0,
         validity_factor: float = 4.0,
@@ -91,17 +95,16 @@ class AlertmanagerPusher:
         backoff_initial: float = 0.5,
         backoff_max: float = 30.0,
         max_pending: int = 10_000,
-        generator_url: str = "",
     ) -> None:
         self.url = url.rstrip("/") + "/api/v2/alerts"
-        self.runbook_base_url = runbook_base_url
+        self.runbook_url_pattern = check_pattern(runbook_url_pattern, RUNBOOK_PLACEHOLDERS)
+        self.dashboard_url_pattern = check_pattern(dashboard_url_pattern, DASHBOARD_PLACEHOLDERS)
         self.resend_interval = resend_interval
         self.validity = validity_factor * resend_interval
         self.timeout = timeout
         self.backoff_initial = backoff_initial
         self.backoff_max = backoff_max
         self.max_pending = max_pending
-        self.generator_url = generator_url
         self._final_timeout = timeout
         self.sent_batches = 0
         self.failed_posts = 0
@@ -131,7 +134,7 @@ class AlertmanagerPusher:
         annotations = {
             "summary": summary,
             "description": format_description(description, evidence or {}),
-            "runbook_url": runbook_url(self.runbook_base_url, detector),
+            **self._links(run_id, detector),
         }
         alert = _Alert(self._labels(run_id, detector, severity), annotations,
                        _coerce_ts(starts_at), None)
@@ -159,7 +162,7 @@ class AlertmanagerPusher:
             if previous is not None:
                 annotations, starts = previous.annotations, previous.starts_at
             else:
-                annotations = {"runbook_url": runbook_url(self.runbook_base_url, detector)}
+                annotations = self._links(run_id, detector)
                 starts = ends
             alert = _Alert(self._labels(run_id, detector, severity), annotations,
                            min(starts, ends), ends)
@@ -184,6 +187,11 @@ class AlertmanagerPusher:
         self._thread.join(timeout=flush_timeout + self.timeout + 1.0)
 
     # -- internals -------------------------------------------------------------------------
+
+    def _links(self, run_id: str, detector: str) -> dict[str, str]:
+        """The annotations the rules carry too: the runbook and the run's dashboard."""
+        return {"runbook_url": runbook_url(self.runbook_url_pattern, detector),
+                "dashboard_url": dashboard_url(self.dashboard_url_pattern, run_id)}
 
     @staticmethod
     def _labels(run_id: str, detector: str, severity: str) -> dict[str, str]:
@@ -224,8 +232,9 @@ class AlertmanagerPusher:
         body = []
         for alert in batch.values():
             item = alert.payload(now, self.validity)
-            if self.generator_url:
-                item["generatorURL"] = self.generator_url
+            # Where the alert came from: the run's dashboard (Prometheus links its graph).
+            item["generatorURL"] = dashboard_url(self.dashboard_url_pattern,
+                                                 alert.labels["run_id"])
             body.append(item)
         request = urllib.request.Request(
             self.url, data=json.dumps(body).encode(), method="POST",

@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deadweight import __version__
-from deadweight.sidecar.alertmanager import DEFAULT_RUNBOOK_BASE_URL
+from deadweight.sidecar import alert_links
 from deadweight.sidecar.detectors import BY_ID
 from deadweight.sidecar.detectors.base import Policy
 
@@ -34,6 +34,18 @@ def _policy(text: str) -> tuple[str, Policy]:
     except ValueError:
         choices = "|".join(p.value for p in Policy)
         raise argparse.ArgumentTypeError(f"unknown action {action!r}; use {choices}") from None
+
+
+def _url_pattern(allowed: frozenset[str]) -> Callable[[str], str]:
+    """An argparse type: a URL pattern whose placeholders are all in allowed."""
+
+    def parse(text: str) -> str:
+        try:
+            return alert_links.check_pattern(text, allowed)
+        except alert_links.BadPattern as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    return parse
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -65,7 +77,8 @@ def _serve(args: argparse.Namespace) -> int:
     if args.alertmanager_url:
         from deadweight.sidecar.alertmanager import AlertmanagerPusher
 
-        pager = AlertmanagerPusher(args.alertmanager_url, args.runbook_base_url)
+        pager = AlertmanagerPusher(args.alertmanager_url, args.runbook_url_pattern,
+                                   args.dashboard_url_pattern)
     actions = Actions(pager=pager, dry_run=args.dry_run, store=store)
     registry = Registry(actions, settings=_settings(args.setting),
                         policies=dict(args.policy or []), max_runs=args.max_runs,
@@ -196,8 +209,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="observe|page|stop|kill for one detector (repeatable)")
     serve.add_argument("--alertmanager-url", default=None, metavar="URL",
                        help="page through this Alertmanager's API v2 (e.g. http://host:9093)")
-    serve.add_argument("--runbook-base-url", default=DEFAULT_RUNBOOK_BASE_URL, metavar="URL",
-                       help="runbook links in pages: URL/<detector>.md (default %(default)s)")
+    serve.add_argument("--runbook-url-pattern", type=_url_pattern(alert_links.RUNBOOK_PLACEHOLDERS),
+                       default=alert_links.DEFAULT_RUNBOOK_URL_PATTERN, metavar="PATTERN",
+                       help="runbook_url of pushed alerts; {detector} and {alertname} are "
+                       "filled in; use the pattern the rules were generated with "
+                       "(default %(default)s: this sidecar's /runbooks/)")
+    serve.add_argument("--dashboard-url-pattern",
+                       type=_url_pattern(alert_links.DASHBOARD_PLACEHOLDERS),
+                       default=alert_links.DEFAULT_DASHBOARD_URL_PATTERN, metavar="PATTERN",
+                       help="dashboard_url and generatorURL of pushed alerts; {run_id} is filled "
+                       "in (default %(default)s)")
     serve.add_argument("--listen", default=None, metavar="HOST:PORT",
                        help="also serve gRPC on TCP (needs --tls-cert, --tls-key, --token-file)")
     serve.add_argument("--tls-cert", default=None, metavar="FILE", help="PEM certificate chain")

@@ -1,4 +1,4 @@
-"""``/metrics`` over HTTP, rendered straight from the collector's families.
+"""``/metrics`` over HTTP, rendered straight from the collector's families (and the runbooks).
 
 prometheus_client's generic text encoder spends ~5 us per line; with 50 live runs (~1,700
 lines) that alone was 10 ms a scrape. The families come from the same collector; only the text
@@ -22,6 +22,8 @@ from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.metrics_core import CounterMetricFamily, Metric
+
+from deadweight.sidecar import runbook_pages
 
 _Request = socket.socket | tuple[bytes, socket.socket]
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -124,6 +126,20 @@ class _BoundedServer(ThreadingWSGIServer):  # type: ignore[misc]
         """A client that hangs up or stalls is not an error of the sidecar."""
 
 
+def _runbook(path: str, start_response: Callable[..., Any]) -> list[bytes]:
+    """A shipped runbook as HTML; /runbooks redirects to the index so relative links resolve."""
+    if path == "/runbooks":
+        start_response("301 Moved Permanently", [("Location", "/runbooks/")])
+        return [b""]
+    body = runbook_pages.page(path.removeprefix("/runbooks/"))
+    if body is None:
+        start_response("404 Not Found", [("Content-Type", "text/plain")])
+        return [b"no such runbook; the index is /runbooks/\n"]
+    start_response("200 OK", [("Content-Type", "text/html; charset=utf-8"),
+                              ("Content-Length", str(len(body)))])
+    return [body]
+
+
 class MetricsServer:
     """A threaded HTTP server answering ``/metrics`` from a collect function."""
 
@@ -138,7 +154,10 @@ class MetricsServer:
         self._thread.start()
 
     def _app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
-        if environ.get("PATH_INFO", "/") not in ("/metrics", "/"):
+        path = environ.get("PATH_INFO", "/")
+        if path == "/runbooks" or path.startswith("/runbooks/"):
+            return _runbook(path, start_response)
+        if path not in ("/metrics", "/"):
             start_response("404 Not Found", [("Content-Type", "text/plain")])
             return [b"not found; try /metrics\n"]
         body = render(self._collect()) + render([self._own_metrics()])

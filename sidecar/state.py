@@ -23,6 +23,8 @@ LOG_WINDOW = 256
 MAX_LOG_KEYS = 512
 #: Checkpoints remembered per run.
 CHECKPOINT_WINDOW = 64
+#: Refused checkpoint paths remembered per run (the count goes on).
+REFUSED_WINDOW = 16
 
 
 @dataclass(frozen=True)
@@ -149,6 +151,10 @@ class RunState:
     )
     checkpoints_total: int = 0
     checkpoints_unchanged: int = 0
+    #: Client-named checkpoint paths the sidecar refused to read: (path, reason), latest last.
+    refused_paths: deque[tuple[str, str]] = field(
+        default_factory=lambda: deque(maxlen=REFUSED_WINDOW))
+    refused_total: int = 0
     ended: bool = False
     end_reason: str = ""
     ended_at: float = 0.0

@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 import yaml
 
-from alerts import generate
-from alerts.catalogue import DETECTORS, ROOT_CAUSES, SYMPTOMS
+from alerts import rules
+from alerts.rules import SPECS
 from deadweight.sidecar.alertmanager import AlertmanagerPusher, alert_name
 from tests.realprocs import start_alertmanager, wait_for
 
-CONFIG = Path(__file__).resolve().parent.parent / "alerts" / generate.ALERTMANAGER_FILE
+CONFIG = Path(__file__).resolve().parent.parent / "alerts" / rules.ALERTMANAGER_FILE
 RECEIVER = {"critical": "pager", "warning": "ticket", "info": "null"}
 
 
@@ -41,10 +41,10 @@ def test_routes_by_severity(severity: str, receiver: str) -> None:
 
 
 def test_every_detector_alert_reaches_the_receiver_of_its_severity() -> None:
-    for d in DETECTORS:
-        got = _routes(f"alertname={alert_name(d.detector)}", f"detector={d.detector}",
-                      f"severity={d.severity}", "run_id=r1")
-        assert got == RECEIVER[d.severity], d.detector
+    for d in SPECS:
+        got = _routes(f"alertname={alert_name(d.id)}", f"detector={d.id}",
+                      f"severity={d.severity.value}", "run_id=r1")
+        assert got == RECEIVER[d.severity.value], d.id
 
 
 def test_unlabelled_alerts_fall_back_to_tickets() -> None:
@@ -65,10 +65,12 @@ def test_groups_one_notification_per_run() -> None:
     assert config["route"]["group_by"] == ["run_id"]
     [rule] = [r for r in config["inhibit_rules"] if r["equal"] == ["run_id"]
               and "FrozenWeights" in r["source_matchers"][0]]
-    for cause in ROOT_CAUSES:
-        assert alert_name(cause) in rule["source_matchers"][0]
-    for symptom in SYMPTOMS:
-        assert alert_name(symptom) in rule["target_matchers"][0]
+    symptoms = [d for d in SPECS if d.inhibited_by]
+    assert symptoms, "no detector names a root cause"
+    for d in symptoms:
+        for cause in d.inhibited_by:
+            assert alert_name(cause) in rule["source_matchers"][0]
+        assert alert_name(d.id) in rule["target_matchers"][0]
 
 
 @pytest.mark.slow

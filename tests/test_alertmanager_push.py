@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
+from deadweight.sidecar.alert_links import DEFAULT_RUNBOOK_URL_PATTERN
 from deadweight.sidecar.alertmanager import (
-    DEFAULT_RUNBOOK_BASE_URL,
     AlertmanagerPusher,
     alert_name,
     runbook_url,
@@ -46,12 +46,15 @@ def alertmanager(tmp_path: Path) -> Iterator[Alertmanager]:
 def test_alert_name_is_camel_case() -> None:
     assert alert_name("frozen_weights") == "DeadweightFrozenWeights"
     assert alert_name("kl_stuck_zero") == "DeadweightKlStuckZero"
-    assert runbook_url(DEFAULT_RUNBOOK_BASE_URL, "frozen_weights").endswith(
-        "/alerts/runbooks/frozen_weights.md")
+    assert runbook_url(DEFAULT_RUNBOOK_URL_PATTERN, "frozen_weights").endswith(
+        "/runbooks/frozen_weights")
+    assert runbook_url("https://wiki/{alertname}", "kl_stuck_zero") == (
+        "https://wiki/DeadweightKlStuckZero")
 
 
 def test_fire_then_resolve_reaches_real_alertmanager(alertmanager: Alertmanager) -> None:
-    pusher = AlertmanagerPusher(alertmanager.url, "https://example.invalid/runbooks")
+    pusher = AlertmanagerPusher(alertmanager.url, "https://example.invalid/runbooks/{detector}.md",
+                                "https://grafana.invalid/d/deadweight-run/r?var-run_id={run_id}")
     try:
         pusher.fire("run-7", "frozen_weights", "critical", "Run run-7 is not learning",
                     "Weights did not move for 12 optimizer steps.",
@@ -63,8 +66,11 @@ def test_fire_then_resolve_reaches_real_alertmanager(alertmanager: Alertmanager)
                                    "detector": "frozen_weights", "severity": "critical"}
         assert alert["status"]["state"] == "active"
         notes = alert["annotations"]
-        assert set(notes) == {"summary", "description", "runbook_url"}
+        assert set(notes) == {"summary", "description", "runbook_url", "dashboard_url"}
         assert notes["runbook_url"] == "https://example.invalid/runbooks/frozen_weights.md"
+        assert notes["dashboard_url"] == (
+            "https://grafana.invalid/d/deadweight-run/r?var-run_id=run-7")
+        assert alert["generatorURL"] == notes["dashboard_url"]
         assert "update_norm=0" in notes["description"]
         assert "grad_norm=0.41" in notes["description"]
 

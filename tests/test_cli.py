@@ -60,3 +60,11 @@ def test_demo_catches_the_frozen_run_and_spares_the_control(tmp_path: Path) -> N
     assert "RESULT: frozen run caught and stopped" in result.stdout
     assert "frozen_weights [critical, policy stop]" in result.stdout
     assert "differs from the initial adapter: False" in result.stdout
+
+
+def test_serve_refuses_a_link_pattern_with_an_unknown_placeholder(tmp_path: Path) -> None:
+    result = _run("serve", "--socket", str(tmp_path / "s.sock"),
+                  "--runbook-url-pattern", "https://wiki.example.com/{runbook}")
+    assert result.returncode == 2
+    assert "unknown placeholder(s) ['runbook']" in result.stderr
+    assert "{alertname}, {detector}" in result.stderr

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from alerts.catalogue import DETECTORS
+from alerts.rules import SPECS
 from dashboards import build
 from tests import promql
 from tests.realprocs import (
@@ -179,8 +179,8 @@ def _exporter_registry() -> CollectorRegistry:
     Gauge("deadweight_run_active", "a", run, registry=reg).labels(RUN, "GRPOTrainer").set(1)
     firing = Gauge("deadweight_detector_firing", "f", [*run, "detector", "severity"],
                    registry=reg)
-    for d in DETECTORS:
-        firing.labels(RUN, "GRPOTrainer", d.detector, d.severity).set(1)
+    for d in SPECS:
+        firing.labels(RUN, "GRPOTrainer", d.id, d.severity.value).set(1)
     for name in ("checkpoints", "checkpoint_unchanged"):
         Counter(f"deadweight_{name}", name, run, registry=reg).labels(RUN, "GRPOTrainer").inc(2)
     Gauge("deadweight_checkpoint_info", "i", [*run, "digest"], registry=reg).labels(
@@ -252,7 +252,7 @@ def test_rules_evaluate_cleanly_and_fire_in_prometheus(live_prometheus: Promethe
     def all_active() -> list[dict[str, Any]] | None:
         alerts = live_prometheus.alerts()
         names = {a["labels"]["alertname"] for a in alerts}
-        return alerts if len(names) == len(DETECTORS) + 2 else None
+        return alerts if len(names) == len(SPECS) + 2 else None
 
     alerts = wait_for(all_active, 20, what="every alert pending or firing")
     detector_alerts = [a for a in alerts if "detector" in a["labels"]]

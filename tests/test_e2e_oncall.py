@@ -6,8 +6,9 @@ scrapes the sidecar every second with the shipped rules and sends to a real Aler
 runs the shipped example config, routed to a webhook receiver inside this test. The sidecar's
 own pushes go through a recording pass-through so the test can show that both paths delivered.
 
-Shown: the frozen_weights page arrives with run_id, evidence and runbook_url, once, though both
-paths sent it; it resolves when the run ends; a healthy run pages nothing; every PromQL
+Shown: the frozen_weights page arrives with run_id, evidence, a runbook_url that opens (the
+sidecar serves it) and the run's dashboard_url, once, though both paths sent it with the same
+labels and links; it resolves when the run ends; a healthy run pages nothing; every PromQL
 expression in alerts/ and dashboards/ runs against this Prometheus and returns data.
 """
 
@@ -26,11 +27,12 @@ from typing import Any
 import pytest
 import yaml
 
-from alerts import generate
+from alerts import rules
+from alerts.rules import Patterns
 from deadweight.callbacks import DeadweightCallback
 from deadweight.demo import runs
 from deadweight.demo.sidecar_process import SidecarProcess
-from deadweight.sidecar.alertmanager import DEFAULT_RUNBOOK_BASE_URL, runbook_url
+from deadweight.sidecar.alert_links import dashboard_url, runbook_url
 from deadweight.sidecar.detectors import BY_ID
 from tests import promql
 from tests.realprocs import (
@@ -99,7 +101,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
 def _alertmanager_config(webhook: str) -> str:
     """The shipped example with the test's webhook and notification timings of seconds."""
-    config = yaml.safe_load((ROOT / "alerts" / generate.ALERTMANAGER_FILE).read_text())
+    config = yaml.safe_load((ROOT / "alerts" / rules.ALERTMANAGER_FILE).read_text())
     config["route"].update(group_wait="1s", group_interval="1s", repeat_interval="1h")
     for receiver in config["receivers"]:
         for hook in receiver.get("webhook_configs", []):
@@ -112,7 +114,7 @@ def _prometheus_config(sidecar_port: int, alertmanager: str) -> str:
 global:
   scrape_interval: 1s
   evaluation_interval: 1s
-rule_files: [{generate.RULES_FILE}]
+rule_files: [{rules.RULES_FILE}]
 alerting:
   alertmanagers:
     - static_configs: [{{targets: ["{alertmanager.removeprefix('http://')}"]}}]
@@ -130,6 +132,7 @@ class Stack:
     webhook: _Recorder
     sidecar_pushes: _Recorder  # what the sidecar sent, forwarded to Alertmanager
     prometheus_pushes: _Recorder  # what Prometheus sent, forwarded to Alertmanager
+    patterns: Patterns  # the links both paths were configured with
     live_query_failures: list[str] | None = None  # filled while the frozen run is held
 
     def pages(self, run_id: str) -> list[dict[str, Any]]:
@@ -148,14 +151,21 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     am = start_alertmanager(work / "am", _alertmanager_config(webhook.url))
     proxy = _Recorder(forward_to=am.url)
     prom_proxy = _Recorder(forward_to=am.url)
-    sidecar = SidecarProcess(work / "sidecar", extra_args=["--alertmanager-url", proxy.url])
+    sidecar = SidecarProcess(work / "sidecar")
+    # Runbook links point at this sidecar's own /runbooks/, on both paths.
+    patterns = Patterns(f"http://127.0.0.1:{sidecar.metrics_port}/runbooks/{{detector}}",
+                        "http://127.0.0.1:3000/d/deadweight-run/run?var-run_id={run_id}")
+    sidecar.extra_args = ["--alertmanager-url", proxy.url,
+                          "--runbook-url-pattern", patterns.runbook,
+                          "--dashboard-url-pattern", patterns.dashboard]
     sidecar.start()
-    rules = (ROOT / "alerts" / generate.RULES_FILE).read_text()
+    rule_text = rules.render(rules.DEFAULT_JOB_SELECTOR, rules.DEFAULT_STALE_SECONDS,
+                             patterns)[rules.RULES_FILE]
     config = _prometheus_config(sidecar.metrics_port, prom_proxy.url)
-    prom = start_prometheus(work / "prom", config, {generate.RULES_FILE: rules})
+    prom = start_prometheus(work / "prom", config, {rules.RULES_FILE: rule_text})
     try:
         wait_for(prom.targets_up, 30, what="Prometheus scraping the sidecar")
-        yield Stack(prom, am, sidecar, webhook, proxy, prom_proxy)
+        yield Stack(prom, am, sidecar, webhook, proxy, prom_proxy, patterns)
     finally:
         prom.stop()
         sidecar.stop()
@@ -214,11 +224,17 @@ def test_frozen_run_pages_once_with_evidence_and_resolves(
                                 save_steps=2)
     trainer.train()
 
-    # Both paths sent the alert with exactly the same label set ...
+    # Both paths sent the alert with exactly the same label set and the same links ...
     from_sidecar = _sent(stack.sidecar_pushes, "frozen_weights")
     from_prometheus = _sent(stack.prometheus_pushes, "frozen_weights")
     assert set(from_sidecar[0]["labels"]) == LABELS
     assert from_prometheus[0]["labels"] == from_sidecar[0]["labels"]
+    pushed, ruled = from_sidecar[0]["annotations"], from_prometheus[0]["annotations"]
+    assert set(pushed) == set(ruled) == {"summary", "description", "runbook_url",
+                                         "dashboard_url"}
+    for key in ("summary", "runbook_url", "dashboard_url"):
+        assert pushed[key] == ruled[key], key
+    assert from_sidecar[0]["generatorURL"] == pushed["dashboard_url"]
     # ... and it resolves once the run has ended: no active alert, a resolved notification.
     wait_for(lambda: any("resolved" in _status(n, "frozen_weights")
                          for n in stack.pages(FROZEN_RUN)), 30, what="the resolved page")
@@ -246,7 +262,13 @@ def test_frozen_run_pages_once_with_evidence_and_resolves(
     assert alert["labels"] == {"alertname": "DeadweightFrozenWeights", "run_id": FROZEN_RUN,
                                "detector": "frozen_weights", "severity": "critical"}
     notes = alert["annotations"]
-    assert notes["runbook_url"] == runbook_url(DEFAULT_RUNBOOK_BASE_URL, "frozen_weights")
+    assert notes["runbook_url"] == runbook_url(stack.patterns.runbook, "frozen_weights")
+    assert notes["dashboard_url"] == dashboard_url(stack.patterns.dashboard, FROZEN_RUN)
+    # The delivered link opens: the sidecar renders the runbook.
+    with urllib.request.urlopen(notes["runbook_url"], timeout=10) as response:
+        assert response.status == 200
+        assert response.headers["Content-Type"].startswith("text/html")
+        assert "<h1>DeadweightFrozenWeights</h1>" in response.read().decode()
     assert FROZEN_RUN in notes["summary"] + notes["description"]
     assert "update_norm=0" in notes["description"], notes["description"]
     assert "grad_norm=" in notes["description"]

@@ -195,6 +195,10 @@ def test_sidecar_serves_metrics_in_the_image(image: str, container: str,
         metrics = run([*in_ctr, "python3", "-c", fetch]).stdout
         version = pyproject()["project"]["version"]
         assert f'deadweight_sidecar_info{{version="{version}"}} 1.0' in metrics, metrics
+        # The runbooks ship in the image and open as HTML on the metrics port.
+        page = ("import urllib.request as u; print(u.urlopen("
+                f"'http://127.0.0.1:{port}/runbooks/frozen_weights', timeout=5).read().decode())")
+        assert "<h1>DeadweightFrozenWeights</h1>" in run([*in_ctr, "python3", "-c", page]).stdout
 
         socket_path = flag(config["Entrypoint"], "--socket")
         probe = (f"import os, stat; s = os.stat({socket_path!r}); "

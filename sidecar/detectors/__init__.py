@@ -1,15 +1,19 @@
 """Every detector the sidecar runs, in evaluation order.
 
-Add a detector by writing a class that follows ``base.Detector`` in a module of this package
-and listing an instance in ``ALL``; its id must be one of the public contract.
+Add a detector by writing a ``base.SpecDetector`` subclass with its ``spec`` (a
+``spec.DetectorSpec``) and ``evaluate`` in a module of this package, listing an instance in
+``ALL``, writing its runbook ``alerts/runbooks/<id>.md``, and running ``python -m
+alerts.generate``: the rules, their tests, the inhibitions, the PrometheusRule, the runbook
+index and the README table follow from the spec.
 """
 
 from __future__ import annotations
 
-from deadweight.sidecar.detectors.base import Detector, Policy, Severity, Verdict
+from deadweight.sidecar.detectors.base import Detector, SpecDetector, Verdict
 from deadweight.sidecar.detectors.checkpoints import (
     AdapterBloat,
     AdapterNeverTrained,
+    CheckpointRefused,
     CheckpointUnchanged,
     PickleCheckpoint,
 )
@@ -27,6 +31,7 @@ from deadweight.sidecar.detectors.setup import (
     NoKlAnchor,
     PartialTargetModules,
 )
+from deadweight.sidecar.detectors.spec import DetectorSpec, Policy, Severity
 from deadweight.sidecar.detectors.trends import (
     CompletionLengthCollapse,
     DpoLikelihoodCollapse,
@@ -55,11 +60,13 @@ ALL: tuple[Detector, ...] = (
     AdapterNeverTrained(),
     AdapterBloat(),
     PickleCheckpoint(),
+    CheckpointRefused(),
 )
 
 BY_ID: dict[str, Detector] = {d.id: d for d in ALL}
 
 #: Detectors that judge what a run wrote: they keep their verdict after the run ends.
-ARTIFACT_IDS = frozenset(d.id for d in ALL if getattr(d, "scope", "run") == "artifact")
+ARTIFACT_IDS = frozenset(d.id for d in ALL if d.scope == "artifact")
 
-__all__ = ["ALL", "ARTIFACT_IDS", "BY_ID", "Detector", "Policy", "Severity", "Verdict"]
+__all__ = ["ALL", "ARTIFACT_IDS", "BY_ID", "Detector", "DetectorSpec", "Policy", "Severity",
+           "SpecDetector", "Verdict"]

@@ -1,34 +1,23 @@
 """The detector contract: a small, pure function of a run's state that returns a verdict.
 
 A detector never acts and never keeps state of its own; the registry remembers verdicts and
-turns transitions into actions. Each has an id from the public contract, a severity, a
-runbook and a default policy (what the sidecar does when it fires).
+turns transitions into actions. Everything else about a detector (id, severity, default
+policy, latching, scope, thresholds, alert wording, evidence, runbook) is one ``DetectorSpec``
+the class holds as ``spec``; ``SpecDetector`` exposes it under the protocol's names.
 """
 
 from __future__ import annotations
 
-import enum
 import math
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import ClassVar, Protocol
 
+# Policy and Severity are re-exported: the registry, actions and CLI import them from here.
+from deadweight.sidecar.detectors.spec import DetectorSpec, Scope
+from deadweight.sidecar.detectors.spec import Policy as Policy
+from deadweight.sidecar.detectors.spec import Severity as Severity
 from deadweight.sidecar.settings import DetectorSettings
 from deadweight.sidecar.state import RunState
-
-
-class Severity(str, enum.Enum):
-    CRITICAL = "critical"
-    WARNING = "warning"
-    INFO = "info"
-
-
-class Policy(str, enum.Enum):
-    """What firing leads to; each level includes the ones before it."""
-
-    OBSERVE = "observe"
-    PAGE = "page"
-    STOP = "stop"
-    KILL = "kill"
 
 
 @dataclass(frozen=True)
@@ -44,15 +33,56 @@ class Verdict:
 class Detector(Protocol):
     """One silent failure, detected."""
 
-    id: str
-    severity: Severity
-    default_policy: Policy
-    #: Whether the verdict stands once given (facts at train begin) or can recover.
-    latching: bool
+    spec: ClassVar[DetectorSpec]
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def severity(self) -> Severity: ...
+
+    @property
+    def default_policy(self) -> Policy: ...
+
+    @property
+    def latching(self) -> bool:
+        """Whether the verdict stands once given (facts at train begin) or can recover."""
+        ...
+
+    @property
+    def scope(self) -> Scope:
+        """"run" verdicts end with the run; "artifact" ones stand until the run expires."""
+        ...
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
         """The verdict for run now, or None when there is not enough data to say."""
         ...
+
+
+class SpecDetector:
+    """Base of every detector: the protocol's attributes, read from the class's ``spec``."""
+
+    spec: ClassVar[DetectorSpec]
+
+    @property
+    def id(self) -> str:
+        return self.spec.id
+
+    @property
+    def severity(self) -> Severity:
+        return self.spec.severity
+
+    @property
+    def default_policy(self) -> Policy:
+        return self.spec.policy
+
+    @property
+    def latching(self) -> bool:
+        return self.spec.latching
+
+    @property
+    def scope(self) -> Scope:
+        return self.spec.scope
 
 
 def fmt(value: float | int | None) -> str:
@@ -88,8 +118,13 @@ def trained_before(run: RunState, step: int) -> bool:
     A step counts when its lr was > 0 or it lies past the warmup (so lr 0 by mistake counts,
     warmup's lr-0 first step does not); True when the step history is gone or never came.
     """
-    warmup = int(run.config.get("resolved_warmup_steps", run.config.get("warmup_steps", 0)))
+    warmup = warmup_steps(run)
     steps = run.combined_steps()
     if not steps or steps[0].step > 1:
         return True
     return any(p.learning_rate > 0 or p.step > warmup for p in steps if p.step <= step)
+
+
+def warmup_steps(run: RunState) -> int:
+    """The run's warmup in optimizer steps (the trainer's resolved value when it sent one)."""
+    return int(run.config.get("resolved_warmup_steps", run.config.get("warmup_steps", 0)))

@@ -7,7 +7,14 @@ and they only look at checkpoints written after an optimizer step at lr > 0.
 from __future__ import annotations
 
 from deadweight.sidecar.checkpoint_inspector import CheckpointInspection
-from deadweight.sidecar.detectors.base import Policy, Severity, Verdict, fmt, trained_before
+from deadweight.sidecar.detectors.base import SpecDetector, Verdict, fmt, trained_before
+from deadweight.sidecar.detectors.spec import (
+    ROOT_CAUSES,
+    DetectorSpec,
+    Evidence,
+    Severity,
+    Threshold,
+)
 from deadweight.sidecar.settings import DetectorSettings
 from deadweight.sidecar.state import CheckpointPoint, RunState
 
@@ -38,21 +45,37 @@ def judge(run: RunState, point: CheckpointPoint) -> None:
     point.unchanged_from = same
 
 
-def _latest_inspected(run: RunState) -> tuple[CheckpointPoint, CheckpointInspection] | None:
-    for point in reversed(run.checkpoints):
-        if point.inspection is not None:
-            return point, point.inspection
-    return None
+class _InspectedCheckpoint(SpecDetector):
+    """A detector over the latest checkpoint whose files were inspected: no verdict before."""
+
+    def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
+        for point in reversed(run.checkpoints):
+            if point.inspection is not None:
+                return self.judge_inspected(run, point, point.inspection, settings)
+        return None
+
+    def judge_inspected(self, run: RunState, point: CheckpointPoint, ins: CheckpointInspection,
+                        settings: DetectorSettings) -> Verdict:
+        raise NotImplementedError
 
 
-class CheckpointUnchanged:
+class CheckpointUnchanged(SpecDetector):
     """The latest checkpoint is byte-identical to the previous one or to the initial adapter."""
 
-    id = "checkpoint_unchanged"
-    severity = Severity.CRITICAL
-    default_policy = Policy.PAGE
-    latching = False
-    scope = "artifact"
+    spec = DetectorSpec(
+        id="checkpoint_unchanged",
+        severity=Severity.CRITICAL,
+        scope="artifact",
+        summary="Run {run_id} writes checkpoints identical to the initial adapter",
+        meaning="the saved adapter tensors hash equal to the previous or initial ones: the run "
+        "produces nothing new",
+        fires_when="the latest checkpoint's adapter bytes (per-tensor xxh3-128) equal the "
+        "previous checkpoint's or the initial adapter's",
+        cadence="every checkpoint after a step that should have moved weights",
+        evidence=(Evidence("checkpoint_unchanged_total", 2), Evidence("checkpoints_total"),
+                  Evidence("update_norm", 0), Evidence("loss")),
+        inhibited_by=ROOT_CAUSES,
+    )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
         if not run.checkpoints:
@@ -73,20 +96,25 @@ class CheckpointUnchanged:
         )
 
 
-class AdapterNeverTrained:
+class AdapterNeverTrained(_InspectedCheckpoint):
     """Every ``lora_B`` tensor of the saved adapter is exactly zero: the adapter is a no-op."""
 
-    id = "adapter_never_trained"
-    severity = Severity.CRITICAL
-    default_policy = Policy.PAGE
-    latching = False
-    scope = "artifact"
+    spec = DetectorSpec(
+        id="adapter_never_trained",
+        severity=Severity.CRITICAL,
+        scope="artifact",
+        summary="Run {run_id} saved an adapter that was never trained",
+        meaning="every lora_B tensor in the saved adapter is exactly zero: the adapter is the "
+        "identity it started as",
+        fires_when="every `lora_B` tensor of the saved adapter is exactly zero",
+        cadence="every inspected checkpoint",
+        evidence=(Evidence("checkpoints_total"), Evidence("checkpoint_adapter_bytes"),
+                  Evidence("update_norm", 0)),
+        inhibited_by=ROOT_CAUSES,
+    )
 
-    def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
-        latest = _latest_inspected(run)
-        if latest is None:
-            return None
-        point, ins = latest
+    def judge_inspected(self, run: RunState, point: CheckpointPoint, ins: CheckpointInspection,
+                        settings: DetectorSettings) -> Verdict:
         if (not ins.is_adapter or ins.lora_b_tensors == 0 or ins.lora_b_nonzero_tensors > 0
                 or not trained_before(run, point.step)):
             return Verdict(False, step=point.step)
@@ -101,20 +129,26 @@ class AdapterNeverTrained:
         )
 
 
-class AdapterBloat:
+class AdapterBloat(_InspectedCheckpoint):
     """The adapter file carries non-LoRA tensors (embeddings, lm_head) larger than the LoRA."""
 
-    id = "adapter_bloat"
-    severity = Severity.WARNING
-    default_policy = Policy.PAGE
-    latching = False
-    scope = "artifact"
+    spec = DetectorSpec(
+        id="adapter_bloat",
+        severity=Severity.WARNING,
+        scope="artifact",
+        summary="Run {run_id} saves an adapter with full (non-LoRA) tensors",
+        meaning="the adapter file holds non-LoRA tensors (embed_tokens, lm_head, wte) and is "
+        "far larger than its LoRA weights",
+        fires_when="the saved adapter holds non-LoRA tensors (`embed_tokens`, `lm_head`, `wte`) "
+        "with more parameters than its LoRA tensors",
+        thresholds=(Threshold("adapter_bloat_ratio", "ratio",
+                              "non-LoRA parameters saved in an adapter, relative to its LoRA "
+                              "parameters"),),
+        evidence=(Evidence("checkpoint_adapter_bytes", 483328), Evidence("checkpoints_total")),
+    )
 
-    def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
-        latest = _latest_inspected(run)
-        if latest is None:
-            return None
-        point, ins = latest
+    def judge_inspected(self, run: RunState, point: CheckpointPoint, ins: CheckpointInspection,
+                        settings: DetectorSettings) -> Verdict:
         extra = ins.non_lora_params
         if not ins.is_adapter or extra <= settings.adapter_bloat_ratio * max(ins.lora_params, 1):
             return Verdict(False, step=point.step)
@@ -133,20 +167,25 @@ class AdapterBloat:
         )
 
 
-class PickleCheckpoint:
+class PickleCheckpoint(_InspectedCheckpoint):
     """A checkpoint holds pickled weights (``.bin``, ``.pt``): loading them runs code."""
 
-    id = "pickle_checkpoint"
-    severity = Severity.WARNING
-    default_policy = Policy.PAGE
-    latching = False
-    scope = "artifact"
+    spec = DetectorSpec(
+        id="pickle_checkpoint",
+        severity=Severity.WARNING,
+        scope="artifact",
+        summary="Run {run_id} wrote a pickle checkpoint",
+        meaning="a checkpoint holds a pickle file (adapter_model.bin / pytorch_model.bin); "
+        "loading it can run arbitrary code",
+        fires_when="a checkpoint holds pickled weights (`adapter_model.bin`, `*.pt`, ...); the "
+        "Trainer's own resume files (`training_args.bin`, `optimizer.pt`, `scheduler.pt`, "
+        "`rng_state*.pth`) are not counted",
+        cadence="every inspected checkpoint",
+        evidence=(Evidence("checkpoints_total"),),
+    )
 
-    def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
-        latest = _latest_inspected(run)
-        if latest is None:
-            return None
-        point, ins = latest
+    def judge_inspected(self, run: RunState, point: CheckpointPoint, ins: CheckpointInspection,
+                        settings: DetectorSettings) -> Verdict:
         files = ins.pickle_files
         if not files:
             return Verdict(False, step=point.step)
@@ -156,4 +195,34 @@ class PickleCheckpoint:
             summary=f"{point.path} holds pickled weights: {', '.join(files)}",
             evidence={"checkpoint": point.path, "pickle_files": ",".join(files),
                       "step": fmt(point.step)},
+        )
+
+
+class CheckpointRefused(SpecDetector):
+    """A checkpoint path the run named was not read: outside ``--watch-root``, another uid's,
+    over a size cap, or not a regular file. Its verdicts are unknown, and it may be an attack."""
+
+    spec = DetectorSpec(
+        id="checkpoint_refused",
+        severity=Severity.WARNING,
+        scope="artifact",
+        summary="Run {run_id} named checkpoints the sidecar refused to read",
+        meaning="a checkpoint folder the run named lies outside the allowed --watch-root "
+        "folders, belongs to another uid, exceeds a header cap or is not a regular file: its "
+        "checkpoints were not audited",
+        fires_when="a client-named checkpoint path was refused (outside `--watch-root`, owned "
+        "by another uid than the run's, header or tensor count over its cap, a FIFO or symlink)",
+        cadence="every refused path",
+        evidence=(Evidence("checkpoints_total"),),
+    )
+
+    def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
+        if not run.refused_paths:
+            return None
+        path, reason = run.refused_paths[-1]
+        return Verdict(
+            True,
+            step=run.step,
+            summary=f"{run.refused_total} checkpoint path(s) not read; latest {path}: {reason}",
+            evidence={"path": path, "reason": reason, "refused": fmt(run.refused_total)},
         )

@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import math
 
-from deadweight.sidecar.detectors.base import Policy, Severity, Verdict, fmt
+from deadweight.sidecar.detectors.base import SpecDetector, Verdict, fmt
+from deadweight.sidecar.detectors.spec import DetectorSpec, Evidence, Severity, Threshold
 from deadweight.sidecar.settings import DetectorSettings
 from deadweight.sidecar.state import RunState, StepPoint
+
+#: Also read by lora_lr_too_low (K steps at lr 0 after the warmup).
+FROZEN_STEPS = Threshold("frozen_steps", "optimizer steps",
+                         "consecutive frozen optimizer steps (at lr > 0) before it fires")
+FROZEN_RATIO_FLOOR = Threshold("frozen_ratio_floor", "ratio",
+                               "a scale-free update ratio below this counts as frozen (healthy "
+                               "tiny runs sit at 0.38-0.86; frozen runs at exactly 0)")
 
 
 def _is_frozen_step(point: StepPoint, settings: DetectorSettings) -> bool:
@@ -16,7 +24,7 @@ def _is_frozen_step(point: StepPoint, settings: DetectorSettings) -> bool:
     return ratio is not None and ratio < settings.frozen_ratio_floor
 
 
-class FrozenWeights:
+class FrozenWeights(SpecDetector):
     """K consecutive optimizer steps with lr > 0 and a finite loss moved no weight.
 
     Steps at lr 0 (warmup's first step) neither count nor break the streak. A zero update
@@ -25,10 +33,20 @@ class FrozenWeights:
     gradient that is flowing, a zero update means the weights are cut off from training.
     """
 
-    id = "frozen_weights"
-    severity = Severity.CRITICAL
-    default_policy = Policy.PAGE
-    latching = False
+    spec = DetectorSpec(
+        id="frozen_weights",
+        severity=Severity.CRITICAL,
+        summary="Run {run_id} reports a live loss but its weights do not move",
+        meaning="optimizer steps with lr > 0, finite loss and grad_norm > 0 left every "
+        "trainable weight unchanged",
+        fires_when="consecutive optimizer steps at lr > 0 moved no weight (or the scale-free "
+        "ratio `update_L2/(lr·√n)` fell below its floor) while the loss was finite and the "
+        "gradient flowed or the optimizer was empty",
+        thresholds=(FROZEN_STEPS, FROZEN_RATIO_FLOOR),
+        evidence=(Evidence("frozen_steps", 12), Evidence("update_norm", 0),
+                  Evidence("update_ratio", 0), Evidence("loss"), Evidence("grad_norm"),
+                  Evidence("learning_rate")),
+    )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
         steps = [p for p in run.combined_steps() if p.learning_rate > 0]

@@ -5,18 +5,30 @@ from __future__ import annotations
 import math
 import time
 
-from deadweight.sidecar.detectors.base import Policy, Severity, Verdict, fmt
+from deadweight.sidecar.detectors.base import SpecDetector, Verdict, fmt
+from deadweight.sidecar.detectors.spec import (
+    ROOT_CAUSES,
+    DetectorSpec,
+    Evidence,
+    Severity,
+    Threshold,
+)
 from deadweight.sidecar.settings import DetectorSettings
 from deadweight.sidecar.state import RunState, StepPoint
 
 
-class NonfiniteLoss:
+class NonfiniteLoss(SpecDetector):
     """The loss or gradient norm is NaN or infinite, or an update wrote non-finite weights."""
 
-    id = "nonfinite_loss"
-    severity = Severity.CRITICAL
-    default_policy = Policy.PAGE
-    latching = False
+    spec = DetectorSpec(
+        id="nonfinite_loss",
+        severity=Severity.CRITICAL,
+        summary="Run {run_id} reports a NaN or infinite loss or grad norm",
+        meaning="the loss or the gradient norm is not finite; every later update is garbage",
+        fires_when="the latest `loss` or `grad_norm` is NaN/inf, or an update wrote non-finite "
+        "weights",
+        evidence=(Evidence("loss", float("inf")), Evidence("grad_norm"), Evidence("step")),
+    )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
         loss = run.log_value("loss")
@@ -67,7 +79,7 @@ def _first_bad_step(run: RunState, bad: list[str], steps: list[StepPoint]) -> in
     return min(starts, default=steps[-1].step if steps else 0)
 
 
-class Stalled:
+class Stalled(SpecDetector):
     """A live run went silent, or its training loop stopped making steps.
 
     Silence (no step, log or heartbeat for ``stalled_seconds``) means a dead or frozen
@@ -75,10 +87,24 @@ class Stalled:
     ``stalled_step_seconds`` is hung in a data loader, a collective or generation.
     """
 
-    id = "stalled"
-    severity = Severity.CRITICAL
-    default_policy = Policy.PAGE
-    latching = False
+    spec = DetectorSpec(
+        id="stalled",
+        severity=Severity.CRITICAL,
+        summary="Run {run_id} stopped making progress",
+        meaning="no message at all arrived within the stall window (the process is gone or "
+        "frozen), or heartbeats still arrive but no optimizer step did (the training loop is "
+        "hung)",
+        fires_when="a live run sent no message at all (step, log, heartbeat), or its loop made "
+        "no optimizer step while heartbeats still arrive",
+        thresholds=(Threshold("stalled_seconds", "seconds",
+                              "seconds without any message (step, log or heartbeat) from a "
+                              "live run"),
+                    Threshold("stalled_step_seconds", "seconds",
+                              "seconds without an optimizer step while heartbeats still arrive "
+                              "(a hung loop whose sender thread is alive); long enough for slow "
+                              "steps and evaluations")),
+        evidence=(Evidence("seconds_since_last_step"), Evidence("step")),
+    )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
         if run.start is None or run.ended:
@@ -107,17 +133,27 @@ class Stalled:
         )
 
 
-class DecayOnlyUpdate:
+class DecayOnlyUpdate(SpecDetector):
     """Weights move while the gradient norm is exactly 0: weight decay, not learning.
 
     A flat reward or a loss detached from the adapter gives zero gradients; decoupled weight
     decay still shrinks the weights, so an update-norm check alone would call the run alive.
     """
 
-    id = "decay_only_update"
-    severity = Severity.WARNING
-    default_policy = Policy.PAGE
-    latching = False
+    spec = DetectorSpec(
+        id="decay_only_update",
+        severity=Severity.WARNING,
+        summary="Run {run_id} moves its weights by weight decay alone",
+        meaning="weights change while the gradient norm is zero: the movement is decay, not "
+        "learning",
+        fires_when="weights move while the logged `grad_norm` is exactly 0 and weight decay "
+        "> 0: decay, not learning",
+        thresholds=(Threshold("decay_only_steps", "logged steps",
+                              "consecutive logged steps with grad_norm exactly 0 and a weight "
+                              "update"),),
+        evidence=(Evidence("update_norm"), Evidence("grad_norm", 0), Evidence("learning_rate")),
+        inhibited_by=ROOT_CAUSES,
+    )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
         grads = run.history("grad_norm")

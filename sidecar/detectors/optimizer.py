@@ -2,22 +2,36 @@
 
 from __future__ import annotations
 
-from deadweight.sidecar.detectors.base import Policy, Severity, Verdict, fmt
+from deadweight.sidecar.detectors.base import SpecDetector, Verdict, fmt
+from deadweight.sidecar.detectors.spec import (
+    ROOT_CAUSES,
+    DetectorSpec,
+    Evidence,
+    Severity,
+    Threshold,
+)
 from deadweight.sidecar.settings import DetectorSettings
 from deadweight.sidecar.state import RunState
 
 
-class EmptyOptimizer:
+class EmptyOptimizer(SpecDetector):
     """At train begin the optimizer holds no parameters: nothing this run does can train.
 
     The classic cause is ``PeftModel.from_pretrained(base, path)`` without
     ``is_trainable=True``: every adapter tensor is frozen when the optimizer is built.
     """
 
-    id = "empty_optimizer"
-    severity = Severity.CRITICAL
-    default_policy = Policy.PAGE
-    latching = True
+    spec = DetectorSpec(
+        id="empty_optimizer",
+        severity=Severity.CRITICAL,
+        latching=True,
+        summary="Run {run_id} trains with an optimizer that holds no parameters",
+        meaning="the optimizer was built with zero parameters, so no step can change the model",
+        fires_when="at train begin the optimizer holds 0 parameters (e.g. "
+        "`PeftModel.from_pretrained` without `is_trainable=True`)",
+        evidence=(Evidence("optimizer_params", 0), Evidence("trainable_params", 0),
+                  Evidence("grad_norm"), Evidence("loss")),
+    )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
         if run.start is None:
@@ -43,7 +57,7 @@ class EmptyOptimizer:
         )
 
 
-class GradNotInOptimizer:
+class GradNotInOptimizer(SpecDetector):
     """Parameters get gradients that no optimizer applies: grad_norm looks alive, nothing learns.
 
     At train begin: tensors with ``requires_grad`` that the optimizer does not hold. Per step:
@@ -52,10 +66,20 @@ class GradNotInOptimizer:
     reference pass re-enables ``requires_grad`` after the optimizer was built empty.
     """
 
-    id = "grad_not_in_optimizer"
-    severity = Severity.CRITICAL
-    default_policy = Policy.PAGE
-    latching = False
+    spec = DetectorSpec(
+        id="grad_not_in_optimizer",
+        severity=Severity.CRITICAL,
+        summary="Run {run_id} computes gradients for parameters its optimizer does not hold",
+        meaning="parameters receive gradients (grad_norm looks alive) but are not in the "
+        "optimizer, so they are never updated",
+        fires_when="parameters require grad at train begin but are not in the optimizer, or "
+        "carry a `.grad` at an optimizer step while the optimizer lacks them (F1 under GRPO "
+        "with beta > 0: the reference pass re-enables `requires_grad`)",
+        cadence="at once, per step",
+        evidence=(Evidence("grad_not_in_optimizer_params", 8), Evidence("optimizer_params", 0),
+                  Evidence("grad_norm"), Evidence("update_norm", 0)),
+        inhibited_by=ROOT_CAUSES,
+    )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
         if run.start is None:
@@ -116,7 +140,7 @@ def _is_reference(run: RunState, name: str) -> bool:
                                                          "RLOOTrainer"}
 
 
-class InactiveAdapter:
+class InactiveAdapter(SpecDetector):
     """An adapter the run holds is not the one that trains.
 
     Either a second adapter was added but never activated (at train begin: it has tensors, the
@@ -125,10 +149,22 @@ class InactiveAdapter:
     for K steps while gradients go to tensors outside the optimizer or another adapter moves).
     """
 
-    id = "inactive_adapter"
-    severity = Severity.CRITICAL
-    default_policy = Policy.PAGE
-    latching = False
+    spec = DetectorSpec(
+        id="inactive_adapter",
+        severity=Severity.CRITICAL,
+        summary="Run {run_id} trains an adapter other than the one it saves",
+        meaning="an adapter the run was configured to train is not active or not in the "
+        "optimizer (never activated, or switched by set_adapter mid-run)",
+        fires_when="an adapter has tensors but none in the optimizer while another trains; or "
+        "an adapter the optimizer holds stays unchanged while gradients go elsewhere "
+        "(`set_adapter` mid-run). TRL's `ref` copy under GRPO/DPO is exempt",
+        thresholds=(Threshold("inactive_adapter_steps", "optimizer steps",
+                              "consecutive optimizer steps (lr > 0) in which an adapter the "
+                              "optimizer holds stayed unchanged while another adapter received "
+                              "gradients or moved"),),
+        evidence=(Evidence("optimizer_params", 4), Evidence("trainable_params"),
+                  Evidence("grad_not_in_optimizer_params", 4)),
+    )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
         if run.start is None:

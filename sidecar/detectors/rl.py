@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 from deadweight.sidecar.detectors.base import (
-    Policy,
-    Severity,
+    SpecDetector,
     Verdict,
     finite_history,
     fmt,
     is_rl,
+    warmup_steps,
+)
+from deadweight.sidecar.detectors.spec import (
+    ROOT_CAUSES,
+    DetectorSpec,
+    Evidence,
+    Severity,
+    Threshold,
 )
 from deadweight.sidecar.settings import DetectorSettings
 from deadweight.sidecar.state import RunState
@@ -18,13 +25,21 @@ def _beta(run: RunState) -> float:
     return run.config.get("beta", 0.0)
 
 
-class KlMissing:
+class KlMissing(SpecDetector):
     """beta > 0 yet the trainer never logs ``kl``: the KL term is not computed as configured."""
 
-    id = "kl_missing"
-    severity = Severity.WARNING
-    default_policy = Policy.PAGE
-    latching = False
+    spec = DetectorSpec(
+        id="kl_missing",
+        severity=Severity.WARNING,
+        summary="Run {run_id} was configured with a KL penalty but logs no KL",
+        meaning="beta > 0 but no `kl` value arrives, so the KL anchor cannot be checked",
+        fires_when="beta > 0 but no `kl` key in the logs (beta set where the trainer never read "
+        "it)",
+        thresholds=(Threshold("kl_missing_logs", "log reports",
+                              "log reports with a loss but no `kl` key (beta > 0) before it "
+                              "fires"),),
+        evidence=(Evidence("kl_series"), Evidence("step")),
+    )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
         if run.start is None or not is_rl(run) or _beta(run) <= 0:
@@ -41,22 +56,32 @@ class KlMissing:
         )
 
 
-class KlStuckZero:
+class KlStuckZero(SpecDetector):
     """beta > 0 and ``kl`` is exactly 0 after the first updates: policy equals reference.
 
     Step 1 (and warmup steps at lr 0) legitimately log 0; later an exact 0 means the policy
     never moved, or the reference moves with it.
     """
 
-    id = "kl_stuck_zero"
-    severity = Severity.WARNING
-    default_policy = Policy.PAGE
-    latching = False
+    spec = DetectorSpec(
+        id="kl_stuck_zero",
+        severity=Severity.WARNING,
+        summary="Run {run_id} logs a KL of exactly 0 after the first step",
+        meaning="KL to the reference stays exactly 0: the policy equals the reference, so it is "
+        "not moving (or the reference is the policy itself)",
+        fires_when="beta > 0 and `kl` exactly 0 after step 1 and the warmup: the policy equals "
+        "the reference",
+        thresholds=(Threshold("kl_zero_logs", "log reports",
+                              "consecutive log reports with `kl` exactly 0 (after warmup) "
+                              "before it fires"),),
+        evidence=(Evidence("kl", 0), Evidence("update_norm"), Evidence("step")),
+        inhibited_by=ROOT_CAUSES,
+    )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
         if run.start is None or not is_rl(run) or _beta(run) <= 0:
             return None
-        warmup = int(run.config.get("resolved_warmup_steps", run.config.get("warmup_steps", 0)))
+        warmup = warmup_steps(run)
         values = [(s, v) for s, v in finite_history(run, "kl") if s > warmup + 1]
         window = values[-settings.kl_zero_logs:]
         if len(window) < settings.kl_zero_logs or any(v != 0 for _, v in window):
@@ -77,7 +102,7 @@ def _update_norm(run: RunState) -> float | None:
     return steps[-1].update_norm if steps else None
 
 
-class ZeroRewardVariance:
+class ZeroRewardVariance(SpecDetector):
     """Every completion of a prompt gets the same reward: advantages and gradients are 0.
 
     Read from ``frac_reward_zero_std`` (1 when every group is flat, e.g. a reward that depends
@@ -85,10 +110,22 @@ class ZeroRewardVariance:
     window; ``reward_std`` is not used, it stays > 0 when rewards differ only between prompts.
     """
 
-    id = "zero_reward_variance"
-    severity = Severity.CRITICAL
-    default_policy = Policy.PAGE
-    latching = False
+    spec = DetectorSpec(
+        id="zero_reward_variance",
+        severity=Severity.CRITICAL,
+        summary="Run {run_id} gets the same reward for every completion of a prompt",
+        meaning="every GRPO group has zero reward spread, so advantages and gradients are zero",
+        fires_when="`frac_reward_zero_std == 1` or a `rewards/<fn>/std == 0` for a window of "
+        "logs (constant or prompt-only reward); `reward_std` is not used, it stays > 0 when "
+        "rewards differ only between prompts",
+        thresholds=(Threshold("zero_reward_logs", "log reports",
+                              "consecutive log reports with frac_reward_zero_std == 1, or with "
+                              "a rewards/<fn>/std == 0 (one such step happens on healthy tiny "
+                              "runs)"),),
+        evidence=(Evidence("frac_reward_zero_std", 1), Evidence("reward_std"),
+                  Evidence("reward"), Evidence("grad_norm", 0), Evidence("update_norm", 0)),
+        inhibited_by=ROOT_CAUSES,
+    )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
         n = settings.zero_reward_logs

@@ -2,22 +2,37 @@
 
 from __future__ import annotations
 
-from deadweight.sidecar.detectors.base import Policy, Severity, Verdict, fmt, is_rl
+from deadweight.sidecar.detectors.base import SpecDetector, Verdict, fmt, is_rl, warmup_steps
+from deadweight.sidecar.detectors.frozen import FROZEN_STEPS
+from deadweight.sidecar.detectors.spec import (
+    DetectorSpec,
+    Evidence,
+    Policy,
+    Severity,
+    Threshold,
+)
 from deadweight.sidecar.settings import DetectorSettings
 from deadweight.sidecar.state import RunState
 
 
-class PartialTargetModules:
+class PartialTargetModules(SpecDetector):
     """Some requested LoRA target modules matched nothing (a typo such as ``vproj``).
 
     PEFT raises only when no target matches at all; a partial match trains a smaller adapter
     than intended without a word.
     """
 
-    id = "partial_target_modules"
-    severity = Severity.WARNING
-    default_policy = Policy.PAGE
-    latching = True
+    spec = DetectorSpec(
+        id="partial_target_modules",
+        severity=Severity.WARNING,
+        latching=True,
+        summary="Run {run_id} asked for LoRA target modules that matched nothing",
+        meaning="some requested target_modules matched no module in the model (PEFT raises "
+        "only when none match), so part of the intended adapter does not exist",
+        fires_when="some requested `target_modules` (list entries, or the alternatives of a "
+        "regex like `.*\\.(q_proj\\|vproj)`) matched no module",
+        evidence=(Evidence("trainable_params", 4), Evidence("optimizer_params", 4)),
+    )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
         if run.start is None:
@@ -41,7 +56,7 @@ class PartialTargetModules:
         )
 
 
-class EmbeddingResized:
+class EmbeddingResized(SpecDetector):
     """The embedding has a different row count than the base model's vocabulary.
 
     Typically a pad token added and ``resize_token_embeddings`` called before LoRA: PEFT then
@@ -49,11 +64,19 @@ class EmbeddingResized:
     adapter no longer loads on the unmodified base model.
     """
 
-    id = "embedding_resized"
-    severity = Severity.WARNING
-    default_policy = Policy.PAGE
-    latching = True
-    scope = "artifact"  # it predicts what every saved adapter will hold
+    spec = DetectorSpec(
+        id="embedding_resized",
+        severity=Severity.WARNING,
+        latching=True,
+        scope="artifact",  # it predicts what every saved adapter will hold
+        summary="Run {run_id} resized the token embeddings under a LoRA adapter",
+        meaning="the embedding rows differ from the base vocabulary, so the adapter will carry "
+        "the whole embedding and no longer load on the base model",
+        fires_when="the embedding's rows differ from the base model's `vocab_size` (pad token "
+        "added + `resize_token_embeddings` before LoRA): the adapter will carry the embedding "
+        "or not load on the base",
+        evidence=(Evidence("checkpoint_adapter_bytes"), Evidence("trainable_params")),
+    )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
         if run.start is None:
@@ -81,7 +104,7 @@ class EmbeddingResized:
         )
 
 
-class LoraLrTooLow:
+class LoraLrTooLow(SpecDetector):
     """The configured learning rate cannot train the adapter in this run.
 
     Fires for a learning rate of 0, a warmup at least as long as the run (the peak rate is
@@ -89,10 +112,23 @@ class LoraLrTooLow:
     1e-6 for GRPO/DPO), or K optimizer steps at lr 0 after the warmup.
     """
 
-    id = "lora_lr_too_low"
-    severity = Severity.WARNING
-    default_policy = Policy.PAGE
-    latching = False
+    spec = DetectorSpec(
+        id="lora_lr_too_low",
+        severity=Severity.WARNING,
+        summary="Run {run_id} trains a LoRA adapter with a full-fine-tune learning rate",
+        meaning="the learning rate is far below the LoRA range (1e-4..2e-4), so the adapter "
+        "learns almost nothing",
+        fires_when="learning rate 0, a warmup at least as long as the run, a PEFT run below the "
+        "LoRA floor (the full fine-tune defaults 2e-5 / 1e-6), or K steps at lr 0 after the "
+        "warmup",
+        thresholds=(Threshold("lora_lr_floor", "learning rate",
+                              "a PEFT run configured below this learning rate is flagged (full "
+                              "fine-tune defaults are 2e-5 for SFT, 1e-6 for GRPO/DPO; LoRA "
+                              "wants ~1e-4)"),
+                    FROZEN_STEPS),
+        evidence=(Evidence("learning_rate", 1e-06), Evidence("update_ratio"),
+                  Evidence("update_norm", 2e-06)),
+    )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
         if run.start is None:
@@ -100,7 +136,7 @@ class LoraLrTooLow:
         config = run.config
         lr = config.get("learning_rate")
         total = int(config.get("total_steps", 0))
-        warmup = int(config.get("resolved_warmup_steps", config.get("warmup_steps", 0)))
+        warmup = warmup_steps(run)
         is_peft = run.start.preflight.is_peft
         evidence = {
             "learning_rate": fmt(lr),
@@ -130,17 +166,25 @@ class LoraLrTooLow:
                        summary=f"{reason}: the adapter barely moves", evidence=evidence)
 
 
-class NoKlAnchor:
+class NoKlAnchor(SpecDetector):
     """GRPO/RLOO with beta 0: nothing ties the policy to the reference model.
 
     TRL's default, so information rather than an error; with it the policy can drift and
     completions collapse without a KL term to show it.
     """
 
-    id = "no_kl_anchor"
-    severity = Severity.INFO
-    default_policy = Policy.OBSERVE
-    latching = True
+    spec = DetectorSpec(
+        id="no_kl_anchor",
+        severity=Severity.INFO,
+        policy=Policy.OBSERVE,
+        latching=True,
+        summary="Run {run_id} trains with beta = 0 (no KL anchor to the reference)",
+        meaning="GRPO/RLOO run without a KL penalty; the policy may drift (often fine, but "
+        "worth knowing when completions shrink)",
+        fires_when="GRPO/RLOO with `beta=0` (TRL's default): nothing ties the policy to the "
+        "reference",
+        evidence=(Evidence("kl_series"), Evidence("completion_mean_length")),
+    )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
         if run.start is None:

@@ -7,16 +7,21 @@ absolute floor: a tiny model's entropy sits near 5.75 for a whole healthy run.
 from __future__ import annotations
 
 from deadweight.sidecar.detectors.base import (
-    Policy,
-    Severity,
+    SpecDetector,
     Verdict,
     finite_history,
     fmt,
     is_rl,
     mean,
 )
+from deadweight.sidecar.detectors.spec import DetectorSpec, Evidence, Severity, Threshold
 from deadweight.sidecar.settings import DetectorSettings
 from deadweight.sidecar.state import RunState
+
+#: Shared by the two collapse detectors: how many log reports each average covers.
+TREND_LOGS = Threshold("trend_logs", "log reports",
+                       "log reports averaged for the baseline (the run's first reports) and for "
+                       "the current value (the latest reports)")
 
 
 def _relative_drop(run: RunState, key: str, n: int, drop: float
@@ -32,10 +37,9 @@ def _relative_drop(run: RunState, key: str, n: int, drop: float
     return baseline, current, values[0][0], values[-1][0]
 
 
-class _Collapse:
+class _Collapse(SpecDetector):
     key = ""
     what = ""
-    latching = False
     #: Only for runs that sample their own completions (GRPO/RLOO): in SFT a falling entropy
     #: is the model learning its data, not a collapse.
     rl_only = True
@@ -69,9 +73,19 @@ class EntropyCollapse(_Collapse):
     The policy became near-deterministic: exploration is gone though the reward still rises.
     """
 
-    id = "entropy_collapse"
-    severity = Severity.WARNING
-    default_policy = Policy.PAGE
+    spec = DetectorSpec(
+        id="entropy_collapse",
+        severity=Severity.WARNING,
+        summary="Run {run_id}: policy entropy is collapsing",
+        meaning="token entropy fell steadily over the window while reward rose: the policy is "
+        "becoming deterministic",
+        fires_when="GRPO/RLOO: mean `entropy` of the latest logs fell below the run's own start "
+        "by more than the threshold (relative, never an absolute floor; SFT's entropy falls "
+        "as it learns)",
+        thresholds=(TREND_LOGS, Threshold("entropy_drop", "fraction",
+                                          "fires when current entropy < baseline * (1 - this)")),
+        evidence=(Evidence("entropy", 0.05), Evidence("reward")),
+    )
     key = "entropy"
     what = "entropy"
 
@@ -82,9 +96,20 @@ class EntropyCollapse(_Collapse):
 class CompletionLengthCollapse(_Collapse):
     """Mean completion length fell far below the run's own start (a GRPO shortcut)."""
 
-    id = "completion_length_collapse"
-    severity = Severity.WARNING
-    default_policy = Policy.PAGE
+    spec = DetectorSpec(
+        id="completion_length_collapse",
+        severity=Severity.WARNING,
+        summary="Run {run_id}: completions are getting much shorter",
+        meaning="mean completion length fell steadily over the window: the policy drifts to "
+        "short answers",
+        fires_when="GRPO/RLOO: mean `completions/mean_length` of the latest logs fell below the "
+        "run's start by more than the threshold",
+        thresholds=(TREND_LOGS, Threshold("length_drop", "fraction",
+                                          "fires when current mean length < baseline * "
+                                          "(1 - this)")),
+        evidence=(Evidence("completion_mean_length", 9), Evidence("reward"),
+                  Evidence("kl_series")),
+    )
     key = "completions/mean_length"
     what = "mean completion length"
 
@@ -92,17 +117,27 @@ class CompletionLengthCollapse(_Collapse):
         return settings.length_drop
 
 
-class DpoLikelihoodCollapse:
+class DpoLikelihoodCollapse(SpecDetector):
     """DPO pushes chosen and rejected likelihoods down together while the margin grows.
 
     Over the window both implicit rewards stay below the reference (< 0) and fall, while the
     margin rises: the loss improves because rejected falls faster, not because chosen rises.
     """
 
-    id = "dpo_likelihood_collapse"
-    severity = Severity.WARNING
-    default_policy = Policy.PAGE
-    latching = False
+    spec = DetectorSpec(
+        id="dpo_likelihood_collapse",
+        severity=Severity.WARNING,
+        summary="Run {run_id}: DPO chosen and rejected rewards are both falling",
+        meaning="the likelihood of chosen and rejected answers both drop while the margin "
+        "grows: the model is unlearning both",
+        fires_when="over the window DPO's `rewards/chosen` and `rewards/rejected` are both "
+        "below 0 and falling while `rewards/margins` grows",
+        thresholds=(Threshold("dpo_window", "log reports",
+                              "log reports in the window over which chosen and rejected "
+                              "rewards must both fall (and stay below the reference) while the "
+                              "margin grows"),),
+        evidence=(Evidence("loss"), Evidence("reward"), Evidence("update_norm")),
+    )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
         n = settings.dpo_window

@@ -539,6 +539,17 @@ class Registry:
                 if start is not None and start.output_dir and not entry.state.ended:
                     watcher.watch(entry.state.run_id, start.output_dir)
 
+    def record_refusal(self, run_id: str, path: str, reason: str) -> bool:
+        """A checkpoint path of the run was not read (the watcher's refusal): a finding."""
+        with self._lock:
+            entry = self._runs.get(run_id)
+            if entry is None:
+                return False
+            entry.state.refused_paths.append((path, reason))
+            entry.state.refused_total += 1
+            self._evaluate(entry)
+            return True
+
     def record_inspection(self, run_id: str, inspection: CheckpointInspection,
                           step: int = 0) -> bool:
         """Attach what the files of a checkpoint hold to the run; False for an unknown run."""

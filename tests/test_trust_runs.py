@@ -276,3 +276,53 @@ def test_the_opt_out_is_visible_and_silent_runs_expire(shared: Path) -> None:
         finally:
             for client in squatters:
                 client.close()
+
+
+# -- item 7: scrapes while a sharded run steps -----------------------------------------------
+
+
+def test_scrapes_never_fail_while_a_sharded_run_steps(sidecar: SidecarProcess) -> None:
+    """7: two ranks of a sharded run step while /metrics is scraped in parallel: every
+    scrape answers 200 (the exporter reads the run under the registry's lock)."""
+    import threading
+    import urllib.error
+    import urllib.request
+
+    ranks = [Client(sidecar, "sharded", rank=r) for r in (0, 1)]
+    failures: list[str] = []
+    scrapes = 0
+    done = threading.Event()
+
+    def scrape() -> None:
+        nonlocal scrapes
+        url = f"http://127.0.0.1:{sidecar.metrics_port}/metrics"
+        while not done.is_set():
+            try:
+                with urllib.request.urlopen(url, timeout=30) as response:
+                    assert response.status == 200
+                    response.read()
+            except (urllib.error.URLError, OSError, AssertionError) as err:
+                failures.append(repr(err))
+            scrapes += 1
+
+    scrapers = [threading.Thread(target=scrape, daemon=True) for _ in range(4)]
+    try:
+        for client in ranks:
+            assert not client.do(start={"seq": 1, "sharded": True})["error"]
+        for thread in scrapers:
+            thread.start()
+        for batch in range(20):  # 200-step batches: the ranks' deques churn under scrapes
+            for client in ranks:
+                first = batch * 200 + 1
+                assert not client.do(steps=[first, first + 199], kind="healthy",
+                                     seq=2 + batch * 400)["error"]
+            joiner = Client(sidecar, "sharded", rank=2 + batch)  # ranks join meanwhile
+            assert not joiner.do(start={"seq": 1, "sharded": True})["error"]
+            joiner.close()
+    finally:
+        done.set()
+        for thread in scrapers:
+            thread.join(60)
+        for client in ranks:
+            client.close()
+    assert scrapes > 50 and not failures, (scrapes, failures[:3])

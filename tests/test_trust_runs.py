@@ -326,3 +326,33 @@ def test_scrapes_never_fail_while_a_sharded_run_steps(sidecar: SidecarProcess) -
         for client in ranks:
             client.close()
     assert scrapes > 50 and not failures, (scrapes, failures[:3])
+
+
+# -- item 4: a second uid names a folder only the sidecar can read ------------------------------
+
+
+def test_a_second_uid_cannot_read_a_root_only_checkpoint_through_the_sidecar(
+    sidecar: SidecarProcess, shared: Path,
+) -> None:
+    """4: another uid points output_dir (and a checkpoint report) at a root-only folder inside
+    the watch root: refused with a finding, no file or tensor name leaks to Status or /metrics."""
+    from tests.test_faults_checkpoints import _adapter
+
+    secret = shared / "open" / "root-only"
+    _adapter(secret / "checkpoint-1")
+    os.chmod(secret, 0o700)  # the second uid cannot even list it
+    intruder = Client(sidecar, "peek", uid=OTHER_UID)
+    try:
+        assert not intruder.do(start={"seq": 1, "output_dir": str(secret)})["error"]
+        poll(lambda: _firing(sidecar, "peek", "checkpoint_refused"), timeout=30,
+             what="the refusal finding")
+        status = sidecar.run_status("peek")
+        assert status is not None
+        finding = next(f for f in status.findings if f.detector == "checkpoint_refused")
+        assert "owned by uid 0" in finding.evidence["reason"]
+        text = sidecar.metrics()
+        assert "lora_A" not in str(status) and "lora_A" not in text
+        assert not any('run_id="peek"' in x for x in text.splitlines()
+                       if x.startswith("deadweight_checkpoint_info"))
+    finally:
+        intruder.close()

@@ -143,3 +143,31 @@ def test_a_client_digest_that_is_not_hex_never_becomes_a_label(
     assert any('run_id="digest-hostile"' in x and 'digest="invalid"' in x for x in lines)
     assert any('run_id="digest-hex"' in x and 'digest="0123abcd' in x for x in lines)
     assert "deadweight_fake" not in text
+
+
+def _rss_bytes(process: SidecarProcess) -> int:
+    assert process.process is not None
+    text = Path(f"/proc/{process.process.pid}/status").read_text()
+    return int(next(x.split()[1] for x in text.splitlines() if x.startswith("VmRSS:"))) * 1024
+
+
+def test_steps_with_a_thousand_long_adapter_groups_cost_bounded_memory(
+    sidecar: tuple[SidecarProcess, Pipe],
+) -> None:
+    """5: 60 steps x 1024 adapter groups with 1 kB names: memory stays bounded (names are
+    cut and shared, at most 64 adapters are kept per step)."""
+    process, pipe = sidecar
+    assert not pipe.send(pb.StreamRequest(run_id="groups", events=[pb.Event(
+        run_start=pb.RunStart(trainer="SFTTrainer"))])).error
+    groups = [pb.GroupUpdate(name=f"adapter-{i}-" + "n" * 1000, kind="adapter",
+                             update_sq_sum=0.0, tensors=4, unchanged_tensors=4)
+              for i in range(1024)]
+    before = _rss_bytes(process)
+    for step in range(1, 61):
+        answer = pipe.send(pb.StreamRequest(run_id="groups", events=[pb.Event(
+            seq=step, step=pb.StepReport(step=step, learning_rate=1e-4, param_sq_sum=1.0,
+                                         watched_tensors=4, watched_params=1000,
+                                         optimizer_params=1000, groups=groups))]))
+        assert not answer.error
+    grown = _rss_bytes(process) - before
+    assert grown < 40 * 1024 * 1024, grown

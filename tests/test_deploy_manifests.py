@@ -102,6 +102,8 @@ def test_job_sidecar_args_are_accepted_by_the_cli() -> None:
     # Checkpoints are read only under the output mount the trainer writes to.
     mounts = {m["name"]: m["mountPath"] for m in sidecar["volumeMounts"]}
     assert args.watch_root == [mounts["output"]]
+    # Only the pod's uid may report runs.
+    assert args.trainer_uid == [int(pod_spec(job())["securityContext"]["runAsUser"])]
 
 
 @pytest.mark.parametrize("version", KUBE_VERSIONS)

@@ -7,13 +7,14 @@
 FROM python:3.11-slim AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
+# The sidecar and the wire layer only: the training side (callbacks/) and the demo stay out of
+# the image, and so do their links in deadweight/.
 COPY deadweight ./deadweight
-COPY callbacks ./callbacks
 COPY sidecar ./sidecar
 COPY proto ./proto
-COPY demo ./demo
 RUN --mount=type=secret,id=pip_cert \
-    if [ -s /run/secrets/pip_cert ]; then export PIP_CERT=/run/secrets/pip_cert; fi \
+    rm -f deadweight/callbacks deadweight/demo \
+    && if [ -s /run/secrets/pip_cert ]; then export PIP_CERT=/run/secrets/pip_cert; fi \
     && python3 -m venv /opt/deadweight \
     && /opt/deadweight/bin/pip install --no-cache-dir /src
 

@@ -41,12 +41,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from deadweight.callbacks import digest, membership, preflight
 from deadweight.callbacks.stop_agreement import StopAgreement
-from deadweight.callbacks.stream_client import (
-    ClientSettings,
-    StreamClient,
-    grpc_target,
-    unix_socket_path,
-)
+from deadweight.callbacks.stream_client import ClientSettings, StreamClient
 from deadweight.callbacks.update_probe import UpdateProbe
 from deadweight.callbacks.wire import (
     CheckpointRecord,
@@ -57,6 +52,7 @@ from deadweight.callbacks.wire import (
     to_event,
 )
 from deadweight.proto import pb
+from deadweight.proto.transport import grpc_target, unix_socket_path
 
 log = logging.getLogger("deadweight")
 

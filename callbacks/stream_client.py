@@ -20,7 +20,14 @@ from typing import Any
 
 import grpc
 
-from deadweight.proto import MAX_MESSAGE_BYTES, monitor_stub, pb
+from deadweight.proto import monitor_stub, pb
+from deadweight.proto.transport import (
+    attest_path,
+    bearer_metadata,
+    grpc_target,
+    open_channel,
+    unix_socket_path,
+)
 
 log = logging.getLogger("deadweight")
 
@@ -43,18 +50,6 @@ class ClientSettings:
 
 #: Record kinds sent at once instead of with the next timed flush.
 URGENT_KINDS = frozenset({"checkpoint", "run_end"})
-
-#: The attestation socket sits next to the gRPC unix socket under this suffix.
-ATTEST_SUFFIX = ".attest"
-
-
-def unix_socket_path(target: str) -> str | None:
-    """The filesystem path of a ``unix:`` gRPC target, None for anything else."""
-    if not target.startswith("unix:"):
-        return None
-    path = target[len("unix:"):]
-    return "/" + path.lstrip("/") if path.startswith("//") else path
-
 
 def fetch_attestation(socket_path: str, timeout: float = 1.0, attempts: int = 5,
                       backoff_seconds: float = 0.1) -> str | None:
@@ -87,7 +82,7 @@ def _fetch_attestation_once(socket_path: str, timeout: float) -> str | None:
             limit = struct.pack("ll", int(timeout), int((timeout % 1) * 1_000_000))
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
-            sock.connect(socket_path + ATTEST_SUFFIX)
+            sock.connect(str(attest_path(socket_path)))
             data = b""
             while not data.endswith(b"\n") and len(data) < 256:
                 chunk = sock.recv(256)
@@ -102,29 +97,6 @@ def _fetch_attestation_once(socket_path: str, timeout: float) -> str | None:
     if not data.endswith(b"\n"):
         raise OSError("attestation answer cut short")
     return nonce if status == "OK" and nonce else None
-
-
-def grpc_target(address: str) -> str:
-    """``unix:///path`` and ``unix:/path`` pass through; a bare path becomes a unix target."""
-    if address.startswith(("unix:", "dns:", "ipv4:", "ipv6:")):
-        return address
-    if address.startswith("/"):
-        return "unix://" + address
-    return address
-
-
-def open_channel(target: str, tls_root: bytes | None = None,
-                 max_receive_bytes: int = MAX_MESSAGE_BYTES) -> grpc.Channel:
-    """TLS (with the given CA) for TCP targets when a CA is set; plain for unix sockets."""
-    options = [
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_receive_message_length", max_receive_bytes),
-        ("grpc.enable_retries", 0),
-    ]
-    if tls_root is not None and unix_socket_path(target) is None:
-        creds = grpc.ssl_channel_credentials(root_certificates=tls_root)
-        return grpc.secure_channel(target, creds, options=options)
-    return grpc.insecure_channel(target, options=options)
 
 
 class StreamClient:
@@ -145,7 +117,7 @@ class StreamClient:
         self.rank = rank
         self.settings = settings or ClientSettings()
         self._to_event = to_event
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._metadata = bearer_metadata(token)
         self._tls_root = self._read_ca(tls_ca)
         self._attestation = ""
         self._attest_warned = False

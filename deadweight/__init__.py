@@ -1,7 +1,8 @@
 """deadweight: catch fine-tuning runs that report a healthy loss while their weights stay frozen.
 
 The packages live in top-level folders (``callbacks/``, ``sidecar/``, ``proto/``, ``demo/``);
-this folder links them under one import name, ``deadweight.*``.
+this folder links them under one import name, ``deadweight.*``, and holds the ``deadweight``
+command (``cli.py``), which adds ``demo`` to the sidecar's commands.
 """
 
 from importlib.metadata import PackageNotFoundError, version

@@ -8,10 +8,7 @@ from typing import Any
 
 from deadweight.proto.deadweight.v1 import deadweight_pb2 as pb
 from deadweight.proto.deadweight.v1 import deadweight_pb2_grpc as pb_grpc
-
-#: Largest message either side accepts; larger ones are refused with a clear error.
-MAX_MESSAGE_BYTES = 4 * 1024 * 1024
-
+from deadweight.proto.transport import MAX_MESSAGE_BYTES
 
 
 def monitor_stub(channel: Any) -> Any:

@@ -34,7 +34,6 @@ import structlog
 
 log = structlog.get_logger("deadweight.attestation")
 
-ATTEST_SUFFIX = ".attest"
 SOCKET_MODE = 0o660
 #: Seconds a nonce stays redeemable; a client redeems it within one connect.
 NONCE_TTL_SECONDS = 120.0
@@ -107,11 +106,6 @@ def reused(identity: ProcessIdentity) -> bool:
     return current is not None and (
         current != identity.start_time or identity.boot_id not in ("", boot_id())
     )
-
-
-def attest_path(socket_path: str | Path) -> Path:
-    """Where the attestation socket of a gRPC unix socket lives."""
-    return Path(f"{socket_path}{ATTEST_SUFFIX}")
 
 
 def _peer_pidfd(conn: socket.socket) -> int | None:

@@ -1,4 +1,9 @@
-"""The ``deadweight`` command: serve, status, demo."""
+"""The sidecar's commands: serve, status, inspect.
+
+``deadweight demo`` is added by the top-level entry point (``deadweight.cli``): the sidecar
+never imports the demo, so an install without it (the sidecar image) still has every command
+here.
+"""
 
 from __future__ import annotations
 
@@ -15,8 +20,12 @@ from deadweight.sidecar.detectors import BY_ID
 from deadweight.sidecar.detectors.base import Policy
 
 if TYPE_CHECKING:
+    from typing import TypeAlias
+
     from deadweight.sidecar.server import ServerConfig
     from deadweight.sidecar.settings import DetectorSettings
+
+    Commands: TypeAlias = argparse._SubParsersAction[argparse.ArgumentParser]
 
 DEFAULT_SOCKET = "/run/deadweight/deadweight.sock"
 
@@ -185,14 +194,8 @@ def _inspect(args: argparse.Namespace) -> int:
     return 1 if any(r.findings for r in results) else 0
 
 
-def _demo(args: argparse.Namespace) -> int:
-    from deadweight.demo import scenario
-
-    return scenario.main(workdir=Path(args.workdir) if args.workdir else None,
-                         steps=args.steps)
-
-
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(*more_commands: Callable[[Commands], None]) -> argparse.ArgumentParser:
+    """The sidecar's commands; each of ``more_commands`` adds its own to the same parser."""
     parser = argparse.ArgumentParser(
         prog="deadweight",
         description="Catch fine-tuning runs that report a healthy loss while their weights "
@@ -279,10 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="override a detector threshold (e.g. adapter_bloat_ratio=2)")
     inspect.set_defaults(func=_inspect)
 
-    demo = commands.add_parser("demo", help="catch a real frozen-adapter run on a tiny model")
-    demo.add_argument("--workdir", default=None, help="keep the demo's files here")
-    demo.add_argument("--steps", type=int, default=12, help="steps per run")
-    demo.set_defaults(func=_demo)
+    for add in more_commands:
+        add(commands)
     return parser
 
 

@@ -9,7 +9,6 @@ start/stop path.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import os
 import stat
 import threading
@@ -22,8 +21,9 @@ import structlog
 from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 
 from deadweight.proto import MAX_MESSAGE_BYTES, add_monitor_servicer, pb, pb_grpc
+from deadweight.proto.transport import attest_path, bearer_matches
 from deadweight.sidecar.actions import Actions
-from deadweight.sidecar.attestation import AttestationServer, attest_path
+from deadweight.sidecar.attestation import AttestationServer
 from deadweight.sidecar.checkpoint_watcher import CheckpointWatcher
 from deadweight.sidecar.exporter import DeadweightCollector
 from deadweight.sidecar.metrics_http import MetricsServer
@@ -75,10 +75,7 @@ class MonitorServicer(pb_grpc.MonitorServiceServicer):  # type: ignore[misc]
         """TCP callers present the bearer token; the unix socket is guarded by its mode."""
         if self.token is None or context.peer().startswith("unix:"):
             return
-        metadata = dict(context.invocation_metadata() or ())
-        offered = str(metadata.get("authorization", ""))
-        expected = f"Bearer {self.token}"
-        if not hmac.compare_digest(offered.encode(), expected.encode()):
+        if not bearer_matches(context.invocation_metadata(), self.token):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
 
     async def Stream(

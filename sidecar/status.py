@@ -8,8 +8,8 @@ to that size (the stream's 4 MB limit is for training clients).
 
 from __future__ import annotations
 
-from deadweight.callbacks.stream_client import grpc_target, open_channel
 from deadweight.proto import monitor_stub, pb
+from deadweight.proto.transport import bearer_metadata, grpc_target, open_channel
 
 #: Largest Status answer the sidecar sends and ``deadweight status`` accepts.
 STATUS_MAX_BYTES = 16 * 1024 * 1024
@@ -58,7 +58,7 @@ def fetch(
     address: str, token: str | None = None, timeout: float = 5.0, tls_ca: bytes | None = None
 ) -> pb.StatusResponse:
     """The sidecar's Status answer; raises ``grpc.RpcError`` when it cannot be reached."""
-    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    metadata = bearer_metadata(token)
     with open_channel(grpc_target(address), tls_ca,
                       max_receive_bytes=STATUS_MAX_BYTES + 1024 * 1024) as channel:
         stub = monitor_stub(channel)

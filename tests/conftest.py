@@ -17,7 +17,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest
 
-from deadweight.demo.sidecar_process import SidecarProcess
+from tests import import_names
+
+import_names.install()  # before any test module imports the package
+
+from deadweight.demo.sidecar_process import SidecarProcess  # noqa: E402
+from tests.import_names import pytest_sessionfinish  # noqa: E402, F401  (a hook)
 
 FIRING = re.compile(
     r'^deadweight_detector_firing\{(?P<labels>[^}]*)\} (?P<value>\S+)$', re.MULTILINE

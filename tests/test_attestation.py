@@ -16,13 +16,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from deadweight.callbacks.stream_client import fetch_attestation, unix_socket_path
+from deadweight.callbacks.stream_client import fetch_attestation
 from deadweight.proto import monitor_stub, pb
+from deadweight.proto.transport import attest_path, unix_socket_path
 from deadweight.sidecar.attestation import (
     AttestationServer,
     Attestor,
     ProcessIdentity,
-    attest_path,
     boot_id,
     is_alive,
     start_time,

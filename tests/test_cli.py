@@ -7,10 +7,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from deadweight.demo.sidecar_process import SidecarProcess
 
-CLI = [sys.executable, "-m", "deadweight.sidecar.cli"]
+#: The installed ``deadweight`` script runs this entry point.
+CLI = [sys.executable, "-m", "deadweight.cli"]
 
 
 def _run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -51,6 +53,35 @@ def test_bad_policy_flags_are_rejected(policy: str, message: str, tmp_path: Path
 def test_version() -> None:
     result = _run("--version")
     assert result.returncode == 0 and result.stdout.startswith("deadweight ")
+
+
+@pytest.mark.parametrize(
+    ("absent", "message"),
+    [("deadweight.demo", "this install holds no demo"), ("torch", "needs 'torch'")],
+)
+def test_demo_without_its_code_or_the_training_stack_says_what_it_needs(
+    absent: str, message: str
+) -> None:
+    """As in the sidecar image: the demo (or torch) is missing, the command says so."""
+    script = (f"import sys; sys.modules[{absent!r}] = None; "  # importing it now fails
+              "from deadweight.cli import main; sys.exit(main(['demo']))")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert message in result.stderr and "pip install 'deadweight[train]'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_the_sidecar_commands_alone_have_no_demo() -> None:
+    result = subprocess.run([sys.executable, "-m", "deadweight.sidecar.cli", "demo"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "invalid choice: 'demo'" in result.stderr
+    assert "demo" in _run("--help").stdout
+
+
+def test_the_script_runs_the_entry_point_with_the_demo() -> None:
+    scripts = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert scripts["project"]["scripts"] == {"deadweight": "deadweight.cli:main"}
 
 
 @pytest.mark.slow

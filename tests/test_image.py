@@ -153,6 +153,23 @@ def test_image_holds_the_sidecar_dependencies_and_no_training_stack(container: s
     assert not installed & TRAINING_ONLY, installed & TRAINING_ONLY
 
 
+def test_image_holds_no_training_side_and_no_demo(container: str) -> None:
+    names = ("deadweight.sidecar", "deadweight.proto.transport", "deadweight.callbacks",
+             "deadweight.demo")
+    script = ("import importlib.util as u, json; "
+              f"print(json.dumps({{n: u.find_spec(n) is not None for n in {names!r}}}))")
+    out = run([*BUILDAH, "run", "--isolation", "chroot", container, "--",
+               "python3", "-c", script]).stdout
+    assert json.loads(out) == {"deadweight.sidecar": True, "deadweight.proto.transport": True,
+                               "deadweight.callbacks": False, "deadweight.demo": False}
+    # `deadweight demo` in the image is a clear error, not a traceback.
+    demo = ("import subprocess; p = subprocess.run(['deadweight', 'demo'], capture_output=True, "
+            "text=True); print(p.returncode); print(p.stderr)")
+    code, _, stderr = run([*BUILDAH, "run", "--isolation", "chroot", container, "--",
+                           "python3", "-c", demo]).stdout.partition("\n")
+    assert code == "2" and "this install holds no demo" in stderr, stderr
+
+
 @pytest.fixture
 def netns() -> Iterator[list[str]]:
     """A private network namespace with loopback up; yields the nsenter prefix for it."""

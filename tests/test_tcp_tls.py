@@ -18,6 +18,7 @@ import pytest
 from deadweight.callbacks.stream_client import StreamClient
 from deadweight.demo.sidecar_process import SidecarProcess, free_port
 from deadweight.proto import monitor_stub, pb
+from deadweight.proto.transport import AUTHORIZATION_KEY, bearer_metadata
 from deadweight.sidecar.store import Store
 from tests.realprocs import wait_for
 
@@ -88,8 +89,15 @@ def tls_sidecar(
         yield sidecar, port, folder / "state"
 
 
+def _metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """The token as the client sends it; an empty one as a bare ``Bearer `` (hostile caller)."""
+    if token == "":
+        return ((AUTHORIZATION_KEY, "Bearer "),)
+    return bearer_metadata(token)
+
+
 def _status(channel: grpc.Channel, token: str | None) -> pb.StatusResponse:
-    metadata = (("authorization", f"Bearer {token}"),) if token is not None else ()
+    metadata = _metadata(token)
     response: pb.StatusResponse = monitor_stub(channel).Status(
         pb.StatusRequest(), timeout=10, metadata=metadata)
     return response
@@ -109,7 +117,7 @@ def test_a_wrong_or_missing_token_is_rejected(
         with pytest.raises(grpc.RpcError) as err:
             _status(channel, token)
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        metadata = (("authorization", f"Bearer {token}"),)
+        metadata = _metadata(token)
         batches = iter([pb.StreamRequest(run_id="intruder", rank=0)])
         with pytest.raises(grpc.RpcError) as err:
             list(monitor_stub(channel).Stream(batches, timeout=10, metadata=metadata))

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from deadweight.demo.sidecar_process import SidecarProcess
-from deadweight.sidecar.attestation import _peer_pidfd, attest_path, peer_identity
+from deadweight.proto.transport import attest_path
+from deadweight.sidecar.attestation import _peer_pidfd, peer_identity
 from deadweight.sidecar.store import Store
 from tests.faults import poll
 

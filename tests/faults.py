@@ -100,7 +100,7 @@ class Pipe:
 
         import grpc
 
-        from deadweight.callbacks.stream_client import grpc_target, unix_socket_path
+        from deadweight.proto.transport import grpc_target, unix_socket_path
         from deadweight.proto import monitor_stub
 
         self.attest = attest

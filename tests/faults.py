@@ -100,8 +100,8 @@ class Pipe:
 
         import grpc
 
-        from deadweight.proto.transport import grpc_target, unix_socket_path
         from deadweight.proto import monitor_stub
+        from deadweight.proto.transport import grpc_target, unix_socket_path
 
         self.attest = attest
         self.socket_path = unix_socket_path(grpc_target(address))

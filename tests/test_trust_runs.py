@@ -356,3 +356,29 @@ def test_a_second_uid_cannot_read_a_root_only_checkpoint_through_the_sidecar(
                        if x.startswith("deadweight_checkpoint_info"))
     finally:
         intruder.close()
+
+
+def test_a_second_uid_that_pre_registers_never_steers_the_real_trainer(
+    sidecar: SidecarProcess,
+) -> None:
+    """1a (no --trainer-uid): a second uid registers rank 1 of the job's run id before the job
+    starts and sends loss=NaN. Its own run fires; the real trainer is refused loudly (never
+    bound to the squatter's run) and gets no directive from it."""
+    squatter = Client(sidecar, "prereg", rank=1, uid=OTHER_UID)
+    job = Client(sidecar, "prereg")
+    try:
+        assert not squatter.do(start={"seq": 1})["error"]
+        assert not squatter.do(log={"loss": "nan"}, step=1, seq=2)["error"]
+        poll(lambda: _firing(sidecar, "prereg", "nonfinite_loss"), what="the squatter's run")
+        answer = job.do(start={"seq": 1})
+        assert f"uid {OTHER_UID}" in answer["error"], answer
+        answer = job.do(steps=[1, 3], kind="healthy", seq=2)
+        assert not answer.get("directives"), answer
+        store = Store(sidecar.folder / "state")
+        bound = store.bindings("prereg")
+        store.close()
+        assert {identity.uid for identity in bound.values()} == {OTHER_UID}
+        assert job.proc.pid not in {identity.pid for identity in bound.values()}
+    finally:
+        squatter.close()
+        job.close()

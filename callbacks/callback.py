@@ -52,6 +52,7 @@ from deadweight.callbacks.wire import (
     to_event,
 )
 from deadweight.proto import pb
+from deadweight.proto.kinds import EventKind
 from deadweight.proto.transport import grpc_target, unix_socket_path
 
 log = logging.getLogger("deadweight")
@@ -259,7 +260,7 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
         step = state.global_step + 1  # global_step advances after this hook
         self.client.last_step = step
         self.client.submit(
-            "step",
+            EventKind.STEP,
             StepRecord(
                 step=step,
                 learning_rate=self._lr,
@@ -288,7 +289,7 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
     ) -> None:
         if self.client is None or not logs:
             return
-        self.client.submit("log", numeric_logs(logs, state.global_step))
+        self.client.submit(EventKind.LOG, numeric_logs(logs, state.global_step))
         self._apply_directives(control)
 
     @_shielded
@@ -304,7 +305,7 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
             return
         path = Path(args.output_dir or ".").resolve() / f"checkpoint-{state.global_step}"
         self.client.submit(
-            "checkpoint",
+            EventKind.CHECKPOINT,
             CheckpointRecord(state.global_step, str(path), digest.digest_adapter(model)),
         )
 
@@ -322,7 +323,7 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
         reason = "stopped" if control.should_training_stop else "completed"
         if state.max_steps and state.global_step >= state.max_steps:
             reason = "completed"
-        self.client.submit("run_end", RunEndRecord(state.global_step, reason))
+        self.client.submit(EventKind.RUN_END, RunEndRecord(state.global_step, reason))
         self.client.close(timeout=2.0)
 
     def _disable(self, hook: str) -> None:

@@ -15,6 +15,7 @@ from deadweight.callbacks.membership import Membership
 from deadweight.callbacks.preflight import PreflightFacts
 from deadweight.callbacks.update_probe import UpdateStats
 from deadweight.proto import pb
+from deadweight.proto.kinds import EventKind
 
 #: Most numeric keys one log report carries; the rest are counted as dropped.
 MAX_LOG_KEYS = 256
@@ -163,22 +164,22 @@ def _step(r: StepRecord) -> pb.StepReport:
 
 def to_event(kind: str, record: Any) -> pb.Event:
     """The wire event for one record (seq and time are set by the stream client)."""
-    if kind == "run_start":
+    if kind == EventKind.RUN_START:
         return pb.Event(run_start=_run_start(record))
-    if kind == "step":
+    if kind == EventKind.STEP:
         return pb.Event(step=_step(record))
-    if kind == "log":
+    if kind == EventKind.LOG:
         return pb.Event(
             log=pb.LogReport(
                 step=record.step, values=record.values, dropped_keys=record.dropped_keys
             )
         )
-    if kind == "checkpoint":
+    if kind == EventKind.CHECKPOINT:
         return pb.Event(
             checkpoint=pb.CheckpointReport(
                 step=record.step, path=record.path, adapter=digest_message(record.adapter)
             )
         )
-    if kind == "run_end":
+    if kind == EventKind.RUN_END:
         return pb.Event(run_end=pb.RunEnd(step=record.step, reason=record.reason))
     raise ValueError(f"unknown record kind {kind!r}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -21,8 +22,7 @@ import structlog
 from deadweight.proto import pb
 from deadweight.sidecar.detectors import BY_ID
 from deadweight.sidecar.detectors.base import Policy
-from deadweight.sidecar.registry import Finding
-from deadweight.sidecar.state import RunState
+from deadweight.sidecar.finding import Finding, RunFacts
 from deadweight.sidecar.store import Store
 
 log = structlog.get_logger("deadweight.actions")
@@ -41,12 +41,11 @@ class Pager(Protocol):
     def resolve(self, run_id: str, detector: str, severity: str) -> None: ...
 
 
-class Escalator(Protocol):
-    """Takes over an incident whose policy is ``kill`` once STOP went out (the enforcer)."""
-
-    def begin(self, run: RunState, finding: Finding, stop_at: float, stop_step: int) -> None: ...
-
-    def supersede(self, run_id: str) -> None: ...
+#: Takes over an incident whose policy is ``kill`` once STOP went out (``Enforcer.begin``):
+#: called with the run, the finding, when STOP went out and the run's step then.
+Escalate = Callable[[RunFacts, Finding, float, int], None]
+#: Ends the open escalations of a run id that started a new incarnation (``Enforcer.supersede``).
+Supersede = Callable[[str], None]
 
 
 @dataclass(frozen=True)
@@ -84,11 +83,13 @@ class Actions:
     """The action sink the registry calls on every verdict transition."""
 
     def __init__(self, pager: Pager | None = None, dry_run: bool = False,
-                 store: Store | None = None) -> None:
+                 store: Store | None = None, escalate: Escalate | None = None,
+                 supersede: Supersede | None = None) -> None:
         self.pager = pager
         self.dry_run = dry_run
         self.store = store or Store()
-        self.escalator: Escalator | None = None
+        self.escalate = escalate
+        self.supersede = supersede
         self.counts: Counter[ActionKey] = Counter()
         self._lock = threading.Lock()
 
@@ -118,8 +119,8 @@ class Actions:
     def superseded(self, run_id: str) -> None:
         """The run id started a new incarnation: escalations of the old one end here, so
         its processes' successors are never signalled for it."""
-        if self.escalator is not None:
-            self.escalator.supersede(run_id)
+        if self.supersede is not None:
+            self.supersede(run_id)
 
     def forget(self, run_id: str) -> None:
         """Drop an expired run's counters, so memory and /metrics stay bounded."""
@@ -138,17 +139,17 @@ class Actions:
             **event.detail,
         )
 
-    def _event(self, run: RunState, finding: Finding, action: str, result: str,
+    def _event(self, run: RunFacts, finding: Finding, action: str, result: str,
                **detail: Any) -> ActionEvent:
         return ActionEvent(run.run_id, run.trainer, finding.detector, finding.incidents,
                            action, result, evidence=dict(finding.evidence), detail=detail)
 
-    def _done(self, run: RunState, finding: Finding, action: str) -> bool:
+    def _done(self, run: RunFacts, finding: Finding, action: str) -> bool:
         return self.store.has_action(run.run_id, finding.detector, finding.incidents, action)
 
     # -- verdict transitions ---------------------------------------------------------------
 
-    def fired(self, run: RunState, finding: Finding) -> list[pb.Directive]:
+    def fired(self, run: RunFacts, finding: Finding) -> list[pb.Directive]:
         level = policy_level(finding.policy)
         directives: list[pb.Directive] = []
         if level >= LEVEL[Policy.PAGE] and not self._done(run, finding, "page"):
@@ -160,11 +161,11 @@ class Actions:
             else:
                 directives.append(self._stop_directive(finding))
                 self.record(self._event(run, finding, "stop", "sent", step=run.step), at=now)
-            if level >= LEVEL[Policy.KILL] and self.escalator is not None:
-                self.escalator.begin(run, finding, stop_at=now, stop_step=run.step)
+            if level >= LEVEL[Policy.KILL] and self.escalate is not None:
+                self.escalate(run, finding, now, run.step)
         return directives
 
-    def resumed(self, run: RunState, finding: Finding) -> list[pb.Directive]:
+    def resumed(self, run: RunFacts, finding: Finding) -> list[pb.Directive]:
         """A firing incident read back after a restart: re-assert, never repeat.
 
         The page is re-asserted with its original start time (Alertmanager sees the same
@@ -181,7 +182,7 @@ class Actions:
             self.record(self._event(run, finding, "stop", "requeued"))
         return directives
 
-    def resolved(self, run: RunState, finding: Finding) -> None:
+    def resolved(self, run: RunFacts, finding: Finding) -> None:
         paged = policy_level(finding.policy) >= LEVEL[Policy.PAGE]
         if paged and self.pager is not None and not self.dry_run:
             self.pager.resolve(run.run_id, finding.detector, finding.severity)
@@ -191,7 +192,7 @@ class Actions:
         return pb.Directive(action=pb.Directive.ACTION_STOP, detector=finding.detector,
                             reason=finding.summary)
 
-    def _page(self, run: RunState, finding: Finding) -> None:
+    def _page(self, run: RunFacts, finding: Finding) -> None:
         if self.dry_run:
             self.record(self._event(run, finding, "page", "dry_run"))
             return
@@ -201,7 +202,7 @@ class Actions:
         self.record(self._event(run, finding, "page", "queued"))
         self._fire_pager(run, finding)
 
-    def _fire_pager(self, run: RunState, finding: Finding) -> None:
+    def _fire_pager(self, run: RunFacts, finding: Finding) -> None:
         assert self.pager is not None
         # The wording the Prometheus rule carries too (a detector outside ALL has none).
         detector = BY_ID.get(finding.detector)

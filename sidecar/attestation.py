@@ -225,8 +225,8 @@ class AttestationServer:
     def start(self) -> None:
         self._sock = self._listen()
         for index in range(self.threads):
-            thread = threading.Thread(target=self._serve, name=f"deadweight-attest-{index}",
-                                      daemon=True)
+            thread = threading.Thread(target=self._serve, args=(index,),
+                                      name=f"deadweight-attest-{index}", daemon=True)
             thread.start()
             self._threads.append(thread)
         log.info("attestation_listening", socket=str(self.path), threads=self.threads)
@@ -242,8 +242,16 @@ class AttestationServer:
         old.close()
         self.relistened += 1
 
-    def _serve(self) -> None:
+    def _serve(self, index: int = 0) -> None:
+        checked = time.monotonic()
         while not self._stop.is_set():
+            if index == 0 and time.monotonic() - checked >= 1.0:
+                checked = time.monotonic()
+                try:
+                    self.ensure_listening()
+                except OSError as err:
+                    log.error("attestation_relisten_failed", socket=str(self.path),
+                              error=str(err))
             sock = self._sock
             assert sock is not None
             try:

@@ -22,6 +22,7 @@ from deadweight.sidecar.detectors.base import Policy
 if TYPE_CHECKING:
     from typing import TypeAlias
 
+    from deadweight.sidecar.app import SidecarConfig
     from deadweight.sidecar.server import ServerConfig
     from deadweight.sidecar.settings import DetectorSettings
 
@@ -58,63 +59,48 @@ def _url_pattern(allowed: frozenset[str]) -> Callable[[str], str]:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from deadweight.sidecar import logs
-    from deadweight.sidecar.actions import Actions
-    from deadweight.sidecar.attestation import Attestor
-    from deadweight.sidecar.enforcer import Enforcer
-    from deadweight.sidecar.registry import Registry
-    from deadweight.sidecar.server import (
-        InsecureTransport,
-        SidecarServer,
-        check_transport,
-    )
-    from deadweight.sidecar.store import StateDirUnsafe, Store
+    from deadweight.sidecar import app, logs
+    from deadweight.sidecar.server import InsecureTransport, check_transport
+    from deadweight.sidecar.store import StateDirUnsafe
 
     logs.configure(args.log_level)
     try:
-        config = _server_config(args)
-        check_transport(config)
+        config = _sidecar_config(args)
+        check_transport(config.server)
     except (InsecureTransport, OSError) as err:
         print(f"deadweight serve: {err}", file=sys.stderr)
         return 2
     try:
-        store = Store(args.state_dir)
+        sidecar = app.build(config)
     except (StateDirUnsafe, OSError) as err:
         print(f"deadweight serve: {err}", file=sys.stderr)
         return 2
-    pager = None
-    if args.alertmanager_url:
-        from deadweight.sidecar.alertmanager import AlertmanagerPusher
-
-        pager = AlertmanagerPusher(args.alertmanager_url, args.runbook_url_pattern,
-                                   args.dashboard_url_pattern)
-    actions = Actions(pager=pager, dry_run=args.dry_run, store=store)
-    registry = Registry(actions, settings=_settings(args.setting),
-                        policies=dict(args.policy or []), max_runs=args.max_runs,
-                        ended_ttl_seconds=args.run_ttl_seconds, store=store,
-                        attestor=Attestor(), allow_unattested=args.allow_unattested,
-                        silent_run_seconds=args.silent_run_seconds,
-                        trainer_uids=args.trainer_uid or ())
-    enforcer = Enforcer(registry, store, actions, stop_grace_seconds=args.stop_grace_seconds,
-                        kill_grace_seconds=args.kill_grace_seconds)
-    actions.escalator = enforcer
-    registry.resume()
-    enforcer.resume()
-    enforcer.start()
-    server = SidecarServer(registry, actions, config)
-    server.start()
+    sidecar.start()
 
     def _stop(signum: int, frame: object) -> None:
-        server.stop()
+        sidecar.stop()
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
-    server.wait()
-    enforcer.stop()
-    if pager is not None:
-        pager.close()
-    store.close()
+    sidecar.wait()
+    sidecar.close()
     return 0
+
+
+def _sidecar_config(args: argparse.Namespace) -> SidecarConfig:
+    """The whole sidecar's configuration from the serve flags."""
+    from deadweight.sidecar.app import SidecarConfig
+
+    return SidecarConfig(
+        server=_server_config(args), state_dir=args.state_dir,
+        alertmanager_url=args.alertmanager_url, runbook_url_pattern=args.runbook_url_pattern,
+        dashboard_url_pattern=args.dashboard_url_pattern,
+        dry_run=args.dry_run, policies=dict(args.policy or []), settings=_settings(args.setting),
+        max_runs=args.max_runs, run_ttl_seconds=args.run_ttl_seconds,
+        stop_grace_seconds=args.stop_grace_seconds, kill_grace_seconds=args.kill_grace_seconds,
+        allow_unattested=args.allow_unattested, silent_run_seconds=args.silent_run_seconds,
+        trainer_uids=tuple(args.trainer_uid or ()),
+    )
 
 
 def _server_config(args: argparse.Namespace) -> ServerConfig:

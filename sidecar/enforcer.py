@@ -24,8 +24,7 @@ import structlog
 
 from deadweight.sidecar.actions import ActionEvent, Actions
 from deadweight.sidecar.attestation import ProcessIdentity, is_alive, reused
-from deadweight.sidecar.registry import Finding
-from deadweight.sidecar.state import RunState
+from deadweight.sidecar.finding import Finding, RunFacts
 from deadweight.sidecar.store import ActionRow, Store, StoredIncident
 
 log = structlog.get_logger("deadweight.enforcer")
@@ -137,7 +136,7 @@ class Enforcer:
 
     # -- entry points ----------------------------------------------------------------------
 
-    def begin(self, run: RunState, finding: Finding, stop_at: float, stop_step: int) -> None:
+    def begin(self, run: RunFacts, finding: Finding, stop_at: float, stop_step: int) -> None:
         """Called once STOP went out for a ``kill`` incident."""
         esc = Escalation(run.run_id, run.trainer, finding.detector, finding.incidents,
                          dict(finding.evidence), stop_at, stop_step)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from deadweight.proto import pb
+from deadweight.proto.kinds import EventKind, kind_of
 
 #: Longest trainer name exported as a label; longer names are cut (the rest is ignored).
 MAX_LABEL_LENGTH = 64
@@ -107,18 +108,18 @@ def _run_start(start: pb.RunStart) -> str | None:
 
 def event_problem(event: pb.Event) -> str | None:
     """Why one event is refused, or None."""
-    kind = event.WhichOneof("body")
-    if kind == "run_start":
+    kind = kind_of(event)
+    if kind == EventKind.RUN_START:
         return _run_start(event.run_start)
-    if kind == "step":
+    if kind == EventKind.STEP:
         return _list("step.groups", (g.name for g in event.step.groups))
-    if kind == "log":
+    if kind == EventKind.LOG:
         return _map("log.values", event.log.values, key_limit=MAX_LOG_KEY_LENGTH)
-    if kind == "checkpoint":
+    if kind == EventKind.CHECKPOINT:
         return _text("checkpoint.path", event.checkpoint.path) or _digest(
             "checkpoint.adapter", event.checkpoint.adapter
         )
-    if kind == "run_end":
+    if kind == EventKind.RUN_END:
         return _text("run_end.reason", event.run_end.reason)
     return None
 

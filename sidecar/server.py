@@ -1,9 +1,9 @@
-"""The sidecar's transports: the gRPC stream service and the ``/metrics`` HTTP endpoint.
+"""The sidecar's gRPC transport: the stream service, its listeners and the periodic tick.
 
 The gRPC server is ``grpc.aio``: a stream is a coroutine, not a thread, so hundreds of ranks
 cost no thread pool. It listens on a unix socket created with mode 0660; TCP is opt-in.
-``SidecarServer`` runs both in a background thread so the CLI, the demo and tests share one
-start/stop path.
+``SidecarServer`` runs it in a background thread; ``app.Sidecar`` starts it together with
+the ``/metrics`` endpoint, the attestation socket and the checkpoint watcher.
 """
 
 from __future__ import annotations
@@ -21,12 +21,7 @@ import structlog
 from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 
 from deadweight.proto import MAX_MESSAGE_BYTES, add_monitor_servicer, pb, pb_grpc
-from deadweight.proto.transport import attest_path, bearer_matches
-from deadweight.sidecar.actions import Actions
-from deadweight.sidecar.attestation import AttestationServer
-from deadweight.sidecar.checkpoint_watcher import CheckpointWatcher
-from deadweight.sidecar.exporter import DeadweightCollector
-from deadweight.sidecar.metrics_http import MetricsServer
+from deadweight.proto.transport import bearer_matches
 from deadweight.sidecar.registry import Peer, Registry
 from deadweight.sidecar.status import STATUS_MAX_BYTES, bounded
 
@@ -87,7 +82,8 @@ class MonitorServicer(pb_grpc.MonitorServiceServicer):  # type: ignore[misc]
         peer = Peer(address=context.peer())
         try:
             async for request in request_iterator:
-                yield self.registry.ingest(request, peer)
+                # In a worker thread: a slow store write for one run stalls no other stream.
+                yield await asyncio.to_thread(self.registry.ingest, request, peer)
                 if peer.rejected:  # a rank bound to another process: this stream ends here
                     await context.abort(grpc.StatusCode.PERMISSION_DENIED, peer.rejected)
         except DecodeError as err:  # bytes that are not a StreamRequest end this stream only
@@ -116,6 +112,16 @@ def _prepare_socket(path: Path) -> None:
         path.unlink()
 
 
+def _listen_unix(server: grpc.aio.Server, path: Path) -> None:
+    """Add the unix socket listener; the socket never exists with a mode wider than 0660."""
+    _prepare_socket(path)
+    old_umask = os.umask(0o117)
+    try:
+        server.add_insecure_port(f"unix://{path}")
+    finally:
+        os.umask(old_umask)
+
+
 class InsecureTransport(ValueError):
     """The sidecar refuses to listen on TCP without TLS and a bearer token."""
 
@@ -140,19 +146,12 @@ def check_transport(config: ServerConfig) -> None:
                 "paged and stopped, never signalled")
 
 
-def _host_port(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    return host or "127.0.0.1", int(port)
-
-
 class SidecarServer:
-    """gRPC + /metrics + the periodic tick, started and stopped together."""
+    """The gRPC server and the periodic tick, on one event loop in a background thread."""
 
-    def __init__(self, registry: Registry, actions: Actions | None, config: ServerConfig) -> None:
+    def __init__(self, registry: Registry, config: ServerConfig) -> None:
         self.registry = registry
-        self.actions = actions
         self.config = config
-        self.metrics_port: int | None = None
         self.grpc_port: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -160,43 +159,16 @@ class SidecarServer:
         self._stopped: asyncio.Event | None = None
         self._relisteners: list[grpc.aio.Server] = []
         self._error: BaseException | None = None
-        self._http: MetricsServer | None = None
-        self.watcher: CheckpointWatcher | None = None
-        self._attestation: AttestationServer | None = None
 
     def start(self, timeout: float = 10.0) -> None:
         """Start serving in a background thread; return when ready, raise if it failed."""
         check_transport(self.config)
-        self._start_metrics()
-        if self.config.socket_path and self.registry.attestor is not None:
-            Path(self.config.socket_path).parent.mkdir(parents=True, exist_ok=True, mode=0o750)
-            self._attestation = AttestationServer(attest_path(self.config.socket_path),
-                                                  self.registry.attestor)
-            self._attestation.start()
-        if self.config.watch_checkpoints:
-            self.watcher = CheckpointWatcher(self.registry,
-                                             self.config.checkpoint_settle_seconds,
-                                             roots=self.config.watch_roots)
-            if not self.config.watch_roots:
-                log.warning("checkpoint_paths_refused", reason="no --watch-root given: no "
-                            "client-named checkpoint folder is read")
-            self.watcher.start()
-            self.registry.attach_watcher(self.watcher)
         self._thread = threading.Thread(target=self._run, name="deadweight-grpc", daemon=True)
         self._thread.start()
         if not self._ready.wait(timeout):
             raise TimeoutError("sidecar did not become ready")
         if self._error is not None:
             raise self._error
-
-    def _start_metrics(self) -> None:
-        if not self.config.metrics_address:
-            return
-        collector = DeadweightCollector(self.registry, self.actions, self.registry.detectors)
-        host, port = _host_port(self.config.metrics_address)
-        self._http = MetricsServer(host, port, collector.collect)
-        self.metrics_port = self._http.port
-        log.info("metrics_listening", address=f"{host}:{self.metrics_port}")
 
     def _run(self) -> None:
         loop = asyncio.new_event_loop()
@@ -210,18 +182,16 @@ class SidecarServer:
         finally:
             loop.close()
 
-    async def _serve(self) -> None:
-        self._stopped = asyncio.Event()
+    def _new_server(self) -> grpc.aio.Server:
         server = grpc.aio.server(options=self.config.grpc_options)
         add_monitor_servicer(MonitorServicer(self.registry, self.config.token), server)
+        return server
+
+    async def _serve(self) -> None:
+        self._stopped = asyncio.Event()
+        server = self._new_server()
         if self.config.socket_path:
-            path = Path(self.config.socket_path)
-            _prepare_socket(path)
-            old_umask = os.umask(0o117)  # never reachable with a wider mode, not even briefly
-            try:
-                server.add_insecure_port(f"unix://{path}")
-            finally:
-                os.umask(old_umask)
+            _listen_unix(server, Path(self.config.socket_path))
         if self.config.listen:
             if self.config.tls_cert and self.config.tls_key:
                 creds = grpc.ssl_server_credentials([(self.config.tls_key, self.config.tls_cert)])
@@ -248,10 +218,8 @@ class SidecarServer:
         while True:
             await asyncio.sleep(TICK_SECONDS)
             try:
-                self.registry.tick()
+                await asyncio.to_thread(self.registry.tick)
                 await self._relisten_if_deleted()
-                if self._attestation is not None:
-                    self._attestation.ensure_listening()
             except Exception:
                 log.exception("tick_failed")
 
@@ -264,14 +232,8 @@ class SidecarServer:
         if path.exists() or path.is_symlink():
             return
         log.error("socket_missing", socket=str(path), action="listening again")
-        server = grpc.aio.server(options=self.config.grpc_options)
-        add_monitor_servicer(MonitorServicer(self.registry, self.config.token), server)
-        _prepare_socket(path)
-        old_umask = os.umask(0o117)
-        try:
-            server.add_insecure_port(f"unix://{path}")
-        finally:
-            os.umask(old_umask)
+        server = self._new_server()
+        _listen_unix(server, path)
         await server.start()
         os.chmod(path, SOCKET_MODE)
         self._relisteners.append(server)
@@ -283,12 +245,6 @@ class SidecarServer:
             loop.call_soon_threadsafe(stopped.set)
         if self._thread is not None:
             self._thread.join(10)
-        if self._attestation is not None:
-            self._attestation.stop()
-        if self.watcher is not None:
-            self.watcher.stop()
-        if self._http is not None:
-            self._http.stop()
 
     def wait(self) -> None:
         """Block until the server thread ends."""

@@ -1,7 +1,8 @@
 """What the sidecar knows about one run: its start facts, per-rank steps, logs and checkpoints.
 
-State is plain data, updated by ``apply`` from wire events and read by detectors, the
-exporter and ``deadweight status``. Every collection is bounded: a hostile or buggy client
+State is plain data, changed only by the registry (``registry.events`` applies wire events,
+``registry.restart`` reads a run back from the store) and read by detectors, the exporter and
+``deadweight status``. Every collection is bounded: a hostile or buggy client
 cannot grow the sidecar's memory without limit.
 """
 

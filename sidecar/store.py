@@ -336,11 +336,11 @@ class Store:
         return [StoredIncident(r[0], r[1], r[2], r[3], r[4], r[5], r[6], json.loads(r[7]),
                                r[8], r[9], r[10]) for r in rows]
 
-    def last_incident(self, run_id: str, detector: str) -> int:
-        """The highest incident number journaled for a run's detector (0 for none)."""
-        rows = self._read("SELECT MAX(incident) FROM incidents WHERE run_id=? AND detector=?",
-                          (run_id, detector))
-        return int(rows[0][0] or 0)
+    def last_incidents(self, run_id: str) -> dict[str, int]:
+        """Per detector, the highest incident number journaled for a run (absent: none)."""
+        rows = self._read("SELECT detector, MAX(incident) FROM incidents WHERE run_id=? "
+                          "GROUP BY detector", (run_id,))
+        return {detector: int(number) for detector, number in rows}
 
     def incidents(self, run_id: str) -> list[StoredIncident]:
         return self._incidents("run_id=?", (run_id,))

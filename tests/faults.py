@@ -1,6 +1,6 @@
 """Shared helpers for the fault tests: an in-process sidecar, a hook-at-step callback, polling.
 
-The in-process sidecar is the real ``SidecarServer`` (grpc.aio on a real unix socket plus
+The in-process sidecar is the real ``app.Sidecar`` (grpc.aio on a real unix socket plus
 ``/metrics`` over HTTP); keeping it in the test process lets a test read the registry and
 count exactly which events arrived.
 """
@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from deadweight.callbacks.stream_client import ClientSettings
+from deadweight.sidecar.app import Sidecar
 from deadweight.sidecar.registry import Registry
-from deadweight.sidecar.server import ServerConfig, SidecarServer
+from deadweight.sidecar.server import ServerConfig
 from deadweight.sidecar.state import RunState
 from tests.realprocs import wait_for
 
@@ -39,11 +40,11 @@ class InProcessSidecar:
         self.socket_path = socket_path
         self.address = f"unix://{socket_path}"
         self.registry = registry or Registry()
-        self.server: SidecarServer | None = None
+        self.server: Sidecar | None = None
 
     def start(self) -> InProcessSidecar:
         config = ServerConfig(socket_path=str(self.socket_path), metrics_address="127.0.0.1:0")
-        self.server = SidecarServer(self.registry, None, config)
+        self.server = Sidecar(self.registry, None, config)
         self.server.start()
         return self
 

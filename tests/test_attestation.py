@@ -19,6 +19,7 @@ import pytest
 from deadweight.callbacks.stream_client import fetch_attestation
 from deadweight.proto import monitor_stub, pb
 from deadweight.proto.transport import attest_path, unix_socket_path
+from deadweight.sidecar.app import Sidecar
 from deadweight.sidecar.attestation import (
     AttestationServer,
     Attestor,
@@ -28,7 +29,7 @@ from deadweight.sidecar.attestation import (
     start_time,
 )
 from deadweight.sidecar.registry import Peer, Registry
-from deadweight.sidecar.server import ServerConfig, SidecarServer
+from deadweight.sidecar.server import ServerConfig
 from tests.raw_client import frozen_events, run_start
 
 UNIX = "unix:"
@@ -207,7 +208,7 @@ def test_server_ends_a_stream_that_reports_for_someone_elses_rank(
 ) -> None:
     socket_path = tmp_path / "sock" / "deadweight.sock"
     registry = Registry(attestor=Attestor())
-    server = SidecarServer(registry, None, ServerConfig(socket_path=str(socket_path),
+    server = Sidecar(registry, None, ServerConfig(socket_path=str(socket_path),
                                                         metrics_address=None))
     server.start()
     owner, nonce = _child_nonce(socket_path)

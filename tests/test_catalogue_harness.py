@@ -12,8 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from deadweight.callbacks import DeadweightCallback
-from deadweight.sidecar.registry import Finding, Registry
-from deadweight.sidecar.server import ServerConfig, SidecarServer
+from deadweight.sidecar.app import Sidecar
+from deadweight.sidecar.finding import Finding
+from deadweight.sidecar.registry import Registry
+from deadweight.sidecar.server import ServerConfig
 from deadweight.sidecar.settings import DetectorSettings
 from deadweight.sidecar.state import RunState
 from tests.realprocs import wait_for
@@ -31,12 +33,12 @@ def poll(check: Callable[[], Any], what: str, timeout: float = 20.0) -> Any:
 
 
 class LiveSidecar:
-    """A SidecarServer + Registry in this process, on a socket in a temp folder."""
+    """An app.Sidecar around a Registry in this process, on a socket in a temp folder."""
 
     def __init__(self, folder: Path, settings: DetectorSettings = TEST_SETTINGS) -> None:
         self.registry = Registry(settings=settings)
         self.socket = folder / "deadweight.sock"
-        self.server = SidecarServer(
+        self.server = Sidecar(
             self.registry, None,
             ServerConfig(socket_path=str(self.socket), metrics_address=None,
                          checkpoint_settle_seconds=0.5,

@@ -21,3 +21,13 @@ def test_buf_lint_is_clean() -> None:
     buf = shutil.which("buf") or str(Path(__import__("sys").executable).parent / "buf")
     result = subprocess.run([buf, "lint"], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_event_kinds_are_the_event_body_fields() -> None:
+    from deadweight.proto import pb
+    from deadweight.proto.kinds import EventKind, kind_of
+
+    body = pb.Event.DESCRIPTOR.oneofs_by_name["body"]
+    assert [kind.value for kind in EventKind] == [f.name for f in body.fields]
+    assert kind_of(pb.Event(step=pb.StepReport(step=1))) is EventKind.STEP
+    assert kind_of(pb.Event()) is None

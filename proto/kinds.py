@@ -1,0 +1,32 @@
+"""The kinds of record one ``Event`` carries: the names of its ``body`` oneof, said once.
+
+The callback names the record it queues by kind, the sidecar dispatches on the kind it
+receives; both use these members (a ``StrEnum``, so a member equals its wire name).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from deadweight.proto import pb
+
+
+class EventKind(StrEnum):
+    RUN_START = "run_start"
+    STEP = "step"
+    LOG = "log"
+    CHECKPOINT = "checkpoint"
+    HEARTBEAT = "heartbeat"
+    RUN_END = "run_end"
+
+
+def kind_of(event: pb.Event) -> EventKind | None:
+    """The kind of record event carries; None for an empty event (or a newer kind)."""
+    body = event.WhichOneof("body")
+    try:
+        return EventKind(body) if body else None
+    except ValueError:
+        return None
+
+
+__all__ = ["EventKind", "kind_of"]

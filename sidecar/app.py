@@ -1,0 +1,172 @@
+"""The composition root: one place that builds a running sidecar from its configuration.
+
+``build`` makes the parts in dependency order (store, pager, actions, registry, enforcer)
+from a ``SidecarConfig``; ``Sidecar`` adds what serves them (checkpoint watcher, collector,
+``/metrics``, attestation socket, gRPC) and starts and stops everything together. The one
+cycle, actions -> enforcer -> registry -> actions, is cut by handing the actions a callable
+that reaches the enforcer; nothing is wired in after construction. ``cli serve`` parses flags
+into a ``SidecarConfig`` and calls ``build``; tests that need their own registry give it to
+``Sidecar`` directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+
+from deadweight.proto.transport import attest_path
+from deadweight.sidecar.actions import Actions
+from deadweight.sidecar.alert_links import (
+    DEFAULT_DASHBOARD_URL_PATTERN,
+    DEFAULT_RUNBOOK_URL_PATTERN,
+)
+from deadweight.sidecar.alertmanager import AlertmanagerPusher
+from deadweight.sidecar.attestation import AttestationServer, Attestor
+from deadweight.sidecar.checkpoint_watcher import CheckpointWatcher
+from deadweight.sidecar.detectors.base import Policy
+from deadweight.sidecar.enforcer import Enforcer
+from deadweight.sidecar.exporter import DeadweightCollector
+from deadweight.sidecar.finding import Finding, RunFacts
+from deadweight.sidecar.metrics_http import MetricsServer
+from deadweight.sidecar.registry import Registry
+from deadweight.sidecar.server import ServerConfig, SidecarServer, check_transport
+from deadweight.sidecar.settings import DetectorSettings
+from deadweight.sidecar.store import Store
+
+log = structlog.get_logger("deadweight.app")
+
+
+@dataclass
+class SidecarConfig:
+    """Everything ``deadweight serve`` is told (files already read)."""
+
+    server: ServerConfig = field(default_factory=ServerConfig)
+    state_dir: str | None = None
+    alertmanager_url: str | None = None
+    runbook_url_pattern: str = DEFAULT_RUNBOOK_URL_PATTERN
+    dashboard_url_pattern: str = DEFAULT_DASHBOARD_URL_PATTERN
+    dry_run: bool = False
+    policies: dict[str, Policy] = field(default_factory=dict)
+    settings: DetectorSettings = field(default_factory=DetectorSettings)
+    max_runs: int = 1000
+    run_ttl_seconds: float = 900.0
+    stop_grace_seconds: float = 120.0
+    kill_grace_seconds: float = 30.0
+    #: Let unattested streams on the unix socket register runs (logged, exported).
+    allow_unattested: bool = False
+    #: A live run that sends nothing this long ends as "silent".
+    silent_run_seconds: float = 3600.0
+    #: Only attested processes of these uids may report (empty: any uid).
+    trainer_uids: tuple[int, ...] = ()
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host or "127.0.0.1", int(port)
+
+
+class Sidecar:
+    """A registry and everything that serves it, started and stopped together."""
+
+    def __init__(self, registry: Registry, actions: Actions | None, config: ServerConfig,
+                 enforcer: Enforcer | None = None, pager: AlertmanagerPusher | None = None,
+                 store: Store | None = None) -> None:
+        self.registry = registry
+        self.actions = actions
+        self.config = config
+        self.enforcer = enforcer
+        self.pager = pager
+        self.store = store
+        self.watcher: CheckpointWatcher | None = None
+        if config.watch_checkpoints:
+            self.watcher = CheckpointWatcher(registry, config.checkpoint_settle_seconds,
+                                             roots=config.watch_roots)
+            if not config.watch_roots:
+                log.warning("checkpoint_paths_refused", reason="no --watch-root given: no "
+                            "client-named checkpoint folder is read")
+        self.collector = DeadweightCollector(registry, actions, registry.detectors)
+        self.attestation: AttestationServer | None = None
+        if config.socket_path and registry.attestor is not None:
+            self.attestation = AttestationServer(attest_path(config.socket_path),
+                                                 registry.attestor)
+        self.server = SidecarServer(registry, config)
+        self._http: MetricsServer | None = None
+        self.metrics_port: int | None = None
+
+    @property
+    def grpc_port(self) -> int | None:
+        return self.server.grpc_port
+
+    def start(self) -> None:
+        """Resume what a previous sidecar left, then serve; raise if serving failed."""
+        check_transport(self.config)
+        self.registry.resume()
+        if self.enforcer is not None:
+            self.enforcer.resume()
+            self.enforcer.start()
+        if self.config.metrics_address:
+            host, port = _host_port(self.config.metrics_address)
+            self._http = MetricsServer(host, port, self.collector.collect)
+            self.metrics_port = self._http.port
+            log.info("metrics_listening", address=f"{host}:{self.metrics_port}")
+        if self.attestation is not None and self.config.socket_path:
+            Path(self.config.socket_path).parent.mkdir(parents=True, exist_ok=True, mode=0o750)
+            self.attestation.start()
+        if self.watcher is not None:
+            self.watcher.start()
+            self.registry.attach_watcher(self.watcher)
+        self.server.start()
+
+    def stop(self) -> None:
+        """Stop serving (the process state is closed by ``close``)."""
+        self.server.stop()
+        if self.attestation is not None:
+            self.attestation.stop()
+        if self.watcher is not None:
+            self.watcher.stop()
+        if self._http is not None:
+            self._http.stop()
+
+    def wait(self) -> None:
+        """Block until the gRPC server ends (``stop`` from a signal handler ends it)."""
+        self.server.wait()
+
+    def close(self) -> None:
+        """After stop: end enforcement, close the pager and the store."""
+        if self.enforcer is not None:
+            self.enforcer.stop()
+        if self.pager is not None:
+            self.pager.close()
+        if self.store is not None:
+            self.store.close()
+
+
+def build(config: SidecarConfig) -> Sidecar:
+    """Every part of a sidecar, in dependency order, from its configuration."""
+    store = Store(config.state_dir)
+    pager = None
+    if config.alertmanager_url:
+        pager = AlertmanagerPusher(config.alertmanager_url, config.runbook_url_pattern,
+                                   config.dashboard_url_pattern)
+
+    def escalate(run: RunFacts, finding: Finding, stop_at: float, stop_step: int) -> None:
+        # Called only from ingest, so once the sidecar is built: the enforcer exists by then.
+        enforcer.begin(run, finding, stop_at, stop_step)
+
+    def supersede(run_id: str) -> None:
+        enforcer.supersede(run_id)
+
+    actions = Actions(pager=pager, dry_run=config.dry_run, store=store, escalate=escalate,
+                      supersede=supersede)
+    registry = Registry(actions, settings=config.settings, policies=config.policies,
+                        max_runs=config.max_runs, ended_ttl_seconds=config.run_ttl_seconds,
+                        store=store, attestor=Attestor(),
+                        allow_unattested=config.allow_unattested,
+                        silent_run_seconds=config.silent_run_seconds,
+                        trainer_uids=config.trainer_uids)
+    enforcer = Enforcer(registry, store, actions, stop_grace_seconds=config.stop_grace_seconds,
+                        kill_grace_seconds=config.kill_grace_seconds)
+    return Sidecar(registry, actions, config.server, enforcer=enforcer, pager=pager,
+                   store=store)

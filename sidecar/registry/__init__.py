@@ -1,0 +1,376 @@
+"""The run registry: the one place where events become state and state becomes verdicts.
+
+``ingest`` validates one batch from one rank, admits its stream (identity and binding),
+applies its events, re-evaluates the run's detectors and answers with the ack and any
+directive for that rank. ``tick`` handles what time alone decides (stalled runs, runs whose
+processes are gone, expiry of ended runs); ``resume`` reads back a previous sidecar's runs.
+State changes happen under one lock, so readers (exporter, status, enforcer) see a consistent
+run; the SQLite writes and action calls they cause are queued in the run's outbox and done
+after the lock is released. The jobs live in the modules beside this one:
+
+- ``validation``: what a batch must satisfy before it touches state;
+- ``identity``: which process may report for which rank;
+- ``run_table``: the runs by id, admission, eviction and expiry;
+- ``events``: applying a batch (and the one place a run ends);
+- ``incidents``: the findings lifecycle (fire, resolve, restore);
+- ``pending``: the outbox of writes and action calls done after the lock;
+- ``restart`` and ``status_report``: reading the store back, rendering ``Status``.
+
+Trust: on the unix socket a run is written only by processes the kernel identified, unless the
+operator opted out (``allow_unattested``: logged and exported); ``trainer_uids`` narrows who
+may report. A RunStart for an ended run, or from another process of the same uid for a bound
+rank, starts a new incarnation: fresh state and sequence numbers, the old one ended
+(``superseded``), its firing findings resolved and kept in the journal, its escalations closed
+and its streams refused. Live runs that send nothing for ``silent_run_seconds`` end.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+import structlog
+
+from deadweight.proto import pb
+from deadweight.sidecar import detectors
+from deadweight.sidecar.attestation import Attestor, ProcessIdentity
+from deadweight.sidecar.detectors.base import Detector, Policy
+from deadweight.sidecar.detectors.frozen import FrozenWeights
+from deadweight.sidecar.finding import ActionSink, Finding, LogOnlyActions
+from deadweight.sidecar.registry.events import CheckpointSink, EventApplier, end_run
+from deadweight.sidecar.registry.identity import IdentityGate, Peer
+from deadweight.sidecar.registry.incidents import RESUME_HOLD_STEPS, FindingLifecycle
+from deadweight.sidecar.registry.restart import read_back
+from deadweight.sidecar.registry.run_table import RunEntry, RunTable
+from deadweight.sidecar.registry.status_report import status_response
+from deadweight.sidecar.registry.validation import (
+    MAX_RUN_ID_LENGTH,
+    IdentityRejected,
+    IngestError,
+    refusal_kind,
+    run_start_of,
+    validate,
+)
+from deadweight.sidecar.settings import DetectorSettings
+from deadweight.sidecar.state import RunState
+from deadweight.sidecar.store import Store
+
+if TYPE_CHECKING:
+    from deadweight.sidecar.checkpoint_inspector import CheckpointInspection
+
+log = structlog.get_logger("deadweight.registry")
+
+#: Seconds between checks that the registered processes of live runs still exist.
+EXIT_CHECK_SECONDS = 5.0
+#: A live run that sends nothing (not even a heartbeat) for this long ends as ``silent``.
+SILENT_RUN_SECONDS = 3600.0
+
+
+class Registry:
+    """All live runs, their findings and pending directives."""
+
+    def __init__(
+        self,
+        actions: ActionSink | None = None,
+        settings: DetectorSettings | None = None,
+        policies: dict[str, Policy] | None = None,
+        active_detectors: Iterable[Detector] = detectors.ALL,
+        max_runs: int = 1000,
+        ended_ttl_seconds: float = 900.0,
+        store: Store | None = None,
+        attestor: Attestor | None = None,
+        resume_hold_steps: int = RESUME_HOLD_STEPS,
+        allow_unattested: bool = False,
+        silent_run_seconds: float = SILENT_RUN_SECONDS,
+        trainer_uids: Iterable[int] = (),
+    ) -> None:
+        self.actions = actions or LogOnlyActions()
+        self.store = store or Store()
+        self.attestor = attestor
+        self.settings = settings or DetectorSettings()
+        self.detectors = tuple(active_detectors)
+        self.policies = {d.id: d.default_policy for d in self.detectors}
+        self.policies.update(policies or {})
+        self._lock = threading.RLock()
+        self._table = RunTable(self.store, self.actions.forget, max_runs, ended_ttl_seconds)
+        self._gate = IdentityGate(self.store, attestor, allow_unattested, trainer_uids)
+        self._events = EventApplier(self.store)
+        self._lifecycle = FindingLifecycle(self.detectors, self.settings, self.policies,
+                                           self.actions, self.store, resume_hold_steps,
+                                           lock=self._lock)
+        self.rejected_batches = 0
+        self.silent_run_seconds = silent_run_seconds
+        #: Refused batches by kind (attestation, identity, capacity, invalid): on /metrics.
+        self.refusals: Counter[str] = Counter()
+        #: Incarnations started by a rank rebound or a run id used again.
+        self.incarnations_started = 0
+        if attestor is not None and allow_unattested:
+            log.warning("attestation_optional", note="unattested streams on the unix socket "
+                        "may register runs; they can be paged and stopped, never signalled")
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The registry's lock: hold it to read live run state consistently (the exporter)."""
+        return self._lock
+
+    @property
+    def allow_unattested(self) -> bool:
+        return self._gate.allow_unattested
+
+    @property
+    def pending_verdicts(self) -> int:
+        return self._lifecycle.pending_verdicts
+
+    # -- settings the tests and the exporter read ----------------------------------------
+
+    @property
+    def max_runs(self) -> int:
+        return self._table.max_runs
+
+    @property
+    def ended_ttl_seconds(self) -> float:
+        return self._table.ended_ttl_seconds
+
+    @property
+    def resume_hold_steps(self) -> int:
+        return self._lifecycle.resume_hold_steps
+
+    @property
+    def duplicate_events(self) -> int:
+        return self._events.duplicate_events
+
+    @property
+    def watcher(self) -> CheckpointSink | None:
+        return self._events.watcher
+
+    # -- ingest ----------------------------------------------------------------------------
+
+    def ingest(self, request: pb.StreamRequest, peer: Peer | None = None) -> pb.StreamResponse:
+        """Apply one batch; answer with the ack, directives for this rank, or an error."""
+        peer = peer or Peer()
+        entry: RunEntry | None = None
+        closed: RunEntry | None = None
+        try:
+            validate(request)
+            numbering = self._numbering_if_new(request)
+            with self._lock:
+                current = self._table.get(request.run_id)
+                if current is not None and self._gate.starts_incarnation(current, request,
+                                                                         peer):
+                    closed = current
+                    self._close_incarnation(current)
+                    self._table.succeed(current, request.rank)
+                entry = self._admit(request, peer, numbering)
+                if run_start_of(request) is not None or request.run_id not in peer.incarnations:
+                    peer.incarnations[request.run_id] = entry.incarnation
+                ack = self._events.apply(entry, request)
+                self._lifecycle.evaluate(entry)
+            if closed is not None:
+                self._flush(closed)
+            self._flush(entry)
+            with self._lock:
+                rank_directives = entry.take_directives(request.rank)
+            return pb.StreamResponse(ack_seq=ack, directives=rank_directives)
+        except IngestError as err:
+            if closed is not None:
+                self._flush(closed)
+            if entry is not None:  # admitted before the refusal: its writes still happen
+                self._flush(entry)
+            if isinstance(err, IdentityRejected):
+                peer.rejected = str(err)
+            self.refusals[refusal_kind(err)] += 1
+            self.rejected_batches += 1
+            log.warning("batch_rejected", run_id=request.run_id[:MAX_RUN_ID_LENGTH],
+                        reason=str(err))
+            return pb.StreamResponse(error=str(err))
+
+    def _close_incarnation(self, old: RunEntry) -> None:
+        """End old (superseded), resolve its firing findings and end its escalations; all
+        of it stays in the journal. Under the lock; the effects go to old's outbox."""
+        now = time.time()
+        if not old.state.ended:
+            end_run(old, self.store, "superseded", now)
+        for finding in old.findings.values():
+            if finding.firing:
+                self._lifecycle.resolve(old, finding, "incarnation closed")
+        superseded = getattr(self.actions, "superseded", None)
+        if callable(superseded):
+            old.outbox.add(functools.partial(superseded, old.state.run_id))
+        self.incarnations_started += 1
+        log.warning("run_incarnation_started", run_id=old.state.run_id,
+                    incarnation=old.incarnation + 1, previous_step=old.state.step,
+                    previous_end=old.state.end_reason)
+
+    def _numbering_if_new(self, request: pb.StreamRequest) -> dict[str, int] | None:
+        """For a batch that may register a run: its past incident numbers (read unlocked)."""
+        if self._table.get(request.run_id) is not None or run_start_of(request) is None:
+            return None
+        return self.store.last_incidents(request.run_id)
+
+    def _admit(self, request: pb.StreamRequest, peer: Peer,
+               numbering: dict[str, int] | None) -> RunEntry:
+        """The batch's run (registered now if it starts here), its rank bound if it may be."""
+        entry = self._table.get(request.run_id)
+        binding = self._gate.admit(entry, request, peer)
+        if entry is None:
+            if run_start_of(request) is None:
+                raise IngestError(f"unknown run_id {request.run_id!r}: send run_start first")
+            if numbering is None:  # the run expired since the unlocked look: read it now
+                numbering = self.store.last_incidents(request.run_id)
+            entry = self._table.admit(request.run_id, request.rank, numbering)
+        if binding is not None:
+            self._gate.bind(entry, request.rank, binding)
+        return entry
+
+    def _flush(self, *entries: RunEntry) -> None:
+        """Do the writes and action calls the entries' changes queued (outside the lock)."""
+        for entry in entries:
+            entry.outbox.flush(functools.partial(self._deliver, entry))
+
+    def _deliver(self, entry: RunEntry, directives: Sequence[pb.Directive]) -> None:
+        with self._lock:
+            entry.directives.extend(directives)
+
+    # -- the checkpoint watcher --------------------------------------------------------------
+
+    def attach_watcher(self, watcher: CheckpointSink) -> None:
+        """Route run output folders and reported checkpoints to watcher."""
+        with self._lock:
+            self._events.watcher = watcher
+            for entry in self._table:
+                folder = EventApplier.watched(entry.state)
+                if folder:
+                    watcher.watch(entry.state.run_id, folder)
+
+    def record_refusal(self, run_id: str, path: str, reason: str) -> bool:
+        """A checkpoint path of the run was not read (the watcher's refusal): a finding."""
+        with self._lock:
+            entry = self._table.get(run_id)
+            if entry is None:
+                return False
+            self._events.apply_refusal(entry, path, reason)
+            self._lifecycle.evaluate(entry)
+        self._flush(entry)
+        return True
+
+    def record_inspection(self, run_id: str, inspection: CheckpointInspection,
+                          step: int = 0) -> bool:
+        """Attach what the files of a checkpoint hold to the run; False for an unknown run."""
+        with self._lock:
+            entry = self._table.get(run_id)
+            if entry is None:
+                return False
+            self._events.apply_inspection(entry, inspection, step)
+            self._lifecycle.evaluate(entry)
+        self._flush(entry)
+        return True
+
+    # -- time ------------------------------------------------------------------------------
+
+    def tick(self, now: float | None = None) -> None:
+        """Re-evaluate time-based verdicts and drop ended runs past their TTL."""
+        now = time.time() if now is None else now
+        with self._lock:
+            self._table.expire_ended(now)
+            for silent in self._table.silent(now, self.silent_run_seconds):
+                end_run(silent, self.store, "silent", now)
+            entries = list(self._table)
+            for entry in entries:
+                self._check_exits(entry, now)
+                self._lifecycle.evaluate(entry, now)
+        self._flush(*entries)
+
+    def _check_exits(self, entry: RunEntry, now: float) -> None:
+        """A run whose every registered process is gone has ended, run end or not."""
+        if entry.state.ended or now - entry.exit_checked_at < EXIT_CHECK_SECONDS:
+            return
+        if not entry.identities:
+            return
+        entry.exit_checked_at = now
+        if IdentityGate.all_gone(entry):
+            end_run(entry, self.store, "process_exited", now)
+
+    def mark_ended(self, run_id: str, reason: str) -> None:
+        """End a run from outside the stream (its processes were killed or are gone)."""
+        with self._lock:
+            entry = self._table.get(run_id)
+            if entry is None or entry.state.ended:
+                return
+            end_run(entry, self.store, reason, time.time())
+            self._lifecycle.evaluate(entry)
+        self._flush(entry)
+
+    # -- restart ---------------------------------------------------------------------------
+
+    def resume(self) -> int:
+        """Read back the runs, bindings, checkpoints and incidents a previous sidecar left.
+
+        Firing findings come back firing (no second page, STOP or kill for the same
+        incident); the action sink re-asserts them. Returns the number of runs restored.
+        """
+        found = read_back(self.store, time.time(), self.ended_ttl_seconds,
+                          limit=self.max_runs - len(self._table))
+        restored = []
+        with self._lock:
+            for run in found:
+                if self._table.restore(run.entry):
+                    self._lifecycle.restore(run.entry, run.incidents)
+                    restored.append(run.entry)
+        self._flush(*restored)
+        if restored:
+            log.info("runs_resumed", runs=len(restored))
+        return len(restored)
+
+    # -- readers ---------------------------------------------------------------------------
+
+    def runs(self) -> list[tuple[RunState, list[Finding]]]:
+        """Every run's state and a copy of its findings (for exporter and status)."""
+        with self._lock:
+            return [(entry.state, [f.copy() for f in entry.findings.values()])
+                    for entry in self._table]
+
+    def findings(self, run_id: str) -> dict[str, Finding]:
+        with self._lock:
+            entry = self._table.get(run_id)
+            return {} if entry is None else {k: f.copy() for k, f in entry.findings.items()}
+
+    def run(self, run_id: str) -> RunState | None:
+        with self._lock:
+            entry = self._table.get(run_id)
+            return None if entry is None else entry.state
+
+    def progress(self, run_id: str) -> tuple[int, bool, frozenset[int]] | None:
+        """(step, ended, ranks) of a run, read under the lock (for the enforcer's thread)."""
+        with self._lock:
+            entry = self._table.get(run_id)
+            if entry is None:
+                return None
+            run = entry.state
+            return run.step, run.ended, frozenset(run.ranks)
+
+    def identities(self, run_id: str) -> dict[int, ProcessIdentity]:
+        with self._lock:
+            entry = self._table.get(run_id)
+            return {} if entry is None else dict(entry.identities)
+
+    def frozen_streak(self, run: RunState) -> int:
+        return FrozenWeights.streak(run, self.settings)
+
+    def status(self) -> pb.StatusResponse:
+        return status_response(self.runs(), time.time())
+
+
+__all__ = [
+    "EXIT_CHECK_SECONDS",
+    "MAX_RUN_ID_LENGTH",
+    "RESUME_HOLD_STEPS",
+    "CheckpointSink",
+    "IdentityRejected",
+    "IngestError",
+    "Peer",
+    "Registry",
+]

@@ -1,0 +1,189 @@
+"""Event application: the only code that changes a run from what a rank sent.
+
+``EventApplier.apply`` walks one batch of one rank: repeated or out-of-order events are
+counted and skipped, each new event goes to the handler for its kind. A run ends in one
+place, ``end_run``, whether a rank said so, its processes are gone or the enforcer ended it.
+Called under the registry lock; store writes go to the run's outbox.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+import structlog
+
+from deadweight.proto import pb
+from deadweight.proto.kinds import EventKind, kind_of
+from deadweight.sidecar import limits
+from deadweight.sidecar.detectors import checkpoints
+from deadweight.sidecar.registry.run_table import RunEntry
+from deadweight.sidecar.registry.validation import IngestError
+from deadweight.sidecar.state import CheckpointPoint, RunState, StepPoint
+from deadweight.sidecar.store import Store
+
+if TYPE_CHECKING:
+    from deadweight.sidecar.checkpoint_inspector import CheckpointInspection
+
+log = structlog.get_logger("deadweight.registry")
+
+
+class CheckpointSink(Protocol):
+    """Told where a run writes checkpoints and which ones it reported (the watcher).
+
+    Both calls only queue a request: they are made under the registry lock.
+    """
+
+    def watch(self, run_id: str, output_dir: str, owner_uid: int | None = None) -> None: ...
+
+    def submit(self, run_id: str, path: str) -> None: ...
+
+
+def end_run(entry: RunEntry, store: Store, reason: str, now: float, step: int | None = None
+            ) -> None:
+    """Mark the run ended (the one place a run ends) and queue the store write."""
+    run = entry.state
+    run.ended = True
+    run.end_reason = reason
+    run.ended_at = now
+    entry.outbox.add(functools.partial(store.end_run, run.run_id, reason, now))
+    log.info("run_ended", run_id=run.run_id, reason=reason,
+             step=run.step if step is None else step)
+
+
+class EventApplier:
+    """Applies batches to runs; counts the events it had to skip."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.watcher: CheckpointSink | None = None
+        self.duplicate_events = 0
+        self._handlers: dict[EventKind, Callable[[RunEntry, int, pb.Event, float], None]] = {
+            EventKind.RUN_START: self._on_run_start,
+            EventKind.STEP: self._on_step,
+            EventKind.LOG: self._on_log,
+            EventKind.CHECKPOINT: self._on_checkpoint,
+            EventKind.HEARTBEAT: self._on_heartbeat,
+            EventKind.RUN_END: self._on_run_end,
+        }
+
+    def apply(self, entry: RunEntry, request: pb.StreamRequest) -> int:
+        """Apply one rank's batch; returns the rank's highest sequence number (the ack)."""
+        run = entry.state
+        if request.rank not in run.ranks and len(run.ranks) >= limits.MAX_RANKS_PER_RUN:
+            raise IngestError(f"run already has {limits.MAX_RANKS_PER_RUN} ranks")
+        rank = run.rank(request.rank)
+        now = time.time()
+        rank.last_seen = now
+        rank.first_seen = rank.first_seen or now
+        rank.connected = True
+        for event in request.events:
+            if event.seq and event.seq <= rank.last_seq:
+                self.duplicate_events += 1
+                continue
+            rank.last_seq = max(rank.last_seq, event.seq)
+            kind = kind_of(event)
+            if kind is not None:
+                self._handlers[kind](entry, request.rank, event, now)
+        return rank.last_seq
+
+    # -- one handler per kind --------------------------------------------------------------
+
+    def _on_run_start(self, entry: RunEntry, rank: int, event: pb.Event, now: float) -> None:
+        run, start = entry.state, event.run_start
+        start.trainer = limits.label_value(start.trainer)  # exported as a label
+        if run.start is None or rank == entry.leader:
+            run.start = start
+            entry.outbox.add(functools.partial(self.store.upsert_run, run.run_id, run.trainer,
+                                               start))
+        run.rank(rank).membership = start.membership
+        if self.watcher is not None and start.output_dir:
+            bound = entry.identities.get(rank)
+            self.watcher.watch(run.run_id, start.output_dir,
+                               owner_uid=bound.uid if bound is not None else None)
+
+    def _on_step(self, entry: RunEntry, rank_id: int, event: pb.Event, now: float) -> None:
+        report = event.step
+        rank = entry.state.rank(rank_id)
+        if rank.steps and report.step <= rank.steps[-1].step:
+            self.duplicate_events += 1
+            return  # a repeated or out-of-order step changes nothing
+        rank.steps.append(StepPoint.from_report(report, now))
+        rank.step = report.step
+        rank.last_step_time = now
+
+    def _on_log(self, entry: RunEntry, rank: int, event: pb.Event, now: float) -> None:
+        if rank != entry.leader:
+            return  # run-wide values: only the rank that started the run sets them
+        entry.state.record_log(event.log.step, dict(event.log.values))
+
+    def _on_heartbeat(self, entry: RunEntry, rank_id: int, event: pb.Event, now: float) -> None:
+        rank = entry.state.rank(rank_id)
+        rank.dropped_events = max(rank.dropped_events, event.heartbeat.dropped_events)
+
+    def _on_run_end(self, entry: RunEntry, rank: int, event: pb.Event, now: float) -> None:
+        if rank != entry.leader:  # only the rank that started the run ends it
+            log.info("rank_ended", run_id=entry.state.run_id, rank=rank,
+                     reason=event.run_end.reason, leader=entry.leader)
+            return
+        end_run(entry, self.store, event.run_end.reason or "completed", now,
+                step=event.run_end.step)
+
+    def _on_checkpoint(self, entry: RunEntry, rank: int, event: pb.Event, now: float) -> None:
+        run, report = entry.state, event.checkpoint
+        known = run.checkpoint(report.path)
+        if known is not None:  # the watcher got there first: keep its inspection
+            known.combined_digest = report.adapter.combined
+            known.tensor_digests = dict(report.adapter.tensors)
+            known.adapter_bytes = report.adapter.bytes
+            checkpoints.judge(run, known)
+            return
+        point = CheckpointPoint(
+            step=report.step,
+            path=report.path,
+            combined_digest=report.adapter.combined,
+            tensor_digests=dict(report.adapter.tensors),
+            adapter_bytes=report.adapter.bytes,
+            time=now,
+        )
+        self._add_checkpoint(entry, point)
+        checkpoints.judge(run, point)
+        if self.watcher is not None:
+            self.watcher.submit(run.run_id, report.path)
+
+    # -- from the checkpoint watcher -------------------------------------------------------
+
+    def apply_inspection(self, entry: RunEntry, inspection: CheckpointInspection,
+                         step: int) -> None:
+        """Attach what the files of a checkpoint hold to the run."""
+        run = entry.state
+        point = run.checkpoint(inspection.path)
+        if point is None:
+            point = CheckpointPoint(step=step, path=inspection.path,
+                                    combined_digest=inspection.adapter_digest,
+                                    tensor_digests=dict(inspection.tensor_digests),
+                                    adapter_bytes=inspection.tensor_bytes, time=time.time())
+            self._add_checkpoint(entry, point)
+        point.inspection = inspection
+        point.adapter_bytes = inspection.tensor_bytes
+        checkpoints.judge(run, point)
+
+    def _add_checkpoint(self, entry: RunEntry, point: CheckpointPoint) -> None:
+        run = entry.state
+        run.add_checkpoint(point)
+        entry.outbox.add(functools.partial(self.store.add_checkpoint, run.run_id, point))
+
+    @staticmethod
+    def apply_refusal(entry: RunEntry, path: str, reason: str) -> None:
+        """A checkpoint path of the run that the watcher refused to read."""
+        entry.state.refused_paths.append((path, reason))
+        entry.state.refused_total += 1
+
+    @staticmethod
+    def watched(run: RunState) -> str:
+        """The output folder of a live run, '' when there is none to watch."""
+        if run.start is not None and run.start.output_dir and not run.ended:
+            return run.start.output_dir
+        return ""

@@ -1,0 +1,130 @@
+"""The run table: every run the sidecar tracks, how one is admitted, and when one leaves.
+
+A run enters with its first RunStart (``admit``), or from the store after a restart
+(``restore``); it leaves when it ended longer than the TTL ago (``expire_ended``), or to make
+room when the table is full (the run that ended first goes). All methods are called under
+the registry lock; store writes go to the run's outbox.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import structlog
+
+from deadweight.proto import pb
+from deadweight.sidecar.attestation import ProcessIdentity
+from deadweight.sidecar.finding import Finding
+from deadweight.sidecar.registry.pending import Outbox
+from deadweight.sidecar.registry.validation import CapacityError
+from deadweight.sidecar.state import RunState
+from deadweight.sidecar.store import Store
+
+log = structlog.get_logger("deadweight.registry")
+
+
+@dataclass
+class RunEntry:
+    """One run with everything the registry keeps beside its state."""
+
+    state: RunState
+    findings: dict[str, Finding] = field(default_factory=dict)
+    directives: list[pb.Directive] = field(default_factory=list)
+    #: rank -> how many of ``directives`` that rank was handed.
+    delivered: dict[int, int] = field(default_factory=dict)
+    #: rank -> the process the kernel named when that rank registered.
+    identities: dict[int, ProcessIdentity] = field(default_factory=dict)
+    #: detectors whose firing finding was read back after a restart, not yet re-confirmed.
+    held: set[str] = field(default_factory=set)
+    #: detector -> the highest incident number it ever had on this run id (store included).
+    last_incident: dict[str, int] = field(default_factory=dict)
+    exit_checked_at: float = 0.0
+    #: Counts from 1 per run id in this sidecar; a rebind or a reuse starts the next one.
+    incarnation: int = 1
+    #: The rank whose RunStart started this incarnation: only it ends the run and sets its
+    #: run-wide logs.
+    leader: int | None = None
+    outbox: Outbox = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.outbox = Outbox(self.state.run_id)
+
+    def take_directives(self, rank: int) -> list[pb.Directive]:
+        """The directives rank has not been handed yet."""
+        start = self.delivered.get(rank, 0)
+        self.delivered[rank] = len(self.directives)
+        return self.directives[start:]
+
+
+class RunTable:
+    """Live and recently ended runs by id, bounded by ``max_runs``."""
+
+    def __init__(self, store: Store, forget: Callable[[str], None], max_runs: int,
+                 ended_ttl_seconds: float) -> None:
+        self.store = store
+        self.forget = forget
+        self.max_runs = max_runs
+        self.ended_ttl_seconds = ended_ttl_seconds
+        self._runs: dict[str, RunEntry] = {}
+
+    def get(self, run_id: str) -> RunEntry | None:
+        return self._runs.get(run_id)
+
+    def __iter__(self) -> Iterator[RunEntry]:
+        return iter(list(self._runs.values()))
+
+    def __len__(self) -> int:
+        return len(self._runs)
+
+    def admit(self, run_id: str, rank: int, last_incident: dict[str, int]) -> RunEntry:
+        """A new run; last_incident (read from the store) continues its incident numbers."""
+        if len(self._runs) >= self.max_runs and not self._evict_oldest_ended():
+            raise CapacityError(f"sidecar already tracks {self.max_runs} live runs")
+        entry = RunEntry(RunState(run_id), last_incident=dict(last_incident), leader=rank)
+        # A run id used again: the processes that registered it before count for nothing.
+        entry.outbox.add(functools.partial(self.store.forget_bindings, run_id))
+        self._runs[run_id] = entry
+        log.info("run_registered", run_id=run_id, rank=rank)
+        return entry
+
+    def succeed(self, old: RunEntry, rank: int) -> RunEntry:
+        """A new incarnation of old's run id, started by rank; incident numbers continue."""
+        entry = RunEntry(RunState(old.state.run_id), last_incident=dict(old.last_incident),
+                         incarnation=old.incarnation + 1, leader=rank)
+        entry.outbox.add(functools.partial(self.store.forget_bindings, old.state.run_id))
+        self._runs[old.state.run_id] = entry
+        return entry
+
+    def silent(self, now: float, seconds: float) -> list[RunEntry]:
+        """Live runs that sent nothing for seconds."""
+        return [e for e in self if not e.state.ended and now - e.state.last_seen > seconds]
+
+    def restore(self, entry: RunEntry) -> bool:
+        """Put back a run read from the store; False when it is known or there is no room."""
+        if entry.state.run_id in self._runs or len(self._runs) >= self.max_runs:
+            return False
+        self._runs[entry.state.run_id] = entry
+        return True
+
+    def expire_ended(self, now: float) -> None:
+        """Forget runs that ended longer than the TTL ago."""
+        for entry in self:
+            run = entry.state
+            if run.ended and now - run.ended_at > self.ended_ttl_seconds:
+                self._expire(run.run_id, "ttl")
+
+    def _evict_oldest_ended(self) -> bool:
+        """Make room for a new run by forgetting the run that ended first, if any ended."""
+        ended = [(e.state.ended_at, run_id) for run_id, e in self._runs.items() if e.state.ended]
+        if not ended:
+            return False
+        _, run_id = min(ended)
+        self._expire(run_id, "max_runs")
+        return True
+
+    def _expire(self, run_id: str, reason: str) -> None:
+        del self._runs[run_id]
+        self.forget(run_id)  # memory only (the action counters): safe under the lock
+        log.info("run_expired", run_id=run_id, reason=reason)

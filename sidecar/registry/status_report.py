@@ -1,0 +1,31 @@
+"""The registry's runs as the ``Status`` RPC's answer (what ``deadweight status`` prints)."""
+
+from __future__ import annotations
+
+from deadweight.proto import pb
+from deadweight.sidecar.finding import Finding
+from deadweight.sidecar.state import RunState
+
+
+def status_response(runs: list[tuple[RunState, list[Finding]]], now: float) -> pb.StatusResponse:
+    response = pb.StatusResponse()
+    for run, findings in runs:
+        response.runs.append(
+            pb.RunStatus(
+                run_id=run.run_id,
+                trainer=run.trainer,
+                ranks=sorted(run.ranks),
+                step=run.step,
+                last_seen_seconds=max(0.0, now - run.last_seen),
+                ended=run.ended,
+                findings=[
+                    pb.Finding(
+                        detector=f.detector, severity=f.severity, firing=f.firing,
+                        step=f.step, summary=f.summary, evidence=f.evidence,
+                        policy=f.policy,
+                    )
+                    for f in sorted(findings, key=lambda f: f.detector)
+                ],
+            )
+        )
+    return response

@@ -1,0 +1,66 @@
+"""Batch validation: what a batch must satisfy before it may touch any run's state.
+
+Checked outside the registry lock; a refused batch raises ``IngestError`` whose message goes
+back to the client (the stream stays open), and nothing of it is applied.
+"""
+
+from __future__ import annotations
+
+from deadweight.proto import pb
+from deadweight.proto.kinds import EventKind, kind_of
+from deadweight.sidecar import limits
+
+MAX_RUN_ID_LENGTH = 128
+MAX_EVENTS_PER_BATCH = 4096
+MAX_RANK = 65535
+
+
+class IngestError(ValueError):
+    """A batch the sidecar refuses; the message says why and goes back to the client."""
+
+
+class IdentityRejected(IngestError):
+    """A batch for a rank that another (kernel-identified) process registered."""
+
+
+class AttestationRequired(IdentityRejected):
+    """A stream that did not prove who it is where the sidecar requires it (or of a uid that
+    is not a trainer uid)."""
+
+
+class CapacityError(IngestError):
+    """The sidecar holds as many runs as it may."""
+
+
+def refusal_kind(err: IngestError) -> str:
+    """The ``kind`` label of a refused batch (a few fixed values: bounded cardinality)."""
+    if isinstance(err, AttestationRequired):
+        return "attestation"
+    if isinstance(err, IdentityRejected):
+        return "identity"
+    if isinstance(err, CapacityError):
+        return "capacity"
+    return "invalid"
+
+
+def validate(request: pb.StreamRequest) -> None:
+    """Raise IngestError naming the first thing wrong with the batch."""
+    if not request.run_id:
+        raise IngestError("run_id is empty")
+    if len(request.run_id) > MAX_RUN_ID_LENGTH:
+        raise IngestError(f"run_id longer than {MAX_RUN_ID_LENGTH} characters")
+    if not request.run_id.isprintable():
+        raise IngestError("run_id has non-printable characters")
+    if not 0 <= request.rank <= MAX_RANK:
+        raise IngestError(f"rank {request.rank} outside 0..{MAX_RANK}")
+    if len(request.events) > MAX_EVENTS_PER_BATCH:
+        raise IngestError(f"more than {MAX_EVENTS_PER_BATCH} events in one batch")
+    problem = limits.batch_problem(request)
+    if problem is not None:
+        raise IngestError(problem)
+
+
+def run_start_of(request: pb.StreamRequest) -> pb.RunStart | None:
+    """The batch's first RunStart, if it carries one."""
+    return next((e.run_start for e in request.events if kind_of(e) == EventKind.RUN_START),
+                None)

@@ -7,6 +7,7 @@ count exactly which events arrived.
 
 from __future__ import annotations
 
+import tempfile
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -43,7 +44,8 @@ class InProcessSidecar:
         self.server: Sidecar | None = None
 
     def start(self) -> InProcessSidecar:
-        config = ServerConfig(socket_path=str(self.socket_path), metrics_address="127.0.0.1:0")
+        config = ServerConfig(socket_path=str(self.socket_path), metrics_address="127.0.0.1:0",
+                              watch_roots=(tempfile.gettempdir(),))
         self.server = Sidecar(self.registry, None, config)
         self.server.start()
         return self

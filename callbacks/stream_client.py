@@ -99,6 +99,25 @@ def _fetch_attestation_once(socket_path: str, timeout: float) -> str | None:
     return nonce if status == "OK" and nonce else None
 
 
+#: Longest wait for grpc's connectivity poller to notice nobody watches the channel any more
+#: (it checks every 0.2 s).
+_POLLER_GRACE_SECONDS = 0.5
+
+
+def _close_quietly(channel: grpc.Channel) -> None:
+    """Close channel once grpc's connectivity poller has stopped.
+
+    The poller runs in its own thread while a ready-future watches the channel and for up to
+    0.2 s after; a channel closed under it makes that thread die with "Cannot monitor channel
+    state: Channel closed!". The poller's flag is private to grpc: absent, this just closes.
+    """
+    state = getattr(channel, "_connectivity_state", None)
+    deadline = time.monotonic() + _POLLER_GRACE_SECONDS
+    while getattr(state, "polling", False) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    channel.close()
+
+
 class StreamClient:
     """One (run_id, rank) stream to the sidecar, fed without blocking the training thread."""
 
@@ -136,6 +155,8 @@ class StreamClient:
         self._warned = False
         self._closing = False
         self._channel: grpc.Channel | None = None
+        #: The pending wait for a connection, while there is one (close() cancels it).
+        self._ready: grpc.Future | None = None
         self.dropped = 0
         self._reported_dropped = -1
         self._rejections: set[str] = set()
@@ -202,9 +223,15 @@ class StreamClient:
                         left, self.address)
         self._stop.set()
         self._wake.set()
-        channel = self._channel
-        if channel is not None:
-            channel.close()
+        ready = self._ready
+        if ready is not None:
+            # Still connecting: cancel the wait and let the sender close its own channel.
+            # Closing it here races grpc's connectivity poller ("Channel closed!").
+            ready.cancel()
+        else:
+            channel = self._channel
+            if channel is not None:
+                channel.close()  # ends a blocked stream read at once
         self._thread.join(max(0.0, deadline - time.monotonic()) + 0.5)
 
     @property
@@ -253,6 +280,9 @@ class StreamClient:
                 self._stream_once()
             except grpc.FutureTimeoutError:
                 self._warn_unreachable("no answer")
+            except grpc.FutureCancelledError:  # close() gave up waiting for a connection
+                if not self.connects:
+                    self._warn_unreachable("no answer before the run ended")
             except grpc.RpcError as err:
                 code = err.code() if hasattr(err, "code") else None
                 self._warn_unreachable(str(code))
@@ -282,9 +312,16 @@ class StreamClient:
         channel = open_channel(target, self._tls_root)
         self._channel = channel
         try:
-            grpc.channel_ready_future(channel).result(
-                timeout=self.settings.connect_timeout_seconds
-            )
+            ready = grpc.channel_ready_future(channel)
+            self._ready = ready
+            if self._stop.is_set():  # close() ran before it could see this wait
+                ready.cancel()
+            try:
+                ready.result(timeout=self.settings.connect_timeout_seconds)
+            finally:
+                self._ready = None
+                if not ready.done():
+                    ready.cancel()  # stop watching the channel's connectivity
             self._attestation = self._attest(target)  # one nonce per connection
             stub = monitor_stub(channel)
             responses = stub.Stream(self._requests(), metadata=self._metadata)
@@ -296,7 +333,7 @@ class StreamClient:
             for response in responses:
                 self._on_response(response)
         finally:
-            channel.close()
+            _close_quietly(channel)
             self._channel = None
 
     def _on_response(self, response: pb.StreamResponse) -> None:

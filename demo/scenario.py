@@ -58,11 +58,34 @@ def _adapter_changed(initial: Path, checkpoint_root: Path) -> tuple[str, bool] |
     return None
 
 
+def _write_reports(state_dir: Path, workdir: Path) -> None:
+    """One HTML report per run, from the sidecar's state dir (needs the report extra)."""
+    try:
+        from deadweight.sidecar import report
+    except ImportError:
+        return
+    from deadweight.sidecar.store import Store
+
+    store = Store(state_dir)
+    try:
+        for run_id in ("demo-frozen-adapter", "demo-healthy-control"):
+            out = workdir / f"report-{run_id}.html"
+            try:
+                out.write_text(report.render(report.load(store, run_id)), encoding="utf-8")
+            except report.ReportUnavailable as err:
+                _say(f"      no report for {run_id}: {err}")
+                continue
+            _say(f"      report: {out}")
+    finally:
+        store.close()
+    _say(f"      again later: deadweight report RUN_ID --state-dir {state_dir}")
+
+
 def main(workdir: Path | None = None, steps: int = 12) -> int:
     """Run the demonstration; 0 when the failure was caught and the control stayed clean."""
-    if workdir is None:
-        with tempfile.TemporaryDirectory(prefix="deadweight-demo-") as tmp:
-            return main(Path(tmp), steps)
+    if workdir is None:  # kept afterwards: the checkpoints and reports it names stay readable
+        workdir = Path(tempfile.mkdtemp(prefix="deadweight-demo-"))
+    workdir.mkdir(parents=True, exist_ok=True)
     _quiet()
     import torch
     from transformers import PrinterCallback
@@ -74,15 +97,18 @@ def main(workdir: Path | None = None, steps: int = 12) -> int:
     from deadweight.sidecar import status
 
     _say("deadweight demo: a LoRA run that reports a healthy loss while its weights stay frozen")
+    _say(f"      every file goes to {workdir} and stays there (choose it with --workdir DIR)")
     _say(f"[1/5] building a tiny Qwen2-style model, tokenizer and LoRA adapter in {workdir}")
     model_dir, adapter_dir = runs.prepare(workdir / "models")
 
     _say("[2/5] starting the sidecar: deadweight serve --policy frozen_weights=stop "
          f"--watch-root {workdir}")
+    state_dir = workdir / "sidecar" / "state"
     with SidecarProcess(workdir / "sidecar", policies={"frozen_weights": "stop"},
+                        extra_args=["--state-dir", str(state_dir)],
                         watch_roots=[workdir]) as sidecar:
-        _say(f"      socket {sidecar.socket_path}, metrics http://127.0.0.1:"
-             f"{sidecar.metrics_port}/metrics")
+        _say(f"      socket {sidecar.socket_path}; while the demo runs: http://127.0.0.1:"
+             f"{sidecar.metrics_port}/metrics and /runbooks/")
 
         _say(f"[3/5] run A: PeftModel.from_pretrained(base, adapter) -> GRPOTrainer(beta=0.01), "
              f"{steps} steps")
@@ -130,6 +156,7 @@ def main(workdir: Path | None = None, steps: int = 12) -> int:
     if saved_b is not None:
         _say(f"      run B's {saved_b[0]}/adapter_model.safetensors differs from the initial "
              f"adapter: {saved_b[1]}")
+    _write_reports(state_dir, workdir)
     ok = caught and stopped and control_clean and control_completed
     _say(
         "RESULT: "

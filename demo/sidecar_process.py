@@ -68,7 +68,10 @@ class SidecarProcess:
         self.folder.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.process = subprocess.Popen(self.command(), stdout=log, stderr=log, env=env)
+        # Started in its own folder: `python -m` puts the working folder first on the import
+        # path, and a user's folder that holds a `deadweight/` directory must not shadow us.
+        self.process = subprocess.Popen(self.command(), stdout=log, stderr=log, env=env,
+                                        cwd=self.folder)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

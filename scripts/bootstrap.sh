@@ -2,11 +2,15 @@
 # Create .venv with everything deadweight needs; safe to run again (it only adds what is missing).
 # torch is installed first and pinned to the CPU build that lies on this kind of machine's disk,
 # so no other package pulls a multi-gigabyte CUDA build.
+# Usage: bash scripts/bootstrap.sh [EXTRAS]   (default: train,dev,report; the demo needs train)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+EXTRAS="${1:-train,dev,report}"
 PYTHON="${PYTHON:-python3}"
+say() { echo "bootstrap: $*"; }
 if [ ! -x .venv/bin/python ]; then
+  say "creating .venv with $("$PYTHON" --version)"
   "$PYTHON" -m venv .venv
 fi
 pip_install() {
@@ -20,8 +24,11 @@ pip_install() {
   return "$status"
 }
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  say "installing torch 2.13.0 (CPU build; first run only, about a minute)"
   pip_install "torch==2.13.0"
 fi
-pip_install -e ".[train,dev]"
+say "installing deadweight[$EXTRAS] and its dependencies (first run: about 2 minutes)"
+pip_install -e ".[$EXTRAS]"
 .venv/bin/python -c "import deadweight.callbacks, deadweight.sidecar.cli, torch, trl, peft" \
   || { echo "bootstrap: the environment is incomplete" >&2; exit 1; }
+say "ready: .venv"

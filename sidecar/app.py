@@ -11,6 +11,7 @@ into a ``SidecarConfig`` and calls ``build``; tests that need their own registry
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,7 +32,12 @@ from deadweight.sidecar.exporter import DeadweightCollector
 from deadweight.sidecar.finding import Finding, RunFacts
 from deadweight.sidecar.metrics_http import MetricsServer
 from deadweight.sidecar.registry import Registry
-from deadweight.sidecar.server import ServerConfig, SidecarServer, check_transport
+from deadweight.sidecar.server import (
+    ServerConfig,
+    SidecarServer,
+    check_transport,
+    refuse_if_listening,
+)
 from deadweight.sidecar.settings import DetectorSettings
 from deadweight.sidecar.store import Store
 
@@ -67,6 +73,10 @@ def _host_port(address: str) -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
+class StartupError(RuntimeError):
+    """The sidecar could not start serving; the message names what and why."""
+
+
 class Sidecar:
     """A registry and everything that serves it, started and stopped together."""
 
@@ -93,6 +103,8 @@ class Sidecar:
                                                  registry.attestor)
         self.server = SidecarServer(registry, config)
         self._http: MetricsServer | None = None
+        #: How to stop each part that started, in start order.
+        self._running: list[Callable[[], None]] = []
         self.metrics_port: int | None = None
 
     @property
@@ -100,34 +112,57 @@ class Sidecar:
         return self.server.grpc_port
 
     def start(self) -> None:
-        """Resume what a previous sidecar left, then serve; raise if serving failed."""
+        """Resume what a previous sidecar left, then serve; raise StartupError naming what
+        could not be served (a socket in use, a port taken, a folder that cannot be made).
+
+        After a StartupError, ``stop`` and ``close`` undo what had started.
+        """
         check_transport(self.config)
+        if self.config.socket_path:
+            for path in (Path(self.config.socket_path), attest_path(self.config.socket_path)):
+                try:
+                    refuse_if_listening(path)
+                except OSError as err:
+                    raise StartupError(str(err)) from err
         self.registry.resume()
         if self.enforcer is not None:
             self.enforcer.resume()
             self.enforcer.start()
         if self.config.metrics_address:
             host, port = _host_port(self.config.metrics_address)
-            self._http = MetricsServer(host, port, self.collector.collect)
+            try:
+                self._http = MetricsServer(host, port, self.collector.collect)
+            except OSError as err:
+                raise StartupError(f"cannot serve /metrics on {host}:{port}: "
+                                   f"{err.strerror or err}") from err
+            self._running.append(self._http.stop)
             self.metrics_port = self._http.port
             log.info("metrics_listening", address=f"{host}:{self.metrics_port}")
-        if self.attestation is not None and self.config.socket_path:
-            Path(self.config.socket_path).parent.mkdir(parents=True, exist_ok=True, mode=0o750)
+        if self.config.socket_path:
+            folder = Path(self.config.socket_path).parent
+            try:
+                folder.mkdir(parents=True, exist_ok=True, mode=0o750)
+            except OSError as err:
+                raise StartupError(f"cannot create the socket folder {folder}: "
+                                   f"{err.strerror or err}") from err
+        if self.attestation is not None:
             self.attestation.start()
+            self._running.append(self.attestation.stop)
         if self.watcher is not None:
             self.watcher.start()
+            self._running.append(self.watcher.stop)
             self.registry.attach_watcher(self.watcher)
-        self.server.start()
+        try:
+            self.server.start()
+        except (OSError, RuntimeError) as err:
+            where = self.config.listen or self.config.socket_path
+            raise StartupError(f"cannot serve gRPC on {where}: {err}") from err
+        self._running.append(self.server.stop)
 
     def stop(self) -> None:
-        """Stop serving (the process state is closed by ``close``)."""
-        self.server.stop()
-        if self.attestation is not None:
-            self.attestation.stop()
-        if self.watcher is not None:
-            self.watcher.stop()
-        if self._http is not None:
-            self._http.stop()
+        """Stop serving, newest part first (the process state is closed by ``close``)."""
+        while self._running:
+            self._running.pop()()
 
     def wait(self) -> None:
         """Block until the gRPC server ends (``stop`` from a signal handler ends it)."""

@@ -28,16 +28,21 @@ class AuditResult:
 
     inspection: CheckpointInspection
     findings: list[tuple[str, str, Verdict]]
+    #: False when the paths are not all ``checkpoint-<step>`` folders: steps are positions.
+    real_steps: bool = True
 
 
 def audit(paths: list[Path], initial: Path | None = None,
           settings: DetectorSettings | None = None) -> list[AuditResult]:
     """Inspect every path and run the checkpoint detectors on it (raises NotACheckpoint)."""
     settings = settings or DetectorSettings()
-    steps = [CHECKPOINT_DIR.match(p.name) for p in paths]
-    if all(steps):
-        paths = [p for _, p in sorted(zip([int(m.group(1)) for m in steps if m], paths,
-                                          strict=True), key=lambda sp: sp[0])]
+    matches = [CHECKPOINT_DIR.match(p.name) for p in paths]
+    real_steps = all(matches)
+    # checkpoint-<step> folders are labelled with their own steps; other paths by position.
+    steps = ([int(m.group(1)) for m in matches if m] if real_steps
+             else list(range(1, len(paths) + 1)))
+    numbered = sorted(zip(steps, paths, strict=True), key=lambda sp: sp[0])
+    paths = [p for _, p in numbered]
     inspections = [inspect_path(p) for p in paths]  # fail on a bad path before any output
     run = RunState("inspect")
     if initial is not None:
@@ -45,8 +50,8 @@ def audit(paths: list[Path], initial: Path | None = None,
         run.start = pb.RunStart(initial_adapter=pb.AdapterDigest(combined=start.adapter_digest))
     detectors = [d for d in ALL if d.id in ARTIFACT_IDS]
     results = []
-    for index, inspection in enumerate(inspections):
-        point = CheckpointPoint(step=index + 1, path=inspection.path, combined_digest="",
+    for (step, _), inspection in zip(numbered, inspections, strict=True):
+        point = CheckpointPoint(step=step, path=inspection.path, combined_digest="",
                                 tensor_digests={}, adapter_bytes=inspection.tensor_bytes,
                                 time=time.time(), inspection=inspection)
         run.add_checkpoint(point)
@@ -56,13 +61,16 @@ def audit(paths: list[Path], initial: Path | None = None,
             verdict = detector.evaluate(run, settings)
             if verdict is not None and verdict.firing:
                 fired.append((detector.id, detector.severity.value, verdict))
-        results.append(AuditResult(inspection, fired))
+        results.append(AuditResult(inspection, fired, real_steps))
     return results
 
 
 def render(results: list[AuditResult]) -> str:
     """Readable report: one block per path, one line per finding with its evidence."""
     lines = []
+    if results and not results[0].real_steps:
+        lines.append("note: the paths are not all checkpoint-<step> folders; \"step N\" below "
+                     "means the N-th path given")
     for result in results:
         ins = result.inspection
         what = (f"{ins.weights_file}, {len(ins.tensor_digests)} tensors, {ins.tensor_bytes} "

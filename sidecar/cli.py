@@ -31,6 +31,18 @@ if TYPE_CHECKING:
 DEFAULT_SOCKET = "/run/deadweight/deadweight.sock"
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _host_port(text: str) -> str:
+    """An argparse type: HOST:PORT with a port number (HOST may be empty or [v6])."""
+    _, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(
+            f"expected HOST:PORT (e.g. 127.0.0.1:9464), got {text!r}")
+    return text
+
+
 def _policy(text: str) -> tuple[str, Policy]:
     detector, sep, action = text.partition("=")
     if not sep:
@@ -75,7 +87,13 @@ def _serve(args: argparse.Namespace) -> int:
     except (StateDirUnsafe, OSError) as err:
         print(f"deadweight serve: {err}", file=sys.stderr)
         return 2
-    sidecar.start()
+    try:
+        sidecar.start()
+    except app.StartupError as err:
+        print(f"deadweight serve: {err}", file=sys.stderr)
+        sidecar.stop()
+        sidecar.close()
+        return 2
 
     def _stop(signum: int, frame: object) -> None:
         sidecar.stop()
@@ -180,6 +198,30 @@ def _inspect(args: argparse.Namespace) -> int:
     return 1 if any(r.findings for r in results) else 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    from deadweight.sidecar import report
+    from deadweight.sidecar.settings import DetectorSettings
+    from deadweight.sidecar.store import DB_NAME, Store
+
+    if not (Path(args.state_dir) / DB_NAME).is_file():
+        print(f"deadweight report: no state database in {args.state_dir} (the sidecar's "
+              "--state-dir)", file=sys.stderr)
+        return 2
+    store = Store(args.state_dir)
+    try:
+        page = report.render(report.load(store, args.run_id),
+                             frozen_ratio_floor=DetectorSettings().frozen_ratio_floor)
+    except report.ReportUnavailable as err:
+        print(f"deadweight report: {err}", file=sys.stderr)
+        return 2
+    finally:
+        store.close()
+    out = Path(args.out or f"deadweight-{args.run_id}.html")
+    out.write_text(page, encoding="utf-8")
+    print(f"deadweight report: wrote {out}")
+    return 0
+
+
 def build_parser(*more_commands: Callable[[Commands], None]) -> argparse.ArgumentParser:
     """The sidecar's commands; each of ``more_commands`` adds its own to the same parser."""
     parser = argparse.ArgumentParser(
@@ -191,9 +233,11 @@ def build_parser(*more_commands: Callable[[Commands], None]) -> argparse.Argumen
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run the sidecar daemon")
-    serve.add_argument("--socket", default=DEFAULT_SOCKET, help="unix socket to listen on")
-    serve.add_argument("--metrics-address", default="127.0.0.1:9464",
-                       help="HOST:PORT for /metrics (default %(default)s)")
+    serve.add_argument("--socket", default=DEFAULT_SOCKET,
+                       help="unix socket to listen on (default %(default)s)")
+    serve.add_argument("--metrics-address", default="127.0.0.1:9464", type=_host_port,
+                       metavar="HOST:PORT", help="where /metrics and /runbooks/ are served "
+                       "(default %(default)s)")
     serve.add_argument("--policy", action="append", type=_policy, metavar="DETECTOR=ACTION",
                        help="observe|page|stop|kill for one detector (repeatable)")
     serve.add_argument("--alertmanager-url", default=None, metavar="URL",
@@ -208,7 +252,7 @@ def build_parser(*more_commands: Callable[[Commands], None]) -> argparse.Argumen
                        default=alert_links.DEFAULT_DASHBOARD_URL_PATTERN, metavar="PATTERN",
                        help="dashboard_url and generatorURL of pushed alerts; {run_id} is filled "
                        "in (default %(default)s)")
-    serve.add_argument("--listen", default=None, metavar="HOST:PORT",
+    serve.add_argument("--listen", default=None, metavar="HOST:PORT", type=_host_port,
                        help="also serve gRPC on TCP (needs --tls-cert, --tls-key, --token-file)")
     serve.add_argument("--tls-cert", default=None, metavar="FILE", help="PEM certificate chain")
     serve.add_argument("--tls-key", default=None, metavar="FILE", help="PEM private key")
@@ -232,9 +276,11 @@ def build_parser(*more_commands: Callable[[Commands], None]) -> argparse.Argumen
                        help="keep runs, checkpoint hashes, incidents and the action journal "
                        "here (SQLite) so a restart resumes them; default: memory only")
     serve.add_argument("--stop-grace-seconds", type=float, default=120.0, metavar="SECONDS",
-                       help="kill policy: SIGTERM this long after STOP if the run still steps")
+                       help="kill policy: SIGTERM this long after STOP if the run still steps "
+                       "(default %(default)s)")
     serve.add_argument("--kill-grace-seconds", type=float, default=30.0, metavar="SECONDS",
-                       help="kill policy: SIGKILL this long after SIGTERM if still alive")
+                       help="kill policy: SIGKILL this long after SIGTERM if still alive "
+                       "(default %(default)s)")
     serve.add_argument("--dry-run", action="store_true",
                        help="log what each action would do, do nothing")
     serve.add_argument("--run-ttl-seconds", type=float, default=900.0, metavar="SECONDS",
@@ -246,7 +292,8 @@ def build_parser(*more_commands: Callable[[Commands], None]) -> argparse.Argumen
     serve.add_argument("--setting", action="append", type=_setting, metavar="NAME=VALUE",
                        help="override a detector threshold or window, e.g. stalled_seconds=600 "
                        "(repeatable; names and defaults in the README)")
-    serve.add_argument("--log-level", default="info")
+    serve.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS,
+                       help="(default %(default)s)")
     serve.set_defaults(func=_serve)
 
     status_cmd = commands.add_parser("status", help="live runs and verdicts of a sidecar")
@@ -268,6 +315,14 @@ def build_parser(*more_commands: Callable[[Commands], None]) -> argparse.Argumen
                          help="override a detector threshold (e.g. adapter_bloat_ratio=2)")
     inspect.set_defaults(func=_inspect)
 
+    report_cmd = commands.add_parser(
+        "report", help="one self-contained HTML page per run, from the sidecar's state dir")
+    report_cmd.add_argument("run_id", metavar="RUN_ID")
+    report_cmd.add_argument("--state-dir", required=True, metavar="DIR",
+                            help="the --state-dir of the sidecar that watched the run")
+    report_cmd.add_argument("--out", default=None, metavar="FILE.html",
+                            help="where to write it (default deadweight-RUN_ID.html)")
+    report_cmd.set_defaults(func=_report)
     for add in more_commands:
         add(commands)
     return parser

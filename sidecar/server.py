@@ -9,7 +9,9 @@ the ``/metrics`` endpoint, the attestation socket and the checkpoint watcher.
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
+import socket
 import stat
 import threading
 from collections.abc import AsyncIterator
@@ -95,7 +97,36 @@ class MonitorServicer(pb_grpc.MonitorServiceServicer):  # type: ignore[misc]
         self, request: pb.StatusRequest, context: grpc.aio.ServicerContext
     ) -> pb.StatusResponse:
         await self._authorize(context)
-        return bounded(self.registry.status())
+        return bounded(await asyncio.to_thread(self.registry.status, request.run_id))
+
+
+class SocketInUse(OSError):
+    """Another process answers on the socket path: a second sidecar must not take it over."""
+
+
+def refuse_if_listening(path: Path) -> None:
+    """Raise SocketInUse when something accepts connections on the unix socket at path.
+
+    A socket file left by a crash refuses connections and may be replaced; a live one belongs
+    to a running sidecar, whose runs would silently lose their channel (and their kill path,
+    through the attestation socket) if a second sidecar unlinked it.
+    """
+    if not path.exists() or not stat.S_ISSOCK(path.lstat().st_mode):
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(str(path))
+    except (ConnectionRefusedError, FileNotFoundError):
+        return  # stale: nobody listens
+    except OSError as err:
+        raise SocketInUse(err.errno, f"cannot tell whether {path} is in use: {err.strerror}"
+                          ) from err
+    finally:
+        probe.close()
+    raise SocketInUse(errno.EADDRINUSE,
+                      f"another process is listening on {path} (a running sidecar?); "
+                      "refusing to replace its socket")
 
 
 def _prepare_socket(path: Path) -> None:

@@ -63,10 +63,16 @@ CREATE TABLE IF NOT EXISTS actions (
     action TEXT NOT NULL, result TEXT NOT NULL, rank INTEGER, pid INTEGER,
     dry_run INTEGER NOT NULL, detail TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS actions_incident ON actions (run_id, detector, incident);
+CREATE TABLE IF NOT EXISTS history (
+    run_id TEXT NOT NULL, kind TEXT NOT NULL, step INTEGER NOT NULL, time REAL NOT NULL,
+    series TEXT NOT NULL, PRIMARY KEY (run_id, kind, step));
 """
 
 #: How long the journal of an ended run is kept (pruned when the sidecar starts).
 RETENTION_SECONDS = 30 * 86400
+#: Rows of per-step history kept per run and kind; past it, every other older row is dropped,
+#: so a long run keeps its whole span at a coarser grain (the report's plots need no more).
+MAX_HISTORY_ROWS = 2000
 #: incidents.enforcement while an escalation (STOP, SIGTERM, SIGKILL) is still in progress.
 ENFORCEMENT_OPEN = "open"
 
@@ -348,6 +354,35 @@ class Store:
     def open_enforcements(self) -> list[StoredIncident]:
         return self._incidents("enforcement=?", (ENFORCEMENT_OPEN,))
 
+    # -- per-step history (for the run report) ---------------------------------------------
+
+    def add_history(self, run_id: str, kind: str, step: int, series: dict[str, float],
+                    at: float) -> None:
+        """Keep one step's figures of one kind ("step" or "log"); bounded per run and kind."""
+        with self._lock:
+            self._db.execute(
+                "INSERT OR REPLACE INTO history VALUES (?, ?, ?, ?, ?)",
+                (run_id, kind, step, at, json.dumps(series, sort_keys=True)))
+            (count,) = self._db.execute(
+                "SELECT COUNT(*) FROM history WHERE run_id=? AND kind=?", (run_id, kind)
+            ).fetchone()
+            if count > MAX_HISTORY_ROWS:
+                self._db.execute(
+                    "DELETE FROM history WHERE rowid IN (SELECT rowid FROM (SELECT rowid, "
+                    "row_number() OVER (ORDER BY step) AS n FROM history WHERE run_id=? AND "
+                    "kind=?) WHERE n % 2 = 0 AND n < ?)", (run_id, kind, count))
+
+    def history(self, run_id: str, kind: str) -> list[tuple[int, float, dict[str, float]]]:
+        """(step, time, figures) of a run's history of one kind, by step."""
+        rows = self._read(
+            "SELECT step, time, series FROM history WHERE run_id=? AND kind=? ORDER BY step",
+            (run_id, kind))
+        return [(step, at, json.loads(series)) for step, at, series in rows]
+
+    def run(self, run_id: str) -> StoredRun | None:
+        """One run by id, ended or not."""
+        return next((r for r in self.runs() if r.run_id == run_id), None)
+
     # -- the action journal ----------------------------------------------------------------
 
     def add_action(
@@ -387,7 +422,8 @@ class Store:
                 "SELECT run_id FROM runs WHERE ended=1 AND ended_at < ?", (ended_before,))]
             try:
                 for run_id in ids:
-                    for table in ("bindings", "checkpoints", "incidents", "actions", "runs"):
+                    for table in ("bindings", "checkpoints", "incidents", "actions", "history",
+                                  "runs"):
                         self._write(f"DELETE FROM {table} WHERE run_id=?", (run_id,))
             except StoreWriteFailed:
                 return 0  # a full disk: pruning waits for the next start

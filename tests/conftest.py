@@ -103,7 +103,7 @@ class MetricsProbe:
 #: up front with one clear message instead of letting tests skip themselves into green.
 REQUIRED_PROGRAMS = (
     "prometheus", "promtool", "prometheus-alertmanager", "amtool", "openssl", "gcc", "buildah",
-    "debootstrap", "ip",
+    "debootstrap", "ip", "chromium",
 )
 
 

@@ -64,6 +64,9 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("deadweight.registry")
 
+#: Actions listed per run in a Status answer (the newest; the journal keeps them all).
+MAX_STATUS_ACTIONS = 20
+
 #: Seconds between checks that the registered processes of live runs still exist.
 EXIT_CHECK_SECONDS = 5.0
 #: A live run that sends nothing (not even a heartbeat) for this long ends as ``silent``.
@@ -174,7 +177,8 @@ class Registry:
             self._flush(entry)
             with self._lock:
                 rank_directives = entry.take_directives(request.rank)
-            return pb.StreamResponse(ack_seq=ack, directives=rank_directives)
+                firing = sorted(d for d, f in entry.findings.items() if f.firing)
+            return pb.StreamResponse(ack_seq=ack, directives=rank_directives, firing=firing)
         except IngestError as err:
             if closed is not None:
                 self._flush(closed)
@@ -259,10 +263,18 @@ class Registry:
 
     def record_inspection(self, run_id: str, inspection: CheckpointInspection,
                           step: int = 0) -> bool:
-        """Attach what the files of a checkpoint hold to the run; False for an unknown run."""
+        """Attach what the files of a checkpoint hold to the run; False for an unknown run.
+
+        A run that ended owns only the checkpoints it reported: one written later in its
+        folder (a copy, another job reusing the output dir) is not its doing and is ignored.
+        """
         with self._lock:
             entry = self._table.get(run_id)
             if entry is None:
+                return False
+            if entry.state.ended and entry.state.checkpoint(inspection.path) is None:
+                log.info("checkpoint_after_run_end_ignored", run_id=run_id,
+                         path=inspection.path, reason=entry.state.end_reason)
                 return False
             self._events.apply_inspection(entry, inspection, step)
             self._lifecycle.evaluate(entry)
@@ -360,8 +372,13 @@ class Registry:
     def frozen_streak(self, run: RunState) -> int:
         return FrozenWeights.streak(run, self.settings)
 
-    def status(self) -> pb.StatusResponse:
-        return status_response(self.runs(), time.time())
+    def status(self, run_id: str = "") -> pb.StatusResponse:
+        """Every run (or the one named), with the actions journaled for it (read unlocked)."""
+        runs = [(run, findings) for run, findings in self.runs()
+                if not run_id or run.run_id == run_id]
+        actions = {run.run_id: self.store.actions(run_id=run.run_id)[-MAX_STATUS_ACTIONS:]
+                   for run, _ in runs}
+        return status_response(runs, actions, time.time())
 
 
 __all__ = [

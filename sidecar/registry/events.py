@@ -17,7 +17,7 @@ import structlog
 
 from deadweight.proto import pb
 from deadweight.proto.kinds import EventKind, kind_of
-from deadweight.sidecar import limits
+from deadweight.sidecar import history, limits
 from deadweight.sidecar.detectors import checkpoints
 from deadweight.sidecar.registry.run_table import RunEntry
 from deadweight.sidecar.registry.validation import IngestError
@@ -113,11 +113,28 @@ class EventApplier:
         rank.steps.append(StepPoint.from_report(report, now))
         rank.step = report.step
         rank.last_step_time = now
+        self._keep_step_history(entry, report, now)
+
+    def _keep_step_history(self, entry: RunEntry, report: pb.StepReport, now: float) -> None:
+        """The newest combined step goes to the report's history once every rank sent it."""
+        combined = entry.state.combined_steps()
+        if not combined or combined[-1].step <= entry.history_step:
+            return
+        point = combined[-1]
+        entry.history_step = point.step
+        entry.outbox.add(functools.partial(
+            self.store.add_history, entry.state.run_id, "step", point.step,
+            history.step_series(point, report), now))
 
     def _on_log(self, entry: RunEntry, rank: int, event: pb.Event, now: float) -> None:
         if rank != entry.leader:
             return  # run-wide values: only the rank that started the run sets them
-        entry.state.record_log(event.log.step, dict(event.log.values))
+        values = dict(event.log.values)
+        entry.state.record_log(event.log.step, values)
+        series = history.log_series(values)
+        if series:
+            entry.outbox.add(functools.partial(
+                self.store.add_history, entry.state.run_id, "log", event.log.step, series, now))
 
     def _on_heartbeat(self, entry: RunEntry, rank_id: int, event: pb.Event, now: float) -> None:
         rank = entry.state.rank(rank_id)

@@ -46,6 +46,8 @@ class RunEntry:
     #: The rank whose RunStart started this incarnation: only it ends the run and sets its
     #: run-wide logs.
     leader: int | None = None
+    #: The last optimizer step written to the store's history (for the run report).
+    history_step: int = 0
     outbox: Outbox = field(init=False)
 
     def __post_init__(self) -> None:

@@ -5,9 +5,11 @@ from __future__ import annotations
 from deadweight.proto import pb
 from deadweight.sidecar.finding import Finding
 from deadweight.sidecar.state import RunState
+from deadweight.sidecar.store import ActionRow
 
 
-def status_response(runs: list[tuple[RunState, list[Finding]]], now: float) -> pb.StatusResponse:
+def status_response(runs: list[tuple[RunState, list[Finding]]],
+                    actions: dict[str, list[ActionRow]], now: float) -> pb.StatusResponse:
     response = pb.StatusResponse()
     for run, findings in runs:
         response.runs.append(
@@ -18,6 +20,12 @@ def status_response(runs: list[tuple[RunState, list[Finding]]], now: float) -> p
                 step=run.step,
                 last_seen_seconds=max(0.0, now - run.last_seen),
                 ended=run.ended,
+                end_reason=run.end_reason if run.ended else "",
+                actions=[
+                    pb.ActionTaken(detector=a.detector, action=a.action, result=a.result,
+                                   time=a.time, step=int(a.detail.get("step", 0) or 0))
+                    for a in actions.get(run.run_id, [])
+                ],
                 findings=[
                     pb.Finding(
                         detector=f.detector, severity=f.severity, firing=f.firing,

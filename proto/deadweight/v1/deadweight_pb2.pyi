@@ -257,14 +257,16 @@ class RunEnd(_message.Message):
     def __init__(self, step: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class StreamResponse(_message.Message):
-    __slots__ = ("ack_seq", "directives", "error")
+    __slots__ = ("ack_seq", "directives", "error", "firing")
     ACK_SEQ_FIELD_NUMBER: _ClassVar[int]
     DIRECTIVES_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    FIRING_FIELD_NUMBER: _ClassVar[int]
     ack_seq: int
     directives: _containers.RepeatedCompositeFieldContainer[Directive]
     error: str
-    def __init__(self, ack_seq: _Optional[int] = ..., directives: _Optional[_Iterable[_Union[Directive, _Mapping]]] = ..., error: _Optional[str] = ...) -> None: ...
+    firing: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, ack_seq: _Optional[int] = ..., directives: _Optional[_Iterable[_Union[Directive, _Mapping]]] = ..., error: _Optional[str] = ..., firing: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Directive(_message.Message):
     __slots__ = ("action", "detector", "reason")
@@ -285,8 +287,10 @@ class Directive(_message.Message):
     def __init__(self, action: _Optional[_Union[Directive.Action, str]] = ..., detector: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("runs",)
@@ -295,7 +299,7 @@ class StatusResponse(_message.Message):
     def __init__(self, runs: _Optional[_Iterable[_Union[RunStatus, _Mapping]]] = ...) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("run_id", "trainer", "ranks", "step", "last_seen_seconds", "ended", "findings")
+    __slots__ = ("run_id", "trainer", "ranks", "step", "last_seen_seconds", "ended", "findings", "end_reason", "actions")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     TRAINER_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
@@ -303,6 +307,8 @@ class RunStatus(_message.Message):
     LAST_SEEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ENDED_FIELD_NUMBER: _ClassVar[int]
     FINDINGS_FIELD_NUMBER: _ClassVar[int]
+    END_REASON_FIELD_NUMBER: _ClassVar[int]
+    ACTIONS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     trainer: str
     ranks: _containers.RepeatedScalarFieldContainer[int]
@@ -310,7 +316,23 @@ class RunStatus(_message.Message):
     last_seen_seconds: float
     ended: bool
     findings: _containers.RepeatedCompositeFieldContainer[Finding]
-    def __init__(self, run_id: _Optional[str] = ..., trainer: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., step: _Optional[int] = ..., last_seen_seconds: _Optional[float] = ..., ended: _Optional[bool] = ..., findings: _Optional[_Iterable[_Union[Finding, _Mapping]]] = ...) -> None: ...
+    end_reason: str
+    actions: _containers.RepeatedCompositeFieldContainer[ActionTaken]
+    def __init__(self, run_id: _Optional[str] = ..., trainer: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., step: _Optional[int] = ..., last_seen_seconds: _Optional[float] = ..., ended: _Optional[bool] = ..., findings: _Optional[_Iterable[_Union[Finding, _Mapping]]] = ..., end_reason: _Optional[str] = ..., actions: _Optional[_Iterable[_Union[ActionTaken, _Mapping]]] = ...) -> None: ...
+
+class ActionTaken(_message.Message):
+    __slots__ = ("detector", "action", "result", "time", "step")
+    DETECTOR_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    detector: str
+    action: str
+    result: str
+    time: float
+    step: int
+    def __init__(self, detector: _Optional[str] = ..., action: _Optional[str] = ..., result: _Optional[str] = ..., time: _Optional[float] = ..., step: _Optional[int] = ...) -> None: ...
 
 class Finding(_message.Message):
     __slots__ = ("detector", "severity", "firing", "step", "summary", "evidence", "policy")

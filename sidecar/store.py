@@ -360,14 +360,14 @@ class Store:
                     at: float) -> None:
         """Keep one step's figures of one kind ("step" or "log"); bounded per run and kind."""
         with self._lock:
-            self._db.execute(
+            self._write(
                 "INSERT OR REPLACE INTO history VALUES (?, ?, ?, ?, ?)",
                 (run_id, kind, step, at, json.dumps(series, sort_keys=True)))
             (count,) = self._db.execute(
                 "SELECT COUNT(*) FROM history WHERE run_id=? AND kind=?", (run_id, kind)
             ).fetchone()
             if count > MAX_HISTORY_ROWS:
-                self._db.execute(
+                self._write(
                     "DELETE FROM history WHERE rowid IN (SELECT rowid FROM (SELECT rowid, "
                     "row_number() OVER (ORDER BY step) AS n FROM history WHERE run_id=? AND "
                     "kind=?) WHERE n % 2 = 0 AND n < ?)", (run_id, kind, count))

@@ -103,7 +103,8 @@ def test_a_state_dir_of_another_uid_is_refused(tmp_path: Path) -> None:
         Store(state)
     result = subprocess.run(
         [sys.executable, "-m", "deadweight.sidecar.cli", "serve", "--socket",
-         str(tmp_path / "s.sock"), "--metrics-address", "", "--state-dir", str(state)],
+         str(tmp_path / "s.sock"), "--metrics-address", "127.0.0.1:0", "--state-dir",
+         str(state)],
         capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "owned by uid 12345" in result.stderr and "Traceback" not in result.stderr

@@ -103,6 +103,13 @@ def _run_start(start: pb.RunStart) -> str | None:
         or _text("run_start.preflight.target_modules_regex", f.target_modules_regex)
         or _text("run_start.preflight.active_adapter", f.active_adapter)
         or _digest("run_start.initial_adapter", start.initial_adapter)
+        or _list("run_start.preflight.adapter_layer_names", f.adapter_layer_names)
+        or _map("run_start.trainable_params_by_dtype", start.trainable_params_by_dtype)
+        or _text("run_start.stop_token.token", start.stop_token.token)
+        or _list("run_start.heads", [*start.heads.heads, *start.heads.new_heads,
+                                     *start.heads.saved_heads, *start.heads.trainable_heads])
+        or _text("run_start.resume.checkpoint", start.resume.checkpoint)
+        or _digest("run_start.resume.checkpoint_adapter", start.resume.checkpoint_adapter)
     )
 
 

@@ -15,6 +15,7 @@ from deadweight.sidecar.detectors.checkpoints import (
     AdapterNeverTrained,
     CheckpointRefused,
     CheckpointUnchanged,
+    EmptyAdapter,
     PickleCheckpoint,
 )
 from deadweight.sidecar.detectors.frozen import FrozenWeights
@@ -30,6 +31,18 @@ from deadweight.sidecar.detectors.setup import (
     LoraLrTooLow,
     NoKlAnchor,
     PartialTargetModules,
+    ShardingFallback,
+)
+from deadweight.sidecar.detectors.silent import (
+    AdaloraNotAllocated,
+    CompletionsTruncated,
+    DatasetShrunk,
+    LowPrecisionUpdate,
+    OptimizerStepsSkipped,
+    ResumeLostAdapter,
+    StopTokenUntrained,
+    UnsavedHead,
+    ZeroGradient,
 )
 from deadweight.sidecar.detectors.spec import DetectorSpec, Policy, Severity
 from deadweight.sidecar.detectors.trends import (
@@ -50,15 +63,26 @@ ALL: tuple[Detector, ...] = (
     EmbeddingResized(),
     LoraLrTooLow(),
     NoKlAnchor(),
+    ShardingFallback(),
     KlMissing(),
     KlStuckZero(),
     ZeroRewardVariance(),
     EntropyCollapse(),
     CompletionLengthCollapse(),
     DpoLikelihoodCollapse(),
+    ZeroGradient(),
+    OptimizerStepsSkipped(),
+    LowPrecisionUpdate(),
+    StopTokenUntrained(),
+    UnsavedHead(),
+    DatasetShrunk(),
+    ResumeLostAdapter(),
+    AdaloraNotAllocated(),
+    CompletionsTruncated(),
     CheckpointUnchanged(),
     AdapterNeverTrained(),
     AdapterBloat(),
+    EmptyAdapter(),
     PickleCheckpoint(),
     CheckpointRefused(),
 )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import struct
 import threading
 import time
 from collections import deque
@@ -50,15 +51,37 @@ class ClientSettings:
 #: Record kinds sent at once instead of with the next timed flush.
 URGENT_KINDS = frozenset({"checkpoint", "run_end"})
 
-def fetch_attestation(socket_path: str, timeout: float = 1.0) -> str | None:
+def fetch_attestation(socket_path: str, timeout: float = 1.0, attempts: int = 5,
+                      backoff_seconds: float = 0.1) -> str | None:
     """A one-time nonce from the sidecar's attestation socket, None when it has none.
 
     The sidecar learns this process's pid from the kernel when it connects there; the nonce,
-    sent in RunStart, lets the sidecar bind the run to this process (and only this one).
+    sent in RunStart, lets the sidecar bind the run to this process (and only this one). A
+    busy listener (a flood of connections, a full backlog) is tried again with a growing
+    pause; no listener at all (an older sidecar) is not. This runs on the sender thread,
+    never on the training thread.
     """
+    for attempt in range(attempts):
+        try:
+            return _fetch_attestation_once(socket_path, timeout)
+        except FileNotFoundError:
+            return None
+        except OSError:
+            if attempt + 1 < attempts:
+                time.sleep(backoff_seconds * 2**attempt)
+    return None
+
+
+def _fetch_attestation_once(socket_path: str, timeout: float) -> str | None:
+    """One exchange; raises OSError when the listener was busy or the answer incomplete."""
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(timeout)
+            # Blocking mode with kernel timeouts, not settimeout(): a non-blocking connect to
+            # a unix socket with a full backlog fails at once (EAGAIN), while a blocking one
+            # queues in the kernel until the listener drains its backlog (or the timeout).
+            limit = struct.pack("ll", int(timeout), int((timeout % 1) * 1_000_000))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
             sock.connect(str(attest_path(socket_path)))
             data = b""
             while not data.endswith(b"\n") and len(data) < 256:
@@ -66,9 +89,13 @@ def fetch_attestation(socket_path: str, timeout: float = 1.0) -> str | None:
                 if not chunk:
                     break
                 data += chunk
-    except OSError:
-        return None
+    except FileNotFoundError:
+        raise
+    except OSError as err:
+        raise OSError(f"attestation socket busy: {err}") from err
     status, _, nonce = data.decode(errors="replace").strip().partition(" ")
+    if not data.endswith(b"\n"):
+        raise OSError("attestation answer cut short")
     return nonce if status == "OK" and nonce else None
 
 

@@ -101,10 +101,12 @@ def main(workdir: Path | None = None, steps: int = 12) -> int:
     _say(f"[1/5] building a tiny Qwen2-style model, tokenizer and LoRA adapter in {workdir}")
     model_dir, adapter_dir = runs.prepare(workdir / "models")
 
-    _say("[2/5] starting the sidecar: deadweight serve --policy frozen_weights=stop")
+    _say("[2/5] starting the sidecar: deadweight serve --policy frozen_weights=stop "
+         f"--watch-root {workdir}")
     state_dir = workdir / "sidecar" / "state"
     with SidecarProcess(workdir / "sidecar", policies={"frozen_weights": "stop"},
-                        extra_args=["--state-dir", str(state_dir)]) as sidecar:
+                        extra_args=["--state-dir", str(state_dir)],
+                        watch_roots=[workdir]) as sidecar:
         _say(f"      socket {sidecar.socket_path}; while the demo runs: http://127.0.0.1:"
              f"{sidecar.metrics_port}/metrics and /runbooks/")
 

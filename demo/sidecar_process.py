@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -37,6 +38,7 @@ class SidecarProcess:
         policies: dict[str, str] | None = None,
         extra_args: list[str] | None = None,
         log_path: Path | None = None,
+        watch_roots: list[Path] | None = None,
     ) -> None:
         self.folder = folder
         self.socket_path = folder / "sock" / "deadweight.sock"
@@ -44,6 +46,9 @@ class SidecarProcess:
         self.metrics_port = free_port()
         self.policies = policies or {}
         self.extra_args = extra_args or []
+        #: Where runs' checkpoints may be read (default: the temp folder the tests and the
+        #: demo write into).
+        self.watch_roots = [Path(tempfile.gettempdir())] if watch_roots is None else watch_roots
         self.log_path = log_path or folder / "sidecar.log"
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -53,6 +58,8 @@ class SidecarProcess:
             "--socket", str(self.socket_path),
             "--metrics-address", f"127.0.0.1:{self.metrics_port}",
         ]
+        for root in self.watch_roots:
+            cmd += ["--watch-root", str(root)]
         for detector, action in self.policies.items():
             cmd += ["--policy", f"{detector}={action}"]
         return cmd + self.extra_args

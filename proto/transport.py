@@ -54,9 +54,13 @@ def attest_path(socket_path: str | Path) -> Path:
     return Path(f"{socket_path}{ATTEST_SUFFIX}")
 
 
-def open_channel(target: str, tls_root: bytes | None = None) -> grpc.Channel:
-    """TLS (with the given CA) for TCP targets when a CA is set; plain for unix sockets."""
-    options = list(CHANNEL_OPTIONS)
+def open_channel(target: str, tls_root: bytes | None = None,
+                 max_receive_bytes: int = MAX_MESSAGE_BYTES) -> grpc.Channel:
+    """TLS (with the given CA) for TCP targets when a CA is set; plain for unix sockets.
+
+    ``max_receive_bytes`` raises the answer limit where one answer may be larger (Status)."""
+    options = [o for o in CHANNEL_OPTIONS if o[0] != "grpc.max_receive_message_length"]
+    options.append(("grpc.max_receive_message_length", max_receive_bytes))
     if tls_root is not None and unix_socket_path(target) is None:
         creds = grpc.ssl_channel_credentials(root_certificates=tls_root)
         return grpc.secure_channel(target, creds, options=options)

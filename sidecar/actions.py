@@ -44,6 +44,8 @@ class Pager(Protocol):
 #: Takes over an incident whose policy is ``kill`` once STOP went out (``Enforcer.begin``):
 #: called with the run, the finding, when STOP went out and the run's step then.
 Escalate = Callable[[RunFacts, Finding, float, int], None]
+#: Ends the open escalations of a run id that started a new incarnation (``Enforcer.supersede``).
+Supersede = Callable[[str], None]
 
 
 @dataclass(frozen=True)
@@ -81,11 +83,13 @@ class Actions:
     """The action sink the registry calls on every verdict transition."""
 
     def __init__(self, pager: Pager | None = None, dry_run: bool = False,
-                 store: Store | None = None, escalate: Escalate | None = None) -> None:
+                 store: Store | None = None, escalate: Escalate | None = None,
+                 supersede: Supersede | None = None) -> None:
         self.pager = pager
         self.dry_run = dry_run
         self.store = store or Store()
         self.escalate = escalate
+        self.supersede = supersede
         self.counts: Counter[ActionKey] = Counter()
         self._lock = threading.Lock()
 
@@ -111,6 +115,12 @@ class Actions:
         """Write the result of an action journaled as pending."""
         self.store.set_result(action_id, event.result)
         self._count_and_log(event)
+
+    def superseded(self, run_id: str) -> None:
+        """The run id started a new incarnation: escalations of the old one end here, so
+        its processes' successors are never signalled for it."""
+        if self.supersede is not None:
+            self.supersede(run_id)
 
     def forget(self, run_id: str) -> None:
         """Drop an expired run's counters, so memory and /metrics stay bounded."""

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import enum
 import json
+import os
+import stat
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,11 +138,24 @@ UNKNOWN = Method("UNKNOWN", frozenset().union(*(m.segments for m in METHODS)))
 CONFIG_FILE = "adapter_config.json"
 
 
+def _read_small_regular(path: Path, limit: int = 1024 * 1024) -> bytes:
+    """A client-written file's bytes, only if it is a regular file of at most limit bytes:
+    a FIFO or symlink swapped in never blocks or redirects the sidecar's read."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > limit:
+            raise OSError(f"{path}: not a regular file of at most {limit} bytes")
+        return os.read(fd, limit)
+    finally:
+        os.close(fd)
+
+
 def configured_type(folder: Path) -> str:
     """``peft_type`` from the folder's adapter_config.json, "" when absent or unreadable."""
     try:
-        data = json.loads((folder / CONFIG_FILE).read_text())
-    except (OSError, ValueError):
+        data = json.loads(_read_small_regular(folder / CONFIG_FILE))
+    except (OSError, ValueError, RecursionError):
         return ""
     value = data.get("peft_type") if isinstance(data, dict) else None
     return str(value).split(".")[-1].upper() if value else ""

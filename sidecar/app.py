@@ -60,6 +60,12 @@ class SidecarConfig:
     run_ttl_seconds: float = 900.0
     stop_grace_seconds: float = 120.0
     kill_grace_seconds: float = 30.0
+    #: Let unattested streams on the unix socket register runs (logged, exported).
+    allow_unattested: bool = False
+    #: A live run that sends nothing this long ends as "silent".
+    silent_run_seconds: float = 3600.0
+    #: Only attested processes of these uids may report (empty: any uid).
+    trainer_uids: tuple[int, ...] = ()
 
 
 def _host_port(address: str) -> tuple[str, int]:
@@ -85,7 +91,11 @@ class Sidecar:
         self.store = store
         self.watcher: CheckpointWatcher | None = None
         if config.watch_checkpoints:
-            self.watcher = CheckpointWatcher(registry, config.checkpoint_settle_seconds)
+            self.watcher = CheckpointWatcher(registry, config.checkpoint_settle_seconds,
+                                             roots=config.watch_roots)
+            if not config.watch_roots:
+                log.warning("checkpoint_paths_refused", reason="no --watch-root given: no "
+                            "client-named checkpoint folder is read")
         self.collector = DeadweightCollector(registry, actions, registry.detectors)
         self.attestation: AttestationServer | None = None
         if config.socket_path and registry.attestor is not None:
@@ -180,10 +190,17 @@ def build(config: SidecarConfig) -> Sidecar:
         # Called only from ingest, so once the sidecar is built: the enforcer exists by then.
         enforcer.begin(run, finding, stop_at, stop_step)
 
-    actions = Actions(pager=pager, dry_run=config.dry_run, store=store, escalate=escalate)
+    def supersede(run_id: str) -> None:
+        enforcer.supersede(run_id)
+
+    actions = Actions(pager=pager, dry_run=config.dry_run, store=store, escalate=escalate,
+                      supersede=supersede)
     registry = Registry(actions, settings=config.settings, policies=config.policies,
                         max_runs=config.max_runs, ended_ttl_seconds=config.run_ttl_seconds,
-                        store=store, attestor=Attestor())
+                        store=store, attestor=Attestor(),
+                        allow_unattested=config.allow_unattested,
+                        silent_run_seconds=config.silent_run_seconds,
+                        trainer_uids=config.trainer_uids)
     enforcer = Enforcer(registry, store, actions, stop_grace_seconds=config.stop_grace_seconds,
                         kill_grace_seconds=config.kill_grace_seconds)
     return Sidecar(registry, actions, config.server, enforcer=enforcer, pager=pager,

@@ -7,10 +7,18 @@ kernel (``SO_PEERCRED``), reads that pid's start time from ``/proc/<pid>/stat``,
 with a random one-time nonce. The callback puts the nonce into ``RunStart.attestation``; the
 registry redeems it and binds the run's rank to that (pid, start time, boot id). A pid named in
 any message field is never used: only a redeemed nonce yields an identity.
+
+Between ``SO_PEERCRED`` and the ``/proc`` read the peer could exit and its pid be reused; where
+the kernel has ``SO_PEERPIDFD`` (Linux 6.5+) the sidecar holds a pidfd of the peer across the
+read and checks afterwards that it still names a live process, so the start time read is the
+peer's own. ``/proc/<pid>`` must also belong to the uid the kernel reported. The listener
+serves connections from several threads with a deep backlog, so a flood of connections delays
+a real client's nonce by moments instead of denying it (the client also retries).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import socket
@@ -32,6 +40,10 @@ NONCE_TTL_SECONDS = 120.0
 #: Unredeemed nonces kept; a flood of connections evicts the oldest, it cannot grow memory.
 MAX_PENDING_NONCES = 4096
 _UCRED = struct.Struct("3i")  # struct ucred {pid_t pid; uid_t uid; gid_t gid;}
+#: SO_PEERPIDFD (Linux 6.5+); the socket module of older Pythons lacks the name.
+SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)
+#: Threads answering attestation connections.
+ACCEPT_THREADS = 4
 
 
 @dataclass(frozen=True)
@@ -48,6 +60,7 @@ class ProcessIdentity:
         return f"pid {self.pid} (uid {self.uid}, start {self.start_time})"
 
 
+@functools.cache
 def boot_id() -> str:
     """This boot's id: start times restart at every boot, so an identity carries it."""
     try:
@@ -95,15 +108,49 @@ def reused(identity: ProcessIdentity) -> bool:
     )
 
 
+def _peer_pidfd(conn: socket.socket) -> int | None:
+    """A pidfd of the peer from the kernel, None where SO_PEERPIDFD is not supported."""
+    try:
+        return int(conn.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD))
+    except OSError:
+        return None
+
+
+def _pidfd_names(pidfd: int, pid: int) -> bool:
+    """True while pidfd still refers to the live process pid (fdinfo shows -1 once it exited)."""
+    try:
+        info = Path(f"/proc/self/fdinfo/{pidfd}").read_text()
+    except OSError:
+        return False
+    for line in info.splitlines():
+        if line.startswith("Pid:"):
+            return line.split()[1] == str(pid)
+    return False
+
+
 def peer_identity(conn: socket.socket) -> ProcessIdentity | None:
-    """The connecting process as the kernel reports it (None when not visible here)."""
+    """The connecting process as the kernel reports it (None when not visible here, or when
+    its pid no longer names it by the time /proc was read)."""
     raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
     pid, uid, gid = _UCRED.unpack(raw)
     if pid <= 0:  # a process in another PID namespace shows as 0
         return None
-    started = start_time(pid)
-    if started is None:
-        return None
+    pidfd = _peer_pidfd(conn)
+    try:
+        if pidfd is not None and not _pidfd_names(pidfd, pid):
+            return None  # the peer is gone already: nothing read about pid would be its own
+        try:
+            owner = os.stat(f"/proc/{pid}").st_uid
+        except OSError:
+            return None
+        started = start_time(pid)
+        if started is None or owner != uid:
+            return None  # another process (of another uid) holds the pid now
+        if pidfd is not None and not _pidfd_names(pidfd, pid):
+            return None  # exited during the read: the start time may be a newcomer's
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
     return ProcessIdentity(pid=pid, uid=uid, gid=gid, start_time=started, boot_id=boot_id())
 
 
@@ -145,16 +192,21 @@ class Attestor:
 
 
 class AttestationServer:
-    """The ``<socket>.attest`` listener: one short exchange per connection, in one thread."""
+    """The ``<socket>.attest`` listener: one short exchange per connection, several threads."""
 
-    def __init__(self, path: str | Path, attestor: Attestor) -> None:
+    def __init__(self, path: str | Path, attestor: Attestor,
+                 threads: int = ACCEPT_THREADS) -> None:
         self.path = Path(path)
         self.attestor = attestor
+        self.threads = threads
         self._sock: socket.socket | None = None
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
+        self.relistened = 0
+        #: Exchanges the client broke off.
+        self.failed = 0
 
-    def start(self) -> None:
+    def _listen(self) -> socket.socket:
         if self.path.exists() or self.path.is_symlink():
             if not stat.S_ISSOCK(self.path.lstat().st_mode):
                 raise FileExistsError(f"{self.path} exists and is not a socket")
@@ -166,19 +218,44 @@ class AttestationServer:
         finally:
             os.umask(old_umask)
         os.chmod(self.path, SOCKET_MODE)
-        sock.listen(128)
+        sock.listen(socket.SOMAXCONN)
         sock.settimeout(0.2)
-        self._sock = sock
-        self._thread = threading.Thread(target=self._serve, name="deadweight-attest",
-                                        daemon=True)
-        self._thread.start()
-        log.info("attestation_listening", socket=str(self.path))
+        return sock
 
-    def _serve(self) -> None:
-        assert self._sock is not None
+    def start(self) -> None:
+        self._sock = self._listen()
+        for index in range(self.threads):
+            thread = threading.Thread(target=self._serve, args=(index,),
+                                      name=f"deadweight-attest-{index}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        log.info("attestation_listening", socket=str(self.path), threads=self.threads)
+
+    def ensure_listening(self) -> None:
+        """Listen again when the socket file was deleted (clients would go unattested)."""
+        if self._sock is None or self._stop.is_set():
+            return
+        if self.path.exists() or self.path.is_symlink():
+            return
+        log.error("attestation_socket_missing", socket=str(self.path), action="listening again")
+        old, self._sock = self._sock, self._listen()
+        old.close()
+        self.relistened += 1
+
+    def _serve(self, index: int = 0) -> None:
+        checked = time.monotonic()
         while not self._stop.is_set():
+            if index == 0 and time.monotonic() - checked >= 1.0:
+                checked = time.monotonic()
+                try:
+                    self.ensure_listening()
+                except OSError as err:
+                    log.error("attestation_relisten_failed", socket=str(self.path),
+                              error=str(err))
+            sock = self._sock
+            assert sock is not None
             try:
-                conn, _ = self._sock.accept()
+                conn, _ = sock.accept()
             except TimeoutError:
                 continue
             except OSError:
@@ -188,8 +265,8 @@ class AttestationServer:
             with conn:
                 try:
                     self._answer(conn)
-                except OSError as err:
-                    log.info("attestation_failed", reason=str(err))
+                except OSError:  # the client hung up: counted, not logged (a flood would
+                    self.failed += 1  # turn one line per connection into a disk filler)
 
     def _answer(self, conn: socket.socket) -> None:
         conn.settimeout(1.0)
@@ -201,8 +278,8 @@ class AttestationServer:
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(2.0)
+        for thread in self._threads:
+            thread.join(2.0)
         if self._sock is not None:
             self._sock.close()
         self.path.unlink(missing_ok=True)

@@ -7,12 +7,21 @@ a checkpoint can be compared with the adapter the run started from. Plain reads,
 map: a file rewritten in place shrinks under a mapped reader and the whole process dies of
 SIGBUS; a read just comes up short, and the file is reported as changed while read. Pickle files
 (``.bin``, ``.pt``) are listed, never opened: unpickling runs arbitrary code.
+
+Files come from folders a client named, so every open is defensive: ``O_NOFOLLOW`` (no symlink
+swapped in at the last moment), ``O_NONBLOCK`` (a FIFO swapped in cannot block the watcher) and
+an ``fstat`` of the open descriptor (a regular file, or nothing is read). The header length and
+the number of tensors are capped before the JSON is parsed, so a hostile header costs a refusal
+(``CheckpointRefused``), not the sidecar's memory limit.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
+import stat
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -24,8 +33,14 @@ import xxhash
 from deadweight.sidecar import adapter_methods
 from deadweight.sidecar.adapter_methods import Method, Value
 
-#: Largest safetensors header accepted (the format's own limit is 100 MB).
-MAX_HEADER_BYTES = 100 * 1024 * 1024
+#: Largest safetensors header accepted. A LoRA on every linear layer of a 70B model has ~1.1k
+#: tensors (~200 kB of header); parsing a JSON header costs ~15x its size in Python objects,
+#: so 16 MiB keeps one inspection well inside the sidecar's memory limit.
+MAX_HEADER_BYTES = 16 * 1024 * 1024
+#: Most tensors in one file (the same bound as an adapter digest reported by a client).
+MAX_TENSORS = 65536
+#: Largest tensor dimension accepted (2^53: every larger size is nonsense and float-unsafe).
+MAX_DIMENSION = 2**53
 #: Weight files in the order they are looked for in a checkpoint folder.
 ADAPTER_FILE = "adapter_model.safetensors"
 MODEL_FILES = ("model.safetensors",)
@@ -49,6 +64,31 @@ ONE_BYTES = {
 
 class NotACheckpoint(ValueError):
     """The path holds no weights deadweight can audit (or the file is not valid safetensors)."""
+
+
+class CheckpointRefused(NotACheckpoint):
+    """The file is refused before it is read: not a regular file, a symlink, or over a cap."""
+
+
+def open_regular(path: Path) -> BinaryIO:
+    """Open path for reading only if it is a regular file (never a FIFO, device or symlink)."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags)
+    except OSError as err:
+        if err.errno == errno.ELOOP:  # the last component is a symlink
+            raise CheckpointRefused(f"{path}: is a symlink; not followed") from None
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise CheckpointRefused(f"{path}: not a regular file (mode "
+                                    f"{stat.filemode(info.st_mode)}); not read")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 @dataclass(frozen=True)
@@ -132,29 +172,59 @@ def _still(value: Value, data: memoryview, dtype: str) -> bool:
     return _all_zero(data, dtype) if value is Value.ZERO else _all_one(data, dtype)
 
 
-def read_header(path: Path) -> tuple[dict[str, dict[str, object]], int]:
-    """The tensor entries of a safetensors header and the offset where tensor data starts."""
-    size = path.stat().st_size
-    with path.open("rb") as handle:
-        head = handle.read(8)
-        if len(head) < 8:
-            raise NotACheckpoint(f"{path}: too short to be safetensors")
-        (length,) = struct.unpack("<Q", head)
-        if length > min(MAX_HEADER_BYTES, size - 8):
-            raise NotACheckpoint(f"{path}: header length {length} is not valid safetensors")
-        try:
-            header = json.loads(handle.read(length))
-        except ValueError as err:
-            raise NotACheckpoint(f"{path}: header is not JSON ({err})") from None
+def _dimension(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_DIMENSION
+
+
+def _offset(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def read_header(path: Path, handle: BinaryIO | None = None
+                ) -> tuple[dict[str, dict[str, object]], int]:
+    """The tensor entries of a safetensors header and the offset where tensor data starts.
+
+    Every entry is checked here (offsets and shape are non-negative integers inside the file),
+    so callers can trust the types; anything else is ``NotACheckpoint`` with a reason.
+    """
+    if handle is None:
+        with open_regular(path) as opened:
+            return read_header(path, opened)
+    size = os.fstat(handle.fileno()).st_size
+    handle.seek(0)
+    head = handle.read(8)
+    if len(head) < 8:
+        raise NotACheckpoint(f"{path}: too short to be safetensors")
+    (length,) = struct.unpack("<Q", head)
+    if length > size - 8:
+        raise NotACheckpoint(f"{path}: header length {length} is not valid safetensors")
+    if length > MAX_HEADER_BYTES:
+        raise CheckpointRefused(f"{path}: header of {length} bytes is over the cap of "
+                                f"{MAX_HEADER_BYTES} bytes; not parsed")
+    raw = handle.read(length)
+    if raw.count(b'"data_offsets"') > MAX_TENSORS:
+        raise CheckpointRefused(f"{path}: more than {MAX_TENSORS} tensors; not parsed")
+    try:
+        header = json.loads(raw)
+    except (ValueError, RecursionError) as err:
+        raise NotACheckpoint(f"{path}: header is not JSON ({str(err)[:200]})") from None
     if not isinstance(header, dict):
         raise NotACheckpoint(f"{path}: header is not a JSON object")
     header.pop("__metadata__", None)
     start = 8 + length
     for name, entry in header.items():
-        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not isinstance(entry, dict):
+            raise NotACheckpoint(f"{path}: tensor {name[:200]!r} is not a JSON object")
+        offsets = entry.get("data_offsets")
         if (not isinstance(offsets, list) or len(offsets) != 2
-                or not 0 <= offsets[0] <= offsets[1] <= size - start):
-            raise NotACheckpoint(f"{path}: tensor {name!r} has invalid data_offsets")
+                or not all(_offset(x) for x in offsets)
+                or not offsets[0] <= offsets[1] <= size - start):
+            raise NotACheckpoint(f"{path}: tensor {name[:200]!r} has invalid data_offsets")
+        shape = entry.get("shape", [])
+        if not isinstance(shape, list) or not all(_dimension(d) for d in shape):
+            raise NotACheckpoint(f"{path}: tensor {name[:200]!r} has an invalid shape")
+        if not isinstance(entry.get("dtype", ""), str):
+            raise NotACheckpoint(f"{path}: tensor {name[:200]!r} has an invalid dtype")
     return header, start
 
 
@@ -184,11 +254,12 @@ def hash_file(path: Path, method: Method | None = None) -> list[TensorFacts]:
     With the adapter's method, the tensors its identity names are also tested for the
     identity value (exact bytes, no float conversion).
     """
-    header, start = read_header(path)
-    if method is None and path.name == ADAPTER_FILE:
-        method = adapter_methods.resolve(adapter_methods.configured_type(path.parent), header)
     facts: list[TensorFacts] = []
-    with path.open("rb") as handle:
+    with open_regular(path) as handle:
+        header, start = read_header(path, handle)
+        if method is None and path.name == ADAPTER_FILE:
+            method = adapter_methods.resolve(adapter_methods.configured_type(path.parent),
+                                             header)
         for name in sorted(header):
             entry = header[name]
             begin, end = (int(x) for x in entry["data_offsets"])  # type: ignore[attr-defined]
@@ -249,7 +320,8 @@ def inspect_file(path: Path, folder: Path | None = None) -> CheckpointInspection
     A file of 0 bytes is weights that were never written (a partitioned save): it is
     reported as a weights file without tensors, not refused.
     """
-    if path.stat().st_size == 0:
+    info = path.lstat()  # a FIFO or symlink is not an empty file: open_regular refuses it
+    if stat.S_ISREG(info.st_mode) and info.st_size == 0:
         return CheckpointInspection(
             path=str(folder or path), weights_file=path.name,
             is_adapter=path.name == ADAPTER_FILE, adapter_digest=combine({}),

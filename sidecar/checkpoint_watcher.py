@@ -5,14 +5,24 @@ A checkpoint folder (``checkpoint-<step>``) is complete when the callback report
 and modification times for ``settle_seconds``. watchdog events make the watcher react at
 once; a periodic scan of the watched folders covers missed events and folders that did not
 exist yet when the run registered (the Trainer creates ``output_dir`` at its first save).
+
+Every path comes from a client, so none is trusted: a folder is watched and read only while
+its resolved path lies under one of the operator's ``--watch-root`` folders (no root: nothing
+is read), and a checkpoint folder of an attested run must belong to the run's uid (another
+uid cannot make the sidecar read a folder its own uid could not). Refusals reach the sink as
+findings. One watchdog observer serves every run; each scheduled folder costs it one kernel
+watch thread, so at most ``max_watches`` folders get one (the others are polled by the scan),
+and a run may name at most ``max_folders_per_run`` folders.
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import re
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -24,6 +34,7 @@ from watchdog.observers.api import ObservedWatch
 
 from deadweight.sidecar.checkpoint_inspector import (
     CheckpointInspection,
+    CheckpointRefused,
     NotACheckpoint,
     inspect_path,
 )
@@ -33,11 +44,21 @@ log = structlog.get_logger("deadweight.checkpoints")
 CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
 #: Give up on a folder that never becomes a complete checkpoint after this long.
 PENDING_TIMEOUT_SECONDS = 600.0
+#: Folders that get a kernel watch (one observer thread each); more are polled by the scan.
+MAX_WATCHES = 64
+#: Output folders one run may name (a run has one; a client naming thousands is refused).
+MAX_FOLDERS_PER_RUN = 4
 
 
 class InspectionSink(Protocol):
     def record_inspection(self, run_id: str, inspection: CheckpointInspection,
                           step: int = 0) -> bool: ...
+
+
+def under_roots(path: Path, roots: Iterable[Path]) -> bool:
+    """True when path, with every symlink resolved, lies in (or is) one of the roots."""
+    real = Path(os.path.realpath(path))
+    return any(real == root or root in real.parents for root in roots)
 
 
 @dataclass
@@ -54,6 +75,7 @@ class _Pending:
 class _Watched:
     run_id: str
     folder: Path
+    owner_uid: int | None = None
     watch: ObservedWatch | None = None
     seen: dict[str, tuple[tuple[str, int, int], ...]] = field(default_factory=dict)
 
@@ -100,15 +122,23 @@ class CheckpointWatcher:
     """Finds complete checkpoints of registered runs and feeds their inspection to a sink."""
 
     def __init__(self, sink: InspectionSink, settle_seconds: float = 2.0,
-                 scan_seconds: float = 1.0) -> None:
+                 scan_seconds: float = 1.0, roots: Iterable[str | Path] = (),
+                 max_watches: int = MAX_WATCHES,
+                 max_folders_per_run: int = MAX_FOLDERS_PER_RUN) -> None:
         self.sink = sink
+        #: Resolved allowed roots; empty: every client-named path is refused.
+        self.roots = tuple(Path(os.path.realpath(r)) for r in roots)
+        self.max_watches = max_watches
+        self.max_folders_per_run = max_folders_per_run
+        #: Paths refused (outside the roots, wrong owner, over a cap, not a regular file).
+        self.refused = 0
         self.settle_seconds = settle_seconds
         self.scan_seconds = scan_seconds
         self.inspected = 0
         #: Completed passes of the worker (drain, scan, settle): lets a caller wait for the
         #: watcher to have looked again, rather than for a length of time.
         self.passes = 0
-        self._requests: queue.Queue[tuple[str, str, str]] = queue.Queue()
+        self._requests: queue.Queue[tuple[str, str, str, int | None]] = queue.Queue()
         self._watched: dict[tuple[str, str], _Watched] = {}
         self._pending: dict[Path, _Pending] = {}
         self._done: dict[Path, tuple[tuple[str, int, int], ...]] = {}
@@ -120,12 +150,13 @@ class CheckpointWatcher:
 
     # -- called by the registry (under its lock): never block ----------------------------
 
-    def watch(self, run_id: str, output_dir: str) -> None:
-        self._requests.put(("watch", run_id, output_dir))
+    def watch(self, run_id: str, output_dir: str, owner_uid: int | None = None) -> None:
+        """Watch a run's output folder; owner_uid: the uid the kernel named for the run."""
+        self._requests.put(("watch", run_id, output_dir, owner_uid))
         self._wake.set()
 
     def submit(self, run_id: str, path: str) -> None:
-        self._requests.put(("submit", run_id, path))
+        self._requests.put(("submit", run_id, path, None))
         self._wake.set()
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -158,15 +189,62 @@ class CheckpointWatcher:
                 log.exception("checkpoint_watcher_failed")
             self.passes += 1
 
+    def _refuse(self, run_id: str, path: Path, reason: str) -> None:
+        """Count, log and report a path that is not read; the run gets a finding for it."""
+        self.refused += 1
+        log.warning("checkpoint_refused", run_id=run_id, path=str(path)[:512], reason=reason)
+        record = getattr(self.sink, "record_refusal", None)
+        if callable(record):
+            record(run_id, str(path)[:512], reason)
+
+    def _outside(self, path: Path) -> str | None:
+        """Why path may not be read (outside every root), or None."""
+        if not self.roots:
+            return "no --watch-root is configured: the sidecar reads no client-named path"
+        if not under_roots(path, self.roots):
+            return ("outside the allowed roots "
+                    f"({', '.join(str(r) for r in self.roots)})")
+        return None
+
+    def _foreign(self, pending: _Pending) -> str | None:
+        """Why a checkpoint folder is not the run's own: owned by another uid than the one
+        the kernel named for the run (a root client, or an unattested one, is not checked)."""
+        owners = {w.owner_uid for w in self._watched.values()
+                  if w.run_id == pending.run_id and w.owner_uid not in (None, 0)}
+        if not owners:
+            return None
+        try:
+            owner = pending.path.lstat().st_uid
+        except OSError:
+            return None  # gone: the inspector reports it
+        if owner not in owners:
+            return f"owned by uid {owner}, not by the run's uid {min(owners)}"
+        return None
+
     def _drain(self) -> None:
         while True:
             try:
-                kind, run_id, where = self._requests.get_nowait()
+                kind, run_id, where, owner_uid = self._requests.get_nowait()
             except queue.Empty:
                 return
             path = Path(where)
+            if not path.is_absolute():
+                self._refuse(run_id, path, "not an absolute path")
+                continue
+            outside = self._outside(path)
+            if outside is not None:
+                self._refuse(run_id, path, outside)
+                continue
             if kind == "watch":
-                self._watched.setdefault((run_id, str(path)), _Watched(run_id, path))
+                key = (run_id, str(path))
+                if key in self._watched:
+                    continue
+                folders = sum(1 for w in self._watched.values() if w.run_id == run_id)
+                if folders >= self.max_folders_per_run:
+                    self._refuse(run_id, path, f"the run already names {folders} output "
+                                 f"folders (cap {self.max_folders_per_run})")
+                    continue
+                self._watched[key] = _Watched(run_id, path, owner_uid)
             else:
                 pending = self._pending.setdefault(path, _Pending(run_id, path, time.time()))
                 pending.trusted = True
@@ -186,12 +264,16 @@ class CheckpointWatcher:
 
     def _scan(self) -> None:
         self._forget_expired()
+        watches = sum(1 for w in self._watched.values() if w.watch is not None)
         for watched in self._watched.values():
             folder = watched.folder
-            if watched.watch is None and folder.is_dir():
-                try:
+            if self._outside(folder) is not None:  # a symlink swapped in since registration
+                continue
+            if watched.watch is None and folder.is_dir() and watches < self.max_watches:
+                try:  # not recursive: new checkpoint folders wake us, their files are polled
                     watched.watch = self._observer.schedule(self._handler, str(folder),
-                                                            recursive=True)
+                                                            recursive=False)
+                    watches += 1
                 except OSError as err:
                     log.warning("watch_failed", folder=str(folder), error=str(err))
             if not folder.is_dir():
@@ -226,6 +308,14 @@ class CheckpointWatcher:
             self._inspect(pending)
 
     def _inspect(self, pending: _Pending) -> None:
+        outside = self._outside(pending.path)
+        if outside is not None:
+            self._refuse(pending.run_id, pending.path, outside)
+            return
+        foreign = self._foreign(pending)
+        if foreign is not None:
+            self._refuse(pending.run_id, pending.path, foreign)
+            return
         escape = _leaves_folder(pending.path)
         if escape is not None:
             log.warning("checkpoint_skipped", run_id=pending.run_id, path=str(pending.path),
@@ -233,6 +323,9 @@ class CheckpointWatcher:
             return
         try:
             inspection = inspect_path(pending.path)
+        except CheckpointRefused as err:
+            self._refuse(pending.run_id, pending.path, str(err))
+            return
         except (NotACheckpoint, OSError) as err:
             log.warning("checkpoint_not_inspected", path=str(pending.path), error=str(err))
             return

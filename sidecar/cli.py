@@ -73,6 +73,7 @@ def _url_pattern(allowed: frozenset[str]) -> Callable[[str], str]:
 def _serve(args: argparse.Namespace) -> int:
     from deadweight.sidecar import app, logs
     from deadweight.sidecar.server import InsecureTransport, check_transport
+    from deadweight.sidecar.store import StateDirUnsafe
 
     logs.configure(args.log_level)
     try:
@@ -81,7 +82,11 @@ def _serve(args: argparse.Namespace) -> int:
     except (InsecureTransport, OSError) as err:
         print(f"deadweight serve: {err}", file=sys.stderr)
         return 2
-    sidecar = app.build(config)
+    try:
+        sidecar = app.build(config)
+    except (StateDirUnsafe, OSError) as err:
+        print(f"deadweight serve: {err}", file=sys.stderr)
+        return 2
     try:
         sidecar.start()
     except app.StartupError as err:
@@ -111,6 +116,8 @@ def _sidecar_config(args: argparse.Namespace) -> SidecarConfig:
         dry_run=args.dry_run, policies=dict(args.policy or []), settings=_settings(args.setting),
         max_runs=args.max_runs, run_ttl_seconds=args.run_ttl_seconds,
         stop_grace_seconds=args.stop_grace_seconds, kill_grace_seconds=args.kill_grace_seconds,
+        allow_unattested=args.allow_unattested, silent_run_seconds=args.silent_run_seconds,
+        trainer_uids=tuple(args.trainer_uid or ()),
     )
 
 
@@ -129,6 +136,7 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         tls_cert=Path(args.tls_cert).read_bytes() if args.tls_cert else None,
         tls_key=Path(args.tls_key).read_bytes() if args.tls_key else None,
         insecure=args.insecure,
+        watch_roots=tuple(args.watch_root or ()),
     )
 
 
@@ -252,6 +260,18 @@ def build_parser(*more_commands: Callable[[Commands], None]) -> argparse.Argumen
                        help="bearer token TCP clients must present")
     serve.add_argument("--insecure", action="store_true",
                        help="allow TCP without TLS and token (never for a shared network)")
+    serve.add_argument("--allow-unattested", action="store_true",
+                       help="accept runs on the unix socket from processes that did not "
+                       "attest (logged at start and exported as deadweight_unattested_allowed)")
+    serve.add_argument("--trainer-uid", action="append", type=int, default=None,
+                       metavar="UID", help="only attested processes of this uid may report "
+                       "runs (repeatable; default: any uid that can reach the socket)")
+    serve.add_argument("--silent-run-seconds", type=float, default=3600.0, metavar="SECONDS",
+                       help="end a live run that sent nothing for this long (default 3600)")
+    serve.add_argument("--watch-root", action="append", default=None, metavar="DIR",
+                       help="folder under which runs' checkpoints may be read (repeatable); "
+                       "without one, no client-named path is read and every run's output "
+                       "folder is refused with a finding")
     serve.add_argument("--state-dir", default=None, metavar="DIR",
                        help="keep runs, checkpoint hashes, incidents and the action journal "
                        "here (SQLite) so a restart resumes them; default: memory only")

@@ -229,12 +229,29 @@ class Enforcer:
                          incident=esc.incident, outcome=outcome)
 
     def _refresh_targets(self, esc: Escalation, ranks: frozenset[int]) -> None:
-        """Every rank the run has, with the identity the store says registered it."""
+        """Every rank the run has, with the identity the store says registered it.
+
+        A target keeps its process: another pid bound later under the same run id (a new
+        incarnation) is never signalled for an incident of an earlier one."""
         bound = self.store.bindings(esc.run_id)
         ranks = ranks | set(bound)
         for rank in ranks:
             target = esc.targets.setdefault(rank, Target(rank, None))
-            target.identity = bound.get(rank)
+            found = bound.get(rank)
+            if target.identity is None or (found is not None
+                                           and found.pid == target.identity.pid):
+                target.identity = found
+
+    def supersede(self, run_id: str) -> None:
+        """The run id started a new incarnation: its open escalations end, unsignalled."""
+        with self._lock:
+            closing = [key for key in self._open if key[0] == run_id]
+            for key in closing:
+                del self._open[key]
+        for _, detector, incident in closing:
+            self.store.close_enforcement(run_id, detector, incident, "superseded")
+            log.warning("escalation_closed", run_id=run_id, detector=detector,
+                        incident=incident, outcome="superseded")
 
     def _observe_exits(self, esc: Escalation, now: float) -> None:
         for target in esc.targets.values():

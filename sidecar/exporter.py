@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 from deadweight import __version__
 from deadweight.sidecar.actions import Actions
 from deadweight.sidecar.detectors.base import Detector
+from deadweight.sidecar.limits import digest_label
 from deadweight.sidecar.registry import Registry
 from deadweight.sidecar.state import RunState
 
@@ -54,11 +55,54 @@ class DeadweightCollector(Collector):
         self.detectors = detectors
 
     def collect(self) -> Iterator[Metric]:
+        """Every family, built under the registry's lock: a run stepping meanwhile (its dicts
+        and deques growing) can never make a scrape fail or mix two moments."""
         info = _gauge("deadweight_sidecar_info", "The sidecar's version.", ["version"])
         info.add_metric([__version__], 1.0)
-        yield info
-        yield from self._run_metrics()
-        yield from self._action_metrics()
+        with self.registry.lock:
+            families = [info, *self._run_metrics(), *self._action_metrics(),
+                        *self._guard_metrics()]
+        yield from families
+
+    def _guard_metrics(self) -> Iterator[Metric]:
+        """Counters of what the sidecar refused or could not do (attacks and accidents)."""
+        writes = CounterMetricFamily(
+            "deadweight_state_write_failures",
+            "Writes to the state database that failed (disk full, I/O error); the actions "
+            "they carried stay pending and are retried.")
+        store = self.actions.store if self.actions is not None else None
+        writes.add_metric([], float(store.write_failures if store is not None else 0))
+        yield writes
+        refused = CounterMetricFamily(
+            "deadweight_checkpoint_refused",
+            "Client-named checkpoint paths not read (outside --watch-root, another uid's, "
+            "over a cap, not a regular file).")
+        refused.add_metric([], float(getattr(self.registry.watcher, "refused", 0)))
+        yield refused
+        batches = CounterMetricFamily(
+            "deadweight_batches_refused",
+            "Batches refused, by kind: attestation (an unattested stream on the unix socket), "
+            "identity (a rank or run of another process), capacity, invalid.",
+            labels=["kind"])
+        for kind in ("attestation", "identity", "capacity", "invalid"):
+            batches.add_metric([kind], float(self.registry.refusals[kind]))
+        yield batches
+        lives = CounterMetricFamily(
+            "deadweight_run_incarnations",
+            "Incarnations started by a rank rebound to another process or a run id used "
+            "again (the old incarnation is closed, its verdicts kept).")
+        lives.add_metric([], float(self.registry.incarnations_started))
+        yield lives
+        pending = CounterMetricFamily(
+            "deadweight_verdicts_pending",
+            "Verdict firings postponed because the journal could not be written.")
+        pending.add_metric([], float(self.registry.pending_verdicts))
+        yield pending
+        optional = _gauge("deadweight_unattested_allowed",
+                          "1 when the operator let unattested streams register runs on the "
+                          "unix socket (--allow-unattested).", [])
+        optional.add_metric([], 1.0 if self.registry.allow_unattested else 0.0)
+        yield optional
 
     def _run_metrics(self) -> Iterator[Metric]:
         firing = _gauge("deadweight_detector_firing",
@@ -124,7 +168,7 @@ class DeadweightCollector(Collector):
             if run.checkpoints:
                 latest_ckpt = run.checkpoints[-1]
                 ckpt_bytes.add_metric(labels, float(latest_ckpt.adapter_bytes))
-                ckpt_info.add_metric([*labels, latest_ckpt.combined_digest or "none"], 1.0)
+                ckpt_info.add_metric([*labels, digest_label(latest_ckpt.combined_digest)], 1.0)
         yield from (firing, active, step, last, update_norm, update_ratio, frozen, opt,
                     trainable, outside, dropped, ckpts, unchanged, ckpt_bytes, ckpt_info)
         yield from logs.values()

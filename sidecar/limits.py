@@ -34,6 +34,18 @@ MAX_DIGEST_LENGTH = 128
 MAX_RANKS_PER_RUN = 1024
 
 
+def digest_label(digest: str) -> str:
+    """A digest as a label value: lowercase hex up to 64 characters, else ``invalid``.
+
+    Digests come from clients (``CheckpointReport.adapter.combined``); anything but hex is
+    not a digest the sidecar computed or could compare, and must not become a label."""
+    if not digest:
+        return "none"
+    if len(digest) <= 64 and all(c in "0123456789abcdef" for c in digest):
+        return digest
+    return "invalid"
+
+
 def label_value(text: str, limit: int = MAX_LABEL_LENGTH) -> str:
     """Printable, cut to limit: safe as a Prometheus label value."""
     return "".join(c if c.isprintable() else "?" for c in text[:limit])

@@ -4,22 +4,35 @@ prometheus_client's generic text encoder spends ~5 us per line; with 50 live run
 lines) that alone was 10 ms a scrape. The families come from the same collector; only the text
 is written here, in the Prometheus text format 0.0.4 (escaping and float spelling as the
 client library does), at ~1 us per line.
+
+The endpoint faces anything that can reach its port, so it is bounded: at most
+``MAX_CONNECTIONS`` requests are served at once (one thread each; more are answered 503 and
+closed at once, counted in ``deadweight_metrics_http_refused_total``), and a connection that
+sends nothing for ``READ_TIMEOUT_SECONDS`` is closed, so idle sockets cannot pin threads.
 """
 
 from __future__ import annotations
 
 import math
+import socket
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client.exposition import ThreadingWSGIServer
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
 
 from deadweight.sidecar import runbook_pages
 
+_Request = socket.socket | tuple[bytes, socket.socket]
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+#: Requests served at once (one thread each).
+MAX_CONNECTIONS = 32
+#: Seconds a connection may stay silent (reading the request or the client's socket).
+READ_TIMEOUT_SECONDS = 5.0
+_BUSY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain\r\n"
+         b"Content-Length: 23\r\nConnection: close\r\n\r\ntoo many connections\r\n\r\n")
 
 
 def _escape_label(value: str) -> str:
@@ -80,8 +93,54 @@ def render(families: Iterable[Metric]) -> bytes:
 
 
 class _QuietHandler(WSGIRequestHandler):
+    timeout = READ_TIMEOUT_SECONDS  # applied to the connection's socket before any read
+
     def log_message(self, format: str, *args: Any) -> None:
         """Scrapes are not worth a log line each."""
+
+    def handle(self) -> None:
+        try:
+            super().handle()
+        except OSError:  # timed out or reset by the client: just close
+            self.close_connection = True
+
+
+class _BoundedServer(ThreadingWSGIServer):  # type: ignore[misc]
+    """One thread per request, at most ``MAX_CONNECTIONS`` at once; quiet about client errors."""
+
+    max_connections = MAX_CONNECTIONS
+    request_queue_size = 128  # the listen backlog: a burst is accepted and answered, not dropped
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._slots = threading.BoundedSemaphore(self.max_connections)
+        self.refused = 0
+
+    def process_request(self, request: _Request, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.refused += 1
+            try:
+                assert isinstance(request, socket.socket)  # a TCP server's requests are sockets
+                request.settimeout(0.5)
+                request.sendall(_BUSY)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: _Request, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that hangs up or stalls is not an error of the sidecar."""
 
 
 def _runbook(path: str, start_response: Callable[..., Any]) -> list[bytes]:
@@ -103,7 +162,8 @@ class MetricsServer:
 
     def __init__(self, host: str, port: int, collect: Callable[[], Iterable[Metric]]) -> None:
         self._collect = collect
-        self._httpd = make_server(host, port, self._app, ThreadingWSGIServer, _QuietHandler)
+        self._httpd: _BoundedServer = make_server(host, port, self._app, _BoundedServer,
+                                                  _QuietHandler)
         self.port = int(self._httpd.server_address[1])
         self._thread = threading.Thread(
             target=self._httpd.serve_forever, name="deadweight-metrics", daemon=True
@@ -117,10 +177,17 @@ class MetricsServer:
         if path not in ("/metrics", "/"):
             start_response("404 Not Found", [("Content-Type", "text/plain")])
             return [b"not found; try /metrics\n"]
-        body = render(self._collect())
+        body = render(self._collect()) + render([self._own_metrics()])
         start_response("200 OK", [("Content-Type", CONTENT_TYPE),
                                   ("Content-Length", str(len(body)))])
         return [body]
+
+    def _own_metrics(self) -> Metric:
+        refused = CounterMetricFamily(
+            "deadweight_metrics_http_refused",
+            f"/metrics connections refused because {MAX_CONNECTIONS} were being served.")
+        refused.add_metric([], float(self._httpd.refused))
+        return refused
 
     def stop(self) -> None:
         self._httpd.shutdown()

@@ -25,6 +25,7 @@ from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 from deadweight.proto import MAX_MESSAGE_BYTES, add_monitor_servicer, pb, pb_grpc
 from deadweight.proto.transport import bearer_matches
 from deadweight.sidecar.registry import Peer, Registry
+from deadweight.sidecar.status import STATUS_MAX_BYTES, bounded
 
 log = structlog.get_logger("deadweight.server")
 
@@ -47,12 +48,15 @@ class ServerConfig:
     #: Seconds a checkpoint folder's files must stay unchanged before it is inspected
     #: (a folder the callback reported is inspected at once).
     checkpoint_settle_seconds: float = 2.0
+    #: Folders under which client-named checkpoint paths may be read (``--watch-root``);
+    #: empty: none is read, every run's output folder is refused with a finding.
+    watch_roots: tuple[str, ...] = ()
     #: Allow TCP without TLS and a token (a private test network only).
     insecure: bool = False
     grpc_options: list[tuple[str, int]] = field(
         default_factory=lambda: [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", STATUS_MAX_BYTES + 1024 * 1024),
         ]
     )
 
@@ -93,7 +97,7 @@ class MonitorServicer(pb_grpc.MonitorServiceServicer):  # type: ignore[misc]
         self, request: pb.StatusRequest, context: grpc.aio.ServicerContext
     ) -> pb.StatusResponse:
         await self._authorize(context)
-        return await asyncio.to_thread(self.registry.status, request.run_id)
+        return bounded(await asyncio.to_thread(self.registry.status, request.run_id))
 
 
 class SocketInUse(OSError):

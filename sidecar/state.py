@@ -9,6 +9,7 @@ cannot grow the sidecar's memory without limit.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -24,6 +25,12 @@ LOG_WINDOW = 256
 MAX_LOG_KEYS = 512
 #: Checkpoints remembered per run.
 CHECKPOINT_WINDOW = 64
+#: Adapters kept per optimizer step (a model with more is not a LoRA run this tracks), and
+#: the longest adapter name kept: 1024 groups with 4 kB names per step cost 260 MB in 60 steps.
+MAX_ADAPTERS_PER_STEP = 64
+MAX_GROUP_NAME = 128
+#: Refused checkpoint paths remembered per run (the count goes on).
+REFUSED_WINDOW = 16
 
 
 @dataclass(frozen=True)
@@ -54,9 +61,10 @@ class StepPoint:
     def from_report(cls, report: pb.StepReport, at: float) -> StepPoint:
         return cls(
             adapter_updates=tuple(
-                (g.name, g.update_sq_sum, g.unchanged_tensors, g.tensors)
+                (sys.intern(g.name[:MAX_GROUP_NAME]), g.update_sq_sum, g.unchanged_tensors,
+                 g.tensors)
                 for g in report.groups if g.kind == "adapter"
-            ),
+            )[:MAX_ADAPTERS_PER_STEP],
             step=report.step,
             time=at,
             learning_rate=report.learning_rate,
@@ -157,6 +165,10 @@ class RunState:
     )
     checkpoints_total: int = 0
     checkpoints_unchanged: int = 0
+    #: Client-named checkpoint paths the sidecar refused to read: (path, reason), latest last.
+    refused_paths: deque[tuple[str, str]] = field(
+        default_factory=lambda: deque(maxlen=REFUSED_WINDOW))
+    refused_total: int = 0
     ended: bool = False
     end_reason: str = ""
     ended_at: float = 0.0

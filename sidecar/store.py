@@ -6,21 +6,34 @@ restarted sidecar reads it back, so it neither pages nor kills twice for the sam
 checkpoint comparisons continue. An action that signals a process is written as ``pending``
 before the signal and updated after it: a crash in between counts as done (at most once).
 Without a state dir the same schema lives in memory, so the code paths do not differ.
+
+The state dir is private: created 0700, an existing one with group or other bits is tightened
+(loudly), one owned by another uid is refused; the database files are 0600. A database that
+SQLite cannot read is moved aside (``deadweight.db.corrupt-<time>``) with an error log line and
+a fresh one is started: the sidecar watches runs again at once, without the old journal. A
+write that fails (a full disk) raises ``StoreWriteFailed`` and is counted; the caller keeps
+what it was about to record pending and tries again later.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
+import stat
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from deadweight.proto import pb
 from deadweight.sidecar.attestation import ProcessIdentity
 from deadweight.sidecar.state import CheckpointPoint
+
+log = structlog.get_logger("deadweight.store")
 
 DB_NAME = "deadweight.db"
 SCHEMA_VERSION = 1
@@ -62,6 +75,64 @@ RETENTION_SECONDS = 30 * 86400
 MAX_HISTORY_ROWS = 2000
 #: incidents.enforcement while an escalation (STOP, SIGTERM, SIGKILL) is still in progress.
 ENFORCEMENT_OPEN = "open"
+
+
+class StoreWriteFailed(RuntimeError):
+    """A write did not reach the database (disk full, I/O error); nothing was recorded."""
+
+
+class _Corrupt(sqlite3.DatabaseError):
+    """SQLite's own check found damaged pages."""
+
+
+#: SQLite's primary result codes for a damaged file and for a file that is no database.
+_SQLITE_CORRUPT, _SQLITE_NOTADB = 11, 26
+
+
+def _is_corrupt(err: sqlite3.DatabaseError) -> bool:
+    """True for damage; False for a full disk, a lock or permissions (never moved aside)."""
+    code = getattr(err, "sqlite_errorcode", None)
+    return isinstance(err, _Corrupt) or (code is not None and code & 0xFF in (
+        _SQLITE_CORRUPT, _SQLITE_NOTADB))
+
+
+class StateDirUnsafe(PermissionError):
+    """The state dir belongs to another uid: whoever owns it could rewrite the journal."""
+
+
+def _private_dir(folder: Path) -> None:
+    """Create folder 0700, or make an existing one of ours 0700; refuse another uid's."""
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    info = folder.stat()
+    if info.st_uid != os.geteuid():
+        raise StateDirUnsafe(f"state dir {folder} is owned by uid {info.st_uid}, not by this "
+                             f"sidecar's uid {os.geteuid()}; refusing to use it")
+    mode = stat.S_IMODE(info.st_mode)
+    if mode & 0o077:
+        os.chmod(folder, 0o700)
+        log.error("state_dir_tightened", folder=str(folder), was=oct(mode), now="0o700",
+                  reason="other users could read or replace the journal")
+
+
+def _private_files(db: Path) -> None:
+    for path in (db, Path(f"{db}-wal"), Path(f"{db}-shm")):
+        try:
+            if stat.S_IMODE(path.stat().st_mode) != 0o600:
+                os.chmod(path, 0o600)
+        except FileNotFoundError:
+            pass
+
+
+def _move_aside(db: Path, why: str) -> Path:
+    """Rename a database SQLite cannot use (and its WAL) out of the way; say so loudly."""
+    aside = db.with_name(f"{db.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
+    for suffix in ("", "-wal", "-shm"):
+        source = Path(f"{db}{suffix}")
+        if source.exists():
+            os.replace(source, Path(f"{aside}{suffix}"))
+    log.error("state_db_corrupt", path=str(db), moved_to=str(aside), error=why,
+              note="a fresh state database was started; the old journal is kept aside")
+    return aside
 
 
 @dataclass(frozen=True)
@@ -110,22 +181,48 @@ class Store:
     """Thread-safe access to the state database; every write commits before returning."""
 
     def __init__(self, state_dir: str | Path | None = None) -> None:
+        self._lock = threading.RLock()
+        #: Writes that failed (disk full, I/O error): exported on /metrics.
+        self.write_failures = 0
+        #: Where a corrupt database was moved at start (None: it was sound or new).
+        self.moved_aside: Path | None = None
         if state_dir is None:
             self.path: Path | None = None
-            target = ":memory:"
-        else:
-            folder = Path(state_dir)
-            folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-            self.path = folder / DB_NAME
-            target = str(self.path)
-        self._lock = threading.RLock()
-        self._db = sqlite3.connect(target, check_same_thread=False, isolation_level=None,
-                                   timeout=10.0)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")  # durable across a crash of the process
-        self._db.executescript(SCHEMA)
-        self._db.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)",
-                         (str(SCHEMA_VERSION),))
+            self._db = self._open(":memory:")
+            return
+        folder = Path(state_dir)
+        _private_dir(folder)
+        self.path = folder / DB_NAME
+        if not self.path.exists():
+            os.close(os.open(self.path, os.O_CREAT | os.O_WRONLY | os.O_NOFOLLOW, 0o600))
+        try:
+            self._db = self._open(str(self.path))
+        except sqlite3.DatabaseError as err:
+            if not _is_corrupt(err):
+                raise
+            self.moved_aside = _move_aside(self.path, str(err))
+            os.close(os.open(self.path, os.O_CREAT | os.O_WRONLY | os.O_NOFOLLOW, 0o600))
+            self._db = self._open(str(self.path))
+        _private_files(self.path)
+
+    @staticmethod
+    def _open(target: str) -> sqlite3.Connection:
+        """Connect, check that SQLite can read every page, and create the schema."""
+        db = sqlite3.connect(target, check_same_thread=False, isolation_level=None,
+                             timeout=10.0)
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")  # durable across a crash of the process
+            check = db.execute("PRAGMA quick_check").fetchone()
+            if check is None or check[0] != "ok":
+                raise _Corrupt(f"quick_check: {check[0] if check else 'no answer'}")
+            db.executescript(SCHEMA)
+            db.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)",
+                       (str(SCHEMA_VERSION),))
+        except sqlite3.DatabaseError:
+            db.close()
+            raise
+        return db
 
     @property
     def persistent(self) -> bool:
@@ -137,7 +234,12 @@ class Store:
 
     def _write(self, sql: str, args: tuple[Any, ...] = ()) -> int:
         with self._lock:
-            cursor = self._db.execute(sql, args)
+            try:
+                cursor = self._db.execute(sql, args)
+            except (sqlite3.OperationalError, OSError) as err:
+                self.write_failures += 1
+                log.error("state_write_failed", error=str(err), failures=self.write_failures)
+                raise StoreWriteFailed(str(err)) from err
             return int(cursor.lastrowid or 0)
 
     def _read(self, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
@@ -258,14 +360,14 @@ class Store:
                     at: float) -> None:
         """Keep one step's figures of one kind ("step" or "log"); bounded per run and kind."""
         with self._lock:
-            self._db.execute(
+            self._write(
                 "INSERT OR REPLACE INTO history VALUES (?, ?, ?, ?, ?)",
                 (run_id, kind, step, at, json.dumps(series, sort_keys=True)))
             (count,) = self._db.execute(
                 "SELECT COUNT(*) FROM history WHERE run_id=? AND kind=?", (run_id, kind)
             ).fetchone()
             if count > MAX_HISTORY_ROWS:
-                self._db.execute(
+                self._write(
                     "DELETE FROM history WHERE rowid IN (SELECT rowid FROM (SELECT rowid, "
                     "row_number() OVER (ORDER BY step) AS n FROM history WHERE run_id=? AND "
                     "kind=?) WHERE n % 2 = 0 AND n < ?)", (run_id, kind, count))
@@ -318,10 +420,13 @@ class Store:
         with self._lock:
             ids = [r[0] for r in self._db.execute(
                 "SELECT run_id FROM runs WHERE ended=1 AND ended_at < ?", (ended_before,))]
-            for run_id in ids:
-                for table in ("bindings", "checkpoints", "incidents", "actions", "history",
-                              "runs"):
-                    self._db.execute(f"DELETE FROM {table} WHERE run_id=?", (run_id,))
+            try:
+                for run_id in ids:
+                    for table in ("bindings", "checkpoints", "incidents", "actions", "history",
+                                  "runs"):
+                        self._write(f"DELETE FROM {table} WHERE run_id=?", (run_id,))
+            except StoreWriteFailed:
+                return 0  # a full disk: pruning waits for the next start
         return len(ids)
 
     def has_action(self, run_id: str, detector: str, incident: int, action: str) -> bool:

@@ -44,19 +44,31 @@ def metric_value(text: str, name: str, **labels: str) -> float | None:
 class Pipe:
     """One open Stream driven by hand: send a batch, read its answer, as any client could."""
 
-    def __init__(self, address: str, options: list[tuple[str, int]] | None = None) -> None:
+    def __init__(self, address: str, options: list[tuple[str, int]] | None = None,
+                 attest: bool = True) -> None:
         import queue
 
         import grpc
 
-        from deadweight.callbacks.stream_client import grpc_target
         from deadweight.proto import monitor_stub
+        from deadweight.proto.transport import grpc_target, unix_socket_path
+
+        self.attest = attest
+        self.socket_path = unix_socket_path(grpc_target(address))
 
         self.channel = grpc.insecure_channel(grpc_target(address), options=options or [])
         self._requests: queue.Queue[Any] = queue.Queue()
         self._responses = monitor_stub(self.channel).Stream(iter(self._requests.get, None))
 
     def send(self, request: Any) -> Any:
+        """Send one batch; a RunStart without a nonce gets one, as the callback does (this
+        process attests: the sidecar requires it on the unix socket)."""
+        if self.attest and self.socket_path is not None:
+            for event in request.events:
+                if event.WhichOneof("body") == "run_start" and not event.run_start.attestation:
+                    from deadweight.callbacks.stream_client import fetch_attestation
+
+                    event.run_start.attestation = fetch_attestation(self.socket_path) or ""
         self._requests.put(request)
         return next(self._responses)
 

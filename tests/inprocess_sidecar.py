@@ -8,6 +8,7 @@ events arrived (``steps``).
 
 from __future__ import annotations
 
+import tempfile
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -48,8 +49,10 @@ class InProcessSidecar:
                    checkpoint_settle_seconds=0.5).start()
 
     def start(self) -> InProcessSidecar:
+        # The test machine's temp folder holds every run's output: the sidecar may read there.
         config = ServerConfig(socket_path=str(self.socket_path), metrics_address="127.0.0.1:0",
-                              checkpoint_settle_seconds=self.checkpoint_settle_seconds)
+                              checkpoint_settle_seconds=self.checkpoint_settle_seconds,
+                              watch_roots=(tempfile.gettempdir(),))
         self.server = Sidecar(self.registry, None, config)
         self.server.start()
         return self

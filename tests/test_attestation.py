@@ -157,15 +157,19 @@ def test_registry_binds_ranks_to_the_attested_process_only(
         stranger = Peer(address=UNIX)
         refused = registry.ingest(pb.StreamRequest(run_id="r", rank=0,
                                                    events=frozen_events(2, 3)), stranger)
-        assert "registered to another process" in refused.error and stranger.rejected
-        # ... nor one that attested as a different (live) process ...
-        impostor = Peer(address=UNIX)
-        assert "registered to another process" in _start(
-            registry, "r", 0, impostor, other_nonce).error
-        # ... nor can an unattested stream add a rank to an attested run.
+        assert "requires attestation" in refused.error and stranger.rejected
+        # ... nor can an unattested stream add a rank to an attested run ...
         joiner = Peer(address=UNIX)
-        assert "must attest" in _start(registry, "r", 1, joiner).error
+        assert "requires attestation" in _start(registry, "r", 1, joiner).error
         assert registry.identities("r") == {0: bound}
+        # ... and a different (live) process attesting for the bound rank starts a new
+        # incarnation: the owner's stream is closed, never written to by the newcomer.
+        impostor = Peer(address=UNIX)
+        assert not _start(registry, "r", 0, impostor, other_nonce).error
+        assert registry.identities("r")[0].pid == other.pid
+        closed = registry.ingest(pb.StreamRequest(run_id="r", rank=0,
+                                                  events=frozen_events(3, 4)), owner_peer)
+        assert "incarnation" in closed.error and owner_peer.rejected
 
         # A nonce sent over TCP counts for nothing.
         owner2, nonce2 = _child_nonce(socket_path)

@@ -134,7 +134,8 @@ def test_watcher_waits_for_a_complete_folder_created_after_registration(
     clock = WatcherClock()
     monkeypatch.setattr(sys.modules[CheckpointWatcher.__module__], "time", clock)
     sink = Sink()
-    watcher = CheckpointWatcher(sink, settle_seconds=0.5, scan_seconds=0.05)
+    watcher = CheckpointWatcher(sink, settle_seconds=0.5, scan_seconds=0.05,
+                                roots=[tmp_path])
     watcher.start()
     try:
         output = tmp_path / "out"  # does not exist yet: the Trainer creates it at its first save

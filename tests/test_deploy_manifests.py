@@ -99,6 +99,11 @@ def test_job_sidecar_args_are_accepted_by_the_cli() -> None:
     args = serve_args(sidecar.get("args", []))
     assert args.alertmanager_url.startswith("http://")
     assert args.state_dir == image_state_dir()
+    # Checkpoints are read only under the output mount the trainer writes to.
+    mounts = {m["name"]: m["mountPath"] for m in sidecar["volumeMounts"]}
+    assert args.watch_root == [mounts["output"]]
+    # Only the pod's uid may report runs.
+    assert args.trainer_uid == [int(pod_spec(job())["securityContext"]["runAsUser"])]
 
 
 @pytest.mark.parametrize("version", KUBE_VERSIONS)
@@ -339,6 +344,7 @@ def test_compose_sidecar_uses_the_image_and_reaches_alertmanager() -> None:
 def test_compose_sidecar_command_is_accepted_by_the_cli() -> None:
     args = serve_args(compose()["services"]["deadweight"]["command"])
     assert args.alertmanager_url == "http://alertmanager:9093"
+    assert args.watch_root == ["${DEADWEIGHT_OUTPUT_DIR:-/tmp/deadweight-output}"]
 
 
 def test_compose_prometheus_config_loads_the_alert_rules(tmp_path: Path) -> None:

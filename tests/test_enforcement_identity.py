@@ -35,7 +35,10 @@ STOP_GRACE = 2.5
 @pytest.fixture(scope="module")
 def killer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SidecarProcess, Path]]:
     folder = tmp_path_factory.mktemp("killer")
-    with kill_sidecar(folder / "sidecar", folder / "state", STOP_GRACE, 0.5) as sidecar:
+    # The operator's opt-out lets the unattested liar register at all: it must still never
+    # be signalled (without the opt-out it is refused outright, see test_trust_runs.py).
+    with kill_sidecar(folder / "sidecar", folder / "state", STOP_GRACE, 0.5,
+                      ["--allow-unattested"]) as sidecar:
         yield sidecar, folder / "state"
 
 

@@ -13,6 +13,7 @@ from deadweight.sidecar.detectors.base import Detector, SpecDetector, Verdict
 from deadweight.sidecar.detectors.checkpoints import (
     AdapterBloat,
     AdapterNeverTrained,
+    CheckpointRefused,
     CheckpointUnchanged,
     EmptyAdapter,
     PickleCheckpoint,
@@ -83,6 +84,7 @@ ALL: tuple[Detector, ...] = (
     AdapterBloat(),
     EmptyAdapter(),
     PickleCheckpoint(),
+    CheckpointRefused(),
 )
 
 BY_ID: dict[str, Detector] = {d.id: d for d in ALL}

@@ -250,3 +250,33 @@ class PickleCheckpoint(_InspectedCheckpoint):
             evidence={"checkpoint": point.path, "pickle_files": ",".join(files),
                       "step": fmt(point.step)},
         )
+
+
+class CheckpointRefused(SpecDetector):
+    """A checkpoint path the run named was not read: outside ``--watch-root``, another uid's,
+    over a size cap, or not a regular file. Its verdicts are unknown, and it may be an attack."""
+
+    spec = DetectorSpec(
+        id="checkpoint_refused",
+        severity=Severity.WARNING,
+        scope="artifact",
+        summary="Run {run_id} named checkpoints the sidecar refused to read",
+        meaning="a checkpoint folder the run named lies outside the allowed --watch-root "
+        "folders, belongs to another uid, exceeds a header cap or is not a regular file: its "
+        "checkpoints were not audited",
+        fires_when="a client-named checkpoint path was refused (outside `--watch-root`, owned "
+        "by another uid than the run's, header or tensor count over its cap, a FIFO or symlink)",
+        cadence="every refused path",
+        evidence=(Evidence("checkpoints_total"),),
+    )
+
+    def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
+        if not run.refused_paths:
+            return None
+        path, reason = run.refused_paths[-1]
+        return Verdict(
+            True,
+            step=run.step,
+            summary=f"{run.refused_total} checkpoint path(s) not read; latest {path}: {reason}",
+            evidence={"path": path, "reason": reason, "refused": fmt(run.refused_total)},
+        )

@@ -206,7 +206,8 @@ class InactiveAdapter(SpecDetector):
         window = steps[-settings.inactive_adapter_steps:]
         if len(window) < settings.inactive_adapter_steps:
             return Verdict(False, step=steps[-1].step)
-        for name in sorted(trained):
+        present = {g[0] for g in window[-1].adapter_updates}  # a stuck adapter is reported
+        for name in sorted(trained & present):  # in every step: only these can be stuck
             stuck = all(
                 any(g[0] == name and g[1] == 0 and g[2] == g[3] for g in p.adapter_updates)
                 for p in window

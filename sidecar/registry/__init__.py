@@ -15,6 +15,13 @@ after the lock is released. The jobs live in the modules beside this one:
 - ``incidents``: the findings lifecycle (fire, resolve, restore);
 - ``pending``: the outbox of writes and action calls done after the lock;
 - ``restart`` and ``status_report``: reading the store back, rendering ``Status``.
+
+Trust: on the unix socket a run is written only by processes the kernel identified, unless the
+operator opted out (``allow_unattested``: logged and exported); ``trainer_uids`` narrows who
+may report. A RunStart for an ended run, or from another process of the same uid for a bound
+rank, starts a new incarnation: fresh state and sequence numbers, the old one ended
+(``superseded``), its firing findings resolved and kept in the journal, its escalations closed
+and its streams refused. Live runs that send nothing for ``silent_run_seconds`` end.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -43,6 +51,7 @@ from deadweight.sidecar.registry.validation import (
     MAX_RUN_ID_LENGTH,
     IdentityRejected,
     IngestError,
+    refusal_kind,
     run_start_of,
     validate,
 )
@@ -60,6 +69,8 @@ MAX_STATUS_ACTIONS = 20
 
 #: Seconds between checks that the registered processes of live runs still exist.
 EXIT_CHECK_SECONDS = 5.0
+#: A live run that sends nothing (not even a heartbeat) for this long ends as ``silent``.
+SILENT_RUN_SECONDS = 3600.0
 
 
 class Registry:
@@ -76,6 +87,9 @@ class Registry:
         store: Store | None = None,
         attestor: Attestor | None = None,
         resume_hold_steps: int = RESUME_HOLD_STEPS,
+        allow_unattested: bool = False,
+        silent_run_seconds: float = SILENT_RUN_SECONDS,
+        trainer_uids: Iterable[int] = (),
     ) -> None:
         self.actions = actions or LogOnlyActions()
         self.store = store or Store()
@@ -86,11 +100,33 @@ class Registry:
         self.policies.update(policies or {})
         self._lock = threading.RLock()
         self._table = RunTable(self.store, self.actions.forget, max_runs, ended_ttl_seconds)
-        self._gate = IdentityGate(self.store, attestor)
+        self._gate = IdentityGate(self.store, attestor, allow_unattested, trainer_uids)
         self._events = EventApplier(self.store)
         self._lifecycle = FindingLifecycle(self.detectors, self.settings, self.policies,
-                                           self.actions, self.store, resume_hold_steps)
+                                           self.actions, self.store, resume_hold_steps,
+                                           lock=self._lock)
         self.rejected_batches = 0
+        self.silent_run_seconds = silent_run_seconds
+        #: Refused batches by kind (attestation, identity, capacity, invalid): on /metrics.
+        self.refusals: Counter[str] = Counter()
+        #: Incarnations started by a rank rebound or a run id used again.
+        self.incarnations_started = 0
+        if attestor is not None and allow_unattested:
+            log.warning("attestation_optional", note="unattested streams on the unix socket "
+                        "may register runs; they can be paged and stopped, never signalled")
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The registry's lock: hold it to read live run state consistently (the exporter)."""
+        return self._lock
+
+    @property
+    def allow_unattested(self) -> bool:
+        return self._gate.allow_unattested
+
+    @property
+    def pending_verdicts(self) -> int:
+        return self._lifecycle.pending_verdicts
 
     # -- settings the tests and the exporter read ----------------------------------------
 
@@ -120,27 +156,58 @@ class Registry:
         """Apply one batch; answer with the ack, directives for this rank, or an error."""
         peer = peer or Peer()
         entry: RunEntry | None = None
+        closed: RunEntry | None = None
         try:
             validate(request)
             numbering = self._numbering_if_new(request)
             with self._lock:
+                current = self._table.get(request.run_id)
+                if current is not None and self._gate.starts_incarnation(current, request,
+                                                                         peer):
+                    closed = current
+                    self._close_incarnation(current)
+                    self._table.succeed(current, request.rank)
                 entry = self._admit(request, peer, numbering)
+                if run_start_of(request) is not None or request.run_id not in peer.incarnations:
+                    peer.incarnations[request.run_id] = entry.incarnation
                 ack = self._events.apply(entry, request)
                 self._lifecycle.evaluate(entry)
+            if closed is not None:
+                self._flush(closed)
             self._flush(entry)
             with self._lock:
                 rank_directives = entry.take_directives(request.rank)
                 firing = sorted(d for d, f in entry.findings.items() if f.firing)
             return pb.StreamResponse(ack_seq=ack, directives=rank_directives, firing=firing)
         except IngestError as err:
+            if closed is not None:
+                self._flush(closed)
             if entry is not None:  # admitted before the refusal: its writes still happen
                 self._flush(entry)
             if isinstance(err, IdentityRejected):
                 peer.rejected = str(err)
+            self.refusals[refusal_kind(err)] += 1
             self.rejected_batches += 1
             log.warning("batch_rejected", run_id=request.run_id[:MAX_RUN_ID_LENGTH],
                         reason=str(err))
             return pb.StreamResponse(error=str(err))
+
+    def _close_incarnation(self, old: RunEntry) -> None:
+        """End old (superseded), resolve its firing findings and end its escalations; all
+        of it stays in the journal. Under the lock; the effects go to old's outbox."""
+        now = time.time()
+        if not old.state.ended:
+            end_run(old, self.store, "superseded", now)
+        for finding in old.findings.values():
+            if finding.firing:
+                self._lifecycle.resolve(old, finding, "incarnation closed")
+        superseded = getattr(self.actions, "superseded", None)
+        if callable(superseded):
+            old.outbox.add(functools.partial(superseded, old.state.run_id))
+        self.incarnations_started += 1
+        log.warning("run_incarnation_started", run_id=old.state.run_id,
+                    incarnation=old.incarnation + 1, previous_step=old.state.step,
+                    previous_end=old.state.end_reason)
 
     def _numbering_if_new(self, request: pb.StreamRequest) -> dict[str, int] | None:
         """For a batch that may register a run: its past incident numbers (read unlocked)."""
@@ -183,6 +250,17 @@ class Registry:
                 if folder:
                     watcher.watch(entry.state.run_id, folder)
 
+    def record_refusal(self, run_id: str, path: str, reason: str) -> bool:
+        """A checkpoint path of the run was not read (the watcher's refusal): a finding."""
+        with self._lock:
+            entry = self._table.get(run_id)
+            if entry is None:
+                return False
+            self._events.apply_refusal(entry, path, reason)
+            self._lifecycle.evaluate(entry)
+        self._flush(entry)
+        return True
+
     def record_inspection(self, run_id: str, inspection: CheckpointInspection,
                           step: int = 0) -> bool:
         """Attach what the files of a checkpoint hold to the run; False for an unknown run.
@@ -210,6 +288,8 @@ class Registry:
         now = time.time() if now is None else now
         with self._lock:
             self._table.expire_ended(now)
+            for silent in self._table.silent(now, self.silent_run_seconds):
+                end_run(silent, self.store, "silent", now)
             entries = list(self._table)
             for entry in entries:
                 self._check_exits(entry, now)

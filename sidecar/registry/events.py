@@ -36,7 +36,7 @@ class CheckpointSink(Protocol):
     Both calls only queue a request: they are made under the registry lock.
     """
 
-    def watch(self, run_id: str, output_dir: str) -> None: ...
+    def watch(self, run_id: str, output_dir: str, owner_uid: int | None = None) -> None: ...
 
     def submit(self, run_id: str, path: str) -> None: ...
 
@@ -94,14 +94,15 @@ class EventApplier:
     def _on_run_start(self, entry: RunEntry, rank: int, event: pb.Event, now: float) -> None:
         run, start = entry.state, event.run_start
         start.trainer = limits.label_value(start.trainer)  # exported as a label
-        if run.start is None or rank <= min(run.ranks, default=rank):
+        if run.start is None or rank == entry.leader:
             run.start = start
             entry.outbox.add(functools.partial(self.store.upsert_run, run.run_id, run.trainer,
                                                start))
         run.rank(rank).membership = start.membership
-        run.ended = False
         if self.watcher is not None and start.output_dir:
-            self.watcher.watch(run.run_id, start.output_dir)
+            bound = entry.identities.get(rank)
+            self.watcher.watch(run.run_id, start.output_dir,
+                               owner_uid=bound.uid if bound is not None else None)
 
     def _on_step(self, entry: RunEntry, rank_id: int, event: pb.Event, now: float) -> None:
         report = event.step
@@ -126,6 +127,8 @@ class EventApplier:
             history.step_series(point, report), now))
 
     def _on_log(self, entry: RunEntry, rank: int, event: pb.Event, now: float) -> None:
+        if rank != entry.leader:
+            return  # run-wide values: only the rank that started the run sets them
         values = dict(event.log.values)
         entry.state.record_log(event.log.step, values)
         series = history.log_series(values)
@@ -138,6 +141,10 @@ class EventApplier:
         rank.dropped_events = max(rank.dropped_events, event.heartbeat.dropped_events)
 
     def _on_run_end(self, entry: RunEntry, rank: int, event: pb.Event, now: float) -> None:
+        if rank != entry.leader:  # only the rank that started the run ends it
+            log.info("rank_ended", run_id=entry.state.run_id, rank=rank,
+                     reason=event.run_end.reason, leader=entry.leader)
+            return
         end_run(entry, self.store, event.run_end.reason or "completed", now,
                 step=event.run_end.step)
 
@@ -184,6 +191,12 @@ class EventApplier:
         run = entry.state
         run.add_checkpoint(point)
         entry.outbox.add(functools.partial(self.store.add_checkpoint, run.run_id, point))
+
+    @staticmethod
+    def apply_refusal(entry: RunEntry, path: str, reason: str) -> None:
+        """A checkpoint path of the run that the watcher refused to read."""
+        entry.state.refused_paths.append((path, reason))
+        entry.state.refused_total += 1
 
     @staticmethod
     def watched(run: RunState) -> str:

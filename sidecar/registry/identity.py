@@ -10,14 +10,20 @@ once it is gone, may report for the rank. A pid in any message field counts for 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import structlog
 
 from deadweight.proto import pb
 from deadweight.sidecar.attestation import Attestor, ProcessIdentity, is_alive
 from deadweight.sidecar.registry.run_table import RunEntry
-from deadweight.sidecar.registry.validation import IdentityRejected, run_start_of
+from deadweight.sidecar.registry.validation import (
+    AttestationRequired,
+    IdentityRejected,
+    IngestError,
+    run_start_of,
+)
 from deadweight.sidecar.store import Store
 
 log = structlog.get_logger("deadweight.registry")
@@ -36,14 +42,46 @@ class Peer:
     address: str = ""
     identity: ProcessIdentity | None = None
     rejected: str = ""
+    #: run_id -> the incarnation this stream registered in; a newer one closes the stream.
+    incarnations: dict[str, int] = field(default_factory=dict)
 
 
 class IdentityGate:
     """Redeems attestations and decides which stream may write to which rank."""
 
-    def __init__(self, store: Store, attestor: Attestor | None) -> None:
+    def __init__(self, store: Store, attestor: Attestor | None,
+                 allow_unattested: bool = False, trainer_uids: Iterable[int] = ()) -> None:
         self.store = store
         self.attestor = attestor
+        #: On the unix socket, streams need not attest (the operator's opt-out).
+        self.allow_unattested = allow_unattested
+        #: Uids whose attested processes may report (empty: any uid that reaches the socket).
+        self.trainer_uids = frozenset(trainer_uids)
+
+    def starts_incarnation(self, entry: RunEntry, request: pb.StreamRequest,
+                           peer: Peer) -> bool:
+        """True when a RunStart begins a new life of this run id rather than joining it.
+
+        That is a run that ended; a rank bound to another process of the same uid, or to one
+        that is gone (a restarted job, a run id used again: a live process of another uid
+        keeps its run, ``admit`` refuses); or, for unattested runs, a rank whose sequence
+        numbers start again from another stream (a new process)."""
+        start_seq = next((e.seq for e in request.events if e.HasField("run_start")), None)
+        if start_seq is None:
+            return False
+        if entry.state.ended:
+            return True
+        self.redeem(request, peer)
+        bound = entry.identities.get(request.rank)
+        if bound is not None and peer.identity is not None:
+            return peer.identity != bound and (
+                peer.identity.uid == bound.uid or not is_alive(bound))
+        if entry.identities or peer.identity is not None:
+            return False  # a new rank of an attested run: admit decides
+        rank = entry.state.ranks.get(request.rank)
+        return bool(rank is not None and rank.last_seq and start_seq
+                    and start_seq <= rank.last_seq
+                    and peer.incarnations.get(request.run_id) != entry.incarnation)
 
     def redeem(self, request: pb.StreamRequest, peer: Peer) -> None:
         """Let the batch's RunStart prove the stream's process (unix socket only)."""
@@ -70,19 +108,37 @@ class IdentityGate:
         from identified processes of the same uid.
         """
         self.redeem(request, peer)
+        if entry is None and run_start_of(request) is None:
+            raise IngestError(f"unknown run_id {request.run_id!r}: send run_start first")
+        if (peer.identity is None and self.attestor is not None and not self.allow_unattested
+                and peer.address.startswith("unix:")):
+            raise AttestationRequired(
+                f"run {request.run_id!r} rank {request.rank}: this sidecar requires "
+                "attestation on the unix socket (RunStart.attestation from the .attest socket)")
+        if (self.trainer_uids and peer.identity is not None
+                and peer.identity.uid not in self.trainer_uids):
+            raise AttestationRequired(
+                f"run {request.run_id!r}: uid {peer.identity.uid} is not a trainer uid of this "
+                f"sidecar ({', '.join(str(u) for u in sorted(self.trainer_uids))})")
         if entry is None:
             return peer.identity
+        known = peer.incarnations.get(request.run_id)
+        if known is not None and known != entry.incarnation and run_start_of(request) is None:
+            raise IdentityRejected(
+                f"run {request.run_id!r} started incarnation {entry.incarnation}; this stream "
+                f"belongs to incarnation {known}, which is closed: send run_start again")
+        if entry.identities and peer.identity is None:
+            raise IdentityRejected(
+                f"run {request.run_id!r} is written by attested processes only; this stream "
+                "did not attest")
         bound = entry.identities.get(request.rank)
         owner_uid = next(iter(entry.identities.values())).uid if entry.identities else None
         if bound is not None:
             if peer.identity == bound:
                 return None
-            if (peer.identity is not None and peer.identity.uid == owner_uid
-                    and not is_alive(bound)):
-                return peer.identity  # the rank's process was replaced (restarted rank)
             raise IdentityRejected(
                 f"rank {request.rank} of run {request.run_id!r} is registered to another "
-                "process; only that process may report for it"
+                f"process (uid {bound.uid}); only that process may report for it"
             )
         if owner_uid is not None and request.rank not in entry.state.ranks and (
             peer.identity is None or peer.identity.uid != owner_uid

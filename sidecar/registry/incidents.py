@@ -5,22 +5,28 @@ incident, numbered after every earlier one of the same run id, the store's inclu
 ``resolve``; ``restore`` reads back the incidents a previous sidecar left open. The actions
 are told through the run's outbox with a frozen copy of the run and finding, so they run
 after the registry lock is released and never see a half-applied batch.
+
+A firing whose incident cannot be journaled (a full disk) is undone: the finding goes back to
+not firing, its number is given back, and the next evaluation (every tick) fires it again, so
+the verdict stays pending and its page, STOP or kill happen once the journal takes writes.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import structlog
 
+from deadweight.proto import pb
 from deadweight.sidecar import detectors
 from deadweight.sidecar.detectors.base import Detector, Policy, Verdict
 from deadweight.sidecar.finding import ActionSink, Finding, RunSnapshot
 from deadweight.sidecar.registry.run_table import RunEntry
 from deadweight.sidecar.settings import DetectorSettings
-from deadweight.sidecar.store import Store, StoredIncident
+from deadweight.sidecar.store import Store, StoredIncident, StoreWriteFailed
 
 log = structlog.get_logger("deadweight.registry")
 
@@ -34,7 +40,12 @@ class FindingLifecycle:
 
     def __init__(self, detectors: Iterable[Detector], settings: DetectorSettings,
                  policies: dict[str, Policy], actions: ActionSink, store: Store,
-                 resume_hold_steps: int = RESUME_HOLD_STEPS) -> None:
+                 resume_hold_steps: int = RESUME_HOLD_STEPS,
+                 lock: threading.RLock | None = None) -> None:
+        #: The registry's lock, taken again to undo a firing the journal refused.
+        self.lock = lock or threading.RLock()
+        #: Firings undone because the journal could not be written (exported).
+        self.pending_verdicts = 0
         self.detectors = tuple(detectors)
         self.settings = settings
         self.policies = policies
@@ -90,19 +101,34 @@ class FindingLifecycle:
         finding.incidents = max(finding.incidents, entry.last_incident.get(detector.id, 0)) + 1
         entry.last_incident[detector.id] = finding.incidents
         entry.findings[detector.id] = finding
-        entry.outbox.add(functools.partial(
-            self.store.open_incident, run.run_id, finding.detector, finding.incidents,
-            finding.severity, finding.policy, finding.step, finding.summary,
-            dict(finding.evidence), finding.fired_at,
-            enforce=finding.policy == Policy.KILL.value,
-        ))
         log.warning(
             "detector_fired", run_id=run.run_id, detector=detector.id,
             severity=finding.severity, policy=finding.policy, step=verdict.step,
             summary=verdict.summary, evidence=verdict.evidence,
         )
-        entry.outbox.add(functools.partial(self.actions.fired, RunSnapshot.of(run),
-                                           finding.copy()))
+        entry.outbox.add(functools.partial(self._journal_and_act, entry, finding,
+                                           RunSnapshot.of(run), finding.copy()))
+
+    def _journal_and_act(self, entry: RunEntry, finding: Finding, run: RunSnapshot,
+                         frozen: Finding) -> Sequence[pb.Directive] | None:
+        """Journal the incident, then act on it; undo the firing when the journal fails."""
+        try:
+            self.store.open_incident(
+                run.run_id, frozen.detector, frozen.incidents, frozen.severity, frozen.policy,
+                frozen.step, frozen.summary, dict(frozen.evidence), frozen.fired_at,
+                enforce=frozen.policy == Policy.KILL.value)
+            return self.actions.fired(run, frozen)
+        except StoreWriteFailed as err:
+            with self.lock:
+                if finding.firing and finding.incidents == frozen.incidents:
+                    finding.firing = False
+                    finding.incidents -= 1
+                    entry.last_incident[frozen.detector] = finding.incidents
+                self.pending_verdicts += 1
+            log.error("verdict_pending", run_id=run.run_id, detector=frozen.detector,
+                      error=str(err), note="the journal cannot be written; the verdict and "
+                      "its actions are tried again at the next evaluation")
+            return None
 
     def resolve(self, entry: RunEntry, finding: Finding, why: str) -> None:
         run = entry.state

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 import structlog
 
 from deadweight.proto import pb
+from deadweight.sidecar.store import StoreWriteFailed
 
 log = structlog.get_logger("deadweight.registry")
 
@@ -49,6 +50,8 @@ class Outbox:
                     return
                 try:
                     directives = effect()
+                except StoreWriteFailed:  # the store logged and counted it: no traceback
+                    continue
                 except Exception:  # one failed write must not lose the ones after it
                     log.exception("pending_effect_failed", run_id=self.run_id)
                     continue

@@ -18,7 +18,7 @@ from deadweight.proto import pb
 from deadweight.sidecar.attestation import ProcessIdentity
 from deadweight.sidecar.finding import Finding
 from deadweight.sidecar.registry.pending import Outbox
-from deadweight.sidecar.registry.validation import IngestError
+from deadweight.sidecar.registry.validation import CapacityError
 from deadweight.sidecar.state import RunState
 from deadweight.sidecar.store import Store
 
@@ -41,6 +41,11 @@ class RunEntry:
     #: detector -> the highest incident number it ever had on this run id (store included).
     last_incident: dict[str, int] = field(default_factory=dict)
     exit_checked_at: float = 0.0
+    #: Counts from 1 per run id in this sidecar; a rebind or a reuse starts the next one.
+    incarnation: int = 1
+    #: The rank whose RunStart started this incarnation: only it ends the run and sets its
+    #: run-wide logs.
+    leader: int | None = None
     #: The last optimizer step written to the store's history (for the run report).
     history_step: int = 0
     outbox: Outbox = field(init=False)
@@ -78,13 +83,25 @@ class RunTable:
     def admit(self, run_id: str, rank: int, last_incident: dict[str, int]) -> RunEntry:
         """A new run; last_incident (read from the store) continues its incident numbers."""
         if len(self._runs) >= self.max_runs and not self._evict_oldest_ended():
-            raise IngestError(f"sidecar already tracks {self.max_runs} live runs")
-        entry = RunEntry(RunState(run_id), last_incident=dict(last_incident))
+            raise CapacityError(f"sidecar already tracks {self.max_runs} live runs")
+        entry = RunEntry(RunState(run_id), last_incident=dict(last_incident), leader=rank)
         # A run id used again: the processes that registered it before count for nothing.
         entry.outbox.add(functools.partial(self.store.forget_bindings, run_id))
         self._runs[run_id] = entry
         log.info("run_registered", run_id=run_id, rank=rank)
         return entry
+
+    def succeed(self, old: RunEntry, rank: int) -> RunEntry:
+        """A new incarnation of old's run id, started by rank; incident numbers continue."""
+        entry = RunEntry(RunState(old.state.run_id), last_incident=dict(old.last_incident),
+                         incarnation=old.incarnation + 1, leader=rank)
+        entry.outbox.add(functools.partial(self.store.forget_bindings, old.state.run_id))
+        self._runs[old.state.run_id] = entry
+        return entry
+
+    def silent(self, now: float, seconds: float) -> list[RunEntry]:
+        """Live runs that sent nothing for seconds."""
+        return [e for e in self if not e.state.ended and now - e.state.last_seen > seconds]
 
     def restore(self, entry: RunEntry) -> bool:
         """Put back a run read from the store; False when it is known or there is no room."""

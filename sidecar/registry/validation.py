@@ -23,6 +23,26 @@ class IdentityRejected(IngestError):
     """A batch for a rank that another (kernel-identified) process registered."""
 
 
+class AttestationRequired(IdentityRejected):
+    """A stream that did not prove who it is where the sidecar requires it (or of a uid that
+    is not a trainer uid)."""
+
+
+class CapacityError(IngestError):
+    """The sidecar holds as many runs as it may."""
+
+
+def refusal_kind(err: IngestError) -> str:
+    """The ``kind`` label of a refused batch (a few fixed values: bounded cardinality)."""
+    if isinstance(err, AttestationRequired):
+        return "attestation"
+    if isinstance(err, IdentityRejected):
+        return "identity"
+    if isinstance(err, CapacityError):
+        return "capacity"
+    return "invalid"
+
+
 def validate(request: pb.StreamRequest) -> None:
     """Raise IngestError naming the first thing wrong with the batch."""
     if not request.run_id:

@@ -1,0 +1,157 @@
+"""Attestation under attack, with a real ``deadweight serve`` and real processes: a flood of
+connections on the ``.attest`` socket, the socket file deleted, a peer that exits before it is
+identified.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from deadweight.demo.sidecar_process import SidecarProcess
+from deadweight.proto.transport import attest_path
+from deadweight.sidecar.attestation import _peer_pidfd, peer_identity
+from deadweight.sidecar.store import Store
+from tests.faults import poll
+
+pytestmark = pytest.mark.slow
+
+#: A training process in miniature: fetch a nonce, register rank 0 with it, stay alive.
+REGISTER = textwrap.dedent("""
+    import sys, queue, grpc
+    from deadweight.callbacks.stream_client import fetch_attestation, grpc_target
+    from deadweight.proto import monitor_stub, pb
+    socket_path, run_id = sys.argv[1], sys.argv[2]
+    print("attesting", flush=True)
+    nonce = fetch_attestation(socket_path) or ""
+    channel = grpc.insecure_channel(grpc_target("unix://" + socket_path))
+    requests = queue.Queue()
+    responses = monitor_stub(channel).Stream(iter(requests.get, None))
+    requests.put(pb.StreamRequest(run_id=run_id, events=[pb.Event(
+        run_start=pb.RunStart(trainer="SFTTrainer", attestation=nonce))]))
+    answer = next(responses)
+    print("nonce" if nonce else "no-nonce", answer.error or "ok", flush=True)
+    sys.stdin.read()
+""")
+
+#: An attacker of the same uid: threads connecting to the .attest socket without end, some
+#: holding their connection open without reading.
+FLOOD = textwrap.dedent("""
+    import socket, sys, threading
+    path = sys.argv[1]
+    held = []
+    def hammer():
+        while True:
+            try:
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.setblocking(False)
+                s.connect(path)
+                held.append(s)
+                if len(held) > 2000:
+                    held.pop(0).close()
+            except OSError:
+                pass
+    for _ in range(8):
+        threading.Thread(target=hammer, daemon=True).start()
+    print("flooding", flush=True)
+    sys.stdin.read()
+""")
+
+
+@pytest.fixture
+def sidecar(tmp_path: Path) -> Iterator[tuple[SidecarProcess, Path]]:
+    state = tmp_path / "state"
+    with SidecarProcess(tmp_path / "sidecar", extra_args=["--state-dir", str(state)]) as p:
+        yield p, state
+
+
+def _spawn(code: str, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-c", code, *args], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+
+
+def _end(children: list[subprocess.Popen[str]]) -> None:
+    for child in children:
+        if child.stdin is not None and not child.stdin.closed:
+            child.stdin.close()
+        child.wait(30)
+
+
+def test_a_flood_on_the_attest_socket_does_not_leave_real_processes_unattested(
+    sidecar: tuple[SidecarProcess, Path],
+) -> None:
+    process, state = sidecar
+    flood = _spawn(FLOOD, str(attest_path(process.socket_path)))
+    assert flood.stdout is not None and flood.stdout.readline().strip() == "flooding"
+    trainers = [_spawn(REGISTER, str(process.socket_path), f"flooded-{i}") for i in range(5)]
+    try:
+        for child in trainers:  # every trainer asks for its nonce while the flood runs ...
+            assert child.stdout is not None and child.stdout.readline().strip() == "attesting"
+        _end([flood])  # ... and the flood ends some time later: the trainers' retries win
+        answers = []
+        for child in trainers:
+            assert child.stdout is not None
+            answers.append(child.stdout.readline().strip())
+        assert answers == ["nonce ok"] * 5, answers
+        store = Store(state)
+        for i, child in enumerate(trainers):  # every rank bound to its real process
+            bindings = store.bindings(f"flooded-{i}")
+            assert bindings[0].pid == child.pid, bindings
+        store.close()
+    finally:
+        _end(trainers)
+        if flood.poll() is None:
+            _end([flood])
+
+
+def test_a_deleted_attest_socket_is_created_again(sidecar: tuple[SidecarProcess, Path]) -> None:
+    process, state = sidecar
+    path = attest_path(process.socket_path)
+    path.unlink()
+    poll(path.exists, what="the .attest socket to be listened on again")
+    trainer = _spawn(REGISTER, str(process.socket_path), "after-delete")
+    try:
+        assert trainer.stdout is not None
+        assert trainer.stdout.readline().strip() == "attesting"
+        assert trainer.stdout.readline().strip() == "nonce ok"
+        store = Store(state)
+        assert store.bindings("after-delete")[0].pid == trainer.pid
+        store.close()
+        assert "attestation_socket_missing" in process.log_path.read_text()
+    finally:
+        _end([trainer])
+
+
+def test_a_peer_that_exited_before_it_was_identified_gets_no_identity(tmp_path: Path) -> None:
+    path = tmp_path / "s.attest"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+        server.bind(str(path))
+        server.listen(4)
+        alive = subprocess.Popen([sys.executable, "-c",
+                                  "import socket,sys; s=socket.socket(socket.AF_UNIX); "
+                                  f"s.connect({str(path)!r}); sys.stdin.read()"],
+                                 stdin=subprocess.PIPE)
+        conn, _ = server.accept()
+        with conn:
+            pidfd = _peer_pidfd(conn)
+            assert pidfd is not None  # this kernel (6.5+) hands out a pidfd of the peer
+            os.close(pidfd)
+            identity = peer_identity(conn)
+            assert identity is not None and identity.pid == alive.pid
+        assert alive.stdin is not None
+        alive.stdin.close()
+        alive.wait(30)
+        gone = subprocess.Popen([sys.executable, "-c",
+                                 "import socket; s=socket.socket(socket.AF_UNIX); "
+                                 f"s.connect({str(path)!r}); import os; os._exit(0)"])
+        gone.wait(30)  # exited and reaped: its pid is free for anyone
+        conn, _ = server.accept()
+        with conn:
+            assert peer_identity(conn) is None

@@ -1,0 +1,85 @@
+"""A client process driven line by line from stdin, to play any party in the trust tests.
+
+``python tests/trust_client.py SOCKET RUN_ID RANK [--no-attest]``, run as any uid (under
+``setpriv``). Each stdin line is one JSON command; each answer is one JSON line on stdout:
+
+- ``{"start": {"seq": 1, "output_dir": "..."}}``: a RunStart (with this process's own nonce
+  unless ``--no-attest``);
+- ``{"steps": [FIRST, LAST], "kind": "frozen"|"healthy", "seq": N}``: optimizer steps and their
+  logs, sequence numbers from N;
+- ``{"log": {"loss": "nan"}, "step": S, "seq": N}``: one log report;
+- ``{"end": "reason", "seq": N}``: a RunEnd.
+
+The answer is ``{"error": ..., "ack": ..., "directives": [...], "ended": CODE}``; a stream the
+sidecar ended is opened again for the next command (as the callback does).
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import sys
+import time
+from typing import Any
+
+import grpc
+
+from deadweight.callbacks.stream_client import fetch_attestation
+from deadweight.proto import monitor_stub, pb
+from tests.raw_client import frozen_events, healthy_events
+
+
+class Stream:
+    def __init__(self, socket_path: str) -> None:
+        self.channel = grpc.insecure_channel(f"unix://{socket_path}")
+        self.requests: queue.Queue[pb.StreamRequest | None] = queue.Queue()
+        self.responses = monitor_stub(self.channel).Stream(iter(self.requests.get, None))
+
+    def send(self, request: pb.StreamRequest) -> dict[str, Any]:
+        self.requests.put(request)
+        try:
+            response = next(self.responses)
+        except grpc.RpcError as err:
+            return {"error": err.details() or "", "ended": err.code().name}
+        return {"error": response.error, "ack": response.ack_seq,
+                "directives": [pb.Directive.Action.Name(d.action) for d in response.directives]}
+
+
+def main() -> int:
+    socket_path, run_id, rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    attest = "--no-attest" not in sys.argv
+    stream = Stream(socket_path)
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        command = json.loads(line)
+        events: list[pb.Event] = []
+        seq = int(command.get("seq", 1))
+        if "start" in command:
+            opts = command["start"]
+            nonce = (fetch_attestation(socket_path) or "") if attest else ""
+            events = [pb.Event(seq=int(opts.get("seq", seq)), run_start=pb.RunStart(
+                trainer="SFTTrainer", world_size=2, output_dir=opts.get("output_dir", ""),
+                attestation=nonce, sharded=bool(opts.get("sharded", False)),
+                membership=pb.OptimizerMembership(optimizer_params=1000, trainable_params=1000,
+                                                  adapter_params=1000, adapter_tensors=4)))]
+        elif "steps" in command:
+            first, last = command["steps"]
+            make = frozen_events if command.get("kind") == "frozen" else healthy_events
+            for step in range(first, last + 1):
+                events += make(step, seq)
+                seq += 2
+        elif "log" in command:
+            values = {k: float(v) for k, v in command["log"].items()}
+            events = [pb.Event(seq=seq, time_seconds=time.time(), log=pb.LogReport(
+                step=int(command.get("step", 1)), values=values))]
+        elif "end" in command:
+            events = [pb.Event(seq=seq, run_end=pb.RunEnd(reason=command["end"]))]
+        answer = stream.send(pb.StreamRequest(run_id=run_id, rank=rank, events=events))
+        if "ended" in answer:
+            stream = Stream(socket_path)
+        print(json.dumps(answer), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     if wanted("sidecar"):
         from . import sidecar_load
         sidecar_load.run(repeats, args.quick)
+    if wanted("fsdp2_probe"):
+        from . import fsdp2_probe
+        fsdp2_probe.run(repeats, args.quick)
     if wanted("train_step"):
         from . import train_step
         train_step.run(repeats, args.quick)

@@ -3,6 +3,11 @@
 Membership is decided by object identity (``id(param)``), never by names or ``requires_grad``
 alone: a PEFT adapter loaded without ``is_trainable=True`` has an empty optimizer, and GRPO's
 reference pass later flips ``requires_grad`` back on, so a flag check after the fact is fooled.
+
+Under sharding (see ``layout``) each rank counts and watches what it holds: the local shard of
+a DTensor, the local piece of an FSDP1 parameter; empty shards are skipped. DeepSpeed's
+optimizer holds partitions, so its own map from parameters to partitions stands in for the
+identity check, and where no map can be read, membership is "unknown", never "empty".
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from typing import Any
 
 import torch
 
+from deadweight.callbacks import layout as layouts
 from deadweight.callbacks.update_probe import TensorGroup
 
 
@@ -40,10 +46,13 @@ class Membership:
     adapter_params: int
     adapters: list[AdapterShare]
     watched_names: list[str]
-    watched: list[torch.nn.Parameter]
+    #: What this rank holds of each watched parameter (a local shard under sharding).
+    watched: list[torch.Tensor]
     groups: list[TensorGroup]
     #: Parameters outside the optimizer: a grad on any of them is work thrown away.
     outside_optimizer: list[torch.nn.Parameter] = field(default_factory=list)
+    #: How membership was decided: ``layout.IDENTITY``, ``FLAT``, ``ENGINE`` or ``UNKNOWN``.
+    layout: str = layouts.IDENTITY
 
 
 def optimizer_param_ids(optimizer: Any) -> set[int]:
@@ -96,12 +105,18 @@ def module_kind(name: str, adapter: str | None) -> str:
     return parts[-1] if parts else name
 
 
-def measure(model: torch.nn.Module, optimizer: Any) -> Membership:
-    """Compare the model's parameters with the optimizer's, by identity."""
-    in_optimizer = optimizer_param_ids(optimizer)
+def measure(model: torch.nn.Module, optimizer: Any,
+            layout: layouts.Layout | None = None) -> Membership:
+    """Compare the model's parameters with the optimizer's, by identity (or the engine's map)."""
+    layout = layout or layouts.recognise(model, optimizer)
+    unknown = layout.membership == layouts.UNKNOWN
+    if layout.membership == layouts.ENGINE:
+        in_optimizer = set(layout.engine_params)
+    else:
+        in_optimizer = optimizer_param_ids(layouts.inner_optimizer(optimizer))
     adapters = adapter_names(model)
     active = set(active_adapters(model))
-    watched: list[torch.nn.Parameter] = []
+    watched: list[torch.Tensor] = []
     watched_names: list[str] = []
     outside: list[torch.nn.Parameter] = []
     per_adapter: dict[str, list[torch.nn.Parameter]] = {a: [] for a in adapters}
@@ -109,22 +124,27 @@ def measure(model: torch.nn.Module, optimizer: Any) -> Membership:
     kind_index: dict[str, list[int]] = {}
     trainable_tensors = trainable_params = trainable_outside = 0
     seen: set[int] = set()
-    for name, param in model.named_parameters():
+    outer = layouts.root_prefix(model)
+    for wrapped_name, param in model.named_parameters():
         if id(param) in seen:  # tied weights appear once
             continue
         seen.add(id(param))
+        name = layouts.clean_name(wrapped_name, outer)
         adapter = adapter_of(name, adapters)
+        local = layouts.local_view(param)
         if adapter is not None:
             per_adapter[adapter].append(param)
         if param.requires_grad:
             trainable_tensors += 1
-            trainable_params += param.numel()
-            trainable_outside += id(param) not in in_optimizer
-        if id(param) not in in_optimizer:
+            trainable_params += local.numel()
+            trainable_outside += id(param) not in in_optimizer and not unknown
+        if id(param) not in in_optimizer and not unknown:
             outside.append(param)
+        if local.numel() == 0:  # an empty shard: nothing of it lives on this rank
+            continue
         if id(param) in in_optimizer or param.requires_grad or adapter is not None:
             index = len(watched)
-            watched.append(param)
+            watched.append(local)
             watched_names.append(name)
             if adapter is not None:
                 adapter_index[adapter].append(index)
@@ -135,16 +155,17 @@ def measure(model: torch.nn.Module, optimizer: Any) -> Membership:
         AdapterShare(
             name=a,
             tensors=len(ps),
-            params=sum(p.numel() for p in ps),
+            params=sum(layouts.local_view(p).numel() for p in ps),
             in_optimizer_tensors=sum(id(p) in in_optimizer for p in ps),
             active=a in active,
         )
         for a, ps in per_adapter.items()
     ]
-    optimizer_tensors = [p for p in watched if id(p) in in_optimizer]
+    held = {id(p): layouts.local_view(p).numel() for _, p in model.named_parameters()
+            if id(p) in in_optimizer}
     return Membership(
-        optimizer_tensors=len(in_optimizer),
-        optimizer_params=sum(p.numel() for p in optimizer_tensors),
+        optimizer_tensors=0 if unknown else len(in_optimizer),
+        optimizer_params=sum(held.values()),
         trainable_tensors=trainable_tensors,
         trainable_params=trainable_params,
         trainable_not_in_optimizer_tensors=trainable_outside,
@@ -155,10 +176,11 @@ def measure(model: torch.nn.Module, optimizer: Any) -> Membership:
         watched=watched,
         groups=groups,
         outside_optimizer=outside,
+        layout=layout.membership,
     )
 
 
 def grads_outside_optimizer(outside: list[torch.nn.Parameter]) -> tuple[int, int]:
-    """(tensors, elements) among params outside the optimizer that carry a gradient."""
+    """(tensors, elements this rank holds) among params outside the optimizer with a gradient."""
     with_grad = [p for p in outside if p.grad is not None]
-    return len(with_grad), sum(p.numel() for p in with_grad)
+    return len(with_grad), sum(layouts.local_view(p).numel() for p in with_grad)

@@ -37,6 +37,8 @@ class RunStartRecord:
     host: str = ""
     sharded: bool = False
     attestation: str = ""
+    wrapper: str = ""
+    requested_wrapper: str = ""
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,7 @@ def _run_start(r: RunStartRecord) -> pb.RunStart:
                 )
                 for a in m.adapters
             ],
+            layout=m.layout,
         ),
         preflight=pb.Preflight(
             is_peft=f.is_peft,
@@ -134,6 +137,8 @@ def _run_start(r: RunStartRecord) -> pb.RunStart:
         attestation=r.attestation,
         sharded=r.sharded,
         host=r.host,
+        wrapper=r.wrapper,
+        requested_wrapper=r.requested_wrapper,
     )
 
 

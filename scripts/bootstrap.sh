@@ -2,11 +2,12 @@
 # Create .venv with everything deadweight needs; safe to run again (it only adds what is missing).
 # torch is installed first and pinned to the CPU build that lies on this kind of machine's disk,
 # so no other package pulls a multi-gigabyte CUDA build.
-# Usage: bash scripts/bootstrap.sh [EXTRAS]   (default: train,dev,report; the demo needs train)
+# Usage: bash scripts/bootstrap.sh [EXTRAS]
+#   (default: train,dev,report,integrations; the demo needs train)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-EXTRAS="${1:-train,dev,report}"
+EXTRAS="${1:-train,dev,report,integrations}"
 PYTHON="${PYTHON:-python3}"
 say() { echo "bootstrap: $*"; }
 if [ ! -x .venv/bin/python ]; then

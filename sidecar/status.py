@@ -55,6 +55,8 @@ def render(status: pb.StatusResponse) -> str:
             f"{run.run_id:<32} {run.trainer:<14} {len(run.ranks):<6} {run.step:>6} "
             f"{run.last_seen_seconds:>6.0f}s  {state}"
         )
+        if run.wrapper:
+            lines.append(f"  wrapper {run.wrapper}" + (", sharded" if run.sharded else ""))
         for f in run.findings:
             mark = "FIRING  " if f.firing else "resolved"
             lines.append(f"  {mark} {f.detector} [{f.severity}, policy {f.policy}] "

@@ -1,13 +1,13 @@
 """One rank of a real DDP job (``torchrun --nproc-per-node 2``, gloo on CPU) with the callback.
 
-Usage: ``torchrun --nproc-per-node 2 tests/ddp_worker.py MODEL_DIR ADAPTER_DIR OUT_DIR MODE``
-with ``DEADWEIGHT_ADDRESS`` set; MODE is ``healthy`` (adapter loaded trainable) or
-``frozen``: the optimizer holds none of the adapter's tensors (built by hand on the frozen
-base weights and handed to the trainer), so gradients reach the adapter on every rank and
-nothing moves. (The pure F1 mistake, an adapter loaded without ``is_trainable``, is not
-silent under DDP: PyTorch refuses to wrap a model with nothing to train.) No run id is
-given: every rank must report under rank 0's id. Each rank writes ``rank<N>.json`` with its own
-figures so the test can compare them with what the sidecar shows.
+Usage: ``torchrun --nproc-per-node 2 tests/ddp_worker.py MODEL_DIR ADAPTER_DIR OUT_DIR MODE
+[STEPS [OVERRIDES_JSON]]`` with ``DEADWEIGHT_ADDRESS`` set; MODE is ``healthy`` (adapter loaded
+trainable) or ``frozen``: the optimizer holds none of the adapter's tensors (built by hand on
+the frozen base weights and handed to the trainer), so gradients reach the adapter on every rank
+and nothing moves. (The pure F1 mistake, an adapter loaded without ``is_trainable``, is not
+silent under DDP: PyTorch refuses to wrap a model with nothing to train.) No run id is given:
+every rank must report under rank 0's id. Each rank writes ``rank<N>.json`` with its own figures
+so the test can compare them with what the sidecar shows.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 STEPS = 4
 
 
-def main(model_dir: Path, adapter_dir: Path, out: Path, mode: str, steps: int = STEPS) -> int:
+def main(model_dir: Path, adapter_dir: Path, out: Path, mode: str, steps: int = STEPS,
+         overrides: dict[str, object] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)
@@ -35,7 +36,7 @@ def main(model_dir: Path, adapter_dir: Path, out: Path, mode: str, steps: int = 
     callback = DeadweightCallback(settings=ClientSettings(heartbeat_seconds=0.5),
                                   start_timeout_seconds=5.0)
     trainer = runs.sft_trainer(model, model_dir, out / "train", [callback], steps=steps,
-                               save_steps=100, ddp_backend="gloo")
+                               save_steps=100, ddp_backend="gloo", **(overrides or {}))
     if mode == "frozen":
         base = [p for name, p in model.named_parameters() if "lora_" not in name]
         trainer.optimizer = torch.optim.AdamW(base[:2], lr=trainer.args.learning_rate)
@@ -52,6 +53,8 @@ def main(model_dir: Path, adapter_dir: Path, out: Path, mode: str, steps: int = 
         "submitted": client.submitted,
         "dropped": client.dropped,
         "connects": client.connects,
+        "wrapper": callback._run.layout.wrapper if callback._run.layout else "",
+        "sharded": callback._run.layout.sharded if callback._run.layout else False,
     }
     (out / f"rank{rank}.json").write_text(json.dumps(report))
     return 0
@@ -60,4 +63,6 @@ def main(model_dir: Path, adapter_dir: Path, out: Path, mode: str, steps: int = 
 if __name__ == "__main__":
     model_dir, adapter_dir, out, mode = sys.argv[1:5]
     steps = int(sys.argv[5]) if len(sys.argv) > 5 else STEPS
-    sys.exit(main(Path(model_dir), Path(adapter_dir), Path(out), mode, steps))
+    # Optional: training-argument overrides as JSON (e.g. an FSDP config).
+    overrides = json.loads(sys.argv[6]) if len(sys.argv) > 6 else None
+    sys.exit(main(Path(model_dir), Path(adapter_dir), Path(out), mode, steps, overrides))

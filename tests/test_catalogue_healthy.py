@@ -75,4 +75,4 @@ def test_healthy_run_ends_with_every_detector_at_zero(
     assert len({p.digest for p in run.checkpoints}) == 2
     assert all(p.inspection is not None and p.inspection.lora_b_nonzero_tensors > 0
                for p in run.checkpoints)
-    assert len(ALL) == 21
+    assert len(ALL) == 22

@@ -27,10 +27,12 @@ def test_status_shows_runs_and_verdicts(sidecar: SidecarProcess) -> None:
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(("RUN", "no runs"))
     text = render(pb.StatusResponse(runs=[pb.RunStatus(
-        run_id="r1", trainer="SFTTrainer", ranks=[0], step=7, findings=[pb.Finding(
+        run_id="r1", trainer="SFTTrainer", ranks=[0], step=7, wrapper="fsdp2", sharded=True,
+        findings=[pb.Finding(
             detector="frozen_weights", severity="critical", firing=True, step=3,
             summary="weights unchanged", evidence={"update_norm": "0"}, policy="page")])]))
     assert "r1" in text and "FIRING frozen_weights" in text and "update_norm = 0" in text
+    assert "wrapper fsdp2, sharded" in text
 
 
 def test_status_against_a_dead_socket_is_a_clear_error(tmp_path: Path) -> None:

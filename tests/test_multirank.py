@@ -37,7 +37,7 @@ def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSidec
 
 
 def _torchrun(sidecar: InProcessSidecar | SidecarProcess, tiny: tuple[Path, Path], out: Path,
-              mode: str, steps: int = STEPS) -> list[dict[str, Any]]:
+              mode: str, steps: int = STEPS, overrides: str = "{}") -> list[dict[str, Any]]:
     model_dir, adapter_dir = tiny
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "DEADWEIGHT_ADDRESS": sidecar.address, "OMP_NUM_THREADS": "1",
@@ -45,7 +45,7 @@ def _torchrun(sidecar: InProcessSidecar | SidecarProcess, tiny: tuple[Path, Path
     env.pop("DEADWEIGHT_RUN_ID", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           str(WORKER), str(model_dir), str(adapter_dir), str(out), mode, str(steps)]
+           str(WORKER), str(model_dir), str(adapter_dir), str(out), mode, str(steps), overrides]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]

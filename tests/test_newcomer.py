@@ -187,6 +187,6 @@ def test_bootstrap_says_what_it_is_doing() -> None:
                           text=True, timeout=900, cwd=root)
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.splitlines()
-    assert "bootstrap: installing deadweight[train,dev,report] and its dependencies " \
+    assert "bootstrap: installing deadweight[train,dev,report,integrations] and its dependencies " \
            "(first run: about 2 minutes)" in lines
     assert lines[-1] == "bootstrap: ready: .venv"

@@ -29,6 +29,7 @@ from deadweight.sidecar.detectors.setup import (
     LoraLrTooLow,
     NoKlAnchor,
     PartialTargetModules,
+    ShardingFallback,
 )
 from deadweight.sidecar.detectors.spec import DetectorSpec, Policy, Severity
 from deadweight.sidecar.detectors.trends import (
@@ -49,6 +50,7 @@ ALL: tuple[Detector, ...] = (
     EmbeddingResized(),
     LoraLrTooLow(),
     NoKlAnchor(),
+    ShardingFallback(),
     KlMissing(),
     KlStuckZero(),
     ZeroRewardVariance(),

@@ -62,7 +62,8 @@ class FrozenWeights(SpecDetector):
                 break
             streak.append(point)
         last = steps[-1]
-        optimizer_empty = last.optimizer_params == 0
+        unknown = run.start is not None and run.start.membership.layout == "unknown"
+        optimizer_empty = last.optimizer_params == 0 and not unknown
         gradient_flows = grad_norm is not None and grad_norm > 0
         if len(streak) < settings.frozen_steps or not (optimizer_empty or gradient_flows):
             return Verdict(False, step=last.step)

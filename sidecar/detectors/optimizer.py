@@ -13,6 +13,9 @@ from deadweight.sidecar.detectors.spec import (
 from deadweight.sidecar.settings import DetectorSettings
 from deadweight.sidecar.state import RunState
 
+#: ``OptimizerMembership.layout`` when the client could not map the optimizer's partitions.
+MEMBERSHIP_UNKNOWN = "unknown"
+
 
 class EmptyOptimizer(SpecDetector):
     """At train begin the optimizer holds no parameters: nothing this run does can train.
@@ -37,8 +40,8 @@ class EmptyOptimizer(SpecDetector):
         if run.start is None:
             return None
         m = run.start.membership
-        if m.optimizer_tensors > 0:
-            return Verdict(False)
+        if m.optimizer_tensors > 0 or m.layout == MEMBERSHIP_UNKNOWN:
+            return Verdict(False)  # unknown: a partitioning optimizer the client cannot map
         return Verdict(
             True,
             step=0,

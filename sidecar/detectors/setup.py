@@ -198,3 +198,46 @@ class NoKlAnchor(SpecDetector):
             evidence={"beta": fmt(run.config.get("beta", 0.0)), "trainer": run.trainer,
                       "step": "0 (train begin)"},
         )
+
+
+class ShardingFallback(SpecDetector):
+    """The training config asked for one wrapper and the job runs under another.
+
+    The client reports the wrapper it finds on the model and optimizer objects next to the one
+    the config named. On CPU, a Trainer config asking for FSDP2 trains under DDP without a
+    word (accelerate falls back): every rank holds the whole model, memory and checkpoints are
+    not what was planned, and the update norms are replicas rather than shards.
+    """
+
+    spec = DetectorSpec(
+        id="sharding_fallback",
+        severity=Severity.INFO,
+        policy=Policy.OBSERVE,
+        latching=True,
+        scope="artifact",  # a fact of the run that stays true after it ends
+        summary="Run {run_id} runs under another wrapper than its config asked for",
+        meaning="the training config asked for FSDP or DeepSpeed but the job runs under "
+        "another wrapper (e.g. DDP), so every rank may hold the whole model",
+        fires_when="the config names FSDP1, FSDP2 or DeepSpeed and the objects at train begin "
+        "show another wrapper (FSDP on CPU silently runs as DDP)",
+        evidence=(Evidence("trainable_params"), Evidence("step")),
+    )
+
+    def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
+        if run.start is None:
+            return None
+        requested, actual = run.start.requested_wrapper, run.start.wrapper
+        if not requested or not actual or requested == actual:
+            return Verdict(False)
+        return Verdict(
+            True,
+            step=0,
+            summary=f"the config asked for {requested}; the job runs under {actual}",
+            evidence={
+                "requested_wrapper": requested,
+                "wrapper": actual,
+                "sharded": str(run.start.sharded).lower(),
+                "world_size": fmt(run.start.world_size),
+                "step": "0 (train begin)",
+            },
+        )

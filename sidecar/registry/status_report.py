@@ -20,6 +20,8 @@ def status_response(runs: list[tuple[RunState, list[Finding]]],
                 step=run.step,
                 last_seen_seconds=max(0.0, now - run.last_seen),
                 ended=run.ended,
+                wrapper=run.start.wrapper if run.start is not None else "",
+                sharded=run.start.sharded if run.start is not None else False,
                 end_reason=run.end_reason if run.ended else "",
                 actions=[
                     pb.ActionTaken(detector=a.detector, action=a.action, result=a.result,

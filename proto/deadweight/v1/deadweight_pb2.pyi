@@ -38,7 +38,7 @@ class Event(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., time_seconds: _Optional[float] = ..., run_start: _Optional[_Union[RunStart, _Mapping]] = ..., step: _Optional[_Union[StepReport, _Mapping]] = ..., log: _Optional[_Union[LogReport, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointReport, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., run_end: _Optional[_Union[RunEnd, _Mapping]] = ...) -> None: ...
 
 class RunStart(_message.Message):
-    __slots__ = ("trainer", "world_size", "output_dir", "config", "config_text", "versions", "membership", "preflight", "initial_adapter", "attestation", "sharded", "host")
+    __slots__ = ("trainer", "world_size", "output_dir", "config", "config_text", "versions", "membership", "preflight", "initial_adapter", "attestation", "sharded", "host", "wrapper", "requested_wrapper")
     class ConfigEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,8 @@ class RunStart(_message.Message):
     ATTESTATION_FIELD_NUMBER: _ClassVar[int]
     SHARDED_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
+    WRAPPER_FIELD_NUMBER: _ClassVar[int]
+    REQUESTED_WRAPPER_FIELD_NUMBER: _ClassVar[int]
     trainer: str
     world_size: int
     output_dir: str
@@ -84,10 +86,12 @@ class RunStart(_message.Message):
     attestation: str
     sharded: bool
     host: str
-    def __init__(self, trainer: _Optional[str] = ..., world_size: _Optional[int] = ..., output_dir: _Optional[str] = ..., config: _Optional[_Mapping[str, float]] = ..., config_text: _Optional[_Mapping[str, str]] = ..., versions: _Optional[_Mapping[str, str]] = ..., membership: _Optional[_Union[OptimizerMembership, _Mapping]] = ..., preflight: _Optional[_Union[Preflight, _Mapping]] = ..., initial_adapter: _Optional[_Union[AdapterDigest, _Mapping]] = ..., attestation: _Optional[str] = ..., sharded: _Optional[bool] = ..., host: _Optional[str] = ...) -> None: ...
+    wrapper: str
+    requested_wrapper: str
+    def __init__(self, trainer: _Optional[str] = ..., world_size: _Optional[int] = ..., output_dir: _Optional[str] = ..., config: _Optional[_Mapping[str, float]] = ..., config_text: _Optional[_Mapping[str, str]] = ..., versions: _Optional[_Mapping[str, str]] = ..., membership: _Optional[_Union[OptimizerMembership, _Mapping]] = ..., preflight: _Optional[_Union[Preflight, _Mapping]] = ..., initial_adapter: _Optional[_Union[AdapterDigest, _Mapping]] = ..., attestation: _Optional[str] = ..., sharded: _Optional[bool] = ..., host: _Optional[str] = ..., wrapper: _Optional[str] = ..., requested_wrapper: _Optional[str] = ...) -> None: ...
 
 class OptimizerMembership(_message.Message):
-    __slots__ = ("optimizer_tensors", "optimizer_params", "trainable_tensors", "trainable_params", "trainable_not_in_optimizer_tensors", "adapter_tensors", "adapter_params", "adapters")
+    __slots__ = ("optimizer_tensors", "optimizer_params", "trainable_tensors", "trainable_params", "trainable_not_in_optimizer_tensors", "adapter_tensors", "adapter_params", "adapters", "layout")
     OPTIMIZER_TENSORS_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_PARAMS_FIELD_NUMBER: _ClassVar[int]
     TRAINABLE_TENSORS_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +100,7 @@ class OptimizerMembership(_message.Message):
     ADAPTER_TENSORS_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_PARAMS_FIELD_NUMBER: _ClassVar[int]
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     optimizer_tensors: int
     optimizer_params: int
     trainable_tensors: int
@@ -104,7 +109,8 @@ class OptimizerMembership(_message.Message):
     adapter_tensors: int
     adapter_params: int
     adapters: _containers.RepeatedCompositeFieldContainer[AdapterCoverage]
-    def __init__(self, optimizer_tensors: _Optional[int] = ..., optimizer_params: _Optional[int] = ..., trainable_tensors: _Optional[int] = ..., trainable_params: _Optional[int] = ..., trainable_not_in_optimizer_tensors: _Optional[int] = ..., adapter_tensors: _Optional[int] = ..., adapter_params: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[AdapterCoverage, _Mapping]]] = ...) -> None: ...
+    layout: str
+    def __init__(self, optimizer_tensors: _Optional[int] = ..., optimizer_params: _Optional[int] = ..., trainable_tensors: _Optional[int] = ..., trainable_params: _Optional[int] = ..., trainable_not_in_optimizer_tensors: _Optional[int] = ..., adapter_tensors: _Optional[int] = ..., adapter_params: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[AdapterCoverage, _Mapping]]] = ..., layout: _Optional[str] = ...) -> None: ...
 
 class AdapterCoverage(_message.Message):
     __slots__ = ("name", "tensors", "params", "in_optimizer_tensors", "active")
@@ -299,7 +305,7 @@ class StatusResponse(_message.Message):
     def __init__(self, runs: _Optional[_Iterable[_Union[RunStatus, _Mapping]]] = ...) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("run_id", "trainer", "ranks", "step", "last_seen_seconds", "ended", "findings", "end_reason", "actions")
+    __slots__ = ("run_id", "trainer", "ranks", "step", "last_seen_seconds", "ended", "findings", "end_reason", "actions", "wrapper", "sharded")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     TRAINER_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
@@ -309,6 +315,8 @@ class RunStatus(_message.Message):
     FINDINGS_FIELD_NUMBER: _ClassVar[int]
     END_REASON_FIELD_NUMBER: _ClassVar[int]
     ACTIONS_FIELD_NUMBER: _ClassVar[int]
+    WRAPPER_FIELD_NUMBER: _ClassVar[int]
+    SHARDED_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     trainer: str
     ranks: _containers.RepeatedScalarFieldContainer[int]
@@ -318,7 +326,9 @@ class RunStatus(_message.Message):
     findings: _containers.RepeatedCompositeFieldContainer[Finding]
     end_reason: str
     actions: _containers.RepeatedCompositeFieldContainer[ActionTaken]
-    def __init__(self, run_id: _Optional[str] = ..., trainer: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., step: _Optional[int] = ..., last_seen_seconds: _Optional[float] = ..., ended: _Optional[bool] = ..., findings: _Optional[_Iterable[_Union[Finding, _Mapping]]] = ..., end_reason: _Optional[str] = ..., actions: _Optional[_Iterable[_Union[ActionTaken, _Mapping]]] = ...) -> None: ...
+    wrapper: str
+    sharded: bool
+    def __init__(self, run_id: _Optional[str] = ..., trainer: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., step: _Optional[int] = ..., last_seen_seconds: _Optional[float] = ..., ended: _Optional[bool] = ..., findings: _Optional[_Iterable[_Union[Finding, _Mapping]]] = ..., end_reason: _Optional[str] = ..., actions: _Optional[_Iterable[_Union[ActionTaken, _Mapping]]] = ..., wrapper: _Optional[str] = ..., sharded: _Optional[bool] = ...) -> None: ...
 
 class ActionTaken(_message.Message):
     __slots__ = ("detector", "action", "result", "time", "step")

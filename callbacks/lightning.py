@@ -1,0 +1,89 @@
+"""``DeadweightLightningCallback``: the same probe in a Lightning ``Trainer``, in one line.
+
+::
+
+    trainer = lightning.Trainer(callbacks=[DeadweightLightningCallback()])
+
+At train start it hands the module and its (first) optimizer to ``deadweight.watch``, so
+membership and every optimizer step are measured by the same hooks as in a raw loop. It adds
+what only Lightning knows: the loss of each batch, the gradient norm just before the step (a
+frozen run with flowing gradients is the headline failure), and the checkpoints Lightning
+saves. A STOP directive sets ``trainer.should_stop``; ABORT raises from the optimizer step.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback
+
+from deadweight.callbacks.stream_client import ClientSettings
+from deadweight.callbacks.watch import Monitor
+
+
+def _grad_norm(module: torch.nn.Module) -> float:
+    """L2 norm of every gradient present, in one multi-tensor pass."""
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    if not grads:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
+
+
+def _loss(outputs: Any) -> float | None:
+    loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        return float(loss.detach().item())
+    return None
+
+
+class DeadweightLightningCallback(Callback):  # type: ignore[misc]
+    """Stream membership, per-step updates, loss and grad norm of a Lightning run."""
+
+    def __init__(self, address: str | None = None, run_id: str | None = None,
+                 token: str | None = None, *, settings: ClientSettings | None = None,
+                 start_timeout_seconds: float = 1.0) -> None:
+        self.address = address
+        self.run_id = run_id
+        self.token = token
+        self.settings = settings
+        self.start_timeout_seconds = start_timeout_seconds
+        self.monitor: Monitor | None = None
+        self._grad_norm = 0.0
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        optimizers = list(getattr(trainer, "optimizers", []) or [])
+        self.monitor = Monitor(
+            pl_module, optimizers[0] if optimizers else None, self.run_id, self.address,
+            token=self.token, output_dir=getattr(trainer, "default_root_dir", None),
+            trainer="LightningTrainer", settings=self.settings,
+            start_timeout_seconds=self.start_timeout_seconds,
+        )
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        if self.monitor is not None and not self.monitor._disabled:
+            self._grad_norm = _grad_norm(pl_module)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        monitor = self.monitor
+        if monitor is None:
+            return
+        values: dict[str, float] = {"grad_norm": self._grad_norm}
+        loss = _loss(outputs)
+        if loss is not None:
+            values["loss"] = loss
+        monitor.log(monitor.step, **values)
+        if monitor.should_stop:
+            trainer.should_stop = True
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: Any) -> None:
+        path = getattr(getattr(trainer, "checkpoint_callback", None), "last_model_path", "")
+        if self.monitor is not None and path and os.path.exists(path):
+            self.monitor.checkpoint(path)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.monitor is not None:
+            self.monitor.close("stopped" if trainer.should_stop else "completed")

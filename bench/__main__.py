@@ -18,9 +18,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer shapes and repeats")
     parser.add_argument("--only", nargs="*", default=None,
-                        help="subset of: update_pass full_ft checkpoint sidecar train_step")
+                        help="subset of: update_pass full_ft checkpoint sidecar stop_agreement "
+                             "train_step")
+    parser.add_argument("--device", default="cpu",
+                        help="where the weights live: cpu (default) or cuda (the update pass "
+                             "and the training step then run there)")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    cuda = args.device != "cpu"
+    if cuda and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: torch sees no CUDA device here")
     setup_torch()
     repeats = 5 if args.quick else 11
     only = set(args.only or [])
@@ -31,11 +38,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# deadweight bench ({'quick' if args.quick else 'full'}), torch {torch.__version__}, "
           f"{platform.processor() or platform.machine()}, threads={torch.get_num_threads()}, "
           f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}")
+    from deadweight.callbacks import update_native
+
+    print(f"native kernel: {update_native.describe()}")
     copy_bw, read_bw = measure_bandwidth(repeats)
     print(f"memory bandwidth (1 thread, 256 MiB): copy {copy_bw / 1e9:.1f} GB/s "
           f"(read+write bytes), read {read_bw / 1e9:.1f} GB/s")
     if wanted("update_pass"):
-        update_pass.run(copy_bw, repeats, args.quick)
+        if cuda:
+            update_pass.run_device(args.device, repeats, args.quick)
+        else:
+            update_pass.run(copy_bw, repeats, args.quick)
     if wanted("full_ft"):
         from . import full_ft
         full_ft.run(copy_bw, repeats, args.quick)
@@ -48,9 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     if wanted("fsdp2_probe"):
         from . import fsdp2_probe
         fsdp2_probe.run(repeats, args.quick)
+    if wanted("stop_agreement"):
+        from . import stop_agreement
+        stop_agreement.run(repeats, args.quick)
     if wanted("train_step"):
         from . import train_step
-        train_step.run(repeats, args.quick)
+        train_step.run(repeats, args.quick, args.device)
     return 0
 
 

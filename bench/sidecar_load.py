@@ -62,11 +62,12 @@ def _run_start(run: int) -> pb.Event:
 
 
 def _stats(step: int) -> UpdateStats:
-    groups = [GroupStats(kind, "module", 1e-4 * step, 56, 0)
+    groups = [GroupStats(kind, "module", 1e-4 * step, 56, 0, 1_441_792, 3_000, "bfloat16")
               for kind in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                            "down_proj")]
     return UpdateStats(7e-4, 12.5, 392, 10_092_544, 0, 0, False,
-                       [*groups, GroupStats("default", "adapter", 7e-4, 392, 0)])
+                       [*groups, GroupStats("default", "adapter", 7e-4, 392, 0, 10_092_544,
+                                            21_000, "bfloat16")], 21_000)
 
 
 def _step_record(step: int) -> StepRecord:

@@ -11,13 +11,14 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from deadweight.callbacks.update_probe import UpdateProbe
+from deadweight.callbacks.update_probe import PendingStats, UpdateProbe
 
 from .common import fmt_time, table, verdict
-from .update_pass import EagerForeach, NaiveLoop
+from .update_pass import EagerForeach, NaiveLoop, _count_syncs
 
 STEP_BUDGET = 0.0025  # of a training step
 OPTIMIZER_BUDGET = 0.5  # of optimizer.step()
@@ -44,13 +45,15 @@ def build_model(layers: int) -> torch.nn.Module:
     return peft_model
 
 
-def run(repeats: int, quick: bool) -> list[list[str]]:
-    """Time training steps and, inside each, every update-pass variant."""
+def run(repeats: int, quick: bool, device: str = "cpu") -> list[list[str]]:
+    """Time training steps and, inside each, every update-pass variant; then the peers."""
     layers = 28
-    model = build_model(layers)
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    model = build_model(layers).to(dev)
     params: list[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True)  # the Trainer's default
-    tokens = torch.randint(0, 151_936, (1, SEQ))
+    tokens = torch.randint(0, 151_936, (1, SEQ), device=dev)
     # The probe runs first after optimizer.step(): a variant run after another one finds part
     # of the weights still in cache, so this order favours the references, not the probe.
     variants: dict[str, NaiveLoop | EagerForeach | UpdateProbe] = {
@@ -59,35 +62,60 @@ def run(repeats: int, quick: bool) -> list[list[str]]:
         "eager foreach": EagerForeach(params),
     }
     default_path = variants["probe (default path)"].path  # type: ignore[union-attr]
-    times: dict[str, list[float]] = {k: [] for k in [*variants, "step", "optimizer.step()"]}
+    times: dict[str, list[float]] = {k: [] for k in [*variants, "step", "optimizer.step()",
+                                                     "sender read"]}
+    syncs = {name: 0 for name in variants}
 
-    def timed(key: str, fn: Callable[[], object]) -> None:
-        start = time.perf_counter()
-        fn()
-        times[key].append(time.perf_counter() - start)
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    def call(name: str, fn: Callable[[], object]) -> object:
+        """fn on the training thread; on CUDA the syncs it forces are counted."""
+        if not cuda:
+            return fn()
+        result, n = _count_syncs(fn)
+        syncs[name] += n
+        return result
 
     steps = 3 if quick else max(5, repeats)
+    pending: PendingStats | None = None
     for i in range(steps + 1):
+        sync()
         start = time.perf_counter()
         loss = model(input_ids=tokens, labels=tokens).loss
         loss.backward()
+        sync()
         probe_time = 0.0
         for name, variant in variants.items():
             t0 = time.perf_counter()
-            variant.before_step()
+            call(name, variant.before_step)
+            sync()
             probe_time += time.perf_counter() - t0
             if i:
                 times[name].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         optimizer.step()
+        sync()
         opt_time = time.perf_counter() - t0
         for name, variant in variants.items():
             t0 = time.perf_counter()
-            variant.after_step()
+            if isinstance(variant, UpdateProbe):
+                previous = pending
+                pending = call(name, variant.after_step_deferred)  # type: ignore[assignment]
+            else:
+                call(name, variant.after_step)
+            sync()
             elapsed = time.perf_counter() - t0
             probe_time += elapsed
             if i:
                 times[name][-1] += elapsed
+            if isinstance(variant, UpdateProbe) and previous is not None:
+                t0 = time.perf_counter()
+                previous.result()  # the callback's sender thread does this, a step later
+                probe_time += time.perf_counter() - t0
+                if i:
+                    times["sender read"].append(time.perf_counter() - t0)
         optimizer.zero_grad(set_to_none=True)
         if i:  # the first step warms up allocations and is dropped
             times["step"].append(time.perf_counter() - start - probe_time)
@@ -100,20 +128,185 @@ def run(repeats: int, quick: bool) -> list[list[str]]:
     for name in variants:
         cost = statistics.median(times[name])
         label = f"{name} [{default_path}]" if name.startswith("probe") else name
+        if cuda:
+            label += f" ({syncs[name] / steps:.1f} syncs/step)"
         budget = (f"<= {STEP_BUDGET:.2%} and <= {OPTIMIZER_BUDGET}x opt: "
-                  + verdict(cost / step <= STEP_BUDGET and cost / opt <= OPTIMIZER_BUDGET)
+                  + verdict(cost / step <= STEP_BUDGET and cost / opt <= OPTIMIZER_BUDGET
+                            and (not cuda or syncs[name] == 0))
                   if name.startswith("probe") else "reference")
         rows.append([label, fmt_time(cost), f"{cost / step:.3%}", f"{cost / opt:.2f}x",
                      f"{min(times[name]) / step:.3%}",
                      f"{min(times[name]) / min(times['optimizer.step()']):.2f}x", budget])
+    if times["sender read"]:
+        read = statistics.median(times["sender read"])
+        rows.append(["  probe figures read + summarised (sender thread, one step later)",
+                     fmt_time(read), f"{read / step:.3%}", "", "", "",
+                     "off the training thread"])
+    rows += run_peers(model, tokens, optimizer, 1 if quick else 3, dev)
     del model, optimizer, variants
-    rows += run_trainer(steps)
+    if not cuda:  # the Trainer section runs on the CPU (use_cpu)
+        rows += run_trainer(steps)
     n_params = sum(p.numel() for p in params)
     table(f"callback cost vs a training step (Qwen3-0.6B shape, {layers} layers, LoRA r16, "
           f"{n_params / 1e6:.1f}M adapter params in {len(params)} tensors, batch 1x{SEQ}, "
-          f"{steps} steps, medians)",
+          f"{steps} steps, {device}, medians)",
           ["what", "time", "of step", "of opt.step", "best of step", "best of opt.step",
            "budget"], rows)
+    return rows
+
+
+def run_peers(model: torch.nn.Module, tokens: torch.Tensor, optimizer: torch.optim.Optimizer,
+              steps: int, device: torch.device) -> list[list[str]]:
+    """What a user would otherwise attach to the same step for weight/update visibility.
+
+    Each monitor runs in blocks of ``steps`` training steps, the blocks interleaved with
+    blocks of no monitor at all (twice each); its cost is its median step minus the median
+    step without a monitor. Peers that are not installed (the ``bench`` extra) are listed as
+    such. wandb runs offline; trainpulse's Trainer callback gets the logged loss, grad norm
+    and learning rate each step (it never sees a weight).
+    """
+    import os
+    import tempfile
+    from types import SimpleNamespace
+
+    cuda = device.type == "cuda"
+    params = [p for p in model.parameters() if p.requires_grad]
+    logs: dict[str, float] = {}
+
+    def train_step(after_backward: Callable[[], None] | None = None,
+                   around_opt: tuple[Callable[[], None], Callable[[], None]] | None = None,
+                   ) -> tuple[float, float]:
+        """(seconds of the whole step, seconds inside the monitor's explicit calls)."""
+        inside = 0.0
+        start = time.perf_counter()
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+        if around_opt:
+            t0 = time.perf_counter()
+            around_opt[0]()
+            inside += time.perf_counter() - t0
+        optimizer.step()
+        if around_opt:
+            t0 = time.perf_counter()
+            around_opt[1]()
+            inside += time.perf_counter() - t0
+        optimizer.zero_grad(set_to_none=True)
+        logs.update(loss=float(loss.detach()), grad_norm=float(grad_norm), learning_rate=1e-4)
+        if after_backward:
+            t0 = time.perf_counter()
+            after_backward()
+            inside += time.perf_counter() - t0
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - start, inside
+
+    monitors: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
+    notes: dict[str, str] = {}
+
+    probe = UpdateProbe(params)
+    pending: list[PendingStats] = []
+
+    def dw_setup() -> Any:
+        def before() -> None:
+            probe.before_step()
+
+        def after() -> None:
+            result = probe.after_step_deferred()
+            if pending:
+                pending.pop().result()  # the sender thread's read, charged here too
+            if result is not None:
+                pending.append(result)
+
+        return (None, (before, after))
+
+    monitors["deadweight UpdateProbe (+ its read)"] = (dw_setup, lambda _: None)
+
+    tmp = tempfile.mkdtemp(prefix="bench-peers-")
+    try:
+        os.environ["WANDB_MODE"] = "offline"
+        os.environ.setdefault("WANDB_SILENT", "true")
+        import wandb
+
+        run = wandb.init(project="deadweight-bench", dir=tmp, mode="offline")
+
+        def watch(freq: int | None) -> Callable[[], Any]:
+            def setup() -> Any:
+                kwargs = {} if freq is None else {"log_freq": freq}
+                wandb.watch(model, log="all", **kwargs)
+
+                def log() -> None:  # what the Trainer's wandb integration does at each log
+                    wandb.log(dict(logs))
+
+                return (log, None)
+            return setup
+
+        def unwatch(_: Any) -> None:
+            wandb.unwatch(model)
+
+        monitors["wandb.watch(log='all') default log_freq (1000), offline"] = (
+            watch(None), unwatch)
+        monitors["wandb.watch(log='all', log_freq=1), offline"] = (watch(1), unwatch)
+    except ImportError:
+        run = None
+        notes["wandb"] = "not installed (pip install .[bench])"
+    try:
+        from trainpulse.callbacks import make_hf_callback
+
+        def pulse_setup() -> Any:
+            callback = make_hf_callback()
+            state = SimpleNamespace(global_step=0)
+
+            def feed() -> None:
+                state.global_step += 1
+                callback.on_step_begin(None, state, None)
+                callback.on_log(None, state, None, logs=dict(logs))
+                callback.on_step_end(None, state, None)
+
+            return (feed, None)
+
+        monitors["trainpulse Trainer callback (logs only, sees no weight)"] = (
+            pulse_setup, lambda _: None)
+    except ImportError:
+        notes["trainpulse"] = "not installed (pip install .[bench])"
+
+    baseline: list[float] = []
+    steps_with: dict[str, list[float]] = {name: [] for name in monitors}
+    inside: dict[str, list[float]] = {name: [] for name in monitors}
+    train_step()  # warm-up
+    for _ in range(2):
+        for name, (setup, teardown) in monitors.items():
+            for _ in range(steps):
+                baseline.append(train_step()[0])
+            handle = setup()
+            after, around = handle if isinstance(handle, tuple) else (None, None)
+            for _ in range(steps):
+                total, spent = train_step(after, around)
+                steps_with[name].append(total)
+                inside[name].append(spent)
+            teardown(handle)
+    if run is not None:
+        run.finish()
+    base = min(baseline)
+    noise = statistics.median(baseline) - base
+    rows = [[f"peers: step without a monitor (min; median - min = {fmt_time(noise)}, "
+             "the noise floor of a difference)", fmt_time(base), "", "", "", "", ""]]
+    # deadweight and trainpulse work only in explicit calls: timed directly. wandb.watch works
+    # in module hooks inside forward/backward: its cost is the difference of the minima.
+    direct = {n for n in monitors if not n.startswith("wandb")}
+    cost = {n: (statistics.median(inside[n]) if n in direct else min(v) - base)
+            for n, v in steps_with.items()}
+    dw = cost["deadweight UpdateProbe (+ its read)"]
+    seeing = [c for n, c in cost.items() if n.startswith("wandb")]
+    for name, value in cost.items():
+        how = "timed directly" if name in direct else "difference of minima"
+        ratio = f"{value / dw:.1f}x dw" if dw > 0 else "n/a"
+        budget = ("cheapest of those that see weights: " + verdict(all(dw < c for c in seeing))
+                  if name.startswith("deadweight") else "reference")
+        rows.append([f"peers: {name} ({how})", fmt_time(value), f"{value / base:.3%}", ratio,
+                     "", "", budget])
+    for name, note in notes.items():
+        rows.append([f"peers: {name}", note, "", "", "", "", ""])
     return rows
 
 
@@ -179,7 +372,7 @@ def run_trainer(steps: int) -> list[list[str]]:
                 probe = callback._probe
                 if probe is None:
                     return
-                before, after = probe.before_step, probe.after_step
+                before, after = probe.before_step, probe.after_step_deferred
 
                 def timed_before() -> None:
                     t0 = time.perf_counter()
@@ -193,7 +386,7 @@ def run_trainer(steps: int) -> list[list[str]]:
                     return result
 
                 probe.before_step = timed_before  # type: ignore[method-assign]
-                probe.after_step = timed_after  # type: ignore[method-assign,assignment]
+                probe.after_step_deferred = timed_after  # type: ignore[method-assign,assignment]
 
             def on_train_end(self, *a: object, **k: object) -> None:
                 callback.on_train_end(*a, **k)

@@ -29,12 +29,22 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from deadweight.callbacks import digest, layout, membership, preflight
+from deadweight.callbacks import (
+    dataset_rows,
+    digest,
+    heads,
+    layout,
+    membership,
+    preflight,
+    resume,
+    stop_token,
+)
 from deadweight.callbacks.probe import (
     DEFAULT_ADDRESS,
     DeadweightAbort,
@@ -51,6 +61,37 @@ from deadweight.callbacks.update_probe import UpdateProbe
 from deadweight.proto import pb
 
 log = logging.getLogger("deadweight")
+
+T = TypeVar("T")
+
+
+def _optional_fact(gather: Callable[..., T], *args: Any) -> T | None:
+    """A fact that only sharpens a verdict: when gathering it fails (an odd dataset, an
+    unreadable checkpoint), the run is reported without it rather than not at all."""
+    try:
+        return gather(*args)
+    except Exception:
+        log.debug("deadweight: %s unavailable", gather.__qualname__, exc_info=True)
+        return None
+
+
+def _loss_scale(optimizer: Any) -> float | None:
+    """The fp16 loss scale of the optimizer's GradScaler, None without one."""
+    scaler = getattr(optimizer, "scaler", None)
+    get_scale = getattr(scaler, "get_scale", None)
+    if not callable(get_scale) or not getattr(scaler, "is_enabled", lambda: False)():
+        return None
+    return float(get_scale())
+
+
+def _step_skipped(optimizer: Any, scale_before: float | None) -> bool:
+    """Whether the optimizer skipped this step: the wrapper says so, or the loss scale backed
+    off (a GradScaler lowers it exactly when it finds inf/NaN gradients and skips)."""
+    if getattr(optimizer, "step_was_skipped", False) is True:
+        return True
+    after = _loss_scale(optimizer)
+    return scale_before is not None and after is not None and after < scale_before
+
 
 __all__ = ["DEFAULT_ADDRESS", "DeadweightAbort", "DeadweightCallback", "SidecarRequired",
            "default_run_id", "digest", "membership"]
@@ -81,6 +122,8 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
         self._agreement: StopAgreement | None = None
         self._stop_proposed = False
         self._disabled = False
+        self._model: Any = None
+        self._loss_scale: float | None = None
 
     # -- the settings and state of the core, under the names users and tests read -------------
 
@@ -120,7 +163,8 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
         output_dir = str(args.output_dir or ".")
         self.run_id = shared_run_id(self.run_id or default_run_id(output_dir, time.time()))
         self._agreement = StopAgreement.create()
-        self._begin(args, state, control, model, optimizer, processing_class, output_dir)
+        self._begin(args, state, control, model, optimizer, processing_class, output_dir,
+                    kwargs.get("train_dataloader"))
 
     @shielded
     def _begin(
@@ -132,7 +176,9 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
         optimizer: Any,
         processing_class: Any,
         output_dir: str,
+        train_dataloader: Any = None,
     ) -> None:
+        self._model = model
         self._run.start(
             model,
             optimizer,
@@ -140,10 +186,15 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
             world_size=int(getattr(args, "world_size", 1)),
             output_dir=output_dir,
             trainer=preflight.trainer_name(args),
-            config=preflight.numeric_config(args, int(state.max_steps or 0)),
+            config={**preflight.numeric_config(args, int(state.max_steps or 0)),
+                    **preflight.adapter_numbers(model)},
             config_text=preflight.text_config(args),
             preflight=preflight.gather(model, processing_class),
             requested_wrapper=layout.requested_wrapper(args),
+            stop_token=_optional_fact(stop_token.check, train_dataloader, processing_class),
+            heads=_optional_fact(heads.check, model),
+            resume=_optional_fact(resume.check, output_dir, int(state.global_step or 0)),
+            dataset_rows=_optional_fact(dataset_rows.count, train_dataloader),
         )
         self._apply_directives(control)
 
@@ -162,13 +213,18 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
         lr_scheduler: Any = None,
         **kwargs: Any,
     ) -> None:
+        self._loss_scale = _loss_scale(optimizer)
         self._run.before_step(learning_rate(optimizer, lr_scheduler))
 
     @shielded
     def on_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
-        self._run.after_step(state.global_step + 1)  # global_step advances after this hook
+        self._run.after_step(
+            state.global_step + 1,  # global_step advances after this hook
+            optimizer_step_skipped=_step_skipped(kw.get("optimizer"), self._loss_scale),
+            adalora_rank_pattern_set=preflight.adalora_allocated(self._model),
+        )
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any

@@ -53,6 +53,9 @@ class Membership:
     outside_optimizer: list[torch.nn.Parameter] = field(default_factory=list)
     #: How membership was decided: ``layout.IDENTITY``, ``FLAT``, ``ENGINE`` or ``UNKNOWN``.
     layout: str = layouts.IDENTITY
+    #: Elements the optimizer updates, per dtype: bf16/fp16 weights without an fp32 master
+    #: copy lose every update smaller than half a unit in the last place.
+    optimizer_params_by_dtype: dict[str, int] = field(default_factory=dict)
 
 
 def optimizer_param_ids(optimizer: Any) -> set[int]:
@@ -96,11 +99,39 @@ def adapter_of(name: str, adapters: list[str]) -> str | None:
     return None
 
 
-def module_kind(name: str, adapter: str | None) -> str:
-    """A low-cardinality label for a parameter: the module it sits in (``q_proj``, ``lm_head``)."""
+#: Where prompt-learning methods (prompt, prefix, p-tuning) keep their trainable tensors.
+PROMPT_ENCODER = "prompt_encoder"
+
+
+def adapter_layer_names(model: Any) -> frozenset[str]:
+    """The attribute names under which the model's PEFT layers hold adapter tensors.
+
+    Each PEFT tuner layer class lists its own (``adapter_layer_names``: ``lora_A``, ``ia3_l``,
+    ``hada_w2_b``, ...; DoRA adds ``lora_magnitude_vector`` per layer), so any method PEFT
+    has is named by PEFT itself; prompt-learning methods keep theirs in the prompt encoder.
+    """
+    if not adapter_names(model):
+        return frozenset()
+    names: set[str] = set()
+    for module in model.modules():
+        layer_names = getattr(module, "adapter_layer_names", None)
+        if isinstance(layer_names, tuple) and hasattr(module, "active_adapters"):
+            names.update(str(n) for n in layer_names)
+    if isinstance(getattr(model, PROMPT_ENCODER, None), torch.nn.Module):
+        names.add(PROMPT_ENCODER)
+    return frozenset(names)
+
+
+def module_kind(name: str, adapter: str | None,
+                layer_names: frozenset[str] = frozenset()) -> str:
+    """A low-cardinality label for a parameter: the module it sits in (``q_proj``, ``lm_head``).
+
+    An adapter tensor (``...q_proj.ia3_l.default``) is labelled with the module it adapts;
+    a prompt encoder's tensors with ``prompt_encoder``.
+    """
     parts = [p for p in name.split(".")[:-1] if p != adapter]
     for i, part in enumerate(parts):
-        if part.startswith("lora_") or part == "modules_to_save":
+        if part in layer_names or part.startswith("lora_") or part == "modules_to_save":
             return parts[i - 1] if i > 0 else part
     return parts[-1] if parts else name
 
@@ -123,6 +154,7 @@ def measure(model: torch.nn.Module, optimizer: Any,
     adapter_index: dict[str, list[int]] = {a: [] for a in adapters}
     kind_index: dict[str, list[int]] = {}
     trainable_tensors = trainable_params = trainable_outside = 0
+    layer_names = adapter_layer_names(model)
     seen: set[int] = set()
     outer = layouts.root_prefix(model)
     for wrapped_name, param in model.named_parameters():
@@ -148,7 +180,7 @@ def measure(model: torch.nn.Module, optimizer: Any,
             watched_names.append(name)
             if adapter is not None:
                 adapter_index[adapter].append(index)
-            kind_index.setdefault(module_kind(name, adapter), []).append(index)
+            kind_index.setdefault(module_kind(name, adapter, layer_names), []).append(index)
     groups = [TensorGroup(a, "adapter", idx) for a, idx in adapter_index.items() if idx]
     groups += [TensorGroup(k, "module", idx) for k, idx in sorted(kind_index.items())]
     shares = [
@@ -161,8 +193,12 @@ def measure(model: torch.nn.Module, optimizer: Any,
         )
         for a, ps in per_adapter.items()
     ]
-    held = {id(p): layouts.local_view(p).numel() for _, p in model.named_parameters()
-            if id(p) in in_optimizer}
+    held_params = [p for _, p in model.named_parameters() if id(p) in in_optimizer]
+    held = {id(p): layouts.local_view(p).numel() for p in held_params}
+    by_dtype: dict[str, int] = {}
+    for p in held_params:
+        key = str(p.dtype).removeprefix("torch.")
+        by_dtype[key] = by_dtype.get(key, 0) + held[id(p)]
     return Membership(
         optimizer_tensors=0 if unknown else len(in_optimizer),
         optimizer_params=sum(held.values()),
@@ -177,6 +213,7 @@ def measure(model: torch.nn.Module, optimizer: Any,
         groups=groups,
         outside_optimizer=outside,
         layout=layout.membership,
+        optimizer_params_by_dtype=by_dtype,
     )
 
 

@@ -14,14 +14,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deadweight.callbacks.membership import active_adapters
+from deadweight.callbacks.membership import active_adapters, adapter_layer_names
 
 #: Numeric trainer settings worth reporting when the config has them.
 NUMERIC_KEYS = (
     "learning_rate", "warmup_steps", "warmup_ratio", "weight_decay", "max_steps",
     "num_train_epochs", "gradient_accumulation_steps", "per_device_train_batch_size",
     "max_grad_norm", "beta", "num_generations", "max_completion_length", "temperature",
-    "epsilon", "logging_steps", "save_steps", "seed",
+    "epsilon", "logging_steps", "save_steps", "seed", "max_length",
 )
 TEXT_KEYS = ("lr_scheduler_type", "optim", "loss_type", "save_strategy", "logging_strategy")
 VERSIONED = ("torch", "transformers", "trl", "peft", "accelerate", "deadweight")
@@ -42,6 +42,7 @@ class PreflightFacts:
     modules_to_save: list[str] = field(default_factory=list)
     active_adapter: str = ""
     lora_rank: int = 0
+    adapter_layer_names: list[str] = field(default_factory=list)
 
 
 def trainer_name(args: Any) -> str:
@@ -106,7 +107,7 @@ def _unmatched_regex(pattern: str, matched: Iterable[str]) -> list[str]:
     return [n for n in regex_alternatives(pattern) if not _suffix_matched(n, matched)]
 
 
-def _config_file(path: str) -> Path | None:
+def config_file(path: str) -> Path | None:
     """The base model's config.json: a local folder, else the local hub cache (no download)."""
     local = Path(path) / "config.json"
     if local.is_file():
@@ -124,7 +125,7 @@ def _config_file(path: str) -> Path | None:
 
 def _base_vocab_size(path: str) -> int:
     """vocab_size from the base model's config.json (local folder or hub cache), 0 if unknown."""
-    config = _config_file(path) if path else None
+    config = config_file(path) if path else None
     if config is None:
         return 0
     try:
@@ -134,6 +135,38 @@ def _base_vocab_size(path: str) -> int:
     text = data.get("text_config")
     value = data.get("vocab_size") or (text.get("vocab_size") if isinstance(text, dict) else 0)
     return int(value or 0)
+
+
+#: AdaLoRA's schedule, reported in the numeric config (``adalora_tinit``, ...).
+ADALORA_KEYS = ("tinit", "tfinal", "deltaT", "total_step", "init_r", "target_r")
+
+
+def adapter_numbers(model: Any) -> dict[str, float]:
+    """Numeric settings of the active adapter's method that verdicts need (AdaLoRA's schedule)."""
+    peft_config = getattr(model, "peft_config", None)
+    if not isinstance(peft_config, dict) or not peft_config:
+        return {}
+    active = active_adapters(model)
+    config = peft_config.get(active[0] if active else "") or next(iter(peft_config.values()))
+    if str(getattr(config, "peft_type", "")).split(".")[-1] != "ADALORA":
+        return {}
+    numbers = {}
+    for key in ADALORA_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            numbers[f"adalora_{key}"] = float(value)
+    return numbers
+
+
+def adalora_allocated(model: Any) -> bool | None:
+    """Whether AdaLoRA's rank allocator has set a rank_pattern (None for other methods)."""
+    peft_config = getattr(model, "peft_config", None)
+    if not isinstance(peft_config, dict):
+        return None
+    for config in peft_config.values():
+        if str(getattr(config, "peft_type", "")).split(".")[-1] == "ADALORA":
+            return getattr(config, "rank_pattern", None) is not None
+    return None
 
 
 def gather(model: Any, processing_class: Any = None) -> PreflightFacts:
@@ -152,6 +185,7 @@ def gather(model: Any, processing_class: Any = None) -> PreflightFacts:
     if not isinstance(peft_config, dict) or not peft_config:
         return facts
     facts.is_peft = True
+    facts.adapter_layer_names = sorted(adapter_layer_names(model))
     active = active_adapters(model)
     facts.active_adapter = active[0] if active else next(iter(peft_config))
     config = peft_config.get(facts.active_adapter) or next(iter(peft_config.values()))

@@ -24,8 +24,11 @@ from typing import Any, Protocol, TypeVar
 
 from deadweight.callbacks import digest, membership
 from deadweight.callbacks import layout as layouts
+from deadweight.callbacks.heads import HeadFacts
 from deadweight.callbacks.preflight import PreflightFacts
 from deadweight.callbacks.preflight import versions as preflight_versions
+from deadweight.callbacks.resume import ResumeFacts
+from deadweight.callbacks.stop_token import StopTokenFacts
 from deadweight.callbacks.stream_client import ClientSettings, StreamClient
 from deadweight.callbacks.update_probe import UpdateProbe
 from deadweight.callbacks.wire import (
@@ -174,6 +177,10 @@ class RunProbe:
         config_text: dict[str, str] | None = None,
         preflight: PreflightFacts | None = None,
         requested_wrapper: str = "",
+        stop_token: StopTokenFacts | None = None,
+        heads: HeadFacts | None = None,
+        resume: ResumeFacts | None = None,
+        dataset_rows: tuple[int, int] | None = None,
     ) -> None:
         """Measure the layout and membership, register the run and wait briefly for the sidecar."""
         run_id = str(self.run_id)
@@ -198,6 +205,10 @@ class RunProbe:
             sharded=self.layout.sharded,
             wrapper=self.layout.wrapper,
             requested_wrapper=requested_wrapper,
+            stop_token=stop_token,
+            heads=heads,
+            resume=resume,
+            dataset_rows=dataset_rows,
         )
         self.client = StreamClient(self.address, run_id, rank, to_event, token=self.token,
                                    settings=self.settings, tls_ca=self.tls_ca)
@@ -219,11 +230,12 @@ class RunProbe:
         self._lr = learning_rate
         self.update.before_step()
 
-    def after_step(self, step: int) -> None:
+    def after_step(self, step: int, optimizer_step_skipped: bool = False,
+                   adalora_rank_pattern_set: bool | None = None) -> None:
         """Measure and report the update of the step that just ran."""
         if self.update is None or self.client is None or self.membership is None:
             return
-        stats = self.update.after_step()
+        stats = self.update.after_step_deferred()  # read later, by the sender thread
         if stats is None:
             return
         tensors, params = membership.grads_outside_optimizer(self.membership.outside_optimizer)
@@ -237,6 +249,8 @@ class RunProbe:
                 optimizer_params=self.membership.optimizer_params,
                 grad_not_in_optimizer_tensors=tensors,
                 grad_not_in_optimizer_params=params,
+                optimizer_step_skipped=optimizer_step_skipped,
+                adalora_rank_pattern_set=adalora_rank_pattern_set,
             ),
         )
 

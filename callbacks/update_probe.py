@@ -1,20 +1,21 @@
 """How far the watched tensors moved in one optimizer step, in one pass over memory.
 
-The snapshot lives in one flat buffer per device. ``after_step`` reads the new weights and the
-snapshot once, returns every figure of the step in one device-to-host transfer, and writes the
-new weights into the snapshot in the same pass, so the snapshot is already fresh for the next
-step. ``before_step`` (at ``on_pre_optimizer_step``) copies only when something wrote the
-weights since that refresh: the tensors' version counters, bumped by every in-place write
-(optimizers, ``copy_``, ``load_state_dict``), tell it. Writes through ``.data`` bypass the
-counters; such a write between two steps is counted in the next step's update.
+``after_step`` reads the new weights and the snapshot, computes every figure of the step per
+tensor (squared update, squared weights, changed or not, non-finite, elements whose bytes did
+not change) and leaves the snapshot holding the new weights, so it is fresh for the next step.
+``before_step`` (at ``on_pre_optimizer_step``) copies only when something wrote the weights
+since that refresh: the tensors' version counters, bumped by every in-place write (optimizers,
+``copy_``, ``load_state_dict``), tell it. Writes through ``.data`` bypass the counters; such a
+write between two steps is counted in the next step's update.
 
-Two kernels compute the same figures; ``path="auto"`` takes the fastest one for the device:
-``native`` (CPU, the default there) is a compiled C loop that does everything in one pass;
-``torch`` (any device, the CUDA path) uses ``torch._foreach_*`` ops: no per-tensor kernel
-launch loop and one host sync. "Unchanged" is exact, never a norm (a square underflows): the
-native kernel and the CPU torch fallback compare bytes, the accelerator path tests the largest
-absolute difference, so there +0.0 and -0.0 count as equal. A tensor holding a non-finite value
-is counted as non-finite, never as unchanged.
+Three kernels compute the same figures; ``path="auto"`` takes the fastest one for the device:
+``native`` (CPU, the default there) is the C loop built at install time, one pass over memory;
+``torch`` is eager torch: on CPU over cache-sized chunks with a double-buffered snapshot, on an
+accelerator ``torch._foreach_*`` ops whose figures go to pinned host memory with a
+non-blocking copy, read later off the training thread (``after_step_deferred``). "Unchanged"
+is exact, never a norm (a square underflows): the CPU kernels compare bytes, the accelerator
+kernel counts elements with a nonzero difference, so there +0.0 and -0.0 count as equal. A
+tensor holding a non-finite value is counted as non-finite, never as unchanged.
 
 Sampled mode (full fine-tuning, above ``max_full_elements``): each tensor contributes a fixed
 sample of ``sample_per_tensor`` elements in evenly spaced contiguous runs, so the snapshot
@@ -25,14 +26,19 @@ dense, so the multi-tensor ops fall back to one launch per tensor there.
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import operator
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 
 from . import update_native
+
+log = logging.getLogger("deadweight")
 
 #: Above this many watched elements, a fixed sample per tensor replaces the full copy.
 DEFAULT_MAX_FULL_ELEMENTS = 200_000_000
@@ -55,6 +61,11 @@ class GroupStats:
     update_sq_sum: float
     tensors: int
     unchanged_tensors: int
+    #: Watched elements (sampled ones in sampled mode) and those whose bytes did not change.
+    elements: int = 0
+    unchanged_elements: int = 0
+    #: The group's dtype(s), e.g. "bfloat16" or "bfloat16,float32".
+    dtype: str = ""
 
 
 @dataclass(frozen=True)
@@ -69,6 +80,8 @@ class UpdateStats:
     nonfinite_update_tensors: int
     sampled: bool
     groups: list[GroupStats] = field(default_factory=list)
+    #: Watched elements whose bytes did not change (of the sample, in sampled mode).
+    unchanged_elements: int = 0
 
 
 @dataclass(frozen=True)
@@ -98,98 +111,353 @@ def _flat_snapshot(sources: list[torch.Tensor]) -> tuple[list[torch.Tensor], lis
     return list(buffers.values()), views
 
 
-class _TorchPass:
-    """Multi-tensor ops: no per-tensor kernel launch, one host transfer per device.
+#: Columns of the per-tensor figures every kernel returns (float64, on the host).
+UPDATE_SQ, WEIGHT_SQ, CHANGED, NONFINITE, SAME_ELEMENTS = range(update_native.FIGURES)
+#: Bytes of source per chunk of the CPU torch kernel: its six passes over a chunk run in the
+#: L2 cache, so only the first read of each byte comes from memory.
+CHUNK_BYTES = 256 * 1024
 
-    On an accelerator the exact "changed" test is the largest absolute difference, computed
-    with the norms and brought to the host in the same transfer. On CPU (``host_check``), where
-    that reduction is slow and a host sync is free, a norm of 0 is re-checked on the bytes.
+
+def _int_view(dtype: torch.dtype) -> torch.dtype:
+    """The integer dtype of the same width, to compare bytes."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype | None:
+    """Accumulation dtype for norms of 16-bit tensors (their own would keep three digits)."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else None
+
+
+class _Fence:
+    """Marks when a device-to-host copy has landed: a CUDA event, or nothing on the host."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._event = (torch.cuda.Event() if device.type == "cuda"  # type: ignore[no-untyped-call]
+                       else None)
+        if self._event is not None:
+            self._event.record()
+
+    def wait(self) -> None:
+        """Block the calling thread (never the training thread) until the copy is done."""
+        if self._event is not None:
+            self._event.synchronize()
+
+
+class PendingStats:
+    """One step's figures on their way to the host, read later and off the training thread.
+
+    The training thread only queues the device work and a non-blocking copy into pinned host
+    memory; ``result()`` (called by the sender thread) waits for that copy and summarises.
+    Every step gets its own host buffer, so a later step never overwrites an unread one.
     """
 
-    def __init__(self, sources: list[torch.Tensor], snapshots: list[torch.Tensor],
-                 host_check: bool | None = None) -> None:
+    def __init__(self, figures: Callable[[], torch.Tensor], fences: list[_Fence],
+                 finish: Callable[[torch.Tensor], UpdateStats]) -> None:
+        self._figures: Callable[[], torch.Tensor] | None = figures
+        self._fences = fences
+        self._finish = finish
+        self._stats: UpdateStats | None = None
+        self._lock = threading.Lock()
+
+    def result(self) -> UpdateStats:
+        """The step's figures; waits for the device copy the first time."""
+        with self._lock:
+            if self._stats is None:
+                for fence in self._fences:
+                    fence.wait()
+                assert self._figures is not None
+                self._stats = self._finish(self._figures())
+                self._figures = None
+            return self._stats
+
+
+class _Kernel(Protocol):
+    """What UpdateProbe needs from a kernel."""
+
+    snapshot_bytes: int
+
+    def refresh(self) -> None:
+        """Copy the sources into the snapshot."""
+
+    def run(self) -> tuple[Callable[[], torch.Tensor], list[_Fence]]:
+        """Queue the measurement: a reader of the (tensors x FIGURES) figures, to call once
+        the fences have passed."""
+
+
+class _NativeKernel:
+    """The installed C kernel (CPU): one pass, snapshot refreshed in the same loop."""
+
+    def __init__(self, lib: ctypes.CDLL, sources: list[torch.Tensor]) -> None:
+        self._sources = sources
+        self._buffers, self.snapshot = _flat_snapshot(sources)
+        self.snapshot_bytes = sum(b.numel() for b in self._buffers)
+        self._pass = update_native.NativePass(lib, sources, self.snapshot)
+
+    def refresh(self) -> None:
+        torch._foreach_copy_(self.snapshot, self._sources)
+
+    def run(self) -> tuple[Callable[[], torch.Tensor], list[_Fence]]:
+        figures = self._pass.run().clone()  # the kernel's buffer is reused by the next step
+        return (lambda: figures), []
+
+
+class _ChunkedKernel:
+    """The CPU torch kernel: eager ops over cache-sized chunks, double-buffered snapshot.
+
+    Per chunk: copy the new weights into the spare snapshot (the only write to memory), one
+    subtraction of the two flat snapshots, then norms and the changed-element count over the
+    chunk while it is still in L2. The spare becomes the snapshot, so no refresh copy is needed.
+    Changed elements are counted as (new - old) != 0 (the squared norm of that 0/1 mask: exact,
+    as a piece holds far fewer than 2**22 elements); a tensor with no such element, or with a
+    non-finite value, is re-checked on its bytes (a sign-of-zero flip, a flushed subnormal)
+    and then counted exactly.
+    """
+
+    def __init__(self, sources: list[torch.Tensor], chunk_bytes: int | None = None) -> None:
+        chunk_bytes = chunk_bytes or CHUNK_BYTES
+        self._sources = sources
+        self._count = len(sources)
+        self._parts: list[_ChunkedDtype] = []
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, src in enumerate(sources):
+            by_dtype.setdefault(src.dtype, []).append(i)
+        for idx in by_dtype.values():
+            self._parts.append(_ChunkedDtype([sources[i] for i in idx], idx, chunk_bytes))
+        self.snapshot_bytes = sum(p.snapshot_bytes for p in self._parts)
+
+    @property
+    def snapshot(self) -> list[torch.Tensor]:
+        """The current snapshot views, in source order."""
+        views: list[torch.Tensor] = [torch.empty(0)] * self._count
+        for part in self._parts:
+            for i, view in zip(part.rows, part.current, strict=True):
+                views[i] = view
+        return views
+
+    def refresh(self) -> None:
+        for part in self._parts:
+            part.refresh()
+
+    def run(self) -> tuple[Callable[[], torch.Tensor], list[_Fence]]:
+        out = torch.zeros(self._count, update_native.FIGURES, dtype=torch.float64)
+        with torch.no_grad():
+            for part in self._parts:
+                out[part.rows_index] = part.run()
+        return (lambda: out), []
+
+
+class _ChunkedDtype:
+    """The chunked CPU kernel for the sources of one dtype."""
+
+    def __init__(self, sources: list[torch.Tensor], rows: list[int], chunk_bytes: int) -> None:
+        self.rows = rows
+        self.rows_index = torch.tensor(rows, dtype=torch.int64)
+        self._sources = sources
+        dtype = sources[0].dtype
+        self._wide = _wide(dtype)  # set for 16-bit dtypes
+        self._bits = _int_view(dtype)
+        size = torch.empty(0, dtype=dtype).element_size()
+        limit = max(chunk_bytes // size, 1)
+        # pieces: whole tensors, or flat slices of a contiguous tensor larger than a chunk
+        pieces: list[tuple[int, torch.Tensor]] = []
+        for i, src in enumerate(sources):
+            if src.numel() > limit and src.is_contiguous():
+                flat = src.view(-1)
+                pieces += [(i, flat[a:a + limit]) for a in range(0, src.numel(), limit)]
+            else:
+                pieces.append((i, src))
+        offsets: list[int] = []
+        at = 0
+        align = max(_ALIGN // size, 1)
+        for _, piece in pieces:
+            at = -(-at // align) * align
+            offsets.append(at)
+            at += piece.numel()
+        self._buffers = [torch.zeros(max(at, 1), dtype=dtype) for _ in range(2)]
+        self.snapshot_bytes = 2 * max(at, 1) * size
+        # chunks: consecutive pieces spanning at most ``limit`` elements (or one large piece)
+        self._chunks: list[tuple[int, int, list[int]]] = []  # (start, end, piece indices)
+        start, members = 0, list[int]()
+        for k, (_, piece) in enumerate(pieces):
+            end = offsets[k] + piece.numel()
+            if members and end - start > limit:
+                self._chunks.append((start, offsets[members[-1]] + pieces[members[-1]][1].numel(),
+                                     members))
+                start, members = offsets[k], []
+            members.append(k)
+        if members:
+            last = members[-1]
+            self._chunks.append((start, offsets[last] + pieces[last][1].numel(), members))
+        span = max((end - begin for begin, end, _ in self._chunks), default=1)
+        self._scratch = torch.zeros(max(span, 1), dtype=dtype)  # new - old
+        # 16-bit: a float32 0/1 mask of moved elements, whose norm stays exact (see run)
+        self._mask = (torch.zeros(max(span, 1), dtype=torch.float32)
+                      if self._wide is not None else self._scratch)
+        self._owner = torch.tensor([i for i, _ in pieces], dtype=torch.int64)
+        self._numel = torch.tensor([float(s.numel()) for s in sources], dtype=torch.float64)
+        self._pieces = pieces
+        self._offsets = offsets
+        # per chunk: source pieces, their slots in each buffer, their slots in the scratch
+        self._plan = [
+            ([pieces[k][1] for k in members],
+             [[self._slot(buf, offsets[k], pieces[k][1]) for k in members]
+              for buf in self._buffers],
+             [self._slot(self._scratch, offsets[k] - begin, pieces[k][1]) for k in members],
+            [self._slot(self._mask, offsets[k] - begin, pieces[k][1]) for k in members],
+             begin, end)
+            for begin, end, members in self._chunks
+        ]
+        # whole-tensor views of each buffer, for refresh and the byte re-check
+        self._tensor_views = [self._tensor_slots(buf) for buf in self._buffers]
+        self._current = 0
+
+    @staticmethod
+    def _slot(buf: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
+        return buf[offset:offset + like.numel()].view(like.shape)
+
+    def _tensor_slots(self, buf: torch.Tensor) -> list[list[torch.Tensor]]:
+        slots: list[list[torch.Tensor]] = [[] for _ in self._sources]
+        for (i, piece), offset in zip(self._pieces, self._offsets, strict=True):
+            slots[i].append(self._slot(buf, offset, piece))
+        return slots
+
+    @property
+    def current(self) -> list[torch.Tensor]:
+        """The snapshot of each source (a view when it is one piece, else a copy)."""
+        return [parts[0] if len(parts) == 1 else torch.cat([p.reshape(-1) for p in parts])
+                for parts in self._tensor_views[self._current]]
+
+    def refresh(self) -> None:
+        slots = [s for parts in self._tensor_views[self._current] for s in parts]
+        torch._foreach_copy_(slots, [piece for _, piece in self._pieces])
+
+    def run(self) -> torch.Tensor:
+        """(tensors x FIGURES) for this dtype; afterwards the spare buffer is the snapshot."""
+        old, new = self._current, 1 - self._current
+        old_buf, new_buf = self._buffers[old], self._buffers[new]
+        diff_l2: list[torch.Tensor] = []
+        weight_l2: list[torch.Tensor] = []
+        moved: list[torch.Tensor] = []
+        for sources, slots, scratch, mask, begin, end in self._plan:
+            torch._foreach_copy_(slots[new], sources)
+            diff = self._scratch[:end - begin]
+            torch.sub(new_buf[begin:end], old_buf[begin:end], out=diff)
+            # 16-bit norms come back in 16 bits (three digits, accumulated in float32):
+            # asking for float32 output doubles their cost
+            norms = torch._foreach_norm(scratch + slots[new], 2)
+            diff_l2 += norms[:len(scratch)]
+            weight_l2 += norms[len(scratch):]
+            if self._wide is None:  # 1.0 where the element moved
+                torch.ne(diff, 0, out=self._mask[:end - begin])
+            else:  # 16-bit: the bytes compared (exact, and cheaper than a 16-bit compare)
+                torch.ne(new_buf[begin:end].view(self._bits), old_buf[begin:end].view(self._bits),
+                         out=self._mask[:end - begin])
+            moved += torch._foreach_norm(mask, 2)  # sqrt of the count
+        n = len(self._sources)
+        per_piece = torch.stack([torch.stack(diff_l2).double().square(),
+                                 torch.stack(weight_l2).double().square(),
+                                 torch.stack(moved).double().square().round()], dim=1)
+        sums = torch.zeros(n, 3, dtype=torch.float64).index_add_(0, self._owner, per_piece)
+        numel = self._numel
+        nonfinite = ~torch.isfinite(sums[:, 0]) | ~torch.isfinite(sums[:, 2])
+        changed = sums[:, 2] > 0
+        same = numel - torch.where(nonfinite, 0.0, sums[:, 2])
+        # exact bytes where the arithmetic saw nothing move, or could not count (16-bit
+        # counts already are byte counts)
+        recheck = (~changed | nonfinite) if self._wide is None else torch.zeros_like(changed)
+        for i in torch.nonzero(recheck).flatten().tolist():
+            differ = sum(int(torch.ne(a.view(self._bits), b.view(self._bits)).sum())
+                         for a, b in zip(self._tensor_views[new][i], self._tensor_views[old][i],
+                                         strict=True))
+            changed[i] = differ > 0
+            same[i] = numel[i] - differ
+        self._current = new
+        return torch.stack([sums[:, 0], sums[:, 1], changed.double(), nonfinite.double(),
+                            same], dim=1)
+
+
+class _DeviceKernel:
+    """Multi-tensor ops for accelerators: no per-tensor launch loop and no host sync.
+
+    The figures are computed on the device and copied to pinned host memory without blocking;
+    the training thread never waits (see PendingStats). "Changed" is a count of elements with
+    sign(old - new) != 0, so there +0.0 and -0.0 count as equal.
+    """
+
+    def __init__(self, sources: list[torch.Tensor]) -> None:
+        self._sources = sources
+        self._buffers, self.snapshot = _flat_snapshot(sources)
+        self.snapshot_bytes = sum(b.numel() for b in self._buffers)
         parts: dict[torch.device, dict[torch.dtype, list[int]]] = {}
         for i, src in enumerate(sources):
             parts.setdefault(src.device, {}).setdefault(src.dtype, []).append(i)
         self._devices = [
             (device, torch.tensor([i for idx in by_dtype.values() for i in idx]),
-             [(dtype, [sources[i] for i in idx], [snapshots[i] for i in idx])
+             [(dtype, [sources[i] for i in idx], [self.snapshot[i] for i in idx])
               for dtype, idx in by_dtype.items()])
             for device, by_dtype in parts.items()
         ]
-        self._host_check = host_check
-        self._count = len(sources)
-        self._scratch: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self._numel = torch.tensor([float(s.numel()) for s in sources], dtype=torch.float64)
 
-    def run(self) -> torch.Tensor:
-        """(tensors x 4) float64 on the host: update sq, weight sq, changed, non-finite."""
-        out = torch.zeros(self._count, update_native.FIGURES, dtype=torch.float64)
+    def refresh(self) -> None:
+        torch._foreach_copy_(self.snapshot, self._sources)
+
+    def run(self) -> tuple[Callable[[], torch.Tensor], list[_Fence]]:
+        hosts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        fences: list[_Fence] = []
         with torch.no_grad():
             for device, rows, parts in self._devices:
-                host_check = (device.type == "cpu" if self._host_check is None
-                              else self._host_check)
-                if host_check:
-                    out[rows] = torch.cat([self._run_cpu(*part) for part in parts])
-                    continue
-                on_device = torch.cat([self._run_device(*part) for part in parts], dim=1)
-                host = on_device.to("cpu")  # the one device-to-host transfer
-                out[rows] = torch.stack([
-                    host[0].square(), host[1].square(), (host[2] != 0).double(),
-                    (~torch.isfinite(host[2])).double(),
-                ], dim=1)
-        return out
+                on_device = torch.cat([self._run(*part) for part in parts], dim=1)
+                host = torch.empty(on_device.shape, dtype=torch.float64,
+                                   pin_memory=device.type == "cuda")
+                host.copy_(on_device, non_blocking=True)
+                fences.append(_Fence(device))
+                hosts.append((rows, host))
+        return _DeviceFigures(hosts, self._numel, len(self._sources)).finish, fences
 
     @staticmethod
-    def _run_device(dtype: torch.dtype, srcs: list[torch.Tensor],
-                    snaps: list[torch.Tensor]) -> torch.Tensor:
-        """(3 x tensors) float64 on the device: update L2, weight L2, largest |update|."""
-        wide = torch.float32 if dtype in (torch.bfloat16, torch.float16) else None
+    def _run(dtype: torch.dtype, srcs: list[torch.Tensor],
+             snaps: list[torch.Tensor]) -> torch.Tensor:
+        """(3 x tensors) float64 on the device: update L2, weight L2, changed elements."""
+        wide = _wide(dtype)
         torch._foreach_sub_(snaps, srcs)  # snapshot := old - new
         diff_l2 = torch._foreach_norm(snaps, 2, dtype=wide)
         weight_l2 = torch._foreach_norm(srcs, 2, dtype=wide)
-        diff_max = torch._foreach_norm(snaps, float("inf"))  # 0 only if every element is equal
+        torch._foreach_sign_(snaps)
+        moved = torch._foreach_norm(snaps, 1, dtype=wide)  # NaN where a value is not finite
         torch._foreach_copy_(snaps, srcs)  # refreshed for the next step
-        return torch.stack([
-            torch.stack(diff_l2).double(), torch.stack(weight_l2).double(),
-            torch.stack(diff_max).double(),
-        ])
-
-    def _run_cpu(self, dtype: torch.dtype, srcs: list[torch.Tensor],
-                 snaps: list[torch.Tensor]) -> torch.Tensor:
-        """(tensors x 4): a norm of 0 (or NaN) is re-checked on the bytes before the refresh.
-
-        A squared norm underflows and 16-bit CPU arithmetic flushes subnormals, so "changed"
-        from the norm is certain but "unchanged" is not; only those tensors pay the compare.
-        The difference goes to a scratch buffer kept across steps: allocating it every step
-        costs more than the arithmetic (fresh pages fault in).
-        """
-        key = id(srcs)
-        if key not in self._scratch:
-            self._scratch[key] = _flat_snapshot(srcs)
-        diffs = self._scratch[key][1]
-        torch._foreach_copy_(diffs, srcs)
-        torch._foreach_sub_(diffs, snaps)
-        diff_l2 = torch.stack(torch._foreach_norm(diffs)).double()
-        weight_l2 = torch.stack(torch._foreach_norm(srcs)).double()
-        changed = (diff_l2 > 0).double()
-        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[
-            torch.empty(0, dtype=dtype).element_size()]
-        for i in torch.nonzero(changed == 0).flatten().tolist():
-            same = torch.equal(srcs[i].view(bits), snaps[i].view(bits))
-            changed[i] = 0.0 if same else 1.0
-        nonfinite = ~torch.isfinite(diff_l2)
-        torch._foreach_copy_(snaps, srcs)  # refreshed for the next step
-        return torch.stack([diff_l2.square(), weight_l2.square(), changed,
-                            nonfinite.double()], dim=1)
+        return torch.stack([torch.stack(diff_l2).double(), torch.stack(weight_l2).double(),
+                            torch.stack(moved).double()])
 
 
-def _native_pass(sources: list[torch.Tensor],
-                 snapshots: list[torch.Tensor]) -> update_native.NativePass | None:
-    """The compiled CPU kernel when every tensor suits it and a compiler is available."""
+class _DeviceFigures:
+    """Lazily turns the raw (3 x tensors) device rows into the (tensors x FIGURES) figures."""
+
+    def __init__(self, hosts: list[tuple[torch.Tensor, torch.Tensor]], numel: torch.Tensor,
+                 count: int) -> None:
+        self._hosts = hosts
+        self._numel = numel
+        self._count = count
+
+    def finish(self) -> torch.Tensor:
+        out = torch.zeros(self._count, update_native.FIGURES, dtype=torch.float64)
+        for rows, host in self._hosts:
+            moved = host[2]
+            finite = torch.isfinite(host[0]) & torch.isfinite(moved)
+            out[rows] = torch.stack([
+                host[0].square(), host[1].square(), (moved != 0).double(),
+                (~finite).double(), torch.where(finite, self._numel[rows] - moved, 0.0),
+            ], dim=1)
+        return out
+
+
+def _native_kernel(sources: list[torch.Tensor]) -> _NativeKernel | None:
+    """The installed C kernel when every tensor suits it and the install carries it."""
     if not sources or not update_native.NativePass.supports(sources):
         return None
     lib = update_native.load()
-    return None if lib is None else update_native.NativePass(lib, sources, snapshots)
+    return None if lib is None else _NativeKernel(lib, sources)
 
 
 def _sample_runs(sample: int) -> int:
@@ -219,6 +487,24 @@ class UpdateProbe:
         self._ready = False
         self._group_index = self._build_group_index(len(self._tensors))
         self._bind()
+        # the CPU torch fallback is several times slower than the installed kernel: say so
+        slow = (self.path == "torch" and path == "auto" and bool(self._sources)
+                and all(s.device.type == "cpu" for s in self._sources))
+        log.log(logging.WARNING if slow else logging.INFO,
+                "deadweight: update pass runs the %s kernel on %d tensors", self.describe(),
+                len(self._tensors))
+
+    def describe(self) -> str:
+        """Which kernel runs, and why (the one log line at start)."""
+        if self.path == "native":
+            return update_native.describe()
+        devices = sorted({t.device.type for t in self._sources})
+        if devices and devices != ["cpu"]:
+            return f"torch (tensors on {','.join(devices)}: device kernel, deferred read)"
+        if self._path == "torch":
+            return "torch (asked for)"
+        return update_native.describe() if update_native.load() is None else (
+            "torch (dtype or layout outside the native kernel)")
 
     def _bind(self) -> None:
         """Alias the tensors' current storage and lay out the snapshot and the kernel.
@@ -228,20 +514,35 @@ class UpdateProbe:
         """
         self._storage = list(map(_data_ptr, self._tensors))
         self._sources = [self._view(t.detach(), self._sample) for t in self._tensors]
-        self._buffers, self._snapshot = _flat_snapshot(self._sources)
         self._valid_at: list[int] | None = None  # versions at which snapshot == weights
-        native = None if self._path == "torch" else _native_pass(self._sources, self._snapshot)
+        self._elements = torch.tensor([float(s.numel()) for s in self._sources],
+                                      dtype=torch.float64)
+        native = None if self._path == "torch" else _native_kernel(self._sources)
         if self._path == "native" and native is None:
             raise RuntimeError("the native update kernel is unavailable for these tensors")
-        self._kernel: update_native.NativePass | _TorchPass = (
-            native if native is not None else _TorchPass(self._sources, self._snapshot)
-        )
+        kernel: _NativeKernel | _ChunkedKernel | _DeviceKernel
+        if native is not None:
+            kernel = native
+        elif all(s.device.type == "cpu" for s in self._sources):
+            kernel = _ChunkedKernel(self._sources)
+        else:
+            kernel = _DeviceKernel(self._sources)
+        self._kernel = kernel
         self.path: str = "native" if native is not None else "torch"
+        self._group_dtypes = [
+            ",".join(sorted({str(self._sources[i].dtype).removeprefix("torch.")
+                             for i in g.indices})) for g in self._groups
+        ]
+
+    @property
+    def _snapshot(self) -> list[torch.Tensor]:
+        """The snapshot views, in source order (for tests and tools)."""
+        return self._kernel.snapshot
 
     @property
     def snapshot_bytes(self) -> int:
         """Memory held by the snapshot."""
-        return sum(b.numel() for b in self._buffers)
+        return self._kernel.snapshot_bytes
 
     def _view(self, tensor: torch.Tensor, sample: int) -> torch.Tensor:
         """The whole tensor, or in sampled mode a fixed sample of exactly ``sample`` elements.
@@ -277,37 +578,55 @@ class UpdateProbe:
             self._bind()
         if self._sources and self._valid_at != list(map(_version, self._sources)):
             with torch.no_grad():
-                torch._foreach_copy_(self._snapshot, self._sources)
+                self._kernel.refresh()
             self._valid_at = list(map(_version, self._sources))
         self._ready = True
 
     def after_step(self) -> UpdateStats | None:
-        """Measure the update since before_step; None if no snapshot was taken."""
+        """Measure the update since before_step and read it now; None if no snapshot was taken.
+
+        On an accelerator this waits for the device; the callback uses ``after_step_deferred``.
+        """
+        pending = self.after_step_deferred()
+        return None if pending is None else pending.result()
+
+    def after_step_deferred(self) -> PendingStats | None:
+        """Queue the measurement of the update since before_step; None without a snapshot.
+
+        The training thread only launches the work; ``result()`` on the returned object
+        reads the figures (later, and from another thread: the callback's sender).
+        """
         if not self._ready:
             return None
         self._ready = False
-        n = len(self._sources)
-        if n == 0:
-            return UpdateStats(0.0, 0.0, 0, 0, 0, 0, self.sampled, [])
-        figures = self._kernel.run()  # also refreshes the snapshot
+        if not self._sources:
+            empty = UpdateStats(0.0, 0.0, 0, 0, 0, 0, self.sampled, [])
+            return PendingStats(lambda: torch.zeros(0, update_native.FIGURES), [],
+                                lambda _: empty)
+        figures, fences = self._kernel.run()  # also refreshes the snapshot
         self._valid_at = list(map(_version, self._sources))
-        return self._summarise(figures)
+        return PendingStats(figures, fences, self._summarise)
 
     def _summarise(self, figures: torch.Tensor) -> UpdateStats:
         """Totals and group sums from the per-tensor figures (already on the host)."""
-        nonfinite = figures[:, 3] != 0
+        nonfinite = figures[:, NONFINITE] != 0
         columns = torch.stack([
             # update sq of finite tensors only (a NaN would poison every row of the matmul)
-            torch.where(nonfinite | ~torch.isfinite(figures[:, 0]), 0.0, figures[:, 0]),
-            figures[:, 1],
-            ((figures[:, 2] == 0) & ~nonfinite).double(),  # unchanged
+            torch.where(nonfinite | ~torch.isfinite(figures[:, UPDATE_SQ]), 0.0,
+                        figures[:, UPDATE_SQ]),
+            figures[:, WEIGHT_SQ],
+            ((figures[:, CHANGED] == 0) & ~nonfinite).double(),  # unchanged
             nonfinite.double(),
+            figures[:, SAME_ELEMENTS],
+            self._elements,
         ], dim=1)
         sums = (self._group_index @ columns).tolist()
         total = sums[0]
         groups = [
-            GroupStats(g.name, g.kind, row[0], size, int(row[2]))
-            for g, row, size in zip(self._groups, sums[1:], self._group_sizes, strict=True)
+            GroupStats(g.name, g.kind, row[0], size, int(row[2]), elements=int(row[5]),
+                       unchanged_elements=int(row[4]), dtype=dtype)
+            for g, row, size, dtype in zip(self._groups, sums[1:], self._group_sizes,
+                                           self._group_dtypes, strict=True)
         ]
         return UpdateStats(
             update_sq_sum=total[0],
@@ -318,4 +637,5 @@ class UpdateProbe:
             nonfinite_update_tensors=int(total[3]),
             sampled=self.sampled,
             groups=groups,
+            unchanged_elements=int(total[4]),
         )

@@ -11,9 +11,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from deadweight.callbacks.digest import AdapterDigest
+from deadweight.callbacks.heads import HeadFacts
 from deadweight.callbacks.membership import Membership
 from deadweight.callbacks.preflight import PreflightFacts
-from deadweight.callbacks.update_probe import UpdateStats
+from deadweight.callbacks.resume import ResumeFacts
+from deadweight.callbacks.stop_token import StopTokenFacts
+from deadweight.callbacks.update_probe import PendingStats, UpdateStats
 from deadweight.proto import pb
 from deadweight.proto.kinds import EventKind
 
@@ -39,16 +42,23 @@ class RunStartRecord:
     attestation: str = ""
     wrapper: str = ""
     requested_wrapper: str = ""
+    stop_token: StopTokenFacts | None = None
+    heads: HeadFacts | None = None
+    resume: ResumeFacts | None = None
+    dataset_rows: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
 class StepRecord:
     step: int
     learning_rate: float
-    stats: UpdateStats
+    #: Pending on the training thread; read by the sender thread (``to_event``).
+    stats: UpdateStats | PendingStats
     optimizer_params: int
     grad_not_in_optimizer_tensors: int
     grad_not_in_optimizer_params: int
+    optimizer_step_skipped: bool = False
+    adalora_rank_pattern_set: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -96,7 +106,7 @@ def digest_message(digest: AdapterDigest) -> pb.AdapterDigest:
 def _run_start(r: RunStartRecord) -> pb.RunStart:
     m = r.membership
     f = r.preflight
-    return pb.RunStart(
+    start = pb.RunStart(
         trainer=r.trainer,
         world_size=r.world_size,
         output_dir=r.output_dir,
@@ -132,6 +142,7 @@ def _run_start(r: RunStartRecord) -> pb.RunStart:
             modules_to_save=f.modules_to_save,
             active_adapter=f.active_adapter,
             lora_rank=f.lora_rank,
+            adapter_layer_names=f.adapter_layer_names,
         ),
         initial_adapter=digest_message(r.initial_adapter),
         attestation=r.attestation,
@@ -139,12 +150,32 @@ def _run_start(r: RunStartRecord) -> pb.RunStart:
         host=r.host,
         wrapper=r.wrapper,
         requested_wrapper=r.requested_wrapper,
+        trainable_params_by_dtype=m.optimizer_params_by_dtype,
     )
+    if r.stop_token is not None:
+        t = r.stop_token
+        start.stop_token.CopyFrom(pb.StopTokenCheck(
+            token=t.token, token_id=t.token_id, sequences=t.sequences, in_inputs=t.in_inputs,
+            in_labels=t.in_labels))
+    if r.heads is not None:
+        h = r.heads
+        start.heads.CopyFrom(pb.HeadCheck(heads=h.heads, new_heads=h.new_heads,
+                                          saved_heads=h.saved_heads,
+                                          trainable_heads=h.trainable_heads))
+    if r.resume is not None:
+        start.resume.CopyFrom(pb.Resume(
+            checkpoint=r.resume.checkpoint, step=r.resume.step,
+            checkpoint_adapter=digest_message(r.resume.checkpoint_adapter),
+            first_loss=r.resume.first_loss))
+    if r.dataset_rows is not None:
+        start.dataset_rows.CopyFrom(pb.DatasetRows(given=r.dataset_rows[0],
+                                                   kept=r.dataset_rows[1]))
+    return start
 
 
 def _step(r: StepRecord) -> pb.StepReport:
-    s = r.stats
-    return pb.StepReport(
+    s = r.stats.result() if isinstance(r.stats, PendingStats) else r.stats
+    report = pb.StepReport(
         step=r.step,
         learning_rate=r.learning_rate,
         update_sq_sum=s.update_sq_sum,
@@ -157,14 +188,20 @@ def _step(r: StepRecord) -> pb.StepReport:
         grad_not_in_optimizer_params=r.grad_not_in_optimizer_params,
         nonfinite_update_tensors=s.nonfinite_update_tensors,
         sampled=s.sampled,
+        unchanged_elements=s.unchanged_elements,
         groups=[
             pb.GroupUpdate(
                 name=g.name, kind=g.kind, update_sq_sum=g.update_sq_sum,
                 tensors=g.tensors, unchanged_tensors=g.unchanged_tensors,
+                elements=g.elements, unchanged_elements=g.unchanged_elements, dtype=g.dtype,
             )
             for g in s.groups
         ],
+        optimizer_step_skipped=r.optimizer_step_skipped,
     )
+    if r.adalora_rank_pattern_set is not None:
+        report.adalora_rank_pattern_set = r.adalora_rank_pattern_set
+    return report
 
 
 def to_event(kind: str, record: Any) -> pb.Event:

@@ -16,7 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 from datasets import Dataset
 from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 
 from deadweight.demo.tiny_models import build_model, sample_lines
@@ -113,10 +113,12 @@ def sft_trainer(
     lr: float = 2e-4,
     save_steps: int = 3,
     peft_config: LoraConfig | None = None,
+    tokenizer: Any = None,
+    data_collator: Any = None,
     **overrides: Any,
 ) -> SFTTrainer:
     """An SFTTrainer on generated sentences, 32 tokens at most."""
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_dir)
     args = SFTConfig(
         output_dir=str(output_dir),
         per_device_train_batch_size=2,
@@ -126,7 +128,7 @@ def sft_trainer(
     dataset = Dataset.from_dict({"text": sample_lines(64, seed=4)})
     return SFTTrainer(
         model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
-        callbacks=callbacks, peft_config=peft_config,
+        callbacks=callbacks, peft_config=peft_config, data_collator=data_collator,
     )
 
 
@@ -155,13 +157,13 @@ def dpo_trainer(
     rows: dict[str, list[str]] | None = None,
     **overrides: Any,
 ) -> DPOTrainer:
-    """A DPOTrainer on generated preference pairs, 32 tokens at most."""
+    """A DPOTrainer on generated preference pairs, 64 tokens at most."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     args = DPOConfig(
         output_dir=str(output_dir),
         beta=beta,
         per_device_train_batch_size=2,
-        max_length=32,
+        max_length=64,  # at 32 some generated prompts fill it and DPO drops their rows
         **{**common_args(steps, warmup, lr, save_steps), **overrides},
     )
     dataset = Dataset.from_dict(rows or preference_rows(32))
@@ -179,3 +181,147 @@ def collapsing_pairs(n: int = 16) -> dict[str, list[str]]:
         "chosen": [" yes no yes"] * n,
         "rejected": [" yes no yes no yes"] * n,
     }
+
+
+class AdaloraAllocator(TrainerCallback):  # type: ignore[misc]
+    """What an AdaLoRA run needs and no trainer does: ``update_and_allocate`` after each
+    optimizer step, while the gradients are still there."""
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None,
+                          **kwargs: Any) -> None:
+        model.base_model.update_and_allocate(state.global_step + 1)
+
+
+def terminating(model_dir: Path, bias: float = 4.0) -> dict[str, Any]:
+    """GRPO generation settings under which a tiny random policy ends some completions.
+
+    A random tiny model almost never samples its stop token within a few tokens, so every
+    completion is cut (``completions/clipped_ratio`` 1); a healthy policy ends its answers.
+    Biasing the stop token's logit gives the tiny model that property.
+    """
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return {"generation_kwargs": {"sequence_bias": [[[tokenizer.eos_token_id], bias]]}}
+
+
+def reward_trainer(
+    model: Any,
+    model_dir: Path,
+    output_dir: Path,
+    callbacks: list[Any],
+    steps: int = 6,
+    lr: float = 2e-4,
+    save_steps: int = 3,
+    peft_config: Any = None,
+    **overrides: Any,
+) -> Any:
+    """A RewardTrainer (sequence-classification head) on the generated preference pairs."""
+    from trl import RewardConfig, RewardTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    args = RewardConfig(
+        output_dir=str(output_dir), per_device_train_batch_size=2, max_length=128,
+        **{**common_args(steps, 0, lr, save_steps), **overrides},
+    )
+    return RewardTrainer(
+        model=model, args=args, train_dataset=Dataset.from_dict(preference_rows(32)),
+        processing_class=tokenizer, callbacks=callbacks, peft_config=peft_config,
+    )
+
+
+def reward_model(model_dir: Path) -> Any:
+    """The tiny causal LM loaded with a new, randomly initialised one-logit score head."""
+    from transformers import AutoModelForSequenceClassification
+
+    return AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1)
+
+
+def rloo_trainer(
+    model: Any,
+    model_dir: Path,
+    output_dir: Path,
+    callbacks: list[Any],
+    beta: float = 0.0,
+    steps: int = 4,
+    lr: float = 2e-4,
+    save_steps: int = 2,
+    peft_config: Any = None,
+    **overrides: Any,
+) -> Any:
+    """An RLOOTrainer shaped like ``grpo_trainer``: 2 generations of at most 8 tokens."""
+    from trl import RLOOConfig, RLOOTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    shape = dict(per_device_train_batch_size=2, num_generations=2, max_completion_length=8)
+    args = RLOOConfig(output_dir=str(output_dir), beta=beta,
+                      **{**shape, **common_args(steps, 0, lr, save_steps), **overrides})
+    return RLOOTrainer(
+        model=model, reward_funcs=length_reward, args=args,
+        train_dataset=Dataset.from_dict({"prompt": sample_lines(32, seed=3)}),
+        processing_class=tokenizer, callbacks=callbacks, peft_config=peft_config,
+    )
+
+
+def kto_trainer(
+    model: Any,
+    model_dir: Path,
+    output_dir: Path,
+    callbacks: list[Any],
+    steps: int = 4,
+    lr: float = 2e-4,
+    save_steps: int = 2,
+    peft_config: Any = None,
+    **overrides: Any,
+) -> Any:
+    """A KTOTrainer on the preference pairs unpaired: desirable and undesirable completions."""
+    from trl import KTOConfig, KTOTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    pairs = preference_rows(16)
+    rows = {"prompt": pairs["prompt"] * 2, "completion": pairs["chosen"] + pairs["rejected"],
+            "label": [True] * 16 + [False] * 16}
+    args = KTOConfig(output_dir=str(output_dir), per_device_train_batch_size=4, max_length=64,
+                     **{**common_args(steps, 0, lr, save_steps), **overrides})
+    return KTOTrainer(
+        model=model, args=args, train_dataset=Dataset.from_dict(rows),
+        processing_class=tokenizer, callbacks=callbacks, peft_config=peft_config,
+    )
+
+
+def teacher_model(model_dir: Path, seed: int = 1) -> Any:
+    """A teacher that knows something the student does not: the tiny model, perturbed.
+
+    The student's own weights teach nothing: a fresh LoRA leaves student == teacher, the
+    distillation loss sits at its minimum and every gradient is exactly 0.
+    """
+    teacher = AutoModelForCausalLM.from_pretrained(model_dir)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in teacher.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 0.05)
+    return teacher
+
+
+def distillation_trainer(
+    model: Any,
+    model_dir: Path,
+    output_dir: Path,
+    callbacks: list[Any],
+    teacher: Any = None,
+    steps: int = 4,
+    lr: float = 2e-4,
+    save_steps: int = 2,
+    peft_config: Any = None,
+    **overrides: Any,
+) -> Any:
+    """A DistillationTrainer: the tiny student learns from a teacher on generated prompts."""
+    from trl import DistillationConfig, DistillationTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    args = DistillationConfig(output_dir=str(output_dir), per_device_train_batch_size=2,
+                              max_completion_length=8,
+                              **{**common_args(steps, 0, lr, save_steps), **overrides})
+    return DistillationTrainer(
+        model=model, teacher_model=teacher or teacher_model(model_dir),
+        args=args, train_dataset=Dataset.from_dict({"prompt": sample_lines(32, seed=3)}),
+        processing_class=tokenizer, callbacks=callbacks, peft_config=peft_config,
+    )

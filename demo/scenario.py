@@ -113,7 +113,7 @@ def main(workdir: Path | None = None, steps: int = 12) -> int:
         frozen = runs.load_adapter(model_dir, adapter_dir, trainable=False)
         callback_a = DeadweightCallback(address=sidecar.address, run_id="demo-frozen-adapter")
         trainer_a = runs.grpo_trainer(frozen, model_dir, workdir / "run-a", [callback_a],
-                                      steps=steps, save_steps=2)
+                                      steps=steps, save_steps=2, **runs.terminating(model_dir))
         trainer_a.remove_callback(PrinterCallback)  # the demo prints its own summary
         started = time.monotonic()
         trainer_a.train()
@@ -126,7 +126,7 @@ def main(workdir: Path | None = None, steps: int = 12) -> int:
         healthy = runs.load_adapter(model_dir, adapter_dir, trainable=True)
         callback_b = DeadweightCallback(address=sidecar.address, run_id="demo-healthy-control")
         trainer_b = runs.grpo_trainer(healthy, model_dir, workdir / "run-b", [callback_b],
-                                      steps=steps, save_steps=2)
+                                      steps=steps, save_steps=2, **runs.terminating(model_dir))
         trainer_b.remove_callback(PrinterCallback)
         trainer_b.train()
         _say(f"      ended at step {trainer_b.state.global_step}/{steps}")

@@ -21,6 +21,9 @@ from typing import BinaryIO
 
 import xxhash
 
+from deadweight.sidecar import adapter_methods
+from deadweight.sidecar.adapter_methods import Method, Value
+
 #: Largest safetensors header accepted (the format's own limit is 100 MB).
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 #: Weight files in the order they are looked for in a checkpoint folder.
@@ -37,6 +40,11 @@ DTYPE_BYTES = {
 }
 #: Bytes read at a time while hashing (a multiple of every dtype width).
 READ_CHUNK = 8 * 1024 * 1024
+#: The bytes of 1.0 per float dtype (little-endian), for the identities that start at ones.
+ONE_BYTES = {
+    "F64": struct.pack("<d", 1.0), "F32": struct.pack("<f", 1.0), "F16": struct.pack("<e", 1.0),
+    "BF16": struct.pack("<f", 1.0)[2:],
+}
 
 
 class NotACheckpoint(ValueError):
@@ -52,8 +60,9 @@ class TensorFacts:
     params: int
     nbytes: int
     digest: str
-    #: Every element is exactly zero (+0.0 or -0.0); only computed for ``lora_B`` tensors.
-    all_zero: bool | None = None
+    #: The exact value every element holds, among those the method's identity names
+    #: (only computed for the tensors its identity names); None when it is neither.
+    constant: Value | None = None
 
 
 @dataclass(frozen=True)
@@ -66,16 +75,25 @@ class CheckpointInspection:
     adapter_digest: str = ""
     tensor_digests: dict[str, str] = field(default_factory=dict)
     tensor_bytes: int = 0
-    lora_params: int = 0
-    lora_b_tensors: int = 0
-    lora_b_nonzero_tensors: int = 0
-    #: Non-LoRA tensors saved in an adapter: (name, params).
-    non_lora: tuple[tuple[str, int], ...] = ()
+    #: The PEFT method (``peft_type``) the adapter was saved by, from its config or names.
+    method: str = ""
+    #: The method's untrained identity, readable (``lora_B=0``).
+    identity: str = ""
+    adapter_tensors: int = 0
+    adapter_params: int = 0
+    #: Adapted modules whose tensors the method's identity can judge, and how many of them
+    #: left it (were trained): 0 of N means the adapter changes nothing.
+    identity_modules: int = 0
+    moved_modules: int = 0
+    #: Tensors saved in an adapter that are not the method's own: (name, params).
+    non_adapter: tuple[tuple[str, int], ...] = ()
+    #: Tensors with no element at all (shape with a 0), as ZeRO-3/FSDP saves write them.
+    empty_tensors: tuple[str, ...] = ()
     pickle_files: tuple[str, ...] = ()
 
     @property
-    def non_lora_params(self) -> int:
-        return sum(p for _, p in self.non_lora)
+    def non_adapter_params(self) -> int:
+        return sum(p for _, p in self.non_adapter)
 
 
 def combine(tensors: dict[str, str]) -> str:
@@ -84,14 +102,6 @@ def combine(tensors: dict[str, str]) -> str:
     for name in sorted(tensors):
         h.update(f"{name}:{tensors[name]}\n".encode())
     return h.hexdigest()
-
-
-def is_lora_tensor(name: str) -> bool:
-    return "lora_" in name
-
-
-def is_lora_b(name: str) -> bool:
-    return ".lora_B." in name or ".lora_embedding_B." in name or name.endswith(".lora_B")
 
 
 def _all_zero(data: memoryview, dtype: str) -> bool:
@@ -109,6 +119,17 @@ def _all_zero(data: memoryview, dtype: str) -> bool:
     if any(raw[i::width].count(0) != len(raw) // width for i in range(width - 1)):
         return False
     return not raw[width - 1::width].translate(None, b"\x00\x80")
+
+
+def _all_one(data: memoryview, dtype: str) -> bool:
+    """Every element is exactly 1.0 (chunks are whole elements: READ_CHUNK is a multiple)."""
+    one = ONE_BYTES.get(dtype)
+    return one is not None and len(data) % len(one) == 0 and bytes(data) == one * (
+        len(data) // len(one))
+
+
+def _still(value: Value, data: memoryview, dtype: str) -> bool:
+    return _all_zero(data, dtype) if value is Value.ZERO else _all_one(data, dtype)
 
 
 def read_header(path: Path) -> tuple[dict[str, dict[str, object]], int]:
@@ -149,9 +170,23 @@ def _chunks(handle: BinaryIO, path: Path, begin: int, end: int) -> Iterator[byte
         yield chunk
 
 
-def hash_file(path: Path) -> list[TensorFacts]:
-    """Facts about every tensor of a safetensors file, hashed chunk by chunk."""
+def _identity_values(name: str, method: Method | None) -> list[Value]:
+    """The identity values worth testing on this tensor (none for most tensors)."""
+    if method is None:
+        return []
+    segment = adapter_methods.segment_of(name, method)
+    return [v for alt in method.identity for s, v in alt if s == segment]
+
+
+def hash_file(path: Path, method: Method | None = None) -> list[TensorFacts]:
+    """Facts about every tensor of a safetensors file, hashed chunk by chunk.
+
+    With the adapter's method, the tensors its identity names are also tested for the
+    identity value (exact bytes, no float conversion).
+    """
     header, start = read_header(path)
+    if method is None and path.name == ADAPTER_FILE:
+        method = adapter_methods.resolve(adapter_methods.configured_type(path.parent), header)
     facts: list[TensorFacts] = []
     with path.open("rb") as handle:
         for name in sorted(header):
@@ -161,16 +196,34 @@ def hash_file(path: Path) -> list[TensorFacts]:
             shape = [int(d) for d in entry.get("shape", [])]  # type: ignore[attr-defined]
             params = math.prod(shape)
             digest = xxhash.xxh3_128()
-            zero = True
+            candidates = _identity_values(name, method) if params else []
             for chunk in _chunks(handle, path, start + begin, start + end):
                 digest.update(chunk)
-                if is_lora_b(name) and zero:
-                    zero = _all_zero(memoryview(chunk), dtype)
+                candidates = [v for v in candidates if _still(v, memoryview(chunk), dtype)]
             facts.append(TensorFacts(
                 name=name, dtype=dtype, params=params, nbytes=end - begin,
-                digest=digest.hexdigest(), all_zero=zero if is_lora_b(name) else None,
+                digest=digest.hexdigest(), constant=candidates[0] if candidates else None,
             ))
     return facts
+
+
+def _identity_count(tensors: list[TensorFacts], method: Method) -> tuple[int, int]:
+    """(modules the identity can judge, modules no longer at it)."""
+    modules: dict[str, dict[str, Value | None]] = {}
+    for t in tensors:
+        segment = adapter_methods.segment_of(t.name, method)
+        if segment is not None and segment in method.identity_segments:
+            modules.setdefault(adapter_methods.module_of(t.name, segment), {})[segment] = (
+                t.constant)
+    judged = moved = 0
+    for held in modules.values():
+        alternatives = [alt for alt in method.identity if all(s in held for s, _ in alt)]
+        if not alternatives:
+            continue
+        judged += 1
+        if not any(all(held[s] is v for s, v in alt) for alt in alternatives):
+            moved += 1
+    return judged, moved
 
 
 def _pickles(folder: Path) -> tuple[str, ...]:
@@ -191,12 +244,27 @@ def _weights_in(folder: Path) -> Path | None:
 
 
 def inspect_file(path: Path, folder: Path | None = None) -> CheckpointInspection:
-    """Audit one safetensors weights file (its folder supplies the pickle listing)."""
-    tensors = hash_file(path)
+    """Audit one safetensors weights file (its folder supplies the pickle listing).
+
+    A file of 0 bytes is weights that were never written (a partitioned save): it is
+    reported as a weights file without tensors, not refused.
+    """
+    if path.stat().st_size == 0:
+        return CheckpointInspection(
+            path=str(folder or path), weights_file=path.name,
+            is_adapter=path.name == ADAPTER_FILE, adapter_digest=combine({}),
+            method=adapter_methods.configured_type(path.parent),
+            pickle_files=_pickles(folder) if folder is not None else ())
+    header, _ = read_header(path)
+    configured = adapter_methods.configured_type(path.parent)
+    method = adapter_methods.resolve(configured, header)
+    own = {n for n in header if adapter_methods.segment_of(n, method) is not None}
+    is_adapter = path.name == ADAPTER_FILE or bool(configured) or (
+        method is not adapter_methods.UNKNOWN and bool(own))
+    tensors = hash_file(path, method if is_adapter else None)
     digests = {t.name: t.digest for t in tensors}
-    lora = [t for t in tensors if is_lora_tensor(t.name)]
-    is_adapter = path.name == ADAPTER_FILE or bool(lora)
-    lora_b = [t for t in lora if t.all_zero is not None]
+    adapter = [t for t in tensors if t.name in own]
+    judged, moved = _identity_count(adapter, method) if is_adapter else (0, 0)
     return CheckpointInspection(
         path=str(folder or path),
         weights_file=path.name,
@@ -204,11 +272,15 @@ def inspect_file(path: Path, folder: Path | None = None) -> CheckpointInspection
         adapter_digest=combine(digests),
         tensor_digests=digests,
         tensor_bytes=sum(t.nbytes for t in tensors),
-        lora_params=sum(t.params for t in lora),
-        lora_b_tensors=len(lora_b),
-        lora_b_nonzero_tensors=sum(1 for t in lora_b if not t.all_zero),
-        non_lora=tuple((t.name, t.params) for t in tensors if not is_lora_tensor(t.name))
+        method=method.peft_type if is_adapter else "",
+        identity=method.describe_identity() if is_adapter else "",
+        adapter_tensors=len(adapter),
+        adapter_params=sum(t.params for t in adapter),
+        identity_modules=judged,
+        moved_modules=moved,
+        non_adapter=tuple((t.name, t.params) for t in tensors if t.name not in own)
         if is_adapter else (),
+        empty_tensors=tuple(t.name for t in tensors if t.params == 0),
         pickle_files=_pickles(folder) if folder is not None else (),
     )
 

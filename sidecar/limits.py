@@ -91,7 +91,27 @@ def _run_start(start: pb.RunStart) -> str | None:
         or _text("run_start.preflight.target_modules_regex", f.target_modules_regex)
         or _text("run_start.preflight.active_adapter", f.active_adapter)
         or _digest("run_start.initial_adapter", start.initial_adapter)
+        or _list("run_start.preflight.adapter_layer_names", f.adapter_layer_names)
+        or _map("run_start.trainable_params_by_dtype", start.trainable_params_by_dtype)
+        or _text("run_start.stop_token.token", start.stop_token.token)
+        or _list("run_start.heads", [*start.heads.heads, *start.heads.new_heads,
+                                     *start.heads.saved_heads, *start.heads.trainable_heads])
+        or _text("run_start.resume.checkpoint", start.resume.checkpoint)
+        or _digest("run_start.resume.checkpoint_adapter", start.resume.checkpoint_adapter)
     )
+
+
+def _step(step: pb.StepReport) -> str | None:
+    groups = step.groups
+    if len(groups) > MAX_LIST_ENTRIES:
+        return f"step.groups has more than {MAX_LIST_ENTRIES} entries"
+    if step.ByteSize() <= MAX_TEXT_LENGTH:
+        return None  # no text in it can be longer than the whole (the usual step report)
+    for group in groups:
+        if len(group.name) > MAX_TEXT_LENGTH or len(group.kind) > MAX_TEXT_LENGTH \
+                or len(group.dtype) > MAX_TEXT_LENGTH:
+            return f"step.groups has an entry longer than {MAX_TEXT_LENGTH} characters"
+    return None
 
 
 def event_problem(event: pb.Event) -> str | None:
@@ -100,7 +120,7 @@ def event_problem(event: pb.Event) -> str | None:
     if kind == EventKind.RUN_START:
         return _run_start(event.run_start)
     if kind == EventKind.STEP:
-        return _list("step.groups", (g.name for g in event.step.groups))
+        return _step(event.step)
     if kind == EventKind.LOG:
         return _map("log.values", event.log.values, key_limit=MAX_LOG_KEY_LENGTH)
     if kind == EventKind.CHECKPOINT:

@@ -23,6 +23,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def _escape_label(value: str) -> str:
+    if "\\" not in value and "\n" not in value and '"' not in value:
+        return value  # the common case: nothing to escape, no copies
     return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
 
 
@@ -42,23 +44,38 @@ def _go_float(value: float) -> str:
 
 
 def render(families: Iterable[Metric]) -> bytes:
-    """The exposition text of the families, one ``# HELP``/``# TYPE`` block each."""
+    """The exposition text of the families, one ``# HELP``/``# TYPE`` block each.
+
+    Every sample of a family has the same label names, so they are sorted once per family.
+    """
     out: list[str] = []
+    append = out.append
+    finite = math.isfinite
     for family in families:
         name = family.name + "_total" if family.type == "counter" else family.name
-        out.append(f"# HELP {name} {_escape_help(family.documentation)}\n")
-        out.append(f"# TYPE {name} {family.type}\n")
+        append(f"# HELP {name} {_escape_help(family.documentation)}\n")
+        append(f"# TYPE {name} {family.type}\n")
+        order: list[str] | None = None
         for sample in family.samples:
-            if sample.name.endswith("_created"):
+            sample_name = sample.name
+            if sample_name.endswith("_created"):
                 continue
-            if sample.labels:
-                labels = ",".join(
-                    f'{key}="{_escape_label(str(value))}"'
-                    for key, value in sorted(sample.labels.items())
-                )
-                out.append(f"{sample.name}{{{labels}}} {_go_float(sample.value)}\n")
-            else:
-                out.append(f"{sample.name} {_go_float(sample.value)}\n")
+            value = sample.value
+            number = repr(float(value)) if finite(value) else _go_float(value)
+            labels = sample.labels
+            if not labels:
+                append(f"{sample_name} {number}\n")
+                continue
+            if order is None or len(order) != len(labels):
+                order = sorted(labels)
+            try:
+                text = ",".join([f'{key}="{_escape_label(str(labels[key]))}"'
+                                 for key in order])
+            except KeyError:  # a sample with other label names than the first
+                order = sorted(labels)
+                text = ",".join([f'{key}="{_escape_label(str(labels[key]))}"'
+                                 for key in order])
+            append(f"{sample_name}{{{text}}} {number}\n")
     return "".join(out).encode()
 
 

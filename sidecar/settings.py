@@ -30,3 +30,8 @@ class DetectorSettings:
     length_drop: float = 0.4
     dpo_window: int = 5
     adapter_bloat_ratio: float = 1.0
+    zero_gradient_logs: int = 3
+    skipped_steps: int = 3
+    truncated_logs: int = 4
+    dataset_drop_fraction: float = 0.05
+    low_precision_fraction: float = 0.5

@@ -45,6 +45,10 @@ class StepPoint:
     sampled: bool
     #: Per adapter: (update_sq_sum, unchanged_tensors, tensors), from the step's groups.
     adapter_updates: tuple[tuple[str, float, int, int], ...] = ()
+    #: The optimizer skipped this step (fp16 loss scaling saw inf/NaN gradients).
+    skipped: bool = False
+    #: AdaLoRA only: whether a rank_pattern had been allocated by this step.
+    adalora_allocated: bool | None = None
 
     @classmethod
     def from_report(cls, report: pb.StepReport, at: float) -> StepPoint:
@@ -66,6 +70,9 @@ class StepPoint:
             grad_not_in_optimizer_tensors=report.grad_not_in_optimizer_tensors,
             grad_not_in_optimizer_params=report.grad_not_in_optimizer_params,
             sampled=report.sampled,
+            skipped=report.optimizer_step_skipped,
+            adalora_allocated=report.adalora_rank_pattern_set
+            if report.HasField("adalora_rank_pattern_set") else None,
         )
 
     @property
@@ -220,6 +227,8 @@ class RunState:
                         p.grad_not_in_optimizer_params for p in points
                     ),
                     sampled=any(p.sampled for p in points),
+                    skipped=any(p.skipped for p in points),
+                    adalora_allocated=first.adalora_allocated,
                 )
             )
         return combined

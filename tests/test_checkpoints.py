@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 
 from deadweight.callbacks import digest
 from deadweight.demo import runs
+from deadweight.sidecar.adapter_methods import Value
 from deadweight.sidecar.checkpoint_inspector import (
     CheckpointInspection,
     NotACheckpoint,
@@ -32,7 +33,8 @@ def test_file_digests_equal_the_callbacks_in_memory_digests(tmp_path: Path) -> N
     assert files.tensor_digests == memory.tensors
     assert files.adapter_digest == memory.combined
     assert files.tensor_bytes == memory.bytes
-    assert files.lora_b_tensors == files.lora_b_nonzero_tensors > 0
+    assert files.identity_modules == files.moved_modules > 0
+    assert files.method == "LORA" and files.identity == "lora_B=0 or lora_embedding_B=0"
 
     model = model.to(torch.bfloat16)  # the saved dtype is what is hashed, in both places
     model.save_pretrained(tmp_path / "bf16")
@@ -47,9 +49,29 @@ def test_exact_zero_ignores_the_sign_and_nothing_else(tmp_path: Path) -> None:
         "m.q_proj.lora_A.weight": torch.ones(1, 2),
     }
     save_file(tensors, str(tmp_path / "adapter_model.safetensors"))
-    facts = {t.name: t.all_zero for t in hash_file(tmp_path / "adapter_model.safetensors")}
-    assert facts == {"m.q_proj.lora_B.weight": True, "m.v_proj.lora_B.weight": False,
-                     "m.k_proj.lora_B.weight": True, "m.q_proj.lora_A.weight": None}
+    facts = {t.name: t.constant for t in hash_file(tmp_path / "adapter_model.safetensors")}
+    assert facts == {"m.q_proj.lora_B.weight": Value.ZERO, "m.v_proj.lora_B.weight": None,
+                     "m.k_proj.lora_B.weight": Value.ZERO, "m.q_proj.lora_A.weight": None}
+
+
+def test_exact_one_per_dtype_for_identities_that_start_at_ones(tmp_path: Path) -> None:
+    """IA3 starts at ones: every float width is read as bytes, 1 + one ULP is not one."""
+    tensors = {
+        "m.q_proj.ia3_l": torch.ones(3, dtype=torch.bfloat16),
+        "m.k_proj.ia3_l": torch.ones(3, dtype=torch.float16),
+        "m.v_proj.ia3_l": torch.ones(3, dtype=torch.float64),
+        "m.o_proj.ia3_l": torch.tensor([1.0, 1.0, float(torch.nextafter(
+            torch.tensor(1.0), torch.tensor(2.0)))]),
+    }
+    save_file(tensors, str(tmp_path / "adapter_model.safetensors"))
+    (tmp_path / "adapter_config.json").write_text('{"peft_type": "IA3"}')
+    facts = {t.name: t.constant for t in hash_file(tmp_path / "adapter_model.safetensors")}
+    assert facts == {"m.q_proj.ia3_l": Value.ONE, "m.k_proj.ia3_l": Value.ONE,
+                     "m.v_proj.ia3_l": Value.ONE, "m.o_proj.ia3_l": None}
+    inspection = inspect_path(tmp_path)
+    assert (inspection.method, inspection.identity_modules, inspection.moved_modules) == (
+        "IA3", 4, 1)
+    assert inspection.non_adapter == () and inspection.adapter_params == 12
 
 
 def _raw_safetensors(path: Path, header: dict[str, object], data: bytes) -> None:
@@ -122,10 +144,44 @@ def test_watcher_waits_for_a_complete_folder_created_after_registration(tmp_path
         assert len(sink.seen) == 1
         run_id, inspection, step = sink.seen[0]
         assert (run_id, step, inspection.path) == ("run", 5, str(folder))
-        assert inspection.lora_b_nonzero_tensors == 1
+        assert inspection.moved_modules == 1
 
         watcher.submit("run", str(folder))  # the callback's report of the same files
         _passes(watcher, 2)  # the report was drained and settled
         assert len(sink.seen) == 1
     finally:
         watcher.stop()
+
+
+def test_method_from_names_when_the_config_is_missing(tmp_path: Path) -> None:
+    """A bare adapter file still gets its method's names and identity; a full model is no
+    adapter; an unknown peft_type judges nothing untrained and calls nothing bloat."""
+    cases = {
+        "adalora": ({"m.q_proj.lora_A": torch.ones(2, 4), "m.q_proj.lora_E": torch.zeros(2, 1),
+                     "m.q_proj.lora_B": torch.ones(4, 2)}, "ADALORA", (1, 0)),
+        "loha": ({"m.q_proj.hada_w1_a": torch.ones(4, 2), "m.q_proj.hada_w1_b": torch.ones(2, 4),
+                  "m.q_proj.hada_w2_a": torch.ones(4, 2),
+                  "m.q_proj.hada_w2_b": torch.zeros(2, 4)}, "LOHA", (1, 0)),
+        "boft": ({"m.q_proj.boft_R": torch.zeros(1, 2, 2, 2),
+                  "m.q_proj.boft_s": torch.full((4, 1), 1.5)}, "BOFT", (1, 1)),
+    }
+    for name, (tensors, method, counts) in cases.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        save_file(tensors, str(folder / "adapter_model.safetensors"))
+        inspection = inspect_path(folder)
+        assert inspection.method == method
+        assert (inspection.identity_modules, inspection.moved_modules) == counts
+        assert inspection.non_adapter == ()
+
+    save_file({"model.layers.0.q_proj.weight": torch.ones(4, 4)},
+              str(tmp_path / "full.safetensors"))
+    full = inspect_path(tmp_path / "full.safetensors")
+    assert not full.is_adapter and full.method == "" and full.non_adapter == ()
+
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    save_file({"m.q_proj.newmethod_w": torch.zeros(2, 2)}, str(odd / "adapter_model.safetensors"))
+    (odd / "adapter_config.json").write_text('{"peft_type": "NEWMETHOD"}')
+    unknown = inspect_path(odd)
+    assert unknown.method == "UNKNOWN" and unknown.identity_modules == 0

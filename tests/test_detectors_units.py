@@ -152,8 +152,9 @@ def _inspection(path: str, digest: str, lora_b_nonzero: int = 1,
     return CheckpointInspection(path=path, weights_file="adapter_model.safetensors",
                                 is_adapter=True, adapter_digest=digest,
                                 tensor_digests={"a.lora_B.weight": digest}, tensor_bytes=64,
-                                lora_params=16, lora_b_tensors=1,
-                                lora_b_nonzero_tensors=lora_b_nonzero, pickle_files=pickles)
+                                method="LORA", adapter_tensors=1, adapter_params=16,
+                                identity_modules=1, moved_modules=lora_b_nonzero,
+                                pickle_files=pickles)
 
 
 def test_checkpoint_at_warmups_lr_zero_step_is_not_unchanged() -> None:

@@ -305,7 +305,8 @@ def test_healthy_run_pages_nothing(
     callback = DeadweightCallback(address=stack.sidecar.address, run_id=HEALTHY_RUN)
     trainer = runs.grpo_trainer(model, model_dir, tmp_path, [callback, gate], steps=6,
                                 warmup=2, peft_config=runs.lora_config(),
-                                reward_funcs=_spread_reward)
+                                reward_funcs=_spread_reward,
+                                **runs.terminating(model_dir))  # a healthy policy ends answers
     trainer.train()
 
     # Not a single pending or firing sample for this run in Prometheus' ALERTS series, no

@@ -138,15 +138,11 @@ def _header_not_json(path: Path) -> None:
     path.write_bytes(struct.pack("<Q", 8) + b"{not js}" + b"\0" * 16)
 
 
-def _empty(path: Path) -> None:
-    path.write_bytes(b"")
-
-
 @pytest.mark.parametrize(("make", "reason"), [
     (_truncated, "invalid data_offsets"),
     (_huge_header_length, "header length"),
     (_header_not_json, "header is not JSON"),
-    (_empty, "too short"),
+    (lambda path: path.write_bytes(b"\0" * 4), "too short"),
 ])
 def test_broken_safetensors_are_skipped_with_the_reason(
     run: Watched, make: Any, reason: str
@@ -157,6 +153,26 @@ def test_broken_safetensors_are_skipped_with_the_reason(
     run.report(folder)
     line = run.wait_line(folder, "checkpoint_not_inspected", "checkpoint_inspected")
     assert line["event"] == "checkpoint_not_inspected" and reason in line["error"], line
+    run.still_works()
+
+
+def test_a_zero_byte_adapter_is_inspected_and_called_empty(run: Watched) -> None:
+    """A 0-byte adapter file is what an ungathered partitioned save can leave: it is not a
+    broken file to skip but weights that were never written (``empty_adapter``)."""
+    folder = run.out / "checkpoint-1"
+    folder.mkdir()
+    (folder / "adapter_model.safetensors").write_bytes(b"")
+    run.report(folder)
+    line = run.wait_line(folder, "checkpoint_not_inspected", "checkpoint_inspected")
+    assert line["event"] == "checkpoint_inspected" and line["bytes"] == 0, line
+
+    def empty() -> pb.Finding | None:
+        status = run.sidecar.run_status(run.run_id)
+        found = [f for f in status.findings if f.detector == "empty_adapter"] if status else []
+        return found[0] if found else None
+
+    finding = poll(empty, timeout=20, what="empty_adapter on the 0-byte adapter")
+    assert finding.firing and finding.evidence["tensors"] == "0"
     run.still_works()
 
 

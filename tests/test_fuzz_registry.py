@@ -341,3 +341,20 @@ def test_the_shared_registries_stayed_bounded_after_every_batch() -> None:
         check_bounded(cases.registry)
         check_exported(cases.registry)
         assert len(cases.registry.runs()) <= 1
+
+
+def test_a_group_text_over_the_text_cap_is_refused() -> None:
+    # A step report smaller than the cap is accepted without looking inside it; a larger one
+    # is checked group by group.
+    registry, run_id = CAPS.registry, CAPS.fresh_run()
+    cap = limits.MAX_TEXT_LENGTH
+    for field in ("name", "kind", "dtype"):
+        long = pb.GroupUpdate(**{field: "g" * (cap + 1)})
+        response = registry.ingest(pb.StreamRequest(run_id=run_id, events=[
+            pb.Event(seq=1, step=pb.StepReport(step=1, groups=[pb.GroupUpdate(name="a"), long]))
+        ]))
+        assert "step.groups" in response.error and str(cap) in response.error, response.error
+        at_cap = pb.GroupUpdate(**{field: "g" * cap})
+        accepted = registry.ingest(pb.StreamRequest(run_id=run_id, events=[
+            pb.Event(seq=1, step=pb.StepReport(step=1, groups=[at_cap]))]))
+        assert not accepted.error, accepted.error

@@ -64,7 +64,7 @@ def test_untrained_bloated_and_pickled_adapters_fail(trained: dict[str, Path], t
     code = main(["inspect", str(tmp_path / "fresh"), str(tmp_path / "pickled")])
     out = capsys.readouterr().out
     assert code == 1
-    assert "adapter_never_trained [critical]" in out and "lora_b_nonzero_tensors=0" in out
+    assert "adapter_never_trained [critical]" in out and "moved_modules=0" in out
     assert "adapter_bloat [warning]" in out and "embed_tokens" in out
     assert "pickle_checkpoint [warning]" in out and "pickle_files=adapter_model.bin" in out
 

@@ -97,6 +97,8 @@ def test_healthy_controls_stay_silent(
     else:
         model = runs.load_adapter(model_dir, adapter_dir, trainable=True)
         extra = {}
+    if kind == "grpo":  # a healthy policy ends some completions
+        extra.update(runs.terminating(model_dir))
     trainer = _trainer(kind, model, model_dir, tmp_path, [callback, probe.callback],
                        steps=8, warmup=2, **extra)
     trainer.train()  # type: ignore[attr-defined]

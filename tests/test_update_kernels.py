@@ -1,11 +1,11 @@
-"""Both update kernels (compiled CPU, torch multi-tensor) against a float64 reference."""
+"""The update kernels (installed C, chunked CPU torch, accelerator torch) against a float64
+reference."""
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -14,17 +14,27 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deadweight.callbacks import update_native
-from deadweight.callbacks.update_probe import TensorGroup, UpdateProbe, UpdateStats, _TorchPass
+from deadweight.callbacks.update_probe import (
+    PendingStats,
+    TensorGroup,
+    UpdateProbe,
+    UpdateStats,
+    _DeviceKernel,
+)
 
 NATIVE = update_native.load() is not None
-PATHS = ["torch", "native"]  # .ci/run installs the C compiler the native kernel needs
+PATHS = ["torch", "native"]  # the install (pip install -e . in .ci/run) builds the kernel
 
 
 def reference(old: list[torch.Tensor], new: list[torch.Tensor]) -> dict[str, float]:
     """The figures computed naively in float64, with bytes for the exact test."""
     upd = par = 0.0
-    unchanged = nonfinite = 0
+    unchanged = nonfinite = same_elements = 0
     for a, b in zip(old, new, strict=True):
+        width = a.element_size()
+        bytes_a = a.contiguous().view(torch.uint8).view(-1, width)
+        bytes_b = b.contiguous().view(torch.uint8).view(-1, width)
+        same_elements += int((bytes_a == bytes_b).all(dim=1).sum())
         a64, b64 = a.double(), b.double()
         d = b64 - a64
         if not bool(torch.isfinite(d).all()):
@@ -34,12 +44,14 @@ def reference(old: list[torch.Tensor], new: list[torch.Tensor]) -> dict[str, flo
         par += float(b64.square().sum())
         same = a.contiguous().view(torch.uint8).equal(b.contiguous().view(torch.uint8))
         unchanged += int(same)
-    return {"upd": upd, "par": par, "unchanged": unchanged, "nonfinite": nonfinite}
+    return {"upd": upd, "par": par, "unchanged": unchanged, "nonfinite": nonfinite,
+            "same": same_elements}
 
 
 def check(stats: UpdateStats, ref: dict[str, float]) -> None:
     assert stats.unchanged_tensors == ref["unchanged"]
     assert stats.nonfinite_update_tensors == ref["nonfinite"]
+    assert stats.unchanged_elements == ref["same"]
     assert math.isclose(stats.update_sq_sum, ref["upd"], rel_tol=1e-2, abs_tol=1e-30)
     if ref["nonfinite"] == 0:
         assert math.isclose(stats.param_sq_sum, ref["par"], rel_tol=1e-2, abs_tol=1e-30)
@@ -158,7 +170,8 @@ def test_sampled_mode_bounds_the_snapshot(path: str) -> None:
     probe = UpdateProbe(big, max_full_elements=1000, sample_per_tensor=256,
                         path=path)  # type: ignore[arg-type]
     assert probe.sampled
-    assert probe.snapshot_bytes <= 3 * 256 * 4 + 3 * 64
+    copies = 2 if path == "torch" else 1  # the CPU torch kernel double-buffers
+    assert probe.snapshot_bytes <= copies * (3 * 256 * 4 + 3 * 64)
     before = [t.clone() for t in big]
     stats = step(probe, big, [torch.full_like(t, 0.25) for t in big])
     assert stats.sampled and stats.watched_params == sum(t.numel() for t in before)
@@ -168,42 +181,63 @@ def test_sampled_mode_bounds_the_snapshot(path: str) -> None:
 
 def test_auto_takes_the_native_kernel_on_cpu_when_it_builds() -> None:
     probe = UpdateProbe([torch.zeros(4)])
-    assert NATIVE, "the native kernel did not build (is gcc installed?)"
+    assert NATIVE, "no native kernel: build it with pip install -e . (needs a C compiler)"
     assert probe.path == "native"
     half = UpdateProbe([torch.zeros(4, dtype=torch.float16)])
     assert half.path == "torch"  # no native float16 loop: the torch kernel covers it
 
 
 @pytest.fixture
-def fresh_native(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    saved = dict(update_native._loaded)
-    update_native._loaded.clear()
+def fresh_native() -> Iterator[None]:
+    update_native.reset()
     yield
-    update_native._loaded.clear()
-    update_native._loaded.update(saved)
+    update_native.reset()
 
 
-def test_without_a_working_compiler_the_torch_kernel_is_used(
+def test_an_install_without_the_kernel_uses_the_torch_kernel(
     fresh_native: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("CC", "/bin/false")
+    monkeypatch.setattr(update_native, "MODULE", "deadweight.callbacks._no_such_kernel")
     assert update_native.load() is None
-    assert UpdateProbe([torch.zeros(4)]).path == "torch"
+    probe = UpdateProbe([torch.zeros(4)])
+    assert probe.path == "torch"
+    assert "carries no native kernel" in probe.describe()
 
 
-def test_native_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_native_can_be_switched_off(fresh_native: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DEADWEIGHT_NATIVE", "0")
     assert update_native.load() is None
+    assert "DEADWEIGHT_NATIVE=0" in update_native.describe()
     with pytest.raises(RuntimeError):
         UpdateProbe([torch.zeros(4)], path="native")
 
 
-def test_the_built_library_lives_in_a_private_cache(fresh_native: None, tmp_path: Path) -> None:
-    assert update_native.load() is not None
-    built = list((tmp_path / "deadweight").glob("dw_update-*.so"))
-    assert len(built) == 1
-    assert os.stat(tmp_path / "deadweight").st_mode & 0o077 == 0
+def test_the_kernel_is_the_installed_extension_and_nothing_is_compiled(
+    fresh_native: None, tmp_path: Path
+) -> None:
+    # A fresh process with no compiler reachable and an empty cache folder still loads the
+    # kernel: it is the file the build backend put into the package.
+    import subprocess
+    import sys
+
+    path = update_native.library_path()
+    assert path is not None
+    assert Path(path).parent.resolve() == Path(update_native.__file__).parent.resolve()
+    code = (
+        "import torch\n"
+        "from deadweight.callbacks.update_probe import UpdateProbe\n"
+        "t = torch.zeros(3)\n"
+        "p = UpdateProbe([t], path='native')\n"
+        "p.before_step(); t.add_(1.0)\n"
+        "print(p.after_step().update_sq_sum)\n"
+    )
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "HOME": str(tmp_path),
+           "CC": "/bin/false", "PATH": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "3.0"
+    assert list(tmp_path.iterdir()) == []  # nothing built, nothing cached
 
 
 floats = st.floats(min_value=-1e3, max_value=1e3, allow_nan=False, width=32)
@@ -229,10 +263,11 @@ def test_kernels_agree(data: list[list[float]], moves: list[bool], dtype: torch.
     assert len(set(results)) == 1
 
 
-def accelerator_probe(tensors: list[torch.Tensor]) -> UpdateProbe:
+def accelerator_probe(tensors: list[torch.Tensor],
+                      groups: Sequence[TensorGroup] = ()) -> UpdateProbe:
     """A probe running the accelerator (CUDA) code path of the torch kernel, here on CPU."""
-    probe = UpdateProbe(tensors, path="torch")
-    probe._kernel = _TorchPass(probe._sources, probe._snapshot, host_check=False)
+    probe = UpdateProbe(tensors, groups, path="torch")
+    probe._kernel = _DeviceKernel(probe._sources)
     return probe
 
 
@@ -282,30 +317,6 @@ def test_replaced_storage_is_followed(path: str) -> None:
     assert stats.unchanged_tensors == 0 and stats.update_sq_sum == pytest.approx(32.0)
 
 
-def test_a_torn_cached_library_is_rebuilt(tmp_path: Path) -> None:
-    # A fresh process: this one already maps the library, and rewriting a mapped file in
-    # place would corrupt it under our feet.
-    import subprocess
-    import sys
-
-    digest_name = f"dw_update-{hashlib.sha256(update_native._SOURCE.encode()).hexdigest()[:16]}.so"
-    (tmp_path / "deadweight").mkdir(mode=0o700)
-    (tmp_path / "deadweight" / digest_name).write_bytes(b"not a shared object")
-    code = (
-        "import torch\n"
-        "from deadweight.callbacks.update_probe import UpdateProbe\n"
-        "t = torch.zeros(3)\n"
-        "p = UpdateProbe([t], path='native')\n"
-        "p.before_step(); t.add_(1.0)\n"
-        "print(p.after_step().update_sq_sum)\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)}, timeout=120,
-                          check=False)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "3.0"
-
-
 @pytest.mark.parametrize("path", PATHS)
 def test_sample_is_evenly_spaced_runs_from_first_to_last(path: str) -> None:
     t = torch.zeros(100_000)
@@ -321,3 +332,72 @@ def test_sample_is_evenly_spaced_runs_from_first_to_last(path: str) -> None:
         assert stats is not None
         seen.append(stats.unchanged_tensors == 0)
     assert seen == [True, True, False]
+
+
+@pytest.mark.parametrize("path", [*PATHS, "accelerator"])
+def test_partial_freeze_by_precision_is_counted_per_element_and_per_group(path: str) -> None:
+    # bf16 weights near 1.0 with updates of 1e-3 (a bf16 ULP there is 2**-7): about half the
+    # elements get an update too small to change their bytes. The tensor-level test sees every
+    # tensor change; the element counts see what did not move, per group, with its dtype.
+    gen = torch.Generator().manual_seed(5)
+    lora_a = (1.0 + 0.01 * torch.randn(64, 32, generator=gen)).bfloat16()
+    lora_b = torch.randn(32, 64, generator=gen)  # float32: every element moves
+    groups = [TensorGroup("lora_A", "module", [0]), TensorGroup("lora_B", "module", [1])]
+    tensors = [lora_a, lora_b]
+    if path == "accelerator":
+        probe = accelerator_probe(tensors, groups)
+    else:
+        probe = UpdateProbe(tensors, groups, path=path)  # type: ignore[arg-type]
+    old = [t.clone() for t in tensors]
+    scale = torch.where(torch.rand(64, 32, generator=gen) < 0.5, 1e-3, 3e-2)
+    stats = step(probe, tensors, [(scale * torch.sign(torch.randn(64, 32, generator=gen)))
+                                  .bfloat16(), torch.full((32, 64), 0.25)])
+    ref = reference(old, tensors)
+    assert stats.unchanged_tensors == 0
+    assert stats.unchanged_elements == ref["same"]
+    by_name = {g.name: g for g in stats.groups}
+    a, b = by_name["lora_A"], by_name["lora_B"]
+    assert (a.elements, a.dtype, b.elements, b.dtype) == (2048, "bfloat16", 2048, "float32")
+    assert b.unchanged_elements == 0
+    assert 0.3 * 2048 < a.unchanged_elements == ref["same"] < 0.7 * 2048
+
+
+@pytest.mark.parametrize("path", [*PATHS, "accelerator"])
+def test_a_deferred_read_keeps_its_own_step(path: str) -> None:
+    # The callback reads a step's figures later, from the sender thread, after the training
+    # thread has run the next step: each pending result must still hold its own step.
+    t = torch.zeros(100)
+    probe = (accelerator_probe([t]) if path == "accelerator"
+             else UpdateProbe([t], path=path))  # type: ignore[arg-type]
+    pending = []
+    for delta in (1.0, 0.0, 2.0):
+        probe.before_step()
+        with torch.no_grad():
+            t[:10] += delta
+        result = probe.after_step_deferred()
+        assert isinstance(result, PendingStats)
+        pending.append(result)
+    stats = [p.result() for p in pending]
+    assert [s.update_sq_sum for s in stats] == pytest.approx([10.0, 0.0, 40.0])
+    assert [s.unchanged_elements for s in stats] == [90, 100, 90]
+    assert [s.unchanged_tensors for s in stats] == [0, 1, 0]
+    assert pending[0].result() is stats[0]  # read once, kept
+
+
+def test_one_log_line_says_which_kernel_runs(
+    fresh_native: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="deadweight"):
+        UpdateProbe([torch.zeros(4)])
+    (line,) = [r for r in caplog.records if "update pass runs" in r.getMessage()]
+    assert "native (installed C kernel" in line.getMessage() and line.levelno == logging.INFO
+    caplog.clear()
+    monkeypatch.setenv("DEADWEIGHT_NATIVE", "0")
+    update_native.reset()
+    with caplog.at_level(logging.INFO, logger="deadweight"):
+        UpdateProbe([torch.zeros(4)])
+    (line,) = [r for r in caplog.records if "update pass runs" in r.getMessage()]
+    assert "torch (DEADWEIGHT_NATIVE=0)" in line.getMessage()
+    assert line.levelno == logging.WARNING  # the slow fallback is worth seeing

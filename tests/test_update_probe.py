@@ -92,3 +92,31 @@ def test_sampled_mode_bounds_the_snapshot() -> None:
 
 def test_after_step_without_snapshot_reports_nothing() -> None:
     assert UpdateProbe(_tensors()).after_step() is None
+
+
+def test_the_step_record_carries_element_counts_and_dtypes_on_the_wire() -> None:
+    # The training thread submits a pending result; the sender thread's to_event reads it.
+    from deadweight.callbacks.wire import StepRecord, to_event
+    from deadweight.proto import pb
+
+    frozen = torch.ones(8, 4, dtype=torch.bfloat16)
+    moving = torch.zeros(16)
+    groups = [TensorGroup("default", "adapter", [0, 1]), TensorGroup("lora_A", "module", [0]),
+              TensorGroup("lora_B", "module", [1])]
+    probe = UpdateProbe([frozen, moving], groups)
+    probe.before_step()
+    with torch.no_grad():
+        moving[:4] += 1.0
+    pending = probe.after_step_deferred()
+    assert pending is not None
+    record = StepRecord(step=1, learning_rate=1e-4, stats=pending, optimizer_params=48,
+                        grad_not_in_optimizer_tensors=0, grad_not_in_optimizer_params=0)
+    wire = pb.Event.FromString(to_event("step", record).SerializeToString()).step
+    assert wire.unchanged_elements == 32 + 12
+    by_name = {g.name: g for g in wire.groups}
+    assert (by_name["lora_A"].elements, by_name["lora_A"].unchanged_elements,
+            by_name["lora_A"].dtype) == (32, 32, "bfloat16")
+    assert (by_name["lora_B"].elements, by_name["lora_B"].unchanged_elements,
+            by_name["lora_B"].dtype) == (16, 12, "float32")
+    assert by_name["default"].dtype == "bfloat16,float32"
+    assert len(wire.groups) == 3  # per group, never per tensor

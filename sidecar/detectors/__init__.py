@@ -14,6 +14,7 @@ from deadweight.sidecar.detectors.checkpoints import (
     AdapterBloat,
     AdapterNeverTrained,
     CheckpointUnchanged,
+    EmptyAdapter,
     PickleCheckpoint,
 )
 from deadweight.sidecar.detectors.frozen import FrozenWeights
@@ -30,6 +31,17 @@ from deadweight.sidecar.detectors.setup import (
     NoKlAnchor,
     PartialTargetModules,
     ShardingFallback,
+)
+from deadweight.sidecar.detectors.silent import (
+    AdaloraNotAllocated,
+    CompletionsTruncated,
+    DatasetShrunk,
+    LowPrecisionUpdate,
+    OptimizerStepsSkipped,
+    ResumeLostAdapter,
+    StopTokenUntrained,
+    UnsavedHead,
+    ZeroGradient,
 )
 from deadweight.sidecar.detectors.spec import DetectorSpec, Policy, Severity
 from deadweight.sidecar.detectors.trends import (
@@ -57,9 +69,19 @@ ALL: tuple[Detector, ...] = (
     EntropyCollapse(),
     CompletionLengthCollapse(),
     DpoLikelihoodCollapse(),
+    ZeroGradient(),
+    OptimizerStepsSkipped(),
+    LowPrecisionUpdate(),
+    StopTokenUntrained(),
+    UnsavedHead(),
+    DatasetShrunk(),
+    ResumeLostAdapter(),
+    AdaloraNotAllocated(),
+    CompletionsTruncated(),
     CheckpointUnchanged(),
     AdapterNeverTrained(),
     AdapterBloat(),
+    EmptyAdapter(),
     PickleCheckpoint(),
 )
 

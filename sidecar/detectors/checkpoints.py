@@ -97,16 +97,25 @@ class CheckpointUnchanged(SpecDetector):
 
 
 class AdapterNeverTrained(_InspectedCheckpoint):
-    """Every ``lora_B`` tensor of the saved adapter is exactly zero: the adapter is a no-op."""
+    """Every adapted module of the saved adapter is still at its method's untrained identity.
+
+    LoRA's ``B = 0``, IA3's ones, LoHa's ``hada_w2_b = 0``, ...: such an adapter computes
+    exactly what the base model computes. Methods with a random start (prompt tuning) have no
+    identity to test; an unchanged checkpoint is their evidence.
+    """
 
     spec = DetectorSpec(
         id="adapter_never_trained",
         severity=Severity.CRITICAL,
         scope="artifact",
         summary="Run {run_id} saved an adapter that was never trained",
-        meaning="every lora_B tensor in the saved adapter is exactly zero: the adapter is the "
-        "identity it started as",
-        fires_when="every `lora_B` tensor of the saved adapter is exactly zero",
+        meaning="every adapted module of the saved adapter is still at its PEFT method's "
+        "untrained identity (LoRA B = 0, IA3 ones, ...): the adapter is the identity it "
+        "started as",
+        fires_when="every adapted module of the saved adapter is exactly at its method's "
+        "untrained identity, read per `peft_type` (LoRA/DoRA `lora_B` = 0, AdaLoRA `lora_E` = "
+        "0, IA3 `ia3_l` = 1, LoHa/LoKr/VeRA/OFT factor = 0, BOFT `boft_R` = 0 and `boft_s` = "
+        "1; prompt/prefix tuning have none)",
         cadence="every inspected checkpoint",
         evidence=(Evidence("checkpoints_total"), Evidence("checkpoint_adapter_bytes"),
                   Evidence("update_norm", 0)),
@@ -115,55 +124,100 @@ class AdapterNeverTrained(_InspectedCheckpoint):
 
     def judge_inspected(self, run: RunState, point: CheckpointPoint, ins: CheckpointInspection,
                         settings: DetectorSettings) -> Verdict:
-        if (not ins.is_adapter or ins.lora_b_tensors == 0 or ins.lora_b_nonzero_tensors > 0
+        if (not ins.is_adapter or ins.identity_modules == 0 or ins.moved_modules > 0
                 or not trained_before(run, point.step)):
             return Verdict(False, step=point.step)
         return Verdict(
             True,
             step=point.step,
-            summary=(f"all {ins.lora_b_tensors} lora_B tensors in {point.path} are exactly "
-                     f"zero: the adapter changes nothing"),
-            evidence={"checkpoint": point.path, "step": fmt(point.step),
-                      "lora_b_tensors": fmt(ins.lora_b_tensors), "lora_b_nonzero_tensors": "0",
-                      "lora_params": fmt(ins.lora_params)},
+            summary=(f"all {ins.identity_modules} adapted modules of the {ins.method} adapter "
+                     f"in {point.path} are at its untrained identity ({ins.identity}): the "
+                     f"adapter changes nothing"),
+            evidence={"checkpoint": point.path, "step": fmt(point.step), "method": ins.method,
+                      "identity": ins.identity, "identity_modules": fmt(ins.identity_modules),
+                      "moved_modules": "0", "adapter_params": fmt(ins.adapter_params)},
         )
 
 
 class AdapterBloat(_InspectedCheckpoint):
-    """The adapter file carries non-LoRA tensors (embeddings, lm_head) larger than the LoRA."""
+    """The adapter file carries tensors of the base model (embeddings, lm_head) larger than
+    the adapter's own tensors."""
 
     spec = DetectorSpec(
         id="adapter_bloat",
         severity=Severity.WARNING,
         scope="artifact",
-        summary="Run {run_id} saves an adapter with full (non-LoRA) tensors",
-        meaning="the adapter file holds non-LoRA tensors (embed_tokens, lm_head, wte) and is "
-        "far larger than its LoRA weights",
-        fires_when="the saved adapter holds non-LoRA tensors (`embed_tokens`, `lm_head`, `wte`) "
-        "with more parameters than its LoRA tensors",
+        summary="Run {run_id} saves an adapter with full base-model tensors",
+        meaning="the adapter file holds base-model tensors (embed_tokens, lm_head, wte) and is "
+        "far larger than its own adapter weights",
+        fires_when="the saved adapter holds tensors that are not its PEFT method's own "
+        "(`embed_tokens`, `lm_head`, `wte`) with more parameters than the method's tensors",
         thresholds=(Threshold("adapter_bloat_ratio", "ratio",
-                              "non-LoRA parameters saved in an adapter, relative to its LoRA "
-                              "parameters"),),
+                              "base-model parameters saved in an adapter, relative to the "
+                              "adapter method's own parameters"),),
         evidence=(Evidence("checkpoint_adapter_bytes", 483328), Evidence("checkpoints_total")),
     )
 
     def judge_inspected(self, run: RunState, point: CheckpointPoint, ins: CheckpointInspection,
                         settings: DetectorSettings) -> Verdict:
-        extra = ins.non_lora_params
-        if not ins.is_adapter or extra <= settings.adapter_bloat_ratio * max(ins.lora_params, 1):
+        extra = ins.non_adapter_params
+        own = max(ins.adapter_params, 1)
+        if not ins.is_adapter or ins.adapter_tensors == 0 or extra <= (
+                settings.adapter_bloat_ratio * own):
             return Verdict(False, step=point.step)
-        names = sorted(ins.non_lora, key=lambda t: -t[1])
+        names = sorted(ins.non_adapter, key=lambda t: -t[1])
         return Verdict(
             True,
             step=point.step,
-            summary=(f"adapter holds {extra} non-LoRA params ({', '.join(n for n, _ in names[:3])}"
-                     f") vs {ins.lora_params} LoRA params: {ins.tensor_bytes} bytes"),
-            evidence={"checkpoint": point.path, "non_lora_params": fmt(extra),
-                      "lora_params": fmt(ins.lora_params),
-                      "ratio": fmt(extra / max(ins.lora_params, 1)),
+            summary=(f"adapter holds {extra} params of the base model ("
+                     f"{', '.join(n for n, _ in names[:3])}) vs {ins.adapter_params} "
+                     f"{ins.method} params: {ins.tensor_bytes} bytes"),
+            evidence={"checkpoint": point.path, "non_adapter_params": fmt(extra),
+                      "adapter_params": fmt(ins.adapter_params), "method": ins.method,
+                      "ratio": fmt(extra / own),
                       "adapter_bytes": fmt(ins.tensor_bytes),
-                      "non_lora_tensors": ",".join(n for n, _ in names[:5]),
+                      "non_adapter_tensors": ",".join(n for n, _ in names[:5]),
                       "step": fmt(point.step)},
+        )
+
+
+class EmptyAdapter(_InspectedCheckpoint):
+    """The saved weights hold no tensor, or only tensors without a single element.
+
+    ZeRO-3 and FSDP keep each parameter partitioned across ranks; a save that does not gather
+    them writes shape-``[0]`` tensors (or none): the file loads and changes nothing.
+    """
+
+    spec = DetectorSpec(
+        id="empty_adapter",
+        severity=Severity.CRITICAL,
+        scope="artifact",
+        summary="Run {run_id} saved an empty adapter",
+        meaning="the checkpoint's weights file holds no tensor, only tensors without an element, "
+        "or no bytes at all (a partitioned ZeRO-3/FSDP save that was never gathered)",
+        fires_when="the inspected weights file is 0 bytes, holds no tensor, or every tensor has "
+        "a 0 in its shape",
+        cadence="every inspected checkpoint",
+        evidence=(Evidence("checkpoint_adapter_bytes", 0), Evidence("checkpoints_total")),
+    )
+
+    def judge_inspected(self, run: RunState, point: CheckpointPoint, ins: CheckpointInspection,
+                        settings: DetectorSettings) -> Verdict:
+        if not ins.weights_file:
+            return Verdict(False, step=point.step)
+        tensors = len(ins.tensor_digests)
+        if tensors and len(ins.empty_tensors) < tensors:  # AdaLoRA prunes some to rank 0
+            return Verdict(False, step=point.step)
+        what = "no tensor at all" if not tensors else f"{tensors} tensors without an element"
+        return Verdict(
+            True,
+            step=point.step,
+            summary=f"{ins.weights_file} in {point.path} holds {what}: the saved weights are "
+                    f"empty (a partitioned save that was never gathered?)",
+            evidence={"checkpoint": point.path, "step": fmt(point.step),
+                      "tensors": fmt(tensors), "empty_tensors": fmt(len(ins.empty_tensors)),
+                      "empty_tensor_names": ",".join(ins.empty_tensors[:5]),
+                      "bytes": fmt(ins.tensor_bytes)},
         )
 
 

@@ -27,7 +27,8 @@ def _is_frozen_step(point: StepPoint, settings: DetectorSettings) -> bool:
 class FrozenWeights(SpecDetector):
     """K consecutive optimizer steps with lr > 0 and a finite loss moved no weight.
 
-    Steps at lr 0 (warmup's first step) neither count nor break the streak. A zero update
+    Steps at lr 0 (warmup's first step) and steps the optimizer skipped (fp16 overflow) neither
+    count nor break the streak. A zero update
     with a zero gradient and a non-empty optimizer is left to the reward/gradient detectors
     (it is not frozen weights, it is nothing to learn from); with an empty optimizer or a
     gradient that is flowing, a zero update means the weights are cut off from training.
@@ -49,7 +50,7 @@ class FrozenWeights(SpecDetector):
     )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
-        steps = [p for p in run.combined_steps() if p.learning_rate > 0]
+        steps = [p for p in run.combined_steps() if p.learning_rate > 0 and not p.skipped]
         if not steps:
             return None
         loss = run.log_value("loss")
@@ -98,7 +99,8 @@ class FrozenWeights(SpecDetector):
     def streak(run: RunState, settings: DetectorSettings) -> int:
         """Consecutive frozen steps at lr > 0 ending at the latest one (for the metric)."""
         count = 0
-        for point in reversed([p for p in run.combined_steps() if p.learning_rate > 0]):
+        for point in reversed([p for p in run.combined_steps()
+                               if p.learning_rate > 0 and not p.skipped]):
             if not _is_frozen_step(point, settings):
                 break
             count += 1

@@ -37,6 +37,10 @@ class NonfiniteLoss(SpecDetector):
         latest = steps[-1] if steps else None
         if loss is None and grad_norm is None and latest is None:
             return None
+        grads = run.history("grad_norm")
+        skipped = {p.step for p in steps if p.skipped}
+        if grads and grads[-1][0] in skipped:
+            grad_norm = None  # fp16 overflow: the scaler skipped the step, as designed
         bad = [k for k, v in (("loss", loss), ("grad_norm", grad_norm))
                if v is not None and not math.isfinite(v)]
         if latest is not None and latest.nonfinite_update_tensors > 0:

@@ -38,7 +38,7 @@ class Event(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., time_seconds: _Optional[float] = ..., run_start: _Optional[_Union[RunStart, _Mapping]] = ..., step: _Optional[_Union[StepReport, _Mapping]] = ..., log: _Optional[_Union[LogReport, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointReport, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., run_end: _Optional[_Union[RunEnd, _Mapping]] = ...) -> None: ...
 
 class RunStart(_message.Message):
-    __slots__ = ("trainer", "world_size", "output_dir", "config", "config_text", "versions", "membership", "preflight", "initial_adapter", "attestation", "sharded", "host", "wrapper", "requested_wrapper")
+    __slots__ = ("trainer", "world_size", "output_dir", "config", "config_text", "versions", "membership", "preflight", "initial_adapter", "attestation", "sharded", "host", "wrapper", "requested_wrapper", "stop_token", "heads", "resume", "trainable_params_by_dtype", "dataset_rows")
     class ConfigEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,13 @@ class RunStart(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class TrainableParamsByDtypeEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     TRAINER_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_DIR_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +81,11 @@ class RunStart(_message.Message):
     HOST_FIELD_NUMBER: _ClassVar[int]
     WRAPPER_FIELD_NUMBER: _ClassVar[int]
     REQUESTED_WRAPPER_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    HEADS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
+    TRAINABLE_PARAMS_BY_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DATASET_ROWS_FIELD_NUMBER: _ClassVar[int]
     trainer: str
     world_size: int
     output_dir: str
@@ -88,7 +100,58 @@ class RunStart(_message.Message):
     host: str
     wrapper: str
     requested_wrapper: str
-    def __init__(self, trainer: _Optional[str] = ..., world_size: _Optional[int] = ..., output_dir: _Optional[str] = ..., config: _Optional[_Mapping[str, float]] = ..., config_text: _Optional[_Mapping[str, str]] = ..., versions: _Optional[_Mapping[str, str]] = ..., membership: _Optional[_Union[OptimizerMembership, _Mapping]] = ..., preflight: _Optional[_Union[Preflight, _Mapping]] = ..., initial_adapter: _Optional[_Union[AdapterDigest, _Mapping]] = ..., attestation: _Optional[str] = ..., sharded: _Optional[bool] = ..., host: _Optional[str] = ..., wrapper: _Optional[str] = ..., requested_wrapper: _Optional[str] = ...) -> None: ...
+    stop_token: StopTokenCheck
+    heads: HeadCheck
+    resume: Resume
+    trainable_params_by_dtype: _containers.ScalarMap[str, int]
+    dataset_rows: DatasetRows
+    def __init__(self, trainer: _Optional[str] = ..., world_size: _Optional[int] = ..., output_dir: _Optional[str] = ..., config: _Optional[_Mapping[str, float]] = ..., config_text: _Optional[_Mapping[str, str]] = ..., versions: _Optional[_Mapping[str, str]] = ..., membership: _Optional[_Union[OptimizerMembership, _Mapping]] = ..., preflight: _Optional[_Union[Preflight, _Mapping]] = ..., initial_adapter: _Optional[_Union[AdapterDigest, _Mapping]] = ..., attestation: _Optional[str] = ..., sharded: _Optional[bool] = ..., host: _Optional[str] = ..., wrapper: _Optional[str] = ..., requested_wrapper: _Optional[str] = ..., stop_token: _Optional[_Union[StopTokenCheck, _Mapping]] = ..., heads: _Optional[_Union[HeadCheck, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., trainable_params_by_dtype: _Optional[_Mapping[str, int]] = ..., dataset_rows: _Optional[_Union[DatasetRows, _Mapping]] = ...) -> None: ...
+
+class StopTokenCheck(_message.Message):
+    __slots__ = ("token", "token_id", "sequences", "in_inputs", "in_labels")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    IN_INPUTS_FIELD_NUMBER: _ClassVar[int]
+    IN_LABELS_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    token_id: int
+    sequences: int
+    in_inputs: int
+    in_labels: int
+    def __init__(self, token: _Optional[str] = ..., token_id: _Optional[int] = ..., sequences: _Optional[int] = ..., in_inputs: _Optional[int] = ..., in_labels: _Optional[int] = ...) -> None: ...
+
+class HeadCheck(_message.Message):
+    __slots__ = ("heads", "new_heads", "saved_heads", "trainable_heads")
+    HEADS_FIELD_NUMBER: _ClassVar[int]
+    NEW_HEADS_FIELD_NUMBER: _ClassVar[int]
+    SAVED_HEADS_FIELD_NUMBER: _ClassVar[int]
+    TRAINABLE_HEADS_FIELD_NUMBER: _ClassVar[int]
+    heads: _containers.RepeatedScalarFieldContainer[str]
+    new_heads: _containers.RepeatedScalarFieldContainer[str]
+    saved_heads: _containers.RepeatedScalarFieldContainer[str]
+    trainable_heads: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, heads: _Optional[_Iterable[str]] = ..., new_heads: _Optional[_Iterable[str]] = ..., saved_heads: _Optional[_Iterable[str]] = ..., trainable_heads: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Resume(_message.Message):
+    __slots__ = ("checkpoint", "step", "checkpoint_adapter", "first_loss")
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOSS_FIELD_NUMBER: _ClassVar[int]
+    checkpoint: str
+    step: int
+    checkpoint_adapter: AdapterDigest
+    first_loss: float
+    def __init__(self, checkpoint: _Optional[str] = ..., step: _Optional[int] = ..., checkpoint_adapter: _Optional[_Union[AdapterDigest, _Mapping]] = ..., first_loss: _Optional[float] = ...) -> None: ...
+
+class DatasetRows(_message.Message):
+    __slots__ = ("given", "kept")
+    GIVEN_FIELD_NUMBER: _ClassVar[int]
+    KEPT_FIELD_NUMBER: _ClassVar[int]
+    given: int
+    kept: int
+    def __init__(self, given: _Optional[int] = ..., kept: _Optional[int] = ...) -> None: ...
 
 class OptimizerMembership(_message.Message):
     __slots__ = ("optimizer_tensors", "optimizer_params", "trainable_tensors", "trainable_params", "trainable_not_in_optimizer_tensors", "adapter_tensors", "adapter_params", "adapters", "layout")
@@ -127,7 +190,7 @@ class AdapterCoverage(_message.Message):
     def __init__(self, name: _Optional[str] = ..., tensors: _Optional[int] = ..., params: _Optional[int] = ..., in_optimizer_tensors: _Optional[int] = ..., active: _Optional[bool] = ...) -> None: ...
 
 class Preflight(_message.Message):
-    __slots__ = ("is_peft", "peft_type", "requested_target_modules", "target_modules_regex", "unmatched_target_modules", "embedding_rows", "base_vocab_size", "tokenizer_size", "modules_to_save", "active_adapter", "lora_rank")
+    __slots__ = ("is_peft", "peft_type", "requested_target_modules", "target_modules_regex", "unmatched_target_modules", "embedding_rows", "base_vocab_size", "tokenizer_size", "modules_to_save", "active_adapter", "lora_rank", "adapter_layer_names")
     IS_PEFT_FIELD_NUMBER: _ClassVar[int]
     PEFT_TYPE_FIELD_NUMBER: _ClassVar[int]
     REQUESTED_TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +202,7 @@ class Preflight(_message.Message):
     MODULES_TO_SAVE_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_LAYER_NAMES_FIELD_NUMBER: _ClassVar[int]
     is_peft: bool
     peft_type: str
     requested_target_modules: _containers.RepeatedScalarFieldContainer[str]
@@ -150,7 +214,8 @@ class Preflight(_message.Message):
     modules_to_save: _containers.RepeatedScalarFieldContainer[str]
     active_adapter: str
     lora_rank: int
-    def __init__(self, is_peft: _Optional[bool] = ..., peft_type: _Optional[str] = ..., requested_target_modules: _Optional[_Iterable[str]] = ..., target_modules_regex: _Optional[str] = ..., unmatched_target_modules: _Optional[_Iterable[str]] = ..., embedding_rows: _Optional[int] = ..., base_vocab_size: _Optional[int] = ..., tokenizer_size: _Optional[int] = ..., modules_to_save: _Optional[_Iterable[str]] = ..., active_adapter: _Optional[str] = ..., lora_rank: _Optional[int] = ...) -> None: ...
+    adapter_layer_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, is_peft: _Optional[bool] = ..., peft_type: _Optional[str] = ..., requested_target_modules: _Optional[_Iterable[str]] = ..., target_modules_regex: _Optional[str] = ..., unmatched_target_modules: _Optional[_Iterable[str]] = ..., embedding_rows: _Optional[int] = ..., base_vocab_size: _Optional[int] = ..., tokenizer_size: _Optional[int] = ..., modules_to_save: _Optional[_Iterable[str]] = ..., active_adapter: _Optional[str] = ..., lora_rank: _Optional[int] = ..., adapter_layer_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AdapterDigest(_message.Message):
     __slots__ = ("combined", "tensors", "bytes")
@@ -170,7 +235,7 @@ class AdapterDigest(_message.Message):
     def __init__(self, combined: _Optional[str] = ..., tensors: _Optional[_Mapping[str, str]] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class StepReport(_message.Message):
-    __slots__ = ("step", "learning_rate", "update_sq_sum", "param_sq_sum", "watched_tensors", "watched_params", "optimizer_params", "unchanged_tensors", "grad_not_in_optimizer_tensors", "nonfinite_update_tensors", "grad_sq_sum", "groups", "sampled", "grad_not_in_optimizer_params")
+    __slots__ = ("step", "learning_rate", "update_sq_sum", "param_sq_sum", "watched_tensors", "watched_params", "optimizer_params", "unchanged_tensors", "grad_not_in_optimizer_tensors", "nonfinite_update_tensors", "grad_sq_sum", "groups", "sampled", "grad_not_in_optimizer_params", "unchanged_elements", "optimizer_step_skipped", "adalora_rank_pattern_set")
     STEP_FIELD_NUMBER: _ClassVar[int]
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     UPDATE_SQ_SUM_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +250,9 @@ class StepReport(_message.Message):
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
     GRAD_NOT_IN_OPTIMIZER_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    UNCHANGED_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_STEP_SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    ADALORA_RANK_PATTERN_SET_FIELD_NUMBER: _ClassVar[int]
     step: int
     learning_rate: float
     update_sq_sum: float
@@ -199,23 +267,32 @@ class StepReport(_message.Message):
     groups: _containers.RepeatedCompositeFieldContainer[GroupUpdate]
     sampled: bool
     grad_not_in_optimizer_params: int
-    def __init__(self, step: _Optional[int] = ..., learning_rate: _Optional[float] = ..., update_sq_sum: _Optional[float] = ..., param_sq_sum: _Optional[float] = ..., watched_tensors: _Optional[int] = ..., watched_params: _Optional[int] = ..., optimizer_params: _Optional[int] = ..., unchanged_tensors: _Optional[int] = ..., grad_not_in_optimizer_tensors: _Optional[int] = ..., nonfinite_update_tensors: _Optional[int] = ..., grad_sq_sum: _Optional[float] = ..., groups: _Optional[_Iterable[_Union[GroupUpdate, _Mapping]]] = ..., sampled: _Optional[bool] = ..., grad_not_in_optimizer_params: _Optional[int] = ...) -> None: ...
+    unchanged_elements: int
+    optimizer_step_skipped: bool
+    adalora_rank_pattern_set: bool
+    def __init__(self, step: _Optional[int] = ..., learning_rate: _Optional[float] = ..., update_sq_sum: _Optional[float] = ..., param_sq_sum: _Optional[float] = ..., watched_tensors: _Optional[int] = ..., watched_params: _Optional[int] = ..., optimizer_params: _Optional[int] = ..., unchanged_tensors: _Optional[int] = ..., grad_not_in_optimizer_tensors: _Optional[int] = ..., nonfinite_update_tensors: _Optional[int] = ..., grad_sq_sum: _Optional[float] = ..., groups: _Optional[_Iterable[_Union[GroupUpdate, _Mapping]]] = ..., sampled: _Optional[bool] = ..., grad_not_in_optimizer_params: _Optional[int] = ..., unchanged_elements: _Optional[int] = ..., optimizer_step_skipped: _Optional[bool] = ..., adalora_rank_pattern_set: _Optional[bool] = ...) -> None: ...
 
 class GroupUpdate(_message.Message):
-    __slots__ = ("name", "kind", "update_sq_sum", "tensors", "unchanged_tensors", "optimizer_tensors")
+    __slots__ = ("name", "kind", "update_sq_sum", "tensors", "unchanged_tensors", "optimizer_tensors", "elements", "unchanged_elements", "dtype")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     UPDATE_SQ_SUM_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     UNCHANGED_TENSORS_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    UNCHANGED_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: str
     update_sq_sum: float
     tensors: int
     unchanged_tensors: int
     optimizer_tensors: int
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., update_sq_sum: _Optional[float] = ..., tensors: _Optional[int] = ..., unchanged_tensors: _Optional[int] = ..., optimizer_tensors: _Optional[int] = ...) -> None: ...
+    elements: int
+    unchanged_elements: int
+    dtype: str
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., update_sq_sum: _Optional[float] = ..., tensors: _Optional[int] = ..., unchanged_tensors: _Optional[int] = ..., optimizer_tensors: _Optional[int] = ..., elements: _Optional[int] = ..., unchanged_elements: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class LogReport(_message.Message):
     __slots__ = ("step", "values", "dropped_keys")

@@ -1,0 +1,124 @@
+"""The multi-rank stop agreement's per-step cost: 2 ranks, gloo, loopback.
+
+Each rank runs the callback's real ``StopAgreement`` (one non-blocking MAX all-reduce per step
+end, the previous one's result read) around a simulated data-parallel training step (fixed
+compute, then a gradient all-reduce that keeps the ranks in step, as DDP does), and times
+``step_end``. Reference: a blocking all-reduce of the same flag, what an agreement that
+waited for the other rank would cost.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+import statistics
+import time
+from typing import Any
+
+from .common import fmt_time, table, verdict
+
+#: The agreement's share of a training step (the callback's whole budget is 0.25%).
+STEP_SHARE_BUDGET = 0.0025
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _step_work(size: int, grads: Any) -> None:
+    """A fixed amount of single-thread compute standing in for forward/backward, then the
+    gradient all-reduce that keeps data-parallel ranks in step (as DDP does)."""
+    import torch
+    import torch.distributed as dist
+
+    a = torch.ones(size, size)
+    for _ in range(4):
+        a = a @ a
+        a.div_(float(a.max()))
+    dist.all_reduce(grads)
+
+
+def _rank(rank: int, port: int, steps: int, size: int, out: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from deadweight.callbacks.stop_agreement import StopAgreement
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    try:
+        agreement = StopAgreement.create()
+        assert agreement is not None
+        agreed_at = -1
+        agree, blocking, work = [], [], []
+        flag = torch.zeros(1, dtype=torch.int32)
+        grads = torch.zeros(1 << 16)
+        for step in range(steps):
+            t0 = time.perf_counter()
+            _step_work(size, grads)
+            t1 = time.perf_counter()
+            # rank 1 proposes at the last step but one: both must agree one step later
+            agreed = agreement.step_end(rank == 1 and step == steps - 2)
+            work.append(t1 - t0)
+            agree.append(time.perf_counter() - t1)
+            if agreed and agreed_at < 0:
+                agreed_at = step
+        for _ in range(steps):  # the reference, in its own phase
+            _step_work(size, grads)
+            t0 = time.perf_counter()
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            blocking.append(time.perf_counter() - t0)
+        agreement.close()
+        if rank == 0:
+            out.put((agree[1:], blocking[1:], work[1:], agreed_at))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure(steps: int, size: int = 640) -> tuple[list[float], list[float], list[float], int]:
+    """Per-step seconds on rank 0: agreement, blocking all-reduce, step work; agreed step."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank, args=(r, port, steps, size, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        result: tuple[list[float], list[float], list[float], int] = out.get(timeout=300)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.terminate()
+    return result
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def run(repeats: int, quick: bool) -> list[list[str]]:
+    """One row for the agreement, one for the blocking reference."""
+    steps = 40 if quick else 150
+    agree, blocking, work, agreed_at = measure(steps)
+    step = statistics.median(work)
+    med = statistics.median(agree)
+    rows = [
+        ["simulated step (compute + gradient all-reduce)", fmt_time(step), "", "",
+         "reference"],
+        ["StopAgreement.step_end (async all-reduce, read one step later)", fmt_time(med),
+         fmt_time(_pct(agree, 0.99)), f"{med / step:.3%}",
+         f"<= {STEP_SHARE_BUDGET:.2%} of a step {verdict(med / step <= STEP_SHARE_BUDGET)}"],
+        ["blocking all_reduce of the same flag", fmt_time(statistics.median(blocking)),
+         fmt_time(_pct(blocking, 0.99)), f"{statistics.median(blocking) / step:.3%}",
+         "reference"],
+        ["agreement reached at step (proposed at step)", str(agreed_at), str(steps - 2), "",
+         "one step later " + verdict(agreed_at == steps - 1)],
+    ]
+    table(f"multi-rank stop agreement (2 ranks, gloo, loopback, {steps} steps, rank 0)",
+          ["what", "median", "p99", "of step", "budget"], rows)
+    return rows

@@ -1,0 +1,373 @@
+"""The silent failures beyond the first catalogue, each as a real failing run next to its
+healthy twin (same trainer, same model, the one line that differs set right).
+
+Every failing run asserts the detector that names its cause and the numbers behind it; every
+twin asserts that detector stays silent. ``detected`` reports time to detect: the step the
+verdict names and the seconds from the start of training to the verdict.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from deadweight.demo import runs
+from deadweight.sidecar.registry import Finding
+from tests.test_catalogue_harness import LiveSidecar
+
+pytestmark = pytest.mark.slow
+
+
+def _base(model_dir: Path, **kwargs: Any) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+
+
+def train(trainer: Any, **kwargs: Any) -> float:
+    """Train; return the wall-clock time training started."""
+    started = time.time()
+    trainer.train(**kwargs)
+    return started
+
+
+def detected(live: LiveSidecar, run_id: str, detector: str, started: float) -> Finding:
+    """The finding, with its time to detect printed for the report."""
+    fired = live.fired(run_id)
+    assert detector in fired, {k: f.summary for k, f in fired.items()}
+    finding = fired[detector]
+    print(f"\ntime-to-detect {detector}: step {finding.step}, "
+          f"{finding.fired_at - started:.2f} s after train start")
+    return finding
+
+
+def silent(live: LiveSidecar, run_id: str, *detectors: str) -> None:
+    fired = live.fired(run_id)
+    assert not set(detectors) & set(fired), {k: fired[k].summary for k in fired}
+
+
+# -- 1. partial freeze by precision ------------------------------------------------------------
+
+
+def test_adapter_cast_to_bf16_updates_in_low_precision(
+    live: LiveSidecar, tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    import torch
+    from peft import get_peft_model
+
+    model_dir, _ = tiny
+    model = get_peft_model(_base(model_dir), runs.lora_config()).to(torch.bfloat16)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_A" in n}
+    started = train(runs.sft_trainer(model, model_dir, tmp_path / "bad",
+                                     [live.callback("bf16-cast")], steps=4, save_steps=10))
+    low = detected(live, "bf16-cast", "low_precision_update", started)
+    assert low.evidence["dtypes"].startswith("bfloat16=") and low.step == 0
+    assert "frozen_weights" not in live.fired("bf16-cast")  # every tensor still moves
+    after = dict(model.named_parameters())
+    still = sum(int((after[n] == b).sum()) for n, b in before.items())
+    total = sum(b.numel() for b in before.values())
+    assert all(not torch.equal(after[n], b) for n, b in before.items())
+    assert still / total > 0.3  # yet a large share of lora_A elements never moved
+
+    # Twin: a bf16 base with PEFT's default autocast keeps the adapter (and its updates) fp32.
+    twin = get_peft_model(_base(model_dir, dtype=torch.bfloat16), runs.lora_config())
+    train(runs.sft_trainer(twin, model_dir, tmp_path / "good", [live.callback("bf16-base")],
+                           steps=4, save_steps=10))
+    silent(live, "bf16-base", "low_precision_update")
+    assert dict(live.run("bf16-base").start.trainable_params_by_dtype).keys() == {"float32"}
+
+
+# -- 2. zero gradient on any trainer -----------------------------------------------------------
+
+
+def test_dpo_beta_zero_has_no_gradient(live: LiveSidecar, tiny: tuple[Path, Path],
+                                       tmp_path: Path) -> None:
+    model_dir, _ = tiny
+    started = train(runs.dpo_trainer(_base(model_dir), model_dir, tmp_path / "bad",
+                                     [live.callback("dpo-beta0")], beta=0.0, steps=4,
+                                     save_steps=10, peft_config=runs.lora_config()))
+    zero = detected(live, "dpo-beta0", "zero_gradient", started)
+    assert zero.evidence["grad_norm"] == "0" and zero.evidence["loss"] == "0.693147"
+    assert zero.step == 3  # the third log report at lr > 0
+
+    train(runs.dpo_trainer(_base(model_dir), model_dir, tmp_path / "good",
+                           [live.callback("dpo-beta")], beta=0.1, steps=4, save_steps=10,
+                           peft_config=runs.lora_config()))
+    silent(live, "dpo-beta", "zero_gradient")
+
+
+# -- 3. completions always truncated -----------------------------------------------------------
+
+
+def test_grpo_completions_never_end(live: LiveSidecar, tiny: tuple[Path, Path],
+                                    tmp_path: Path) -> None:
+    model_dir, _ = tiny
+    started = train(runs.grpo_trainer(_base(model_dir), model_dir, tmp_path / "bad",
+                                      [live.callback("grpo-cut")], beta=0.0, steps=4,
+                                      save_steps=10, max_completion_length=4,
+                                      peft_config=runs.lora_config()))
+    cut = detected(live, "grpo-cut", "completions_truncated", started)
+    assert cut.evidence["max_completion_length"] == "4" and cut.step == 4
+
+    train(runs.grpo_trainer(_base(model_dir), model_dir, tmp_path / "good",
+                            [live.callback("grpo-ends")], beta=0.0, steps=4, save_steps=10,
+                            max_completion_length=4, peft_config=runs.lora_config(),
+                            **runs.terminating(model_dir)))
+    silent(live, "grpo-ends", "completions_truncated")
+    assert any(v < 1 for _, v in live.run("grpo-ends").history("completions/clipped_ratio"))
+
+
+# -- 4. the stop token is never trained --------------------------------------------------------
+
+
+def _lm_trainer(model_dir: Path, output_dir: Path, callback: Any, tokenizer: Any) -> Any:
+    """The classic causal-LM recipe: plain Trainer, eos appended, transformers' LM collator."""
+    from datasets import Dataset
+    from peft import get_peft_model
+    from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
+
+    from deadweight.demo.tiny_models import sample_lines
+
+    lines = Dataset.from_dict({"text": sample_lines(32, seed=4)})
+    data = lines.map(lambda rows: tokenizer([t + tokenizer.eos_token for t in rows["text"]]),
+                     batched=True, remove_columns=["text"])
+    args = TrainingArguments(output_dir=str(output_dir), per_device_train_batch_size=2,
+                             **runs.common_args(2, 0, 2e-4, 10))
+    return Trainer(model=get_peft_model(_base(model_dir), runs.lora_config()), args=args,
+                   train_dataset=data, processing_class=tokenizer, callbacks=[callback],
+                   data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False))
+
+
+def test_pad_equal_eos_with_the_lm_collator_masks_every_stop_label(
+    live: LiveSidecar, tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    from transformers import AutoTokenizer
+
+    model_dir, _ = tiny
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.pad_token = tokenizer.eos_token  # the common "no pad token" fix
+    started = train(_lm_trainer(model_dir, tmp_path / "bad", live.callback("eos-masked"),
+                                tokenizer))
+    stop = detected(live, "eos-masked", "stop_token_untrained", started)
+    assert stop.evidence["token"] == "<|im_end|>" and stop.evidence["in_labels"] == "0"
+    assert int(stop.evidence["in_inputs"]) == int(stop.evidence["sequences"]) == 8
+
+    # Twin: the same recipe with a pad token of its own: every eos is a trained label.
+    train(_lm_trainer(model_dir, tmp_path / "good", live.callback("eos-kept"),
+                      AutoTokenizer.from_pretrained(model_dir)))
+    silent(live, "eos-kept", "stop_token_untrained")
+    check = live.run("eos-kept").start.stop_token
+    assert check.in_labels == check.in_inputs == 8
+    # The trainers' own collator (SFT) keeps eos labels even with pad == eos.
+    train(runs.sft_trainer(_base(model_dir), model_dir, tmp_path / "sft",
+                           [live.callback("eos-sft")], steps=2, save_steps=10,
+                           peft_config=runs.lora_config(), tokenizer=tokenizer))
+    silent(live, "eos-sft", "stop_token_untrained")
+    assert live.run("eos-sft").start.stop_token.in_labels > 0
+
+
+# -- 5. a random, unsaved head -----------------------------------------------------------------
+
+
+def test_reward_head_outside_modules_to_save(live: LiveSidecar, tiny: tuple[Path, Path],
+                                             tmp_path: Path) -> None:
+    from peft import LoraConfig
+
+    model_dir, _ = tiny
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=runs.LORA_TARGETS)  # no task_type
+    started = train(runs.reward_trainer(runs.reward_model(model_dir), model_dir, tmp_path / "bad",
+                                        [live.callback("head-lost")], steps=2, save_steps=2,
+                                        peft_config=config))
+    head = detected(live, "head-lost", "unsaved_head", started)
+    assert head.evidence["new_heads"] == "score" and head.evidence["saved_heads"] == "none"
+    live.wait_inspected("head-lost", 1)
+    saved = live.run("head-lost").checkpoints[-1].inspection
+    assert saved is not None and not any("score" in n for n in saved.tensor_digests)
+
+    twin = LoraConfig(r=4, lora_alpha=8, target_modules=runs.LORA_TARGETS, task_type="SEQ_CLS")
+    train(runs.reward_trainer(runs.reward_model(model_dir), model_dir, tmp_path / "good",
+                              [live.callback("head-saved")], steps=2, save_steps=2,
+                              peft_config=twin))
+    silent(live, "head-saved", "unsaved_head")
+
+
+# -- 6. empty adapter files --------------------------------------------------------------------
+
+
+class PartitionedSave:
+    """What ZeRO-3 leaves a rank holding at save time when nothing gathers the parameters:
+    every parameter replaced by an empty placeholder."""
+
+    def __init__(self) -> None:
+        from transformers import TrainerCallback
+
+        def on_step_end(_: Any, args: Any, state: Any, control: Any, model: Any = None,
+                        **kwargs: Any) -> None:
+            import torch
+
+            if state.global_step == state.max_steps:
+                for name, param in model.named_parameters():
+                    if "lora_" in name:
+                        param.data = torch.empty(0, dtype=param.dtype)
+
+        self.callback = type("Partition", (TrainerCallback,), {"on_step_end": on_step_end})()
+
+
+def test_partitioned_save_writes_an_empty_adapter(live: LiveSidecar, tiny: tuple[Path, Path],
+                                                  tmp_path: Path) -> None:
+    from deadweight.sidecar.cli import main
+
+    model_dir, _ = tiny
+    started = train(runs.sft_trainer(_base(model_dir), model_dir, tmp_path / "bad",
+                                     [live.callback("empty"), PartitionedSave().callback],
+                                     steps=2, save_steps=2, peft_config=runs.lora_config()))
+    live.wait_inspected("empty", 1)
+    empty = detected(live, "empty", "empty_adapter", started)
+    assert empty.evidence["empty_tensors"] == empty.evidence["tensors"] == "8"
+    assert "adapter_never_trained" not in live.fired("empty")
+
+    zero_bytes = tmp_path / "zero"  # the other shape of the same failure: a file of 0 bytes
+    zero_bytes.mkdir()
+    (zero_bytes / "adapter_model.safetensors").write_bytes(b"")
+    assert main(["inspect", str(zero_bytes)]) == 1
+
+    train(runs.sft_trainer(_base(model_dir), model_dir, tmp_path / "good",
+                           [live.callback("gathered")], steps=2, save_steps=2,
+                           peft_config=runs.lora_config()))
+    live.wait_inspected("gathered", 1)
+    silent(live, "gathered", "empty_adapter")
+    assert main(["inspect", str(tmp_path / "good" / "checkpoint-2")]) == 0
+
+
+# -- 7. silently shrunken data -----------------------------------------------------------------
+
+
+def test_dpo_drops_prompts_that_fill_max_length(live: LiveSidecar, tiny: tuple[Path, Path],
+                                                tmp_path: Path) -> None:
+    model_dir, _ = tiny
+    rows = runs.preference_rows(32)
+    rows["prompt"] = [p if i % 2 else " ".join([p] * 12) for i, p in enumerate(rows["prompt"])]
+    started = train(runs.dpo_trainer(_base(model_dir), model_dir, tmp_path / "bad",
+                                     [live.callback("dpo-shrunk")], steps=2, save_steps=10,
+                                     peft_config=runs.lora_config(), rows=rows))
+    shrunk = detected(live, "dpo-shrunk", "dataset_shrunk", started)
+    assert shrunk.evidence["rows_given"] == "32" and shrunk.evidence["max_length"] == "64"
+    assert int(shrunk.evidence["rows_dropped"]) == 16  # every long prompt
+    assert int(shrunk.evidence["rows_kept"]) > 0
+
+    train(runs.dpo_trainer(_base(model_dir), model_dir, tmp_path / "good",
+                           [live.callback("dpo-whole")], steps=2, save_steps=10,
+                           peft_config=runs.lora_config()))
+    silent(live, "dpo-whole", "dataset_shrunk")
+
+
+# -- 8. resume that restarts the adapter -------------------------------------------------------
+
+
+def test_resume_loads_a_full_model_file_and_restarts_the_adapter(
+    live: LiveSidecar, tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    import shutil
+
+    from safetensors.torch import save_file
+
+    model_dir, _ = tiny
+    first = tmp_path / "first"
+    train(runs.sft_trainer(_base(model_dir), model_dir, first, [], steps=2, save_steps=2,
+                           peft_config=runs.lora_config()))
+    for name, extra in (("bad", True), ("good", False)):
+        out = tmp_path / name
+        shutil.copytree(first, out)
+        if extra:  # a full model saved beside the adapter for evaluation: the Trainer loads it
+            state = {k: v.contiguous() for k, v in _base(model_dir).state_dict().items()}
+            save_file(state, str(out / "checkpoint-2" / "model.safetensors"))
+        started = train(runs.sft_trainer(_base(model_dir), model_dir, out,
+                                         [live.callback(f"resume-{name}")], steps=4,
+                                         save_steps=10, peft_config=runs.lora_config()),
+                        resume_from_checkpoint=str(out / "checkpoint-2"))
+        if extra:
+            lost = detected(live, "resume-bad", "resume_lost_adapter", started)
+            assert lost.step == 2 and lost.evidence["differing_tensors"] != "0"
+        else:
+            silent(live, "resume-good", "resume_lost_adapter")
+            resume = live.run("resume-good").start.resume
+            assert resume.step == 2 and resume.checkpoint_adapter.combined == (
+                live.run("resume-good").start.initial_adapter.combined)
+
+
+# -- 9. AdaLoRA degraded to LoRA ---------------------------------------------------------------
+
+
+def test_adalora_without_allocation(live: LiveSidecar, tiny: tuple[Path, Path],
+                                    tmp_path: Path) -> None:
+    from peft import AdaLoraConfig
+
+    model_dir, _ = tiny
+
+    def config() -> AdaLoraConfig:
+        return AdaLoraConfig(init_r=4, target_r=2, target_modules=runs.LORA_TARGETS,
+                             total_step=8, tinit=1, tfinal=2, deltaT=1, task_type="CAUSAL_LM")
+
+    started = train(runs.sft_trainer(_base(model_dir), model_dir, tmp_path / "bad",
+                                     [live.callback("adalora-plain")], steps=6, save_steps=10,
+                                     peft_config=config()))
+    plain = detected(live, "adalora-plain", "adalora_not_allocated", started)
+    assert plain.step == 4 and plain.evidence["tinit"] == "1"
+
+    train(runs.sft_trainer(_base(model_dir), model_dir, tmp_path / "good",
+                           [live.callback("adalora-allocated"), runs.AdaloraAllocator()],
+                           steps=6, save_steps=10, peft_config=config()))
+    silent(live, "adalora-allocated", "adalora_not_allocated")
+
+
+# -- 10. fp16 skipped steps --------------------------------------------------------------------
+
+
+def test_fp16_steps_all_skipped(live: LiveSidecar, tiny: tuple[Path, Path],
+                                tmp_path: Path) -> None:
+    """fp16 loss scaling whose scale never comes down: every step overflows and is skipped.
+
+    On a CPU the Trainer builds no GradScaler for fp16; one is set on the accelerator as a
+    GPU run has it (a scale that only backs off by a hair stands for a loss that overflows
+    fp16 at any scale).
+    """
+    import torch
+
+    model_dir, _ = tiny
+    results = {}
+    for name, scaler in (("skipped", dict(init_scale=2.0 ** 127, backoff_factor=0.999999)),
+                         ("scaled", dict(init_scale=2.0 ** 10))):
+        trainer = runs.sft_trainer(_base(model_dir), model_dir, tmp_path / name,
+                                   [live.callback(f"fp16-{name}")], steps=4, save_steps=10,
+                                   peft_config=runs.lora_config(), fp16=True)
+        trainer.accelerator.scaler = torch.amp.GradScaler("cpu", **scaler)
+        results[name] = train(trainer)
+    skipped = detected(live, "fp16-skipped", "optimizer_steps_skipped", results["skipped"])
+    assert skipped.evidence["all_skipped"] == "true" and skipped.step == 3
+    assert "frozen_weights" not in live.fired("fp16-skipped")  # skipped is not frozen
+    silent(live, "fp16-scaled", "optimizer_steps_skipped", "frozen_weights")
+    assert not any(p.skipped for p in live.run("fp16-scaled").combined_steps())
+
+
+# -- zero gradient, again: distillation from the student's own weights -------------------------
+
+
+def test_distillation_from_an_identical_teacher_has_no_gradient(
+    live: LiveSidecar, tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A fresh LoRA leaves the student equal to a teacher loaded from the same weights: the
+    loss sits at its minimum and no gradient flows; a different teacher teaches."""
+    model_dir, _ = tiny
+    started = train(runs.distillation_trainer(
+        _base(model_dir), model_dir, tmp_path / "bad", [live.callback("distill-self")],
+        teacher=_base(model_dir), steps=4, save_steps=10, peft_config=runs.lora_config()))
+    zero = detected(live, "distill-self", "zero_gradient", started)
+    assert zero.evidence["grad_norm"] == "0"
+
+    train(runs.distillation_trainer(_base(model_dir), model_dir, tmp_path / "good",
+                                    [live.callback("distill-teacher")], steps=4, save_steps=10,
+                                    peft_config=runs.lora_config()))
+    silent(live, "distill-teacher", "zero_gradient")

@@ -42,8 +42,10 @@ from deadweight.callbacks import (
     layout,
     membership,
     preflight,
+    promotion,
     resume,
     stop_token,
+    trainer_logs,
 )
 from deadweight.callbacks.probe import (
     DEFAULT_ADDRESS,
@@ -63,6 +65,9 @@ from deadweight.proto import pb
 log = logging.getLogger("deadweight")
 
 T = TypeVar("T")
+
+#: Longest wait at train end for the sidecar's verdicts, written into the run summary.
+SUMMARY_TIMEOUT_SECONDS = 1.0
 
 
 def _optional_fact(gather: Callable[..., T], *args: Any) -> T | None:
@@ -124,6 +129,8 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
         self._disabled = False
         self._model: Any = None
         self._loss_scale: float | None = None
+        self._trainer_logs = False
+        self._last_checkpoint: tuple[Path, digest.AdapterDigest] | None = None
 
     # -- the settings and state of the core, under the names users and tests read -------------
 
@@ -179,6 +186,7 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
         train_dataloader: Any = None,
     ) -> None:
         self._model = model
+        self._trainer_logs = trainer_logs.run_first(self)  # loggers then see our keys
         self._run.start(
             model,
             optimizer,
@@ -245,6 +253,8 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
         if self.client is None or not logs:
             return
         self._run.log(state.global_step, logs)
+        if self._trainer_logs:
+            logs.update(self._run.logger_keys())  # after sending: the sidecar has its own
         self._apply_directives(control)
 
     @shielded
@@ -258,20 +268,34 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
     ) -> None:
         path = Path(args.output_dir or ".") / f"checkpoint-{state.global_step}"
         self._run.checkpoint(state.global_step, path, model)
+        self._last_checkpoint = (path, digest.digest_adapter(model))
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
         if self._agreement is not None:
             self._agreement.close()
-        self._end(state, control)
+        self._end(args, state, control, kw.get("model"))
 
     @shielded
-    def _end(self, state: TrainerState, control: TrainerControl) -> None:
+    def _end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+             model: Any) -> None:
         reason = "stopped" if control.should_training_stop else "completed"
         if state.max_steps and state.global_step >= state.max_steps:
             reason = "completed"
         self._run.end(state.global_step, reason)
+        if int(getattr(args, "process_index", 0)) == 0 and self.run_id and model is not None:
+            self._write_summary(Path(args.output_dir or "."), state.global_step, model)
+
+    def _write_summary(self, output_dir: Path, step: int, model: Any) -> None:
+        """The promotion gate's record, beside the final adapter and in the last checkpoint."""
+        folders = [(output_dir, digest.digest_adapter(model))]
+        if self._last_checkpoint is not None:
+            folders.append(self._last_checkpoint)
+        status, sidecar = promotion.fetch_verdicts(
+            self.address, str(self.run_id), self._run.token, self._run.tls_root(),
+            timeout=SUMMARY_TIMEOUT_SECONDS)
+        promotion.write(folders, str(self.run_id), step, status, sidecar)
 
     def _disable(self, hook: str) -> None:
         """Log our failure once and stop monitoring this run; training goes on."""

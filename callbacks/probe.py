@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from deadweight.callbacks import digest, membership
+from deadweight.callbacks import digest, membership, trainer_logs
 from deadweight.callbacks import layout as layouts
 from deadweight.callbacks.heads import HeadFacts
 from deadweight.callbacks.preflight import PreflightFacts
@@ -30,7 +30,7 @@ from deadweight.callbacks.preflight import versions as preflight_versions
 from deadweight.callbacks.resume import ResumeFacts
 from deadweight.callbacks.stop_token import StopTokenFacts
 from deadweight.callbacks.stream_client import ClientSettings, StreamClient
-from deadweight.callbacks.update_probe import UpdateProbe
+from deadweight.callbacks.update_probe import PendingStats, UpdateProbe
 from deadweight.callbacks.wire import (
     CheckpointRecord,
     RunEndRecord,
@@ -163,6 +163,11 @@ class RunProbe:
         self.membership: membership.Membership | None = None
         self.layout: layouts.Layout | None = None
         self._lr = 0.0
+        #: The last two steps' (learning rate, figures): the newest readable one feeds
+        #: ``movement_keys`` without waiting on a device.
+        self._recent: list[tuple[float, PendingStats]] = []
+        #: Detectors that fired during this run, for the trainer-log keys.
+        self._ever_fired: set[str] = set()
 
     def start(
         self,
@@ -238,6 +243,7 @@ class RunProbe:
         stats = self.update.after_step_deferred()  # read later, by the sender thread
         if stats is None:
             return
+        self._recent = [*self._recent[-1:], (self._lr, stats)]
         tensors, params = membership.grads_outside_optimizer(self.membership.outside_optimizer)
         self.client.last_step = step
         self.client.submit(
@@ -253,6 +259,27 @@ class RunProbe:
                 adalora_rank_pattern_set=adalora_rank_pattern_set,
             ),
         )
+
+    def tls_root(self) -> bytes | None:
+        """The CA the stream client trusts for a TCP sidecar (None on a unix socket)."""
+        return self.client.tls_root if self.client is not None else None
+
+    def logger_keys(self) -> dict[str, float]:
+        """The ``deadweight/*`` keys for the trainer's own loggers (see ``trainer_logs``):
+        the newest step whose figures can be read without a device wait, and the verdicts
+        of the sidecar's latest answer."""
+        keys: dict[str, float] = {}
+        for lr, pending in reversed(self._recent):
+            stats = pending.peek()
+            if stats is not None and self.membership is not None:
+                keys.update(trainer_logs.step_keys(
+                    stats.update_sq_sum, lr,
+                    self.membership.optimizer_params or stats.watched_params,
+                    stats.unchanged_tensors, stats.watched_tensors))
+                break
+        if self.client is not None:
+            keys.update(trainer_logs.verdict_keys(self.client.firing, self._ever_fired))
+        return keys
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         if self.client is not None and values:

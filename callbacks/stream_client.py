@@ -155,6 +155,8 @@ class StreamClient:
         self._warned = False
         self._closing = False
         self._channel: grpc.Channel | None = None
+        #: Detectors firing on this run, as of the sidecar's latest answer.
+        self.firing: tuple[str, ...] = ()
         #: The pending wait for a connection, while there is one (close() cancels it).
         self._ready: grpc.Future | None = None
         self.dropped = 0
@@ -233,6 +235,10 @@ class StreamClient:
             if channel is not None:
                 channel.close()  # ends a blocked stream read at once
         self._thread.join(max(0.0, deadline - time.monotonic()) + 0.5)
+
+    @property
+    def tls_root(self) -> bytes | None:
+        return self._tls_root
 
     @property
     def queued(self) -> int:
@@ -346,6 +352,8 @@ class StreamClient:
                 self._inflight.popleft()
         self._start_acked.set()
         self._directives.extend(response.directives)
+        if not rejected:
+            self.firing = tuple(response.firing)
 
     def _requeue_inflight(self) -> None:
         """Events sent but never acknowledged go out again first after a reconnect."""

@@ -160,6 +160,13 @@ class PendingStats:
         self._stats: UpdateStats | None = None
         self._lock = threading.Lock()
 
+    def peek(self) -> UpdateStats | None:
+        """The figures if reading them now costs no wait on a device (read already, or
+        measured on the CPU, where there is nothing to wait for); else None."""
+        if self._stats is None and not self._fences:
+            return self.result()
+        return self._stats
+
     def result(self) -> UpdateStats:
         """The step's figures; waits for the device copy the first time."""
         with self._lock:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deadweight.proto import pb
+from deadweight.sidecar import promotion
 from deadweight.sidecar.checkpoint_inspector import CheckpointInspection, inspect_path
 from deadweight.sidecar.checkpoint_watcher import CHECKPOINT_DIR
 from deadweight.sidecar.detectors import ALL, ARTIFACT_IDS
@@ -61,6 +62,9 @@ def audit(paths: list[Path], initial: Path | None = None,
             verdict = detector.evaluate(run, settings)
             if verdict is not None and verdict.firing:
                 fired.append((detector.id, detector.severity.value, verdict))
+        summary = promotion.summary_for(Path(inspection.path))
+        if summary is not None:
+            fired += promotion.check(inspection, summary)
         results.append(AuditResult(inspection, fired, real_steps))
     return results
 

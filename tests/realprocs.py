@@ -179,7 +179,7 @@ def start_alertmanager(workdir: Path, config_yaml: str, timeout: float = 30.0) -
     return proc
 
 
-def wait_for(predicate: Any, timeout: float, interval: float = 0.05,
+def wait_for(predicate: Any, timeout: float = 15.0, interval: float = 0.05,
              what: str = "condition") -> Any:
     """Poll `predicate()` until it returns something truthy; raise TimeoutError at the deadline."""
     deadline = time.monotonic() + timeout

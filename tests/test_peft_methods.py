@@ -16,7 +16,7 @@ import pytest
 
 from deadweight.demo import runs
 from deadweight.sidecar.cli import main
-from tests.test_catalogue_harness import LiveSidecar
+from tests.inprocess_sidecar import InProcessSidecar
 
 pytestmark = pytest.mark.slow
 
@@ -72,7 +72,7 @@ def inspect(*paths: Path, initial: Path | None = None) -> tuple[int, str]:
 
 @pytest.mark.parametrize("method", [*WITH_IDENTITY, "prompt", "prefix"])
 def test_method_trains_silently_and_inspect_tells_untrained_from_trained(
-    method: str, live: LiveSidecar, tiny: tuple[Path, Path], tmp_path: Path
+    method: str, live: InProcessSidecar, tiny: tuple[Path, Path], tmp_path: Path
 ) -> None:
     model_dir, _ = tiny
     untrained = tmp_path / "untrained"
@@ -110,7 +110,7 @@ def test_method_trains_silently_and_inspect_tells_untrained_from_trained(
 
 
 @pytest.mark.parametrize("method", ["ia3", "loha", "prompt"])
-def test_frozen_reload_is_caught(method: str, live: LiveSidecar, tiny: tuple[Path, Path],
+def test_frozen_reload_is_caught(method: str, live: InProcessSidecar, tiny: tuple[Path, Path],
                                  tmp_path: Path) -> None:
     """The adapter reloaded without is_trainable: nothing trains, under any method.
 

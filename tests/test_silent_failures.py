@@ -16,7 +16,7 @@ import pytest
 
 from deadweight.demo import runs
 from deadweight.sidecar.registry import Finding
-from tests.test_catalogue_harness import LiveSidecar
+from tests.inprocess_sidecar import InProcessSidecar
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,7 @@ def train(trainer: Any, **kwargs: Any) -> float:
     return started
 
 
-def detected(live: LiveSidecar, run_id: str, detector: str, started: float) -> Finding:
+def detected(live: InProcessSidecar, run_id: str, detector: str, started: float) -> Finding:
     """The finding, with its time to detect printed for the report."""
     fired = live.fired(run_id)
     assert detector in fired, {k: f.summary for k, f in fired.items()}
@@ -44,7 +44,7 @@ def detected(live: LiveSidecar, run_id: str, detector: str, started: float) -> F
     return finding
 
 
-def silent(live: LiveSidecar, run_id: str, *detectors: str) -> None:
+def silent(live: InProcessSidecar, run_id: str, *detectors: str) -> None:
     fired = live.fired(run_id)
     assert not set(detectors) & set(fired), {k: fired[k].summary for k in fired}
 
@@ -53,7 +53,7 @@ def silent(live: LiveSidecar, run_id: str, *detectors: str) -> None:
 
 
 def test_adapter_cast_to_bf16_updates_in_low_precision(
-    live: LiveSidecar, tiny: tuple[Path, Path], tmp_path: Path
+    live: InProcessSidecar, tiny: tuple[Path, Path], tmp_path: Path
 ) -> None:
     import torch
     from peft import get_peft_model
@@ -77,13 +77,13 @@ def test_adapter_cast_to_bf16_updates_in_low_precision(
     train(runs.sft_trainer(twin, model_dir, tmp_path / "good", [live.callback("bf16-base")],
                            steps=4, save_steps=10))
     silent(live, "bf16-base", "low_precision_update")
-    assert dict(live.run("bf16-base").start.trainable_params_by_dtype).keys() == {"float32"}
+    assert dict(live.seen("bf16-base").start.trainable_params_by_dtype).keys() == {"float32"}
 
 
 # -- 2. zero gradient on any trainer -----------------------------------------------------------
 
 
-def test_dpo_beta_zero_has_no_gradient(live: LiveSidecar, tiny: tuple[Path, Path],
+def test_dpo_beta_zero_has_no_gradient(live: InProcessSidecar, tiny: tuple[Path, Path],
                                        tmp_path: Path) -> None:
     model_dir, _ = tiny
     started = train(runs.dpo_trainer(_base(model_dir), model_dir, tmp_path / "bad",
@@ -102,7 +102,7 @@ def test_dpo_beta_zero_has_no_gradient(live: LiveSidecar, tiny: tuple[Path, Path
 # -- 3. completions always truncated -----------------------------------------------------------
 
 
-def test_grpo_completions_never_end(live: LiveSidecar, tiny: tuple[Path, Path],
+def test_grpo_completions_never_end(live: InProcessSidecar, tiny: tuple[Path, Path],
                                     tmp_path: Path) -> None:
     model_dir, _ = tiny
     started = train(runs.grpo_trainer(_base(model_dir), model_dir, tmp_path / "bad",
@@ -117,7 +117,7 @@ def test_grpo_completions_never_end(live: LiveSidecar, tiny: tuple[Path, Path],
                             max_completion_length=4, peft_config=runs.lora_config(),
                             **runs.terminating(model_dir)))
     silent(live, "grpo-ends", "completions_truncated")
-    assert any(v < 1 for _, v in live.run("grpo-ends").history("completions/clipped_ratio"))
+    assert any(v < 1 for _, v in live.seen("grpo-ends").history("completions/clipped_ratio"))
 
 
 # -- 4. the stop token is never trained --------------------------------------------------------
@@ -142,7 +142,7 @@ def _lm_trainer(model_dir: Path, output_dir: Path, callback: Any, tokenizer: Any
 
 
 def test_pad_equal_eos_with_the_lm_collator_masks_every_stop_label(
-    live: LiveSidecar, tiny: tuple[Path, Path], tmp_path: Path
+    live: InProcessSidecar, tiny: tuple[Path, Path], tmp_path: Path
 ) -> None:
     from transformers import AutoTokenizer
 
@@ -159,20 +159,20 @@ def test_pad_equal_eos_with_the_lm_collator_masks_every_stop_label(
     train(_lm_trainer(model_dir, tmp_path / "good", live.callback("eos-kept"),
                       AutoTokenizer.from_pretrained(model_dir)))
     silent(live, "eos-kept", "stop_token_untrained")
-    check = live.run("eos-kept").start.stop_token
+    check = live.seen("eos-kept").start.stop_token
     assert check.in_labels == check.in_inputs == 8
     # The trainers' own collator (SFT) keeps eos labels even with pad == eos.
     train(runs.sft_trainer(_base(model_dir), model_dir, tmp_path / "sft",
                            [live.callback("eos-sft")], steps=2, save_steps=10,
                            peft_config=runs.lora_config(), tokenizer=tokenizer))
     silent(live, "eos-sft", "stop_token_untrained")
-    assert live.run("eos-sft").start.stop_token.in_labels > 0
+    assert live.seen("eos-sft").start.stop_token.in_labels > 0
 
 
 # -- 5. a random, unsaved head -----------------------------------------------------------------
 
 
-def test_reward_head_outside_modules_to_save(live: LiveSidecar, tiny: tuple[Path, Path],
+def test_reward_head_outside_modules_to_save(live: InProcessSidecar, tiny: tuple[Path, Path],
                                              tmp_path: Path) -> None:
     from peft import LoraConfig
 
@@ -184,7 +184,7 @@ def test_reward_head_outside_modules_to_save(live: LiveSidecar, tiny: tuple[Path
     head = detected(live, "head-lost", "unsaved_head", started)
     assert head.evidence["new_heads"] == "score" and head.evidence["saved_heads"] == "none"
     live.wait_inspected("head-lost", 1)
-    saved = live.run("head-lost").checkpoints[-1].inspection
+    saved = live.seen("head-lost").checkpoints[-1].inspection
     assert saved is not None and not any("score" in n for n in saved.tensor_digests)
 
     twin = LoraConfig(r=4, lora_alpha=8, target_modules=runs.LORA_TARGETS, task_type="SEQ_CLS")
@@ -216,7 +216,7 @@ class PartitionedSave:
         self.callback = type("Partition", (TrainerCallback,), {"on_step_end": on_step_end})()
 
 
-def test_partitioned_save_writes_an_empty_adapter(live: LiveSidecar, tiny: tuple[Path, Path],
+def test_partitioned_save_writes_an_empty_adapter(live: InProcessSidecar, tiny: tuple[Path, Path],
                                                   tmp_path: Path) -> None:
     from deadweight.sidecar.cli import main
 
@@ -245,7 +245,7 @@ def test_partitioned_save_writes_an_empty_adapter(live: LiveSidecar, tiny: tuple
 # -- 7. silently shrunken data -----------------------------------------------------------------
 
 
-def test_dpo_drops_prompts_that_fill_max_length(live: LiveSidecar, tiny: tuple[Path, Path],
+def test_dpo_drops_prompts_that_fill_max_length(live: InProcessSidecar, tiny: tuple[Path, Path],
                                                 tmp_path: Path) -> None:
     model_dir, _ = tiny
     rows = runs.preference_rows(32)
@@ -268,7 +268,7 @@ def test_dpo_drops_prompts_that_fill_max_length(live: LiveSidecar, tiny: tuple[P
 
 
 def test_resume_loads_a_full_model_file_and_restarts_the_adapter(
-    live: LiveSidecar, tiny: tuple[Path, Path], tmp_path: Path
+    live: InProcessSidecar, tiny: tuple[Path, Path], tmp_path: Path
 ) -> None:
     import shutil
 
@@ -293,15 +293,15 @@ def test_resume_loads_a_full_model_file_and_restarts_the_adapter(
             assert lost.step == 2 and lost.evidence["differing_tensors"] != "0"
         else:
             silent(live, "resume-good", "resume_lost_adapter")
-            resume = live.run("resume-good").start.resume
+            resume = live.seen("resume-good").start.resume
             assert resume.step == 2 and resume.checkpoint_adapter.combined == (
-                live.run("resume-good").start.initial_adapter.combined)
+                live.seen("resume-good").start.initial_adapter.combined)
 
 
 # -- 9. AdaLoRA degraded to LoRA ---------------------------------------------------------------
 
 
-def test_adalora_without_allocation(live: LiveSidecar, tiny: tuple[Path, Path],
+def test_adalora_without_allocation(live: InProcessSidecar, tiny: tuple[Path, Path],
                                     tmp_path: Path) -> None:
     from peft import AdaLoraConfig
 
@@ -326,7 +326,7 @@ def test_adalora_without_allocation(live: LiveSidecar, tiny: tuple[Path, Path],
 # -- 10. fp16 skipped steps --------------------------------------------------------------------
 
 
-def test_fp16_steps_all_skipped(live: LiveSidecar, tiny: tuple[Path, Path],
+def test_fp16_steps_all_skipped(live: InProcessSidecar, tiny: tuple[Path, Path],
                                 tmp_path: Path) -> None:
     """fp16 loss scaling whose scale never comes down: every step overflows and is skipped.
 
@@ -349,14 +349,14 @@ def test_fp16_steps_all_skipped(live: LiveSidecar, tiny: tuple[Path, Path],
     assert skipped.evidence["all_skipped"] == "true" and skipped.step == 3
     assert "frozen_weights" not in live.fired("fp16-skipped")  # skipped is not frozen
     silent(live, "fp16-scaled", "optimizer_steps_skipped", "frozen_weights")
-    assert not any(p.skipped for p in live.run("fp16-scaled").combined_steps())
+    assert not any(p.skipped for p in live.seen("fp16-scaled").combined_steps())
 
 
 # -- zero gradient, again: distillation from the student's own weights -------------------------
 
 
 def test_distillation_from_an_identical_teacher_has_no_gradient(
-    live: LiveSidecar, tiny: tuple[Path, Path], tmp_path: Path
+    live: InProcessSidecar, tiny: tuple[Path, Path], tmp_path: Path
 ) -> None:
     """A fresh LoRA leaves the student equal to a teacher loaded from the same weights: the
     loss sits at its minimum and no gradient flows; a different teacher teaches."""

@@ -19,7 +19,7 @@ from deadweight.demo.sidecar_process import SidecarProcess
 from deadweight.proto.transport import attest_path
 from deadweight.sidecar.attestation import _peer_pidfd, peer_identity
 from deadweight.sidecar.store import Store
-from tests.faults import poll
+from tests.realprocs import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -115,7 +115,7 @@ def test_a_deleted_attest_socket_is_created_again(sidecar: tuple[SidecarProcess,
     process, state = sidecar
     path = attest_path(process.socket_path)
     path.unlink()
-    poll(path.exists, what="the .attest socket to be listened on again")
+    wait_for(path.exists, what="the .attest socket to be listened on again")
     trainer = _spawn(REGISTER, str(process.socket_path), "after-delete")
     try:
         assert trainer.stdout is not None

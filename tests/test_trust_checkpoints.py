@@ -26,7 +26,8 @@ from deadweight.sidecar.checkpoint_inspector import (
     CheckpointRefused,
     inspect_file,
 )
-from tests.faults import Pipe, poll
+from tests.faults import Pipe
+from tests.realprocs import wait_for
 from tests.test_faults_checkpoints import Watched, _adapter
 
 pytestmark = pytest.mark.slow
@@ -220,7 +221,7 @@ def test_thousands_of_output_folders_cost_a_bounded_number_of_threads(
             seq=i + 1,
             run_start=pb.RunStart(trainer="SFTTrainer", output_dir=str(base / f"run-{i}")))])
         ).error
-    refused = poll(lambda: process.log_path.read_text().count('"run_id": "many-one"'),
+    refused = wait_for(lambda: process.log_path.read_text().count('"run_id": "many-one"'),
                    what="the extra folders of one run refused")
     assert refused
     text = process.log_path.read_text()

@@ -16,7 +16,7 @@ import pytest
 
 from deadweight.demo.sidecar_process import SidecarProcess
 from deadweight.sidecar.store import Store
-from tests.faults import poll
+from tests.realprocs import wait_for
 from tests.test_trust_runs import Client
 
 pytestmark = pytest.mark.slow
@@ -64,7 +64,7 @@ def test_a_full_disk_keeps_the_verdict_pending_and_fires_it_when_space_returns(
             filler = _fill(small_disk)
             answer = job.do(steps=[1, 10], kind="frozen", seq=2)
             assert not answer["error"] and not answer["directives"]
-            poll(lambda: _metric(process, "deadweight_verdicts_pending_total") > 0,
+            wait_for(lambda: _metric(process, "deadweight_verdicts_pending_total") > 0,
                  what="the verdict to be held pending")
             assert _metric(process, "deadweight_state_write_failures_total") > 0
             status = process.run_status("disk-full")
@@ -78,7 +78,7 @@ def test_a_full_disk_keeps_the_verdict_pending_and_fires_it_when_space_returns(
                 return "ACTION_STOP" in job.do(steps=[11, 11], kind="frozen",
                                                seq=22)["directives"]
 
-            poll(stopped, timeout=30, what="STOP once the journal takes writes again")
+            wait_for(stopped, timeout=30, what="STOP once the journal takes writes again")
         finally:
             job.close()
     store = Store(small_disk)

@@ -20,7 +20,8 @@ from deadweight.demo.sidecar_process import SidecarProcess
 from deadweight.proto import pb
 from deadweight.sidecar import status
 from deadweight.sidecar.metrics_http import MAX_CONNECTIONS
-from tests.faults import Pipe, poll
+from tests.faults import Pipe
+from tests.realprocs import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -58,11 +59,11 @@ def test_idle_metrics_connections_cost_bounded_threads_and_time_out(
             data = conn.recv(4096)
             assert data == b"" or data.startswith(b"HTTP/1.0 503"), data
         # ... after which a real scrape is served and the refusals are counted.
-        text = poll(lambda: _scrape(process), what="a scrape served after the flood")
+        text = wait_for(lambda: _scrape(process), what="a scrape served after the flood")
         refused = next(float(x.split()[-1]) for x in text.splitlines()
                        if x.startswith("deadweight_metrics_http_refused_total "))
         assert refused >= 200 - MAX_CONNECTIONS
-        poll(lambda: _threads(process) - before <= 2, what="the request threads to end")
+        wait_for(lambda: _threads(process) - before <= 2, what="the request threads to end")
     finally:
         for conn in idle:
             conn.close()
@@ -121,7 +122,7 @@ def test_log_lines_stay_bounded_when_a_client_sends_megabytes(
                 return raw
         return None
 
-    line = poll(fired_line, what="the partial_target_modules line")
+    line = wait_for(fired_line, what="the partial_target_modules line")
     assert json.loads(line)["detector"] == "partial_target_modules"
     longest = max(len(x) for x in process.log_path.read_text(errors="replace").splitlines())
     assert longest < 300_000, longest

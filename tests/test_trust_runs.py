@@ -22,7 +22,7 @@ import pytest
 
 from deadweight.demo.sidecar_process import SidecarProcess
 from deadweight.sidecar.store import Store
-from tests.faults import poll
+from tests.realprocs import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -149,7 +149,7 @@ def test_a_same_uid_rank_cannot_end_the_run_or_set_its_logs(sidecar: SidecarProc
         assert not job.do(start={"seq": 1})["error"]
         assert not rank1.do(start={"seq": 1})["error"]
         assert not job.do(steps=[1, 8], kind="frozen", seq=2)["error"]
-        poll(lambda: _firing(sidecar, "job-rank1", "frozen_weights"), what="frozen fires")
+        wait_for(lambda: _firing(sidecar, "job-rank1", "frozen_weights"), what="frozen fires")
         assert not rank1.do(log={"loss": "nan"}, step=9, seq=2)["error"]
         assert not rank1.do(end="completed", seq=3)["error"]
         status = sidecar.run_status("job-rank1")
@@ -184,7 +184,7 @@ def test_a_run_id_used_again_is_a_new_incarnation_and_its_frozen_steps_count(
         assert not second.do(start={"seq": 1})["error"]
         answer = second.do(steps=[1, 30], kind="frozen", seq=2)
         assert not answer["error"] and answer["ack"] == 61  # no step was a duplicate
-        poll(lambda: _firing(sidecar, "reused", "frozen_weights"), what="the frozen verdict")
+        wait_for(lambda: _firing(sidecar, "reused", "frozen_weights"), what="the frozen verdict")
         assert _metric(sidecar, "deadweight_run_incarnations_total") == before + 1
     finally:
         second.close()
@@ -203,7 +203,7 @@ def test_a_rank_pre_set_to_a_huge_sequence_number_drops_nothing_of_the_real_job(
         assert not job.do(start={"seq": 1})["error"]
         answer = job.do(steps=[1, 10], kind="frozen", seq=2)
         assert not answer["error"] and answer["ack"] == 21
-        poll(lambda: _firing(sidecar, "squatted", "frozen_weights"), what="frozen fires")
+        wait_for(lambda: _firing(sidecar, "squatted", "frozen_weights"), what="frozen fires")
     finally:
         job.close()
 
@@ -216,7 +216,7 @@ def test_a_superseded_incarnation_never_steers_the_new_one(sidecar: SidecarProce
     try:
         assert not old.do(start={"seq": 1})["error"]
         assert not old.do(steps=[1, 8], kind="frozen", seq=2)["error"]
-        poll(lambda: _firing(sidecar, "rebound", "frozen_weights"), what="old life fires")
+        wait_for(lambda: _firing(sidecar, "rebound", "frozen_weights"), what="old life fires")
         assert not new.do(start={"seq": 1})["error"]  # rebinds rank 0: incarnation 2
         assert not _firing(sidecar, "rebound", "frozen_weights")
         closed = old.do(steps=[9, 9], kind="frozen", seq=18)
@@ -245,7 +245,7 @@ def test_a_second_uid_cannot_take_a_live_run_nor_lock_out_the_job_of_a_trainer_u
             assert not job.do(start={"seq": 1})["error"]
             answer = job.do(steps=[1, 10], kind="frozen", seq=2)
             assert not answer["error"] and answer["ack"] == 21
-            poll(lambda: _firing(process, "locked", "frozen_weights"), what="frozen fires")
+            wait_for(lambda: _firing(process, "locked", "frozen_weights"), what="frozen fires")
         finally:
             squatter.close()
             job.close()
@@ -270,7 +270,7 @@ def test_the_opt_out_is_visible_and_silent_runs_expire(shared: Path) -> None:
                 def registered() -> bool:
                     return not late.do(start={"seq": 1})["error"]
 
-                poll(registered, timeout=30, what="room once the silent runs expired")
+                wait_for(registered, timeout=30, what="room once the silent runs expired")
             finally:
                 late.close()
         finally:
@@ -344,7 +344,7 @@ def test_a_second_uid_cannot_read_a_root_only_checkpoint_through_the_sidecar(
     intruder = Client(sidecar, "peek", uid=OTHER_UID)
     try:
         assert not intruder.do(start={"seq": 1, "output_dir": str(secret)})["error"]
-        poll(lambda: _firing(sidecar, "peek", "checkpoint_refused"), timeout=30,
+        wait_for(lambda: _firing(sidecar, "peek", "checkpoint_refused"), timeout=30,
              what="the refusal finding")
         status = sidecar.run_status("peek")
         assert status is not None
@@ -369,7 +369,7 @@ def test_a_second_uid_that_pre_registers_never_steers_the_real_trainer(
     try:
         assert not squatter.do(start={"seq": 1})["error"]
         assert not squatter.do(log={"loss": "nan"}, step=1, seq=2)["error"]
-        poll(lambda: _firing(sidecar, "prereg", "nonfinite_loss"), what="the squatter's run")
+        wait_for(lambda: _firing(sidecar, "prereg", "nonfinite_loss"), what="the squatter's run")
         answer = job.do(start={"seq": 1})
         assert f"uid {OTHER_UID}" in answer["error"], answer
         answer = job.do(steps=[1, 3], kind="healthy", seq=2)

@@ -35,7 +35,10 @@ def _train(tiny: tuple[Path, Path], sidecar: SidecarProcess, run_id: str, out: P
     model_dir, adapter_dir = tiny
     model = runs.load_adapter(model_dir, adapter_dir, trainable=trainable)
     callback = DeadweightCallback(address=sidecar.address, run_id=run_id)
-    runs.grpo_trainer(model, model_dir, out, [callback], steps=8, save_steps=4).train()
+    # Biased toward its stop token, the tiny policy ends some completions, as a healthy one
+    # does (otherwise completions_truncated is right to warn).
+    runs.grpo_trainer(model, model_dir, out, [callback], steps=8, save_steps=4,
+                      **runs.terminating(model_dir)).train()
 
 
 def _report(state: Path, run_id: str, out: Path) -> str:

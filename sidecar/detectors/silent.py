@@ -46,19 +46,25 @@ class ZeroGradient(SpecDetector):
         counted = [(s, g) for s, g in grads
                    if (point := by_step.get(s)) is None
                    or (point.learning_rate > 0 and not point.skipped)]
-        window = counted[-settings.zero_gradient_logs:]
-        last = by_step.get(window[-1][0]) if window else None
-        if (len(window) < settings.zero_gradient_logs or any(g != 0 for _, g in window)
+        streak = []  # the trailing log reports with grad_norm exactly 0, newest first
+        for s, g in reversed(counted):
+            if g != 0:
+                break
+            streak.append(s)
+        last = by_step.get(streak[0]) if streak else None
+        if (len(streak) < settings.zero_gradient_logs
                 or (last is not None and last.optimizer_params == 0)):
             return Verdict(False)
-        first, end = window[0][0], window[-1][0]
+        first, end = streak[-1], streak[0]
+        # The report at which the streak reached its length, however the logs were batched.
+        reached = streak[-settings.zero_gradient_logs]
         return Verdict(
             True,
-            step=end,
-            summary=(f"grad_norm exactly 0 for {len(window)} log reports (steps {first}-{end}) "
+            step=reached,
+            summary=(f"grad_norm exactly 0 for {len(streak)} log reports (steps {first}-{end}) "
                      f"at lr {fmt(last.learning_rate if last else None)}: the loss gives the "
                      f"weights nothing to learn (loss={fmt(run.log_value('loss'))})"),
-            evidence={"grad_norm": "0", "zero_logs": fmt(len(window)), "steps": f"{first}-{end}",
+            evidence={"grad_norm": "0", "zero_logs": fmt(len(streak)), "steps": f"{first}-{end}",
                       "loss": fmt(run.log_value("loss")),
                       "update_norm": fmt(last.update_norm if last else None),
                       "optimizer_params": fmt(last.optimizer_params if last else None),
@@ -346,9 +352,11 @@ class AdaloraNotAllocated(SpecDetector):
         last = steps[-1]
         if any(p.adalora_allocated for p in steps) or last.step <= due or due >= end > 0:
             return Verdict(False, step=last.step)
+        # The step at which allocation was overdue, however the steps were batched.
+        overdue = next(p.step for p in steps if p.step > due)
         return Verdict(
             True,
-            step=last.step,
+            step=overdue,
             summary=(f"AdaLoRA at step {last.step} has no rank_pattern (allocation due after "
                      f"step {tinit} every {delta}): update_and_allocate is never called, it "
                      f"trains as plain LoRA of rank {fmt(config.get('adalora_init_r'))}"),
@@ -386,14 +394,19 @@ class CompletionsTruncated(SpecDetector):
         clipped = finite_history(run, "completions/clipped_ratio")
         if not clipped:
             return None
-        window = clipped[-settings.truncated_logs:]
         terminated = dict(run.history("completions/mean_terminated_length"))
-        if len(window) < settings.truncated_logs or any(
-                v < 1.0 or (terminated.get(s) or 0.0) > 0 for s, v in window):
+        streak = []  # the trailing reports in which every completion was cut, newest first
+        for s, v in reversed(clipped):
+            if v < 1.0 or (terminated.get(s) or 0.0) > 0:
+                break
+            streak.append((s, v))
+        if len(streak) < settings.truncated_logs:
             return Verdict(False)
+        window = streak[::-1]
         return Verdict(
             True,
-            step=window[-1][0],
+            # The report at which the streak reached its length, however logs were batched.
+            step=window[settings.truncated_logs - 1][0],
             summary=(f"every completion was cut at max_completion_length="
                      f"{fmt(run.config.get('max_completion_length'))} for {len(window)} log "
                      f"reports (steps {window[0][0]}-{window[-1][0]}): no completion ends"),

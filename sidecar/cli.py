@@ -73,7 +73,7 @@ def _url_pattern(allowed: frozenset[str]) -> Callable[[str], str]:
 def _serve(args: argparse.Namespace) -> int:
     from deadweight.sidecar import app, logs
     from deadweight.sidecar.server import InsecureTransport, check_transport
-    from deadweight.sidecar.store import StateDirUnsafe
+    from deadweight.sidecar.state_db import StateDirUnsafe
 
     logs.configure(args.log_level)
     try:
@@ -201,7 +201,8 @@ def _inspect(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     from deadweight.sidecar import report
     from deadweight.sidecar.settings import DetectorSettings
-    from deadweight.sidecar.store import DB_NAME, Store
+    from deadweight.sidecar.state_db import DB_NAME
+    from deadweight.sidecar.store import Store
 
     if not (Path(args.state_dir) / DB_NAME).is_file():
         print(f"deadweight report: no state database in {args.state_dir} (the sidecar's "

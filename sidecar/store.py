@@ -7,20 +7,15 @@ checkpoint comparisons continue. An action that signals a process is written as 
 before the signal and updated after it: a crash in between counts as done (at most once).
 Without a state dir the same schema lives in memory, so the code paths do not differ.
 
-The state dir is private: created 0700, an existing one with group or other bits is tightened
-(loudly), one owned by another uid is refused; the database files are 0600. A database that
-SQLite cannot read is moved aside (``deadweight.db.corrupt-<time>``) with an error log line and
-a fresh one is started: the sidecar watches runs again at once, without the old journal. A
-write that fails (a full disk) raises ``StoreWriteFailed`` and is counted; the caller keeps
-what it was about to record pending and tries again later.
+Opening it (a private folder and files, damage moved aside) is ``state_db``'s job. A write
+that fails (a full disk) raises ``StoreWriteFailed`` and is counted; the caller keeps what it
+was about to record pending and tries again later.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
-import stat
 import threading
 import time
 from dataclasses import dataclass
@@ -32,11 +27,9 @@ import structlog
 from deadweight.proto import pb
 from deadweight.sidecar.attestation import ProcessIdentity
 from deadweight.sidecar.state import CheckpointPoint
+from deadweight.sidecar.state_db import open_state_db
 
 log = structlog.get_logger("deadweight.store")
-
-DB_NAME = "deadweight.db"
-SCHEMA_VERSION = 1
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -79,60 +72,6 @@ ENFORCEMENT_OPEN = "open"
 
 class StoreWriteFailed(RuntimeError):
     """A write did not reach the database (disk full, I/O error); nothing was recorded."""
-
-
-class _Corrupt(sqlite3.DatabaseError):
-    """SQLite's own check found damaged pages."""
-
-
-#: SQLite's primary result codes for a damaged file and for a file that is no database.
-_SQLITE_CORRUPT, _SQLITE_NOTADB = 11, 26
-
-
-def _is_corrupt(err: sqlite3.DatabaseError) -> bool:
-    """True for damage; False for a full disk, a lock or permissions (never moved aside)."""
-    code = getattr(err, "sqlite_errorcode", None)
-    return isinstance(err, _Corrupt) or (code is not None and code & 0xFF in (
-        _SQLITE_CORRUPT, _SQLITE_NOTADB))
-
-
-class StateDirUnsafe(PermissionError):
-    """The state dir belongs to another uid: whoever owns it could rewrite the journal."""
-
-
-def _private_dir(folder: Path) -> None:
-    """Create folder 0700, or make an existing one of ours 0700; refuse another uid's."""
-    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-    info = folder.stat()
-    if info.st_uid != os.geteuid():
-        raise StateDirUnsafe(f"state dir {folder} is owned by uid {info.st_uid}, not by this "
-                             f"sidecar's uid {os.geteuid()}; refusing to use it")
-    mode = stat.S_IMODE(info.st_mode)
-    if mode & 0o077:
-        os.chmod(folder, 0o700)
-        log.error("state_dir_tightened", folder=str(folder), was=oct(mode), now="0o700",
-                  reason="other users could read or replace the journal")
-
-
-def _private_files(db: Path) -> None:
-    for path in (db, Path(f"{db}-wal"), Path(f"{db}-shm")):
-        try:
-            if stat.S_IMODE(path.stat().st_mode) != 0o600:
-                os.chmod(path, 0o600)
-        except FileNotFoundError:
-            pass
-
-
-def _move_aside(db: Path, why: str) -> Path:
-    """Rename a database SQLite cannot use (and its WAL) out of the way; say so loudly."""
-    aside = db.with_name(f"{db.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
-    for suffix in ("", "-wal", "-shm"):
-        source = Path(f"{db}{suffix}")
-        if source.exists():
-            os.replace(source, Path(f"{aside}{suffix}"))
-    log.error("state_db_corrupt", path=str(db), moved_to=str(aside), error=why,
-              note="a fresh state database was started; the old journal is kept aside")
-    return aside
 
 
 @dataclass(frozen=True)
@@ -184,45 +123,12 @@ class Store:
         self._lock = threading.RLock()
         #: Writes that failed (disk full, I/O error): exported on /metrics.
         self.write_failures = 0
+        opened = open_state_db(None if state_dir is None else Path(state_dir), SCHEMA)
+        self._db = opened.connection
+        #: The database file (None: memory only).
+        self.path: Path | None = opened.path
         #: Where a corrupt database was moved at start (None: it was sound or new).
-        self.moved_aside: Path | None = None
-        if state_dir is None:
-            self.path: Path | None = None
-            self._db = self._open(":memory:")
-            return
-        folder = Path(state_dir)
-        _private_dir(folder)
-        self.path = folder / DB_NAME
-        if not self.path.exists():
-            os.close(os.open(self.path, os.O_CREAT | os.O_WRONLY | os.O_NOFOLLOW, 0o600))
-        try:
-            self._db = self._open(str(self.path))
-        except sqlite3.DatabaseError as err:
-            if not _is_corrupt(err):
-                raise
-            self.moved_aside = _move_aside(self.path, str(err))
-            os.close(os.open(self.path, os.O_CREAT | os.O_WRONLY | os.O_NOFOLLOW, 0o600))
-            self._db = self._open(str(self.path))
-        _private_files(self.path)
-
-    @staticmethod
-    def _open(target: str) -> sqlite3.Connection:
-        """Connect, check that SQLite can read every page, and create the schema."""
-        db = sqlite3.connect(target, check_same_thread=False, isolation_level=None,
-                             timeout=10.0)
-        try:
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=NORMAL")  # durable across a crash of the process
-            check = db.execute("PRAGMA quick_check").fetchone()
-            if check is None or check[0] != "ok":
-                raise _Corrupt(f"quick_check: {check[0] if check else 'no answer'}")
-            db.executescript(SCHEMA)
-            db.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)",
-                       (str(SCHEMA_VERSION),))
-        except sqlite3.DatabaseError:
-            db.close()
-            raise
-        return db
+        self.moved_aside: Path | None = opened.moved_aside
 
     @property
     def persistent(self) -> bool:

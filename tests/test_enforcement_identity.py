@@ -17,7 +17,8 @@ import pytest
 
 from deadweight.demo.sidecar_process import SidecarProcess
 from deadweight.sidecar.attestation import start_time
-from deadweight.sidecar.store import DB_NAME, Store
+from deadweight.sidecar.state_db import DB_NAME
+from deadweight.sidecar.store import Store
 from tests.enforcement_support import (
     assert_never_signalled,
     enforcement_outcome,

@@ -11,7 +11,8 @@ from deadweight.sidecar.attestation import ProcessIdentity, boot_id
 from deadweight.sidecar.detectors.base import Policy
 from deadweight.sidecar.registry import Registry
 from deadweight.sidecar.state import CheckpointPoint
-from deadweight.sidecar.store import DB_NAME, Store
+from deadweight.sidecar.state_db import DB_NAME
+from deadweight.sidecar.store import Store
 from tests.raw_client import checkpoint_event, frozen_events, healthy_events, run_start
 
 

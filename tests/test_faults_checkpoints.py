@@ -9,7 +9,6 @@ watcher keeps running, and the daemon is still up.
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import shutil
@@ -26,71 +25,11 @@ from safetensors.numpy import save_file
 from deadweight.demo.sidecar_process import SidecarProcess
 from deadweight.proto import pb
 from deadweight.sidecar.checkpoint_inspector import inspect_path
+from tests.checkpoint_files import Watched, adapter, sparse_safetensors
 from tests.faults import Pipe
 from tests.realprocs import wait_for
 
 pytestmark = pytest.mark.slow
-
-
-class Watched:
-    """One registered run on the shared sidecar, and the sidecar's log lines about paths."""
-
-    def __init__(self, sidecar: SidecarProcess, pipe: Pipe, run_id: str, out: Path) -> None:
-        self.sidecar, self.pipe, self.run_id, self.out = sidecar, pipe, run_id, out
-        self.seq = 0
-        out.mkdir(parents=True)
-        start = pb.RunStart(trainer="SFTTrainer", output_dir=str(out))
-        assert not pipe.send(pb.StreamRequest(run_id=run_id,
-                                              events=[pb.Event(run_start=start)])).error
-
-    def report(self, folder: Path) -> None:
-        """What the callback's on_save sends: the folder is complete (trusted)."""
-        self.seq += 1
-        event = pb.Event(seq=self.seq, checkpoint=pb.CheckpointReport(step=self.seq,
-                                                                      path=str(folder)))
-        assert not self.pipe.send(pb.StreamRequest(run_id=self.run_id, events=[event])).error
-
-    def lines(self, path: Path) -> list[dict[str, Any]]:
-        found = []
-        for raw in self.sidecar.log_path.read_text(errors="replace").splitlines():
-            try:
-                line = json.loads(raw)
-            except ValueError:
-                continue
-            if isinstance(line, dict) and str(path) in str(line.get("path", "")):
-                found.append(line)
-        return found
-
-    def wait_line(self, path: Path, *events: str) -> dict[str, Any]:
-        def find() -> dict[str, Any] | None:
-            return next((x for x in self.lines(path) if x.get("event") in events), None)
-
-        line: dict[str, Any] = wait_for(find, 20, what=f"{events} for {path.name}")
-        return line
-
-    def still_works(self, name: str = "checkpoint-999") -> None:
-        """A good checkpoint after the fault is inspected: the watcher kept running."""
-        good = _adapter(self.out / name)
-        self.report(good)
-        self.wait_line(good, "checkpoint_inspected")
-        assert self.sidecar.process is not None and self.sidecar.process.poll() is None
-
-
-def _adapter(folder: Path, value: float = 0.5) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file({"base_model.model.q_proj.lora_A.weight": np.full((4, 8), value, np.float32),
-               "base_model.model.q_proj.lora_B.weight": np.full((8, 4), value, np.float32)},
-              str(folder / "adapter_model.safetensors"))
-    return folder
-
-
-def _sparse_safetensors(path: Path, nbytes: int) -> None:
-    """A valid safetensors file with one huge all-zero tensor, sparse on disk."""
-    header = json.dumps({"base_model.model.q_proj.lora_A.weight": {
-        "dtype": "F32", "shape": [nbytes // 4], "data_offsets": [0, nbytes]}}).encode()
-    with path.open("wb") as handle:
-        handle.write(struct.pack("<Q", len(header)) + header)
-        handle.truncate(8 + len(header) + nbytes)
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +49,7 @@ def run(sidecar: tuple[SidecarProcess, Pipe], tmp_path: Path,
 
 def test_a_checkpoint_still_being_written_is_inspected_once_complete(run: Watched) -> None:
     folder = run.out / "checkpoint-1"
-    final = _adapter(run.out.parent / "final")  # the bytes the writer will end with
+    final = adapter(run.out.parent / "final")  # the bytes the writer will end with
     data = (final / "adapter_model.safetensors").read_bytes()
     folder.mkdir()
     target = folder / "adapter_model.safetensors"
@@ -180,7 +119,7 @@ def test_a_zero_byte_adapter_is_inspected_and_called_empty(run: Watched) -> None
 def test_symlinks_leaving_the_output_folder_are_not_followed(
     run: Watched, tmp_path: Path
 ) -> None:
-    outside = _adapter(tmp_path / "elsewhere")
+    outside = adapter(tmp_path / "elsewhere")
     linked_folder = run.out / "checkpoint-1"
     linked_folder.symlink_to(outside, target_is_directory=True)
     linked_file = run.out / "checkpoint-2"
@@ -222,7 +161,7 @@ def test_a_folder_deleted_while_hashed(run: Watched) -> None:
     folder = run.out / "checkpoint-1"
     folder.mkdir()
     weights = folder / "adapter_model.safetensors"
-    _sparse_safetensors(weights, 512 << 20)  # seconds of hashing: the deletion lands inside
+    sparse_safetensors(weights, 512 << 20)  # seconds of hashing: the deletion lands inside
     run.report(folder)
     wait_for(lambda: _open_by(pid, weights), 20, what="the watcher to open the file")
     shutil.rmtree(folder)
@@ -241,7 +180,7 @@ def test_a_file_truncated_while_hashed_does_not_kill_the_sidecar(run: Watched) -
     folder = run.out / "checkpoint-1"
     folder.mkdir()
     weights = folder / "adapter_model.safetensors"
-    _sparse_safetensors(weights, 4 << 30)
+    sparse_safetensors(weights, 4 << 30)
     run.report(folder)
     wait_for(lambda: _open_by(pid, weights), 20, what="the watcher to open the file")
     os.truncate(weights, 100)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 import subprocess
 import sys
 import threading
@@ -26,24 +25,11 @@ from deadweight.sidecar.checkpoint_inspector import (
     CheckpointRefused,
     inspect_file,
 )
+from tests.checkpoint_files import Watched, adapter, header_file, many_tensors
 from tests.faults import Pipe
 from tests.realprocs import wait_for
-from tests.test_faults_checkpoints import Watched, _adapter
 
 pytestmark = pytest.mark.slow
-
-
-def _header_file(path: Path, header: bytes, data: bytes = b"\0" * 4) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(struct.pack("<Q", len(header)) + header + data)
-    return path
-
-
-def _many_tensors(path: Path, count: int) -> Path:
-    """A valid safetensors file with count one-element tensors (all share 4 bytes)."""
-    parts = (f'"t{i:07d}":{{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}'
-             for i in range(count))
-    return _header_file(path, ("{" + ",".join(parts) + "}").encode())
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +84,7 @@ def _capture(outcome: list[BaseException], path: Path) -> None:
 
 
 def test_a_weights_file_swapped_with_a_fifo_never_blocks_the_watcher(run: Watched) -> None:
-    data = (_adapter(run.out.parent / "model") / "adapter_model.safetensors").read_bytes()
+    data = (adapter(run.out.parent / "model") / "adapter_model.safetensors").read_bytes()
     newest: list[Path] = []
     stop = threading.Event()
 
@@ -135,7 +121,7 @@ def test_a_weights_file_swapped_with_a_fifo_never_blocks_the_watcher(run: Watche
 def test_a_78_mb_header_is_refused_before_parsing_within_a_small_memory(
     run: Watched, tmp_path: Path
 ) -> None:
-    big = _many_tensors(tmp_path / "big.safetensors", 1_300_000)
+    big = many_tensors(tmp_path / "big.safetensors", 1_300_000)
     assert big.stat().st_size > 75_000_000
     peak = tmp_path / "peak_kb"
     result = subprocess.run(  # GNU time reports the peak RSS of the command after its exec
@@ -158,7 +144,7 @@ def test_a_78_mb_header_is_refused_before_parsing_within_a_small_memory(
 
 def test_too_many_tensors_are_refused_with_a_finding(run: Watched) -> None:
     folder = run.out / "checkpoint-1"
-    _many_tensors(folder / "adapter_model.safetensors", MAX_TENSORS + 1)
+    many_tensors(folder / "adapter_model.safetensors", MAX_TENSORS + 1)
     run.report(folder)
     line = run.wait_line(folder, "checkpoint_refused")
     assert f"more than {MAX_TENSORS} tensors" in line["reason"], line
@@ -173,7 +159,7 @@ def test_paths_outside_the_watch_roots_are_refused(
 ) -> None:
     process, pipe = sidecar
     outside = tmp_path / "secret"
-    _adapter(outside / "checkpoint-1")
+    adapter(outside / "checkpoint-1")
     escape = root / "escape"
     escape.symlink_to(outside, target_is_directory=True)  # inside by name, outside for real
     for run_id, folder in (("outside", outside), ("escape", escape), ("usr", Path("/usr"))):
@@ -195,7 +181,7 @@ def test_without_a_watch_root_no_client_path_is_read(tmp_path: Path) -> None:
         pipe = Pipe(process.address)
         try:
             watched = Watched(process, pipe, "no-roots", out)
-            folder = _adapter(out / "checkpoint-1")
+            folder = adapter(out / "checkpoint-1")
             watched.report(folder)
             line = watched.wait_line(folder, "checkpoint_refused")
             assert "no --watch-root" in line["reason"]
@@ -247,7 +233,7 @@ def test_thousands_of_output_folders_cost_a_bounded_number_of_threads(
 def test_inspect_exits_2_with_a_clear_message_on_hostile_headers(
     tmp_path: Path, header: bytes, reason: str
 ) -> None:
-    path = _header_file(tmp_path / "adapter_model.safetensors", header)
+    path = header_file(tmp_path / "adapter_model.safetensors", header)
     result = subprocess.run(
         [sys.executable, "-m", "deadweight.sidecar.cli", "inspect", str(path)],
         capture_output=True, text=True, timeout=120,
@@ -262,5 +248,5 @@ def test_json_header_fixture_is_valid_when_not_hostile(tmp_path: Path) -> None:
     """Control: the same hand-built header with sound values is inspected."""
     header = json.dumps({"a.lora_A.weight": {"dtype": "F32", "shape": [1],
                                              "data_offsets": [0, 4]}}).encode()
-    path = _header_file(tmp_path / "adapter_model.safetensors", header)
+    path = header_file(tmp_path / "adapter_model.safetensors", header)
     assert inspect_file(path).tensor_bytes == 4

@@ -180,7 +180,9 @@ def measure(model: torch.nn.Module, optimizer: Any,
             watched_names.append(name)
             if adapter is not None:
                 adapter_index[adapter].append(index)
-            kind_index.setdefault(module_kind(name, adapter, layer_names), []).append(index)
+            if adapter is None or adapter in active or id(param) in in_optimizer \
+                    or param.requires_grad:  # not a reference copy (GRPO's "ref" adapter)
+                kind_index.setdefault(module_kind(name, adapter, layer_names), []).append(index)
     groups = [TensorGroup(a, "adapter", idx) for a, idx in adapter_index.items() if idx]
     groups += [TensorGroup(k, "module", idx) for k, idx in sorted(kind_index.items())]
     shares = [

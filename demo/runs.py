@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Every run here is on the CPU (use_cpu): say so, or DeepSpeed warns when TRL imports it.
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch
 from datasets import Dataset

@@ -108,6 +108,9 @@ def test_demo_catches_the_frozen_run_and_spares_the_control(tmp_path: Path) -> N
     assert "RESULT: frozen run caught and stopped" in result.stdout
     assert "frozen_weights [critical, policy stop]" in result.stdout
     assert "differs from the initial adapter: False" in result.stdout
+    noise = [line for line in (result.stdout + result.stderr).splitlines()
+             if "[WARNING]" in line or "Warning:" in line]
+    assert not noise, noise  # a newcomer's first run prints only what the demo says
 
 
 def test_serve_refuses_a_link_pattern_with_an_unknown_placeholder(tmp_path: Path) -> None:

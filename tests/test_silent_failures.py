@@ -64,7 +64,11 @@ def test_adapter_cast_to_bf16_updates_in_low_precision(
     started = train(runs.sft_trainer(model, model_dir, tmp_path / "bad",
                                      [live.callback("bf16-cast")], steps=4, save_steps=10))
     low = detected(live, "bf16-cast", "low_precision_update", started)
-    assert low.evidence["dtypes"].startswith("bfloat16=") and low.step == 0
+    # Measured: three steps in a row kept a quarter or more of a bf16 module's elements.
+    assert low.step == 3 and low.evidence["dtype"] == "bfloat16"
+    assert low.evidence["module_kind"] in {"q_proj", "v_proj"}
+    assert float(low.evidence["unchanged_fraction"]) >= 0.25
+    assert low.evidence["optimizer_dtypes"].startswith("bfloat16=")
     assert "frozen_weights" not in live.fired("bf16-cast")  # every tensor still moves
     after = dict(model.named_parameters())
     still = sum(int((after[n] == b).sum()) for n, b in before.items())
@@ -78,6 +82,37 @@ def test_adapter_cast_to_bf16_updates_in_low_precision(
                            steps=4, save_steps=10))
     silent(live, "bf16-base", "low_precision_update")
     assert dict(live.seen("bf16-base").start.trainable_params_by_dtype).keys() == {"float32"}
+    kinds = live.seen("bf16-base").combined_steps()[-1].module_elements
+    assert kinds and all(d == "float32" and u == 0 for _, d, _, u in kinds)  # all moved
+
+    # The same bf16 cast in its warmup: warmup steps are lora_lr_too_low's, never counted here.
+    cast = get_peft_model(_base(model_dir), runs.lora_config()).to(torch.bfloat16)
+    train(runs.sft_trainer(cast, model_dir, tmp_path / "warmup", [live.callback("bf16-warm")],
+                           steps=4, warmup=3, save_steps=10))
+    silent(live, "bf16-warm", "low_precision_update")
+
+
+def test_pure_bf16_full_fine_tune_loses_its_updates(
+    live: InProcessSidecar, tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A full fine-tune of a bf16 model at lr 2e-5, no fp32 master weights: most elements of
+    every module keep their value each step. Its fp32 twin moves them all, and its two
+    checkpoints (no adapter: empty adapter digests) are never compared as unchanged."""
+    import torch
+
+    model_dir, _ = tiny
+    started = train(runs.sft_trainer(_base(model_dir, dtype=torch.bfloat16), model_dir,
+                                     tmp_path / "bad", [live.callback("full-bf16")], steps=4,
+                                     lr=2e-5, save_steps=10))
+    low = detected(live, "full-bf16", "low_precision_update", started)
+    assert low.step == 3 and low.evidence["dtype"] == "bfloat16"
+    assert float(low.evidence["unchanged_fraction"]) > 0.5
+
+    train(runs.sft_trainer(_base(model_dir), model_dir, tmp_path / "good",
+                           [live.callback("full-fp32")], steps=4, lr=2e-5, save_steps=2))
+    live.wait_inspected("full-fp32", 2)
+    silent(live, "full-fp32", "low_precision_update", "checkpoint_unchanged")
+    assert not live.seen("full-fp32").start.initial_adapter.tensors  # nothing to compare
 
 
 # -- 2. zero gradient on any trainer -----------------------------------------------------------

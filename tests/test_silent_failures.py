@@ -299,6 +299,44 @@ def test_dpo_drops_prompts_that_fill_max_length(live: InProcessSidecar, tiny: tu
     silent(live, "dpo-whole", "dataset_shrunk")
 
 
+def test_reward_and_sft_drop_rows_that_fill_max_length(
+    live: InProcessSidecar, tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Beyond DPO: the reward trainer drops pairs longer than max_length; SFT on
+    prompt/completion rows drops rows whose completion truncation cut away (fully masked)."""
+    from peft import LoraConfig
+
+    model_dir, _ = tiny
+    heads = dict(r=4, lora_alpha=8, target_modules=runs.LORA_TARGETS, task_type="SEQ_CLS")
+    started = train(runs.reward_trainer(runs.reward_model(model_dir), model_dir, tmp_path / "rm",
+                                        [live.callback("rm-shrunk")], steps=2, save_steps=10,
+                                        peft_config=LoraConfig(**heads), max_length=32))
+    shrunk = detected(live, "rm-shrunk", "dataset_shrunk", started)
+    assert shrunk.evidence["rows_given"] == "32" and shrunk.evidence["max_length"] == "32"
+    assert int(shrunk.evidence["rows_dropped"]) > 16
+
+    pairs = runs.preference_rows(32)
+    rows = {"prompt": [p if i % 2 else " ".join([p] * 6) for i, p in enumerate(pairs["prompt"])],
+            "completion": pairs["chosen"]}
+    started = train(runs.sft_trainer(_base(model_dir), model_dir, tmp_path / "sft",
+                                     [live.callback("sft-shrunk")], steps=2, save_steps=10,
+                                     peft_config=runs.lora_config(), rows=rows))
+    shrunk = detected(live, "sft-shrunk", "dataset_shrunk", started)
+    assert shrunk.evidence["rows_given"] == "32" and int(shrunk.evidence["rows_dropped"]) >= 16
+
+    # Twins: the same data with a max_length that holds every row.
+    train(runs.reward_trainer(runs.reward_model(model_dir), model_dir, tmp_path / "rm-whole",
+                              [live.callback("rm-whole")], steps=2, save_steps=10,
+                              peft_config=LoraConfig(**heads)))
+    train(runs.sft_trainer(_base(model_dir), model_dir, tmp_path / "sft-whole",
+                           [live.callback("sft-whole")], steps=2, save_steps=10,
+                           peft_config=runs.lora_config(), rows=rows, max_length=256))
+    for run_id in ("rm-whole", "sft-whole"):
+        silent(live, run_id, "dataset_shrunk")
+        kept = live.seen(run_id).start.dataset_rows
+        assert kept.given == kept.kept == 32
+
+
 # -- 8. resume that restarts the adapter -------------------------------------------------------
 
 

@@ -204,6 +204,64 @@ def test_pad_equal_eos_with_the_lm_collator_masks_every_stop_label(
     assert live.seen("eos-sft").start.stop_token.in_labels > 0
 
 
+def _chat_template(end_of_turn_trained: bool) -> str:
+    """ChatML with a ``{% generation %}`` block around the assistant's answer, and the
+    end-of-turn token inside it (trained) or right after it (never a label)."""
+    end = "'<|im_end|>'"
+    answer = ("{% generation %}{{ message['content'] + " + end + " }}{% endgeneration %}"
+              if end_of_turn_trained else
+              "{% generation %}{{ message['content'] }}{% endgeneration %}{{ " + end + " }}")
+    return ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+            "{% if message['role'] == 'assistant' %}" + answer +
+            "{% else %}{{ message['content'] + " + end + " }}{% endif %}{{ '\\n' }}"
+            "{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def _chat_trainer(model_dir: Path, output_dir: Path, callback: Any, end_of_turn_trained: bool,
+                  eos: str = "<|im_end|>") -> Any:
+    """SFT with assistant_only_loss on user/assistant turns under that template."""
+    from transformers import AutoTokenizer
+
+    from deadweight.demo.tiny_models import sample_lines
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.chat_template = _chat_template(end_of_turn_trained)
+    model = _base(model_dir)
+    if eos != tokenizer.eos_token:  # a base tokenizer's eos; the model stops on both
+        tokenizer.eos_token = eos
+        model.generation_config.eos_token_id = [tokenizer.convert_tokens_to_ids("<|im_end|>"),
+                                                tokenizer.eos_token_id]
+    turns = zip(sample_lines(16, seed=8), sample_lines(16, seed=9), strict=True)
+    rows = {"messages": [[{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+                         for q, a in turns]}
+    return runs.sft_trainer(model, model_dir, output_dir, [callback], steps=2, save_steps=10,
+                            peft_config=runs.lora_config(), tokenizer=tokenizer, rows=rows,
+                            assistant_only_loss=True, max_length=64)
+
+
+def test_chat_template_leaves_the_end_of_turn_outside_the_loss(
+    live: InProcessSidecar, tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    model_dir, _ = tiny
+    started = train(_chat_trainer(model_dir, tmp_path / "bad", live.callback("eot-outside"),
+                                  end_of_turn_trained=False))
+    stop = detected(live, "eot-outside", "stop_token_untrained", started)
+    assert stop.evidence["token"] == "<|im_end|>" and stop.evidence["in_labels"] == "0"
+    assert int(stop.evidence["in_inputs"]) >= 8  # it ends every user turn and every answer
+
+    # Twins: the end of turn inside the generation block; and the same with a distinct eos
+    # (a base tokenizer's <|endoftext|>) that never appears: the end of turn is the stop.
+    train(_chat_trainer(model_dir, tmp_path / "good", live.callback("eot-inside"),
+                        end_of_turn_trained=True))
+    train(_chat_trainer(model_dir, tmp_path / "eos", live.callback("eot-not-eos"),
+                        end_of_turn_trained=True, eos="<|endoftext|>"))
+    for run_id in ("eot-inside", "eot-not-eos"):
+        silent(live, run_id, "stop_token_untrained")
+        check = live.seen(run_id).start.stop_token
+        assert check.token == "<|im_end|>" and 0 < check.in_labels < check.in_inputs
+
+
 # -- 5. a random, unsaved head -----------------------------------------------------------------
 
 

@@ -29,7 +29,8 @@ class StopTokenUntrained(SpecDetector):
         "the model never learns to stop (pad == eos with the LM collator, a template that "
         "leaves the end of turn outside the loss)",
         fires_when="at train begin, the trainer's collator applied to the first rows yields "
-        "labels without the stop token (`eos_token`)",
+        "labels without any stop token (`eos_token`, or a stop id of the generation config "
+        "such as a chat template's end of turn)",
         evidence=(Evidence("loss"), Evidence("step")),
     )
 

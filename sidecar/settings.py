@@ -36,3 +36,5 @@ class DetectorSettings:
     dataset_drop_fraction: float = 0.05
     low_precision_fraction: float = 0.25
     low_precision_steps: int = 3
+    resume_loss_drop: float = 0.1
+    resume_loss_regain: float = 0.5

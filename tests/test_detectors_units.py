@@ -300,3 +300,20 @@ def test_low_precision_needs_low_precision_weights_in_the_optimizer() -> None:
             _bf16_step(feed, step, 600, dtype=dtype)
         fired[name] = "low_precision_update" in feed.fired()
     assert fired == {"fp32": False, "master": False, "bf16": True}
+
+
+def test_resume_loss_sign_needs_a_run_that_had_learned() -> None:
+    """Back at the first loss fires only when the checkpoint's run had learned, once a loss
+    after the resume arrives, and never for RL losses (GRPO's sits near 0 by design)."""
+    resume = pb.Resume(checkpoint="/c/checkpoint-8", step=8, first_loss=5.8, last_loss=3.6)
+    fired = {}
+    for name, trainer, first, after in (("restarted", "SFTTrainer", 5.8, 5.7),
+                                        ("went_on", "SFTTrainer", 5.8, 3.7),
+                                        ("never_learned", "SFTTrainer", 3.7, 3.7),
+                                        ("rl", "GRPOTrainer", 5.8, 5.7)):
+        resume.first_loss = first
+        feed = Feed(Registry(), trainer=trainer, run_id=name, resume=resume)
+        assert "resume_lost_adapter" not in feed.fired()  # no loss since the resume yet
+        feed.log(9, loss=after)
+        fired[name] = "resume_lost_adapter" in feed.fired()
+    assert fired == {"restarted": True, "went_on": False, "never_learned": False, "rl": False}

@@ -422,11 +422,58 @@ def test_resume_loads_a_full_model_file_and_restarts_the_adapter(
         if extra:
             lost = detected(live, "resume-bad", "resume_lost_adapter", started)
             assert lost.step == 2 and lost.evidence["differing_tensors"] != "0"
+            assert lost.evidence["sign"] == "digest"
         else:
             silent(live, "resume-good", "resume_lost_adapter")
             resume = live.seen("resume-good").start.resume
             assert resume.step == 2 and resume.checkpoint_adapter.combined == (
                 live.seen("resume-good").start.initial_adapter.combined)
+
+
+def test_resume_under_another_adapter_name_restarts_the_loss(
+    live: InProcessSidecar, tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """The checkpoint's adapter was saved under the name "sft" (a subfolder of the checkpoint);
+    the resumed script builds a fresh default adapter: the Trainer loads "sft" frozen beside it
+    and trains the fresh one. No adapter file at the checkpoint's top for a digest to compare:
+    the first loss after the resume, back at the step-0 loss, shows the restart."""
+    import shutil
+
+    from peft import LoraConfig, get_peft_model
+
+    from deadweight.demo.tiny_models import sample_lines
+
+    model_dir, _ = tiny
+    texts = sample_lines(4, seed=11) * 16  # a few lines, learnt within a few steps
+    # The output head trains too, so the tiny model learns visibly in 8 steps (5.8 -> ~3.6).
+    config = dict(r=4, lora_alpha=8, target_modules=runs.LORA_TARGETS,
+                  modules_to_save=["lm_head"], task_type="CAUSAL_LM")
+
+    def trainer(model: Any, out: Path, callbacks: list[Any], steps: int) -> Any:
+        return runs.sft_trainer(model, model_dir, out, callbacks, steps=steps, lr=1e-2,
+                                save_steps=8, texts=texts)
+
+    def peft_model(adapter: str) -> Any:
+        return get_peft_model(_base(model_dir), LoraConfig(**config), adapter_name=adapter)
+
+    first = tmp_path / "first"
+    train(trainer(peft_model("sft"), first, [], 8))
+    assert (first / "checkpoint-8" / "sft" / "adapter_model.safetensors").is_file()
+    for name, adapter in (("fresh", "default"), ("named", "sft")):
+        out = tmp_path / name
+        shutil.copytree(first, out)
+        started = train(trainer(peft_model(adapter), out, [live.callback(f"resume-{name}")], 10),
+                        resume_from_checkpoint=str(out / "checkpoint-8"))
+        resume = live.seen(f"resume-{name}").start.resume
+        assert resume.step == 8 and not resume.checkpoint_adapter.tensors  # digests blind
+        assert resume.last_loss < 0.8 * resume.first_loss  # the first run had learned
+        if name == "fresh":
+            lost = detected(live, "resume-fresh", "resume_lost_adapter", started)
+    assert lost.evidence["sign"] == "loss" and lost.step == 9
+    assert float(lost.evidence["regained"]) > 0.5
+    silent(live, "resume-named", "resume_lost_adapter")
+    after = dict(live.seen("resume-named").history("loss"))[9]
+    assert after < live.seen("resume-named").start.resume.first_loss * 0.8  # it went on
 
 
 # -- 9. AdaLoRA degraded to LoRA ---------------------------------------------------------------

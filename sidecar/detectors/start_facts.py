@@ -7,7 +7,10 @@ what it trains is not what the user asked for.
 
 from __future__ import annotations
 
-from deadweight.sidecar.detectors.base import SpecDetector, Verdict, fmt
+import math
+
+from deadweight.proto import pb
+from deadweight.sidecar.detectors.base import SpecDetector, Verdict, finite_history, fmt, is_rl
 from deadweight.sidecar.detectors.spec import DetectorSpec, Evidence, Severity, Threshold
 from deadweight.sidecar.settings import DetectorSettings
 from deadweight.sidecar.state import RunState
@@ -135,18 +138,35 @@ class DatasetShrunk(SpecDetector):
 
 
 class ResumeLostAdapter(SpecDetector):
-    """After resuming, the adapter in memory is not the adapter of the checkpoint resumed from:
-    training restarted from a fresh (or another) adapter while the step count went on."""
+    """After resuming, training restarted from a fresh (or another) adapter while the step
+    count went on.
+
+    Two signs, either suffices: at train begin the adapter in memory differs from the
+    resumed checkpoint's adapter file; or, where the digests cannot see it (the checkpoint's
+    adapter saved under another name, in a subfolder, while a fresh default adapter trains),
+    the first loss after the resume is back near the first loss of the run that wrote the
+    checkpoint although that run had learned. RL losses say nothing about learning: the loss
+    sign is left out for GRPO/RLOO.
+    """
 
     spec = DetectorSpec(
         id="resume_lost_adapter",
         severity=Severity.CRITICAL,
         latching=True,
         summary="Run {run_id} resumed without the adapter it resumed from",
-        meaning="after resume_from_checkpoint the adapter in memory differs from the "
-        "checkpoint's adapter: training restarted while the step count went on",
+        meaning="after resume_from_checkpoint the adapter in memory is not the checkpoint's "
+        "adapter: training restarted while the step count went on",
         fires_when="at train begin of a resumed run, the digest of the adapter in memory "
-        "differs from the digest of the resumed checkpoint's adapter file",
+        "differs from that of the resumed checkpoint's adapter file; or the first loss after "
+        "the resume gave back a large share of what the checkpoint's run had learned (its "
+        "`trainer_state.json`: first and last loss)",
+        thresholds=(
+            Threshold("resume_loss_drop", "ratio",
+                      "the checkpoint's run had learned: its last loss at least this share "
+                      "below its first"),
+            Threshold("resume_loss_regain", "ratio",
+                      "share of that drop the first loss after the resume gave back"),
+        ),
         evidence=(Evidence("step"), Evidence("loss")),
     )
 
@@ -156,23 +176,54 @@ class ResumeLostAdapter(SpecDetector):
         if not run.start.HasField("resume"):
             return Verdict(False)
         resume = run.start.resume
-        saved = resume.checkpoint_adapter.combined
-        memory = run.start.initial_adapter.combined
-        if not saved or not memory or saved == memory:
-            return Verdict(False)
-        differing = sorted(
-            n for n, d in resume.checkpoint_adapter.tensors.items()
-            if run.start.initial_adapter.tensors.get(n) != d)
+        return self._by_digest(run, resume) or self._by_loss(run, resume, settings)
+
+    @staticmethod
+    def _by_digest(run: RunState, resume: pb.Resume) -> Verdict | None:
+        """Firing when the adapter in memory differs from the checkpoint's, else None."""
+        assert run.start is not None
+        saved, memory = resume.checkpoint_adapter, run.start.initial_adapter
+        if (not saved.tensors or not memory.tensors or not saved.combined
+                or saved.combined == memory.combined):
+            return None
+        differing = sorted(n for n, d in saved.tensors.items() if memory.tensors.get(n) != d)
         return Verdict(
             True,
             step=resume.step,
             summary=(f"resumed at step {resume.step} from {resume.checkpoint}, but the adapter "
                      f"in memory differs from that checkpoint's in {len(differing)} of "
-                     f"{len(resume.checkpoint_adapter.tensors)} tensors: training restarted"),
+                     f"{len(saved.tensors)} tensors: training restarted"),
             evidence={"checkpoint": resume.checkpoint, "step": fmt(resume.step),
-                      "checkpoint_digest": saved, "memory_digest": memory,
+                      "sign": "digest", "checkpoint_digest": saved.combined,
+                      "memory_digest": memory.combined,
                       "differing_tensors": fmt(len(differing)),
                       "first_loss_before": fmt(resume.first_loss)},
+        )
+
+    @staticmethod
+    def _by_loss(run: RunState, resume: pb.Resume, settings: DetectorSettings) -> Verdict | None:
+        first, last = resume.first_loss, resume.last_loss
+        learned = first - last
+        if (is_rl(run) or not (math.isfinite(first) and math.isfinite(last)) or first == 0
+                or learned < settings.resume_loss_drop * abs(first)):
+            return Verdict(False)  # no learning the loss could show being lost
+        after = [(s, v) for s, v in finite_history(run, "loss") if s > resume.step]
+        if not after:
+            return None  # no loss since the resume yet
+        step, loss = after[0]
+        regained = (loss - last) / learned
+        if regained < settings.resume_loss_regain:
+            return Verdict(False, step=step)
+        return Verdict(
+            True,
+            step=step,
+            summary=(f"resumed at step {resume.step} from {resume.checkpoint}: the first loss "
+                     f"after the resume ({fmt(loss)}, step {step}) is back near that run's first "
+                     f"loss ({fmt(first)}; it had reached {fmt(last)}): training restarted"),
+            evidence={"checkpoint": resume.checkpoint, "step": fmt(step),
+                      "resumed_step": fmt(resume.step), "sign": "loss",
+                      "first_loss_before": fmt(first), "last_loss_before": fmt(last),
+                      "first_loss_after": fmt(loss), "regained": f"{regained:.3g}"},
         )
 
 

@@ -317,3 +317,14 @@ def test_resume_loss_sign_needs_a_run_that_had_learned() -> None:
         feed.log(9, loss=after)
         fired[name] = "resume_lost_adapter" in feed.fired()
     assert fired == {"restarted": True, "went_on": False, "never_learned": False, "rl": False}
+
+
+def test_a_streak_names_the_item_where_it_reached_its_length() -> None:
+    from deadweight.sidecar.detectors.base import trailing_streak
+
+    streak = trailing_streak([1, 0, 0, 0, 0], lambda v: v == 0)
+    assert streak.items == (0, 0, 0, 0) and len(streak) == 4
+    assert streak.reached(3) == 0 and streak.reached(5) is None and streak.reached(0) is None
+    steps = trailing_streak([(1, 0.0), (2, 1.0), (3, 0.0), (4, 0.0)], lambda p: p[1] == 0)
+    assert steps.reached(2) == (4, 0.0) and steps.reached(1) == (3, 0.0)
+    assert not trailing_streak([0, 1], lambda v: v == 0).items  # the newest breaks it

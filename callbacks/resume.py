@@ -4,7 +4,9 @@ The Trainer loads the checkpoint before ``on_train_begin`` (``state.global_step`
 checkpoint's step); when its files are not the adapter it loads (a ``model.safetensors`` beside
 the adapter wins and matches no key, an adapter saved under another name), training silently
 starts again from a fresh adapter. The digest of the checkpoint's adapter file, computed the way
-``digest`` computes the one in memory, lets the sidecar compare the two.
+``digest`` computes the one in memory, lets the sidecar compare the two. The first and last loss
+of the checkpoint's log history let it see a restart the digests cannot (an adapter saved under
+another name, in a subfolder, while a fresh one trains): the loss is back where it started.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class ResumeFacts:
     step: int
     checkpoint_adapter: AdapterDigest
     first_loss: float = 0.0
+    last_loss: float = 0.0
 
 
 def _file_digest(path: Path) -> AdapterDigest:
@@ -37,15 +40,15 @@ def _file_digest(path: Path) -> AdapterDigest:
     return AdapterDigest(combine(tensors), tensors, size)
 
 
-def _first_loss(folder: Path) -> float:
+def _losses(folder: Path) -> tuple[float, float]:
+    """(first, last) training loss in the checkpoint's log history; 0 where unknown."""
     try:
         history = json.loads((folder / "trainer_state.json").read_text()).get("log_history", [])
-    except (OSError, ValueError):
-        return 0.0
-    for entry in history:
-        if isinstance(entry, dict) and isinstance(entry.get("loss"), int | float):
-            return float(entry["loss"])
-    return 0.0
+    except (OSError, ValueError, AttributeError):
+        return 0.0, 0.0
+    losses = [float(entry["loss"]) for entry in history if isinstance(entry, dict)
+              and isinstance(entry.get("loss"), int | float)]
+    return (losses[0], losses[-1]) if losses else (0.0, 0.0)
 
 
 def check(output_dir: str, global_step: int) -> ResumeFacts | None:
@@ -55,5 +58,5 @@ def check(output_dir: str, global_step: int) -> ResumeFacts | None:
     folder = Path(output_dir).resolve() / f"checkpoint-{global_step}"
     if not folder.is_dir():
         return None
-    return ResumeFacts(str(folder), global_step, _file_digest(folder / ADAPTER_FILE),
-                       _first_loss(folder))
+    first, last = _losses(folder)
+    return ResumeFacts(str(folder), global_step, _file_digest(folder / ADAPTER_FILE), first, last)

@@ -4,7 +4,10 @@ With ``pad_token == eos_token`` transformers' language-modelling collator masks 
 equal to the pad id, eos included; a chat template or completion mask can leave the end-of-turn
 token outside the loss. Either way the loss looks healthy and the model never learns to stop.
 The check runs the trainer's own collator on the first rows (indexing, not the sampler, so the
-run's data order is untouched) and counts the stop token in the inputs and in the labels.
+run's data order is untouched) and counts the stop tokens in the inputs and in the labels.
+The stop tokens are the tokenizer's eos and every id the model's generation config stops on
+(a chat model stops on its end-of-turn token, which may differ from eos): the loss trains the
+stop when any of them is a label.
 """
 
 from __future__ import annotations
@@ -27,13 +30,31 @@ class StopTokenFacts:
     in_labels: int
 
 
-def check(train_dataloader: Any, processing_class: Any, rows: int = ROWS) -> StopTokenFacts | None:
+def stop_ids(tokenizer: Any, model: Any = None) -> list[int]:
+    """The tokenizer's eos id first, then the generation config's other stop ids."""
+    ids: list[int] = []
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for candidate in [getattr(tokenizer, "eos_token_id", None),
+                      *(configured if isinstance(configured, list | tuple) else [configured])]:
+        if isinstance(candidate, int) and candidate not in ids:
+            ids.append(candidate)
+    return ids
+
+
+def _token_text(tokenizer: Any, token_id: int) -> str:
+    convert = getattr(tokenizer, "convert_ids_to_tokens", None)
+    text = convert(token_id) if callable(convert) else None
+    return str(text) if isinstance(text, str) else str(getattr(tokenizer, "eos_token", ""))
+
+
+def check(train_dataloader: Any, processing_class: Any, model: Any = None,
+          rows: int = ROWS) -> StopTokenFacts | None:
     """The counts for the run's data, or None when the batch has no labels (DPO, GRPO, ...)."""
     tokenizer = getattr(processing_class, "tokenizer", processing_class)
-    token_id = getattr(tokenizer, "eos_token_id", None)
+    ids = stop_ids(tokenizer, model)
     dataset = getattr(train_dataloader, "dataset", None)
     collate = getattr(train_dataloader, "collate_fn", None)
-    if not isinstance(token_id, int) or collate is None or dataset is None:
+    if not ids or collate is None or dataset is None:
         return None
     try:
         count = min(rows, len(dataset))
@@ -49,10 +70,14 @@ def check(train_dataloader: Any, processing_class: Any, rows: int = ROWS) -> Sto
     mask = batch.get("attention_mask")
     real = mask.bool() if isinstance(mask, torch.Tensor) and mask.shape == inputs.shape else (
         torch.ones_like(inputs, dtype=torch.bool))
+    stops = torch.tensor(ids, dtype=inputs.dtype)
+    in_inputs = torch.isin(inputs, stops) & real
+    # The stop token named: the one the inputs hold most (eos when none appears).
+    token_id = max(ids, key=lambda i: (int(((inputs == i) & real).sum()), i == ids[0]))
     return StopTokenFacts(
-        token=str(getattr(tokenizer, "eos_token", "")),
+        token=_token_text(tokenizer, token_id),
         token_id=token_id,
         sequences=int(inputs.shape[0]),
-        in_inputs=int(((inputs == token_id) & real).sum()),
-        in_labels=int((labels == token_id).sum()),
+        in_inputs=int(in_inputs.sum()),
+        in_labels=int(torch.isin(labels, stops).sum()),
     )

@@ -168,7 +168,7 @@ def _run_start(r: RunStartRecord) -> pb.RunStart:
         start.resume.CopyFrom(pb.Resume(
             checkpoint=r.resume.checkpoint, step=r.resume.step,
             checkpoint_adapter=digest_message(r.resume.checkpoint_adapter),
-            first_loss=r.resume.first_loss))
+            first_loss=r.resume.first_loss, last_loss=r.resume.last_loss))
     if r.dataset_rows is not None:
         start.dataset_rows.CopyFrom(pb.DatasetRows(given=r.dataset_rows[0],
                                                    kept=r.dataset_rows[1]))

@@ -155,17 +155,18 @@ def sft_trainer(
     tokenizer: Any = None,
     data_collator: Any = None,
     texts: list[str] | None = None,
+    rows: dict[str, list[str]] | None = None,
     **overrides: Any,
 ) -> SFTTrainer:
-    """An SFTTrainer on generated sentences (or texts), 32 tokens at most."""
+    """An SFTTrainer on generated sentences (or texts, or rows such as prompt/completion or
+    messages), 32 tokens at most."""
     tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_dir)
     args = SFTConfig(
         output_dir=str(output_dir),
-        max_length=32,
-        **{"per_device_train_batch_size": 2, **common_args(steps, warmup, lr, save_steps),
-           **overrides},
+        **{"max_length": 32, "per_device_train_batch_size": 2,
+           **common_args(steps, warmup, lr, save_steps), **overrides},
     )
-    dataset = Dataset.from_dict({"text": texts or sample_lines(64, seed=4)})
+    dataset = Dataset.from_dict(rows or {"text": texts or sample_lines(64, seed=4)})
     return SFTTrainer(
         model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
         callbacks=callbacks, peft_config=peft_config, data_collator=data_collator,
@@ -259,8 +260,8 @@ def reward_trainer(
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     args = RewardConfig(
-        output_dir=str(output_dir), per_device_train_batch_size=2, max_length=128,
-        **{**common_args(steps, 0, lr, save_steps), **overrides},
+        output_dir=str(output_dir), per_device_train_batch_size=2,
+        **{"max_length": 128, **common_args(steps, 0, lr, save_steps), **overrides},
     )
     return RewardTrainer(
         model=model, args=args, train_dataset=Dataset.from_dict(preference_rows(32)),

@@ -48,7 +48,8 @@ def audit(paths: list[Path], initial: Path | None = None,
     run = RunState("inspect")
     if initial is not None:
         start = inspect_path(initial)
-        run.start = pb.RunStart(initial_adapter=pb.AdapterDigest(combined=start.adapter_digest))
+        run.start = pb.RunStart(initial_adapter=pb.AdapterDigest(
+            combined=start.adapter_digest, tensors=start.tensor_digests))
     detectors = [d for d in ALL if d.id in ARTIFACT_IDS]
     results = []
     for (step, _), inspection in zip(numbered, inspections, strict=True):

@@ -34,4 +34,7 @@ class DetectorSettings:
     skipped_steps: int = 3
     truncated_logs: int = 4
     dataset_drop_fraction: float = 0.05
-    low_precision_fraction: float = 0.5
+    low_precision_fraction: float = 0.25
+    low_precision_steps: int = 3
+    resume_loss_drop: float = 0.1
+    resume_loss_regain: float = 0.5

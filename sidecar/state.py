@@ -29,6 +29,9 @@ CHECKPOINT_WINDOW = 64
 #: the longest adapter name kept: 1024 groups with 4 kB names per step cost 260 MB in 60 steps.
 MAX_ADAPTERS_PER_STEP = 64
 MAX_GROUP_NAME = 128
+#: Module kinds kept per optimizer step (q_proj, lm_head, ...), and the longest dtype text kept.
+MAX_MODULE_KINDS_PER_STEP = 64
+MAX_DTYPE_TEXT = 64
 #: Refused checkpoint paths remembered per run (the count goes on).
 REFUSED_WINDOW = 16
 
@@ -56,6 +59,8 @@ class StepPoint:
     skipped: bool = False
     #: AdaLoRA only: whether a rank_pattern had been allocated by this step.
     adalora_allocated: bool | None = None
+    #: Per module kind: (kind, dtype, elements, unchanged_elements), from the step's groups.
+    module_elements: tuple[tuple[str, str, int, int], ...] = ()
 
     @classmethod
     def from_report(cls, report: pb.StepReport, at: float) -> StepPoint:
@@ -81,6 +86,11 @@ class StepPoint:
             skipped=report.optimizer_step_skipped,
             adalora_allocated=report.adalora_rank_pattern_set
             if report.HasField("adalora_rank_pattern_set") else None,
+            module_elements=tuple(
+                (sys.intern(g.name[:MAX_GROUP_NAME]), sys.intern(g.dtype[:MAX_DTYPE_TEXT]),
+                 g.elements, g.unchanged_elements)
+                for g in report.groups if g.kind == "module" and g.elements > 0
+            )[:MAX_MODULE_KINDS_PER_STEP],
         )
 
     @property
@@ -241,6 +251,7 @@ class RunState:
                     sampled=any(p.sampled for p in points),
                     skipped=any(p.skipped for p in points),
                     adalora_allocated=first.adalora_allocated,
+                    module_elements=_sum_module_elements(points),
                 )
             )
         return combined
@@ -275,3 +286,13 @@ class RunState:
                 self.log_history[key] = deque(maxlen=LOG_WINDOW)
             self.log_history[key].append((step, value))
             self.logs[key] = value
+
+
+def _sum_module_elements(points: list[StepPoint]) -> tuple[tuple[str, str, int, int], ...]:
+    """Each module kind's element counts summed over the ranks' shards (dtype of the first)."""
+    summed: dict[str, tuple[str, int, int]] = {}
+    for point in points:
+        for kind, dtype, elements, unchanged in point.module_elements:
+            first, total, still = summed.get(kind, (dtype, 0, 0))
+            summed[kind] = (first, total + elements, still + unchanged)
+    return tuple((k, d, n, u) for k, (d, n, u) in summed.items())[:MAX_MODULE_KINDS_PER_STEP]

@@ -147,6 +147,10 @@ def test_dpo_margin_growing_with_chosen_rising_is_healthy() -> None:
     assert "dpo_likelihood_collapse" in feed.fired()
 
 
+#: An adapter digest "d0" (a real digest names the tensors behind it).
+D0 = pb.AdapterDigest(combined="d0", tensors={"a.lora_B.weight": "t0"})
+
+
 def _inspection(path: str, digest: str, lora_b_nonzero: int = 1,
                 pickles: tuple[str, ...] = ()) -> CheckpointInspection:
     return CheckpointInspection(path=path, weights_file="adapter_model.safetensors",
@@ -159,15 +163,15 @@ def _inspection(path: str, digest: str, lora_b_nonzero: int = 1,
 
 def test_checkpoint_at_warmups_lr_zero_step_is_not_unchanged() -> None:
     config = {"learning_rate": 1e-4, "resolved_warmup_steps": 2.0, "total_steps": 10.0}
-    initial = pb.AdapterDigest(combined="d0")
+    initial = D0
     feed = Feed(Registry(), trainer="SFTTrainer", config=config, initial_adapter=initial)
     feed.step(1, lr=0.0, update_sq=0.0)
     feed.send(checkpoint=pb.CheckpointReport(step=1, path="/c/checkpoint-1",
-                                             adapter=pb.AdapterDigest(combined="d0")))
+                                             adapter=D0))
     assert "checkpoint_unchanged" not in feed.fired()
     feed.step(2, lr=5e-5)
     feed.send(checkpoint=pb.CheckpointReport(step=2, path="/c/checkpoint-2",
-                                             adapter=pb.AdapterDigest(combined="d0")))
+                                             adapter=D0))
     finding = feed.registry.findings("r")["checkpoint_unchanged"]
     assert finding.firing and finding.evidence["same_as"] == "previous (step 1)"
     run = feed.registry.run("r")
@@ -177,10 +181,10 @@ def test_checkpoint_at_warmups_lr_zero_step_is_not_unchanged() -> None:
 def test_artifact_verdicts_outlive_the_run_and_files_overrule_memory() -> None:
     registry = Registry()
     feed = Feed(registry, trainer="SFTTrainer", config={"learning_rate": 1e-4},
-                initial_adapter=pb.AdapterDigest(combined="d0"))
+                initial_adapter=D0)
     feed.step(1)
     feed.send(checkpoint=pb.CheckpointReport(step=1, path="/c/checkpoint-1",
-                                             adapter=pb.AdapterDigest(combined="d0")))
+                                             adapter=D0))
     feed.send(run_end=pb.RunEnd(step=1, reason="completed"))
     assert registry.findings("r")["checkpoint_unchanged"].firing  # still, after the end
     # The watcher then reads the files: they differ from the initial adapter after all.
@@ -237,3 +241,90 @@ def test_a_resize_fires_unless_its_new_rows_train_on_purpose() -> None:
         fired[name] = "embedding_resized" in feed.fired()
     assert fired == {"none": True, "lm_head_only": True, "saved": False,
                      "trainable_tokens": False}
+
+
+def test_digests_over_no_tensors_are_never_compared() -> None:
+    """A full fine-tune has no adapter: its (empty) digests are all equal and mean nothing."""
+    empty = pb.AdapterDigest(combined="e")  # what a digest of no tensors looks like
+    feed = Feed(Registry(), trainer="SFTTrainer", config={"learning_rate": 1e-4},
+                initial_adapter=empty)
+    for step in (1, 2):
+        feed.step(step)
+        feed.send(checkpoint=pb.CheckpointReport(step=step, path=f"/c/checkpoint-{step}",
+                                                 adapter=empty))
+    assert "checkpoint_unchanged" not in feed.fired()
+
+
+def _bf16_step(feed: Feed, step: int, unchanged: int, lr: float = 2e-4,
+               dtype: str = "bfloat16", update_sq: float = 1e-6) -> None:
+    group = pb.GroupUpdate(name="q_proj", kind="module", tensors=2, elements=1000,
+                           unchanged_elements=unchanged, dtype=dtype)
+    feed.step(step, lr=lr, update_sq=update_sq, groups=[group])
+
+
+def test_low_precision_counts_only_steps_that_should_move_every_element() -> None:
+    """Warmup, lr 0, a zero gradient and a frozen step neither
+    count nor fire; three counted steps that keep a quarter of a bf16 kind do."""
+    settings = DetectorSettings(low_precision_fraction=0.25, low_precision_steps=3)
+    config = {"learning_rate": 2e-4, "warmup_steps": 2.0}
+    held = {"bfloat16": 1000}
+    feed = Feed(Registry(settings=settings), trainer="SFTTrainer", config=config,
+                trainable_params_by_dtype=held)
+    _bf16_step(feed, 1, 1000, lr=0.0)  # warmup's lr 0
+    _bf16_step(feed, 2, 900, lr=1e-5)  # warmup
+    _bf16_step(feed, 3, 500)
+    feed.log(3, grad_norm=0.0, loss=0.69)  # no gradient: zero_gradient's case
+    _bf16_step(feed, 4, 500)
+    _bf16_step(feed, 5, 1000, update_sq=0.0)  # nothing moved: frozen_weights' case
+    _bf16_step(feed, 6, 500)
+    assert "low_precision_update" not in feed.fired()
+    _bf16_step(feed, 7, 400)
+    finding = feed.registry.findings("r")["low_precision_update"]
+    assert finding.firing and finding.step == 7 and finding.evidence["dtype"] == "bfloat16"
+    assert finding.evidence["module_kind"] == "q_proj"
+    _bf16_step(feed, 8, 10)  # updates land again (a larger lr): the verdict recovers
+    assert not feed.registry.findings("r")["low_precision_update"].firing
+
+
+def test_low_precision_needs_low_precision_weights_in_the_optimizer() -> None:
+    """The same counts in fp32 (a healthy LoRA's first step), or in bf16 copies of fp32 master
+    weights the optimizer holds, lose nothing."""
+    settings = DetectorSettings(low_precision_fraction=0.25, low_precision_steps=2)
+    fired = {}
+    for name, dtype, held in (("fp32", "float32", {"float32": 1000}),
+                              ("master", "bfloat16", {"float32": 1000}),
+                              ("bf16", "bfloat16", {"bfloat16": 1000})):
+        feed = Feed(Registry(settings=settings), trainer="SFTTrainer", run_id=name,
+                    config={"learning_rate": 2e-4}, trainable_params_by_dtype=held)
+        for step in (1, 2, 3):
+            _bf16_step(feed, step, 600, dtype=dtype)
+        fired[name] = "low_precision_update" in feed.fired()
+    assert fired == {"fp32": False, "master": False, "bf16": True}
+
+
+def test_resume_loss_sign_needs_a_run_that_had_learned() -> None:
+    """Back at the first loss fires only when the checkpoint's run had learned, once a loss
+    after the resume arrives, and never for RL losses (GRPO's sits near 0 by design)."""
+    resume = pb.Resume(checkpoint="/c/checkpoint-8", step=8, first_loss=5.8, last_loss=3.6)
+    fired = {}
+    for name, trainer, first, after in (("restarted", "SFTTrainer", 5.8, 5.7),
+                                        ("went_on", "SFTTrainer", 5.8, 3.7),
+                                        ("never_learned", "SFTTrainer", 3.7, 3.7),
+                                        ("rl", "GRPOTrainer", 5.8, 5.7)):
+        resume.first_loss = first
+        feed = Feed(Registry(), trainer=trainer, run_id=name, resume=resume)
+        assert "resume_lost_adapter" not in feed.fired()  # no loss since the resume yet
+        feed.log(9, loss=after)
+        fired[name] = "resume_lost_adapter" in feed.fired()
+    assert fired == {"restarted": True, "went_on": False, "never_learned": False, "rl": False}
+
+
+def test_a_streak_names_the_item_where_it_reached_its_length() -> None:
+    from deadweight.sidecar.detectors.base import trailing_streak
+
+    streak = trailing_streak([1, 0, 0, 0, 0], lambda v: v == 0)
+    assert streak.items == (0, 0, 0, 0) and len(streak) == 4
+    assert streak.reached(3) == 0 and streak.reached(5) is None and streak.reached(0) is None
+    steps = trailing_streak([(1, 0.0), (2, 1.0), (3, 0.0), (4, 0.0)], lambda p: p[1] == 0)
+    assert steps.reached(2) == (4, 0.0) and steps.reached(1) == (3, 0.0)
+    assert not trailing_streak([0, 1], lambda v: v == 0).items  # the newest breaks it

@@ -64,7 +64,11 @@ def test_adapter_cast_to_bf16_updates_in_low_precision(
     started = train(runs.sft_trainer(model, model_dir, tmp_path / "bad",
                                      [live.callback("bf16-cast")], steps=4, save_steps=10))
     low = detected(live, "bf16-cast", "low_precision_update", started)
-    assert low.evidence["dtypes"].startswith("bfloat16=") and low.step == 0
+    # Measured: three steps in a row kept a quarter or more of a bf16 module's elements.
+    assert low.step == 3 and low.evidence["dtype"] == "bfloat16"
+    assert low.evidence["module_kind"] in {"q_proj", "v_proj"}
+    assert float(low.evidence["unchanged_fraction"]) >= 0.25
+    assert low.evidence["optimizer_dtypes"].startswith("bfloat16=")
     assert "frozen_weights" not in live.fired("bf16-cast")  # every tensor still moves
     after = dict(model.named_parameters())
     still = sum(int((after[n] == b).sum()) for n, b in before.items())
@@ -78,6 +82,37 @@ def test_adapter_cast_to_bf16_updates_in_low_precision(
                            steps=4, save_steps=10))
     silent(live, "bf16-base", "low_precision_update")
     assert dict(live.seen("bf16-base").start.trainable_params_by_dtype).keys() == {"float32"}
+    kinds = live.seen("bf16-base").combined_steps()[-1].module_elements
+    assert kinds and all(d == "float32" and u == 0 for _, d, _, u in kinds)  # all moved
+
+    # The same bf16 cast in its warmup: warmup steps are lora_lr_too_low's, never counted here.
+    cast = get_peft_model(_base(model_dir), runs.lora_config()).to(torch.bfloat16)
+    train(runs.sft_trainer(cast, model_dir, tmp_path / "warmup", [live.callback("bf16-warm")],
+                           steps=4, warmup=3, save_steps=10))
+    silent(live, "bf16-warm", "low_precision_update")
+
+
+def test_pure_bf16_full_fine_tune_loses_its_updates(
+    live: InProcessSidecar, tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A full fine-tune of a bf16 model at lr 2e-5, no fp32 master weights: most elements of
+    every module keep their value each step. Its fp32 twin moves them all, and its two
+    checkpoints (no adapter: empty adapter digests) are never compared as unchanged."""
+    import torch
+
+    model_dir, _ = tiny
+    started = train(runs.sft_trainer(_base(model_dir, dtype=torch.bfloat16), model_dir,
+                                     tmp_path / "bad", [live.callback("full-bf16")], steps=4,
+                                     lr=2e-5, save_steps=10))
+    low = detected(live, "full-bf16", "low_precision_update", started)
+    assert low.step == 3 and low.evidence["dtype"] == "bfloat16"
+    assert float(low.evidence["unchanged_fraction"]) > 0.5
+
+    train(runs.sft_trainer(_base(model_dir), model_dir, tmp_path / "good",
+                           [live.callback("full-fp32")], steps=4, lr=2e-5, save_steps=2))
+    live.wait_inspected("full-fp32", 2)
+    silent(live, "full-fp32", "low_precision_update", "checkpoint_unchanged")
+    assert not live.seen("full-fp32").start.initial_adapter.tensors  # nothing to compare
 
 
 # -- 2. zero gradient on any trainer -----------------------------------------------------------
@@ -167,6 +202,64 @@ def test_pad_equal_eos_with_the_lm_collator_masks_every_stop_label(
                            peft_config=runs.lora_config(), tokenizer=tokenizer))
     silent(live, "eos-sft", "stop_token_untrained")
     assert live.seen("eos-sft").start.stop_token.in_labels > 0
+
+
+def _chat_template(end_of_turn_trained: bool) -> str:
+    """ChatML with a ``{% generation %}`` block around the assistant's answer, and the
+    end-of-turn token inside it (trained) or right after it (never a label)."""
+    end = "'<|im_end|>'"
+    answer = ("{% generation %}{{ message['content'] + " + end + " }}{% endgeneration %}"
+              if end_of_turn_trained else
+              "{% generation %}{{ message['content'] }}{% endgeneration %}{{ " + end + " }}")
+    return ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+            "{% if message['role'] == 'assistant' %}" + answer +
+            "{% else %}{{ message['content'] + " + end + " }}{% endif %}{{ '\\n' }}"
+            "{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def _chat_trainer(model_dir: Path, output_dir: Path, callback: Any, end_of_turn_trained: bool,
+                  eos: str = "<|im_end|>") -> Any:
+    """SFT with assistant_only_loss on user/assistant turns under that template."""
+    from transformers import AutoTokenizer
+
+    from deadweight.demo.tiny_models import sample_lines
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.chat_template = _chat_template(end_of_turn_trained)
+    model = _base(model_dir)
+    if eos != tokenizer.eos_token:  # a base tokenizer's eos; the model stops on both
+        tokenizer.eos_token = eos
+        model.generation_config.eos_token_id = [tokenizer.convert_tokens_to_ids("<|im_end|>"),
+                                                tokenizer.eos_token_id]
+    turns = zip(sample_lines(16, seed=8), sample_lines(16, seed=9), strict=True)
+    rows = {"messages": [[{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+                         for q, a in turns]}
+    return runs.sft_trainer(model, model_dir, output_dir, [callback], steps=2, save_steps=10,
+                            peft_config=runs.lora_config(), tokenizer=tokenizer, rows=rows,
+                            assistant_only_loss=True, max_length=64)
+
+
+def test_chat_template_leaves_the_end_of_turn_outside_the_loss(
+    live: InProcessSidecar, tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    model_dir, _ = tiny
+    started = train(_chat_trainer(model_dir, tmp_path / "bad", live.callback("eot-outside"),
+                                  end_of_turn_trained=False))
+    stop = detected(live, "eot-outside", "stop_token_untrained", started)
+    assert stop.evidence["token"] == "<|im_end|>" and stop.evidence["in_labels"] == "0"
+    assert int(stop.evidence["in_inputs"]) >= 8  # it ends every user turn and every answer
+
+    # Twins: the end of turn inside the generation block; and the same with a distinct eos
+    # (a base tokenizer's <|endoftext|>) that never appears: the end of turn is the stop.
+    train(_chat_trainer(model_dir, tmp_path / "good", live.callback("eot-inside"),
+                        end_of_turn_trained=True))
+    train(_chat_trainer(model_dir, tmp_path / "eos", live.callback("eot-not-eos"),
+                        end_of_turn_trained=True, eos="<|endoftext|>"))
+    for run_id in ("eot-inside", "eot-not-eos"):
+        silent(live, run_id, "stop_token_untrained")
+        check = live.seen(run_id).start.stop_token
+        assert check.token == "<|im_end|>" and 0 < check.in_labels < check.in_inputs
 
 
 # -- 5. a random, unsaved head -----------------------------------------------------------------
@@ -264,6 +357,44 @@ def test_dpo_drops_prompts_that_fill_max_length(live: InProcessSidecar, tiny: tu
     silent(live, "dpo-whole", "dataset_shrunk")
 
 
+def test_reward_and_sft_drop_rows_that_fill_max_length(
+    live: InProcessSidecar, tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Beyond DPO: the reward trainer drops pairs longer than max_length; SFT on
+    prompt/completion rows drops rows whose completion truncation cut away (fully masked)."""
+    from peft import LoraConfig
+
+    model_dir, _ = tiny
+    heads = dict(r=4, lora_alpha=8, target_modules=runs.LORA_TARGETS, task_type="SEQ_CLS")
+    started = train(runs.reward_trainer(runs.reward_model(model_dir), model_dir, tmp_path / "rm",
+                                        [live.callback("rm-shrunk")], steps=2, save_steps=10,
+                                        peft_config=LoraConfig(**heads), max_length=32))
+    shrunk = detected(live, "rm-shrunk", "dataset_shrunk", started)
+    assert shrunk.evidence["rows_given"] == "32" and shrunk.evidence["max_length"] == "32"
+    assert int(shrunk.evidence["rows_dropped"]) > 16
+
+    pairs = runs.preference_rows(32)
+    rows = {"prompt": [p if i % 2 else " ".join([p] * 6) for i, p in enumerate(pairs["prompt"])],
+            "completion": pairs["chosen"]}
+    started = train(runs.sft_trainer(_base(model_dir), model_dir, tmp_path / "sft",
+                                     [live.callback("sft-shrunk")], steps=2, save_steps=10,
+                                     peft_config=runs.lora_config(), rows=rows))
+    shrunk = detected(live, "sft-shrunk", "dataset_shrunk", started)
+    assert shrunk.evidence["rows_given"] == "32" and int(shrunk.evidence["rows_dropped"]) >= 16
+
+    # Twins: the same data with a max_length that holds every row.
+    train(runs.reward_trainer(runs.reward_model(model_dir), model_dir, tmp_path / "rm-whole",
+                              [live.callback("rm-whole")], steps=2, save_steps=10,
+                              peft_config=LoraConfig(**heads)))
+    train(runs.sft_trainer(_base(model_dir), model_dir, tmp_path / "sft-whole",
+                           [live.callback("sft-whole")], steps=2, save_steps=10,
+                           peft_config=runs.lora_config(), rows=rows, max_length=256))
+    for run_id in ("rm-whole", "sft-whole"):
+        silent(live, run_id, "dataset_shrunk")
+        kept = live.seen(run_id).start.dataset_rows
+        assert kept.given == kept.kept == 32
+
+
 # -- 8. resume that restarts the adapter -------------------------------------------------------
 
 
@@ -291,11 +422,58 @@ def test_resume_loads_a_full_model_file_and_restarts_the_adapter(
         if extra:
             lost = detected(live, "resume-bad", "resume_lost_adapter", started)
             assert lost.step == 2 and lost.evidence["differing_tensors"] != "0"
+            assert lost.evidence["sign"] == "digest"
         else:
             silent(live, "resume-good", "resume_lost_adapter")
             resume = live.seen("resume-good").start.resume
             assert resume.step == 2 and resume.checkpoint_adapter.combined == (
                 live.seen("resume-good").start.initial_adapter.combined)
+
+
+def test_resume_under_another_adapter_name_restarts_the_loss(
+    live: InProcessSidecar, tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """The checkpoint's adapter was saved under the name "sft" (a subfolder of the checkpoint);
+    the resumed script builds a fresh default adapter: the Trainer loads "sft" frozen beside it
+    and trains the fresh one. No adapter file at the checkpoint's top for a digest to compare:
+    the first loss after the resume, back at the step-0 loss, shows the restart."""
+    import shutil
+
+    from peft import LoraConfig, get_peft_model
+
+    from deadweight.demo.tiny_models import sample_lines
+
+    model_dir, _ = tiny
+    texts = sample_lines(4, seed=11) * 16  # a few lines, learnt within a few steps
+    # The output head trains too, so the tiny model learns visibly in 8 steps (5.8 -> ~3.6).
+    config = dict(r=4, lora_alpha=8, target_modules=runs.LORA_TARGETS,
+                  modules_to_save=["lm_head"], task_type="CAUSAL_LM")
+
+    def trainer(model: Any, out: Path, callbacks: list[Any], steps: int) -> Any:
+        return runs.sft_trainer(model, model_dir, out, callbacks, steps=steps, lr=1e-2,
+                                save_steps=8, texts=texts)
+
+    def peft_model(adapter: str) -> Any:
+        return get_peft_model(_base(model_dir), LoraConfig(**config), adapter_name=adapter)
+
+    first = tmp_path / "first"
+    train(trainer(peft_model("sft"), first, [], 8))
+    assert (first / "checkpoint-8" / "sft" / "adapter_model.safetensors").is_file()
+    for name, adapter in (("fresh", "default"), ("named", "sft")):
+        out = tmp_path / name
+        shutil.copytree(first, out)
+        started = train(trainer(peft_model(adapter), out, [live.callback(f"resume-{name}")], 10),
+                        resume_from_checkpoint=str(out / "checkpoint-8"))
+        resume = live.seen(f"resume-{name}").start.resume
+        assert resume.step == 8 and not resume.checkpoint_adapter.tensors  # digests blind
+        assert resume.last_loss < 0.8 * resume.first_loss  # the first run had learned
+        if name == "fresh":
+            lost = detected(live, "resume-fresh", "resume_lost_adapter", started)
+    assert lost.evidence["sign"] == "loss" and lost.step == 9
+    assert float(lost.evidence["regained"]) > 0.5
+    silent(live, "resume-named", "resume_lost_adapter")
+    after = dict(live.seen("resume-named").history("loss"))[9]
+    assert after < live.seen("resume-named").start.resume.first_loss * 0.8  # it went on
 
 
 # -- 9. AdaLoRA degraded to LoRA ---------------------------------------------------------------

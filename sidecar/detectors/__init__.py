@@ -25,7 +25,12 @@ from deadweight.sidecar.detectors.optimizer import (
     GradNotInOptimizer,
     InactiveAdapter,
 )
-from deadweight.sidecar.detectors.rl import KlMissing, KlStuckZero, ZeroRewardVariance
+from deadweight.sidecar.detectors.rl import (
+    CompletionsTruncated,
+    KlMissing,
+    KlStuckZero,
+    ZeroRewardVariance,
+)
 from deadweight.sidecar.detectors.setup import (
     EmbeddingResized,
     LoraLrTooLow,
@@ -33,18 +38,19 @@ from deadweight.sidecar.detectors.setup import (
     PartialTargetModules,
     ShardingFallback,
 )
-from deadweight.sidecar.detectors.silent import (
+from deadweight.sidecar.detectors.spec import DetectorSpec, Policy, Severity
+from deadweight.sidecar.detectors.start_facts import (
     AdaloraNotAllocated,
-    CompletionsTruncated,
     DatasetShrunk,
-    LowPrecisionUpdate,
-    OptimizerStepsSkipped,
     ResumeLostAdapter,
     StopTokenUntrained,
     UnsavedHead,
+)
+from deadweight.sidecar.detectors.step_figures import (
+    LowPrecisionUpdate,
+    OptimizerStepsSkipped,
     ZeroGradient,
 )
-from deadweight.sidecar.detectors.spec import DetectorSpec, Policy, Severity
 from deadweight.sidecar.detectors.trends import (
     CompletionLengthCollapse,
     DpoLikelihoodCollapse,

@@ -9,8 +9,9 @@ the class holds as ``spec``; ``SpecDetector`` exposes it under the protocol's na
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol
+from typing import ClassVar, Generic, Protocol, TypeVar
 
 # Policy and Severity are re-exported: the registry, actions and CLI import them from here.
 from deadweight.sidecar.detectors.spec import DetectorSpec, Scope
@@ -106,6 +107,37 @@ def is_rl(run: RunState) -> bool:
 def finite_history(run: RunState, key: str) -> list[tuple[int, float]]:
     """(step, value) log entries of key, NaN and inf left out."""
     return [(s, v) for s, v in run.history(key) if math.isfinite(v)]
+
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Streak(Generic[T]):
+    """The trailing run of items (steps, log reports) that met a condition, oldest first."""
+
+    items: tuple[T, ...]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def reached(self, length: int) -> T | None:
+        """The item at which the streak reached length (None while it is shorter).
+
+        A batch may carry several steps or logs at once: the verdict names the step where
+        the condition was met, not the one that happened to arrive last.
+        """
+        return self.items[length - 1] if 0 < length <= len(self.items) else None
+
+
+def trailing_streak(items: Sequence[T], met: Callable[[T], bool]) -> Streak[T]:
+    """Walk items back from the newest while they meet the condition: that streak."""
+    streak: list[T] = []
+    for item in reversed(items):
+        if not met(item):
+            break
+        streak.append(item)
+    return Streak(tuple(reversed(streak)))
 
 
 def mean(values: list[float]) -> float:

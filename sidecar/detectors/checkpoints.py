@@ -19,15 +19,28 @@ from deadweight.sidecar.settings import DetectorSettings
 from deadweight.sidecar.state import CheckpointPoint, RunState
 
 
+def _tensor_count(point: CheckpointPoint) -> int:
+    """Tensors behind the point's digest: the files' once inspected, else the callback's."""
+    if point.inspection is not None and point.inspection.adapter_digest:
+        return len(point.inspection.tensor_digests)
+    return len(point.tensor_digests)
+
+
 def unchanged_from(run: RunState, point: CheckpointPoint) -> str:
-    """"previous" or "initial" when point's adapter bytes equal them, else ""."""
+    """"previous" or "initial" when point's adapter bytes equal them, else "".
+
+    A digest over no tensors (a full fine-tune has no adapter in memory; an empty file) is
+    equal to every other such digest and says nothing: it is never compared.
+    """
     digest = point.digest
-    if not digest or not trained_before(run, point.step):
+    if not digest or not _tensor_count(point) or not trained_before(run, point.step):
         return ""
-    earlier = [c for c in run.checkpoints if c.step < point.step and c.digest]
+    earlier = [c for c in run.checkpoints
+               if c.step < point.step and c.digest and _tensor_count(c)]
     if earlier and earlier[-1].digest == digest:
         return f"previous (step {earlier[-1].step})"
-    if run.start is not None and run.start.initial_adapter.combined == digest:
+    initial = run.start.initial_adapter if run.start is not None else None
+    if initial is not None and initial.tensors and initial.combined == digest:
         return "initial"
     return ""
 

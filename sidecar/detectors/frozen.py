@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from deadweight.sidecar.detectors.base import SpecDetector, Verdict, fmt
+from deadweight.sidecar.detectors.base import SpecDetector, Streak, Verdict, fmt, trailing_streak
 from deadweight.sidecar.detectors.spec import DetectorSpec, Evidence, Severity, Threshold
 from deadweight.sidecar.settings import DetectorSettings
 from deadweight.sidecar.state import RunState, StepPoint
@@ -22,6 +22,10 @@ def _is_frozen_step(point: StepPoint, settings: DetectorSettings) -> bool:
         return True
     ratio = point.update_ratio
     return ratio is not None and ratio < settings.frozen_ratio_floor
+
+
+def _frozen_streak(steps: list[StepPoint], settings: DetectorSettings) -> Streak[StepPoint]:
+    return trailing_streak(steps, lambda p: _is_frozen_step(p, settings))
 
 
 class FrozenWeights(SpecDetector):
@@ -57,20 +61,15 @@ class FrozenWeights(SpecDetector):
         grad_norm = run.log_value("grad_norm")
         if loss is not None and not math.isfinite(loss):
             return Verdict(False)  # a non-finite loss is its own detector's verdict
-        streak: list[StepPoint] = []
-        for point in reversed(steps):
-            if not _is_frozen_step(point, settings):
-                break
-            streak.append(point)
+        streak = _frozen_streak(steps, settings)
         last = steps[-1]
         unknown = run.start is not None and run.start.membership.layout == "unknown"
         optimizer_empty = last.optimizer_params == 0 and not unknown
         gradient_flows = grad_norm is not None and grad_norm > 0
-        if len(streak) < settings.frozen_steps or not (optimizer_empty or gradient_flows):
+        reached = streak.reached(settings.frozen_steps)
+        if reached is None or not (optimizer_empty or gradient_flows):
             return Verdict(False, step=last.step)
-        first = streak[-1]
-        # The step at which the streak reached K: a batch may carry several steps at once.
-        reached = streak[-settings.frozen_steps]
+        first = streak.items[0]
         ratio = last.update_ratio
         return Verdict(
             True,
@@ -98,10 +97,5 @@ class FrozenWeights(SpecDetector):
     @staticmethod
     def streak(run: RunState, settings: DetectorSettings) -> int:
         """Consecutive frozen steps at lr > 0 ending at the latest one (for the metric)."""
-        count = 0
-        for point in reversed([p for p in run.combined_steps()
-                               if p.learning_rate > 0 and not p.skipped]):
-            if not _is_frozen_step(point, settings):
-                break
-            count += 1
-        return count
+        steps = [p for p in run.combined_steps() if p.learning_rate > 0 and not p.skipped]
+        return len(_frozen_streak(steps, settings))

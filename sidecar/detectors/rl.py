@@ -8,6 +8,7 @@ from deadweight.sidecar.detectors.base import (
     finite_history,
     fmt,
     is_rl,
+    trailing_streak,
     warmup_steps,
 )
 from deadweight.sidecar.detectors.spec import (
@@ -154,4 +155,51 @@ class ZeroRewardVariance(SpecDetector):
                       "reward_std": fmt(run.log_value("reward_std")),
                       "grad_norm": fmt(run.log_value("grad_norm")),
                       "update_norm": fmt(_update_norm(run)), "step": fmt(last_step)},
+        )
+
+
+class CompletionsTruncated(SpecDetector):
+    """Every GRPO/RLOO completion hits max_completion_length: the policy never sees an ending.
+
+    ``completions/clipped_ratio`` is 1 and ``completions/mean_terminated_length`` 0 in every
+    log report of the window; rewards still vary, so nothing else fires.
+    """
+
+    spec = DetectorSpec(
+        id="completions_truncated",
+        severity=Severity.WARNING,
+        summary="Run {run_id}: no completion ever ends",
+        meaning="every GRPO/RLOO completion hits max_completion_length (clipped_ratio 1, no "
+        "terminated completion): the policy never sees an ending",
+        fires_when="`completions/clipped_ratio` is 1 and `completions/mean_terminated_length` "
+        "0 in every log report of the window",
+        thresholds=(Threshold("truncated_logs", "log reports",
+                              "consecutive log reports with every completion truncated"),),
+        evidence=(Evidence("completion_mean_length"), Evidence("reward")),
+    )
+
+    def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
+        if not is_rl(run):
+            return None
+        clipped = finite_history(run, "completions/clipped_ratio")
+        if not clipped:
+            return None
+        terminated = dict(run.history("completions/mean_terminated_length"))
+        streak = trailing_streak(
+            clipped, lambda report: report[1] >= 1.0 and not (terminated.get(report[0]) or 0) > 0)
+        reached = streak.reached(settings.truncated_logs)
+        if reached is None:
+            return Verdict(False)
+        window = streak.items
+        return Verdict(
+            True,
+            step=reached[0],
+            summary=(f"every completion was cut at max_completion_length="
+                     f"{fmt(run.config.get('max_completion_length'))} for {len(window)} log "
+                     f"reports (steps {window[0][0]}-{window[-1][0]}): no completion ends"),
+            evidence={"clipped_ratio": "1", "mean_terminated_length": "0",
+                      "window_logs": fmt(len(window)),
+                      "max_completion_length": fmt(run.config.get("max_completion_length")),
+                      "mean_length": fmt(run.log_value("completions/mean_length")),
+                      "step": fmt(window[-1][0])},
         )

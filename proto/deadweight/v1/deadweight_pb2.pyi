@@ -134,16 +134,18 @@ class HeadCheck(_message.Message):
     def __init__(self, heads: _Optional[_Iterable[str]] = ..., new_heads: _Optional[_Iterable[str]] = ..., saved_heads: _Optional[_Iterable[str]] = ..., trainable_heads: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Resume(_message.Message):
-    __slots__ = ("checkpoint", "step", "checkpoint_adapter", "first_loss")
+    __slots__ = ("checkpoint", "step", "checkpoint_adapter", "first_loss", "last_loss")
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOSS_FIELD_NUMBER: _ClassVar[int]
+    LAST_LOSS_FIELD_NUMBER: _ClassVar[int]
     checkpoint: str
     step: int
     checkpoint_adapter: AdapterDigest
     first_loss: float
-    def __init__(self, checkpoint: _Optional[str] = ..., step: _Optional[int] = ..., checkpoint_adapter: _Optional[_Union[AdapterDigest, _Mapping]] = ..., first_loss: _Optional[float] = ...) -> None: ...
+    last_loss: float
+    def __init__(self, checkpoint: _Optional[str] = ..., step: _Optional[int] = ..., checkpoint_adapter: _Optional[_Union[AdapterDigest, _Mapping]] = ..., first_loss: _Optional[float] = ..., last_loss: _Optional[float] = ...) -> None: ...
 
 class DatasetRows(_message.Message):
     __slots__ = ("given", "kept")

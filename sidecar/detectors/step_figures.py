@@ -1,0 +1,201 @@
+"""Detectors over the optimizer step figures: runs whose every step runs and moves nothing useful.
+
+No gradient at all, steps the fp16 scaler throws away, weights too coarse to take the update:
+each leaves loss and grad_norm looking ordinary.
+"""
+
+from __future__ import annotations
+
+from deadweight.sidecar.detectors.base import (
+    SpecDetector,
+    Verdict,
+    finite_history,
+    fmt,
+    trailing_streak,
+    warmup_steps,
+)
+from deadweight.sidecar.detectors.spec import DetectorSpec, Evidence, Severity, Threshold
+from deadweight.sidecar.settings import DetectorSettings
+from deadweight.sidecar.state import RunState, StepPoint
+
+#: Dtypes in which an optimizer step loses every update below half a unit in the last place.
+LOW_PRECISION = frozenset({"bfloat16", "float16"})
+
+class ZeroGradient(SpecDetector):
+    """grad_norm is exactly 0 at lr > 0 with a non-empty optimizer: nothing to learn from.
+
+    DPO with beta 0 (loss ln 2 for every pair), a loss detached from the weights, a reward
+    without spread: any trainer. Weights do not move (or move by decay alone), which
+    ``frozen_weights`` leaves alone because no gradient flows.
+    """
+
+    spec = DetectorSpec(
+        id="zero_gradient",
+        severity=Severity.CRITICAL,
+        summary="Run {run_id} trains with a gradient of exactly zero",
+        meaning="grad_norm is exactly 0 at lr > 0 with a non-empty optimizer: the loss gives "
+        "the weights nothing to learn from (DPO with beta 0, a detached loss, a flat reward)",
+        fires_when="`grad_norm` exactly 0 in the last log reports at lr > 0 (skipped fp16 "
+        "steps left out) while the optimizer holds parameters",
+        thresholds=(Threshold("zero_gradient_logs", "log reports",
+                              "consecutive log reports at lr > 0 with grad_norm exactly 0"),),
+        evidence=(Evidence("grad_norm", 0), Evidence("update_norm", 0), Evidence("loss")),
+    )
+
+    def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
+        grads = finite_history(run, "grad_norm")
+        if not grads:
+            return None
+        by_step = {p.step: p for p in run.combined_steps()}
+        counted = [(s, g) for s, g in grads
+                   if (point := by_step.get(s)) is None
+                   or (point.learning_rate > 0 and not point.skipped)]
+        streak = trailing_streak(counted, lambda report: report[1] == 0)
+        reached = streak.reached(settings.zero_gradient_logs)
+        last = by_step.get(streak.items[-1][0]) if streak.items else None
+        if reached is None or (last is not None and last.optimizer_params == 0):
+            return Verdict(False)
+        first, end = streak.items[0][0], streak.items[-1][0]
+        return Verdict(
+            True,
+            step=reached[0],
+            summary=(f"grad_norm exactly 0 for {len(streak)} log reports (steps {first}-{end}) "
+                     f"at lr {fmt(last.learning_rate if last else None)}: the loss gives the "
+                     f"weights nothing to learn (loss={fmt(run.log_value('loss'))})"),
+            evidence={"grad_norm": "0", "zero_logs": fmt(len(streak)), "steps": f"{first}-{end}",
+                      "loss": fmt(run.log_value("loss")),
+                      "update_norm": fmt(last.update_norm if last else None),
+                      "optimizer_params": fmt(last.optimizer_params if last else None),
+                      "step": fmt(end)},
+        )
+
+
+class OptimizerStepsSkipped(SpecDetector):
+    """The optimizer skipped K steps in a row: fp16 loss scaling found inf/NaN gradients.
+
+    A skipped step is no evidence of frozen weights (``frozen_weights`` ignores it); a run
+    whose every step is skipped is its own failure: the weights never change.
+    """
+
+    spec = DetectorSpec(
+        id="optimizer_steps_skipped",
+        severity=Severity.CRITICAL,
+        summary="Run {run_id} skips every optimizer step",
+        meaning="the optimizer skipped several steps in a row (fp16 loss scaling found inf/NaN "
+        "gradients): the weights do not change",
+        fires_when="the last optimizer steps were all skipped (the optimizer says so, or its "
+        "GradScaler backed off)",
+        thresholds=(Threshold("skipped_steps", "optimizer steps",
+                              "consecutive skipped optimizer steps"),),
+        evidence=(Evidence("update_norm", 0), Evidence("grad_norm"), Evidence("step")),
+    )
+
+    def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
+        steps = run.combined_steps()
+        if not steps:
+            return None
+        streak = trailing_streak(steps, lambda p: p.skipped)
+        reached = streak.reached(settings.skipped_steps)
+        if reached is None:
+            return Verdict(False, step=steps[-1].step)
+        skipped = sum(p.skipped for p in steps)
+        first = streak.items[0]
+        return Verdict(
+            True,
+            step=reached.step,
+            summary=(f"the optimizer skipped {len(streak)} steps in a row (steps {first.step}-"
+                     f"{steps[-1].step}; {skipped} of {len(steps)} reported): fp16 gradients "
+                     f"overflow, the weights do not change"),
+            evidence={"skipped_steps": fmt(skipped), "reported_steps": fmt(len(steps)),
+                      "streak": fmt(len(streak)), "first_skipped_step": fmt(first.step),
+                      "all_skipped": str(skipped == len(steps)).lower(),
+                      "step": fmt(steps[-1].step)},
+        )
+
+
+def _is_low_precision(dtype_text: str) -> bool:
+    """Whether a group's dtype text ("bfloat16" or "bfloat16,float32") names bf16/fp16."""
+    return any(d.strip() in LOW_PRECISION for d in dtype_text.split(","))
+
+
+def _stillest_low_precision_kind(point: StepPoint) -> tuple[float, str, str] | None:
+    """(unchanged fraction, kind, dtype) of the bf16/fp16 module kind the step moved least."""
+    kinds = [(unchanged / elements, kind, dtype)
+             for kind, dtype, elements, unchanged in point.module_elements
+             if elements > 0 and _is_low_precision(dtype)]
+    return max(kinds) if kinds else None
+
+
+class LowPrecisionUpdate(SpecDetector):
+    """Optimizer steps leave a large share of a bf16/fp16 module kind's elements untouched.
+
+    An update below half a unit in the last place rounds back to the old value: at lr 2e-4
+    about half the elements of a bf16 LoRA never move, while every tensor changes a little and
+    loss and grad_norm look normal (``model.to(torch.bfloat16)`` after ``get_peft_model`` undoes
+    PEFT's fp32 adapter autocast; a DoRA magnitude left in bf16; a pure-bf16 full fine-tune).
+    The verdict comes from the per-element counts of the update pass. Only steps that should
+    move every element count: lr > 0 past the warmup (warmup and lr 0 are ``lora_lr_too_low``'s),
+    a gradient that flows (``zero_gradient``'s), something moved (``frozen_weights``'s), not
+    skipped. An optimizer that holds fp32 weights (master copies) at train begin keeps the
+    small updates, so its run is left alone.
+    """
+
+    spec = DetectorSpec(
+        id="low_precision_update",
+        severity=Severity.WARNING,
+        summary="Run {run_id} loses most small updates to bf16/fp16 rounding",
+        meaning="optimizer steps leave a large share of the elements of a module held in bf16 or "
+        "fp16 unchanged: updates below half a unit in the last place are lost, so many weights "
+        "never move",
+        fires_when="in consecutive optimizer steps at lr > 0 past the warmup, with a gradient "
+        "flowing, some bf16/fp16 module kind (`q_proj`, `lm_head`, ...) kept at least the "
+        "threshold share of its elements bit for bit, and the optimizer holds bf16/fp16 weights",
+        thresholds=(
+            Threshold("low_precision_fraction", "ratio",
+                      "share of a bf16/fp16 module kind's elements one optimizer step left "
+                      "unchanged (an fp32 LoRA moves every element from its second step)"),
+            Threshold("low_precision_steps", "optimizer steps",
+                      "consecutive counted steps at or above that share before it fires"),
+        ),
+        evidence=(Evidence("update_ratio"), Evidence("loss"), Evidence("grad_norm")),
+    )
+
+    def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
+        steps = [p for p in run.combined_steps() if p.module_elements]
+        if not steps:
+            return None
+        held = dict(run.start.trainable_params_by_dtype) if run.start is not None else {}
+        if held and not any(_is_low_precision(d) for d in held):
+            return Verdict(False, step=steps[-1].step)  # fp32 master weights keep the updates
+        warmup = warmup_steps(run)
+        grads = dict(finite_history(run, "grad_norm"))
+        counted = [p for p in steps
+                   if p.learning_rate > 0 and p.step > warmup and not p.skipped
+                   and p.update_sq_sum > 0 and grads.get(p.step, 1.0) != 0]
+        streak = trailing_streak(counted, lambda p: (
+            (worst := _stillest_low_precision_kind(p)) is not None
+            and worst[0] >= settings.low_precision_fraction))
+        reached = streak.reached(settings.low_precision_steps)
+        if reached is None:
+            return Verdict(False, step=steps[-1].step)
+        last = streak.items[-1]
+        fraction, kind, dtype = _stillest_low_precision_kind(reached) or (0.0, "", "")
+        shares = ", ".join(f"{k}={u / n:.0%}" for k, d, n, u in last.module_elements
+                           if n > 0 and _is_low_precision(d))
+        return Verdict(
+            True,
+            step=reached.step,
+            summary=(f"{fraction:.0%} of the {dtype} elements of {kind} kept their exact value "
+                     f"at step {reached.step} (lr {fmt(reached.learning_rate)}), and "
+                     f"{len(streak)} steps in a row left this much of a bf16/fp16 module "
+                     f"unchanged: updates below half a unit in the last place are lost"),
+            evidence={"module_kind": kind, "dtype": dtype,
+                      "unchanged_fraction": f"{fraction:.3g}",
+                      "unchanged_by_kind": shares,
+                      "steps": f"{streak.items[0].step}-{last.step}",
+                      "sampled": str(reached.sampled).lower(),
+                      "optimizer_dtypes": ",".join(f"{d}={n}" for d, n in sorted(held.items()))
+                      or "n/a",
+                      "learning_rate": fmt(reached.learning_rate),
+                      "step": fmt(reached.step)},
+        )

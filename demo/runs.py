@@ -113,6 +113,19 @@ def common_args(steps: int, warmup: int, lr: float, save_steps: int) -> dict[str
     )
 
 
+def _trainer(trainer_cls: Any, config_cls: Any, model: Any, model_dir: Path,
+             output_dir: Path, callbacks: list[Any], dataset: Dataset, *, steps: int, lr: float,
+             save_steps: int, config: dict[str, Any], overrides: dict[str, Any],
+             warmup: int = 0, tokenizer: Any = None, **trainer_kwargs: Any) -> Any:
+    """One TRL trainer on the tiny model: its config (builder defaults, then the shared
+    arguments, then the caller's overrides) and the tokenizer saved beside the model."""
+    args = config_cls(output_dir=str(output_dir),
+                      **{**config, **common_args(steps, warmup, lr, save_steps), **overrides})
+    return trainer_cls(model=model, args=args, train_dataset=dataset,
+                       processing_class=tokenizer or AutoTokenizer.from_pretrained(model_dir),
+                       callbacks=callbacks, **trainer_kwargs)
+
+
 def grpo_trainer(
     model: Any,
     model_dir: Path,
@@ -128,18 +141,13 @@ def grpo_trainer(
     **overrides: Any,
 ) -> GRPOTrainer:
     """A GRPOTrainer with 2 generations of at most 8 tokens: about 0.1 s a step on a CPU."""
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     shape = dict(per_device_train_batch_size=2, num_generations=2, max_completion_length=8)
-    args = GRPOConfig(
-        output_dir=str(output_dir),
-        beta=beta,
-        **{**shape, **common_args(steps, warmup, lr, save_steps), **overrides},
-    )
     dataset = Dataset.from_dict({"prompt": sample_lines(32, seed=3)})
-    return GRPOTrainer(
-        model=model, reward_funcs=reward_funcs, args=args, train_dataset=dataset,
-        processing_class=tokenizer, callbacks=callbacks, peft_config=peft_config,
-    )
+    trainer: GRPOTrainer = _trainer(
+        GRPOTrainer, GRPOConfig, model, model_dir, output_dir, callbacks, dataset, steps=steps,
+        warmup=warmup, lr=lr, save_steps=save_steps, config={**shape, "beta": beta},
+        overrides=overrides, reward_funcs=reward_funcs, peft_config=peft_config)
+    return trainer
 
 
 def sft_trainer(
@@ -160,17 +168,13 @@ def sft_trainer(
 ) -> SFTTrainer:
     """An SFTTrainer on generated sentences (or texts, or rows such as prompt/completion or
     messages), 32 tokens at most."""
-    tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_dir)
-    args = SFTConfig(
-        output_dir=str(output_dir),
-        **{"max_length": 32, "per_device_train_batch_size": 2,
-           **common_args(steps, warmup, lr, save_steps), **overrides},
-    )
     dataset = Dataset.from_dict(rows or {"text": texts or sample_lines(64, seed=4)})
-    return SFTTrainer(
-        model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
-        callbacks=callbacks, peft_config=peft_config, data_collator=data_collator,
-    )
+    trainer: SFTTrainer = _trainer(
+        SFTTrainer, SFTConfig, model, model_dir, output_dir, callbacks, dataset, steps=steps,
+        warmup=warmup, lr=lr, save_steps=save_steps, tokenizer=tokenizer,
+        config={"max_length": 32, "per_device_train_batch_size": 2}, overrides=overrides,
+        peft_config=peft_config, data_collator=data_collator)
+    return trainer
 
 
 def preference_rows(n: int, seed: int = 5) -> dict[str, list[str]]:
@@ -199,19 +203,13 @@ def dpo_trainer(
     **overrides: Any,
 ) -> DPOTrainer:
     """A DPOTrainer on generated preference pairs, 64 tokens at most."""
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    args = DPOConfig(
-        output_dir=str(output_dir),
-        beta=beta,
-        per_device_train_batch_size=2,
-        max_length=64,  # at 32 some generated prompts fill it and DPO drops their rows
-        **{**common_args(steps, warmup, lr, save_steps), **overrides},
-    )
-    dataset = Dataset.from_dict(rows or preference_rows(32))
-    return DPOTrainer(
-        model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
-        callbacks=callbacks, peft_config=peft_config,
-    )
+    # at max_length 32 some generated prompts fill it and DPO drops their rows
+    config = {"beta": beta, "per_device_train_batch_size": 2, "max_length": 64}
+    trainer: DPOTrainer = _trainer(
+        DPOTrainer, DPOConfig, model, model_dir, output_dir, callbacks,
+        Dataset.from_dict(rows or preference_rows(32)), steps=steps, warmup=warmup, lr=lr,
+        save_steps=save_steps, config=config, overrides=overrides, peft_config=peft_config)
+    return trainer
 
 
 def collapsing_pairs(n: int = 16) -> dict[str, list[str]]:
@@ -258,15 +256,11 @@ def reward_trainer(
     """A RewardTrainer (sequence-classification head) on the generated preference pairs."""
     from trl import RewardConfig, RewardTrainer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    args = RewardConfig(
-        output_dir=str(output_dir), per_device_train_batch_size=2,
-        **{"max_length": 128, **common_args(steps, 0, lr, save_steps), **overrides},
-    )
-    return RewardTrainer(
-        model=model, args=args, train_dataset=Dataset.from_dict(preference_rows(32)),
-        processing_class=tokenizer, callbacks=callbacks, peft_config=peft_config,
-    )
+    return _trainer(
+        RewardTrainer, RewardConfig, model, model_dir, output_dir, callbacks,
+        Dataset.from_dict(preference_rows(32)), steps=steps, lr=lr, save_steps=save_steps,
+        config={"per_device_train_batch_size": 2, "max_length": 128}, overrides=overrides,
+        peft_config=peft_config)
 
 
 def reward_model(model_dir: Path) -> Any:
@@ -291,15 +285,12 @@ def rloo_trainer(
     """An RLOOTrainer shaped like ``grpo_trainer``: 2 generations of at most 8 tokens."""
     from trl import RLOOConfig, RLOOTrainer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     shape = dict(per_device_train_batch_size=2, num_generations=2, max_completion_length=8)
-    args = RLOOConfig(output_dir=str(output_dir), beta=beta,
-                      **{**shape, **common_args(steps, 0, lr, save_steps), **overrides})
-    return RLOOTrainer(
-        model=model, reward_funcs=length_reward, args=args,
-        train_dataset=Dataset.from_dict({"prompt": sample_lines(32, seed=3)}),
-        processing_class=tokenizer, callbacks=callbacks, peft_config=peft_config,
-    )
+    return _trainer(
+        RLOOTrainer, RLOOConfig, model, model_dir, output_dir, callbacks,
+        Dataset.from_dict({"prompt": sample_lines(32, seed=3)}), steps=steps, lr=lr,
+        save_steps=save_steps, config={**shape, "beta": beta}, overrides=overrides,
+        reward_funcs=length_reward, peft_config=peft_config)
 
 
 def kto_trainer(
@@ -316,16 +307,14 @@ def kto_trainer(
     """A KTOTrainer on the preference pairs unpaired: desirable and undesirable completions."""
     from trl import KTOConfig, KTOTrainer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     pairs = preference_rows(16)
     rows = {"prompt": pairs["prompt"] * 2, "completion": pairs["chosen"] + pairs["rejected"],
             "label": [True] * 16 + [False] * 16}
-    args = KTOConfig(output_dir=str(output_dir), per_device_train_batch_size=4, max_length=64,
-                     **{**common_args(steps, 0, lr, save_steps), **overrides})
-    return KTOTrainer(
-        model=model, args=args, train_dataset=Dataset.from_dict(rows),
-        processing_class=tokenizer, callbacks=callbacks, peft_config=peft_config,
-    )
+    return _trainer(
+        KTOTrainer, KTOConfig, model, model_dir, output_dir, callbacks, Dataset.from_dict(rows),
+        steps=steps, lr=lr, save_steps=save_steps,
+        config={"per_device_train_batch_size": 4, "max_length": 64}, overrides=overrides,
+        peft_config=peft_config)
 
 
 def teacher_model(model_dir: Path, seed: int = 1) -> Any:
@@ -357,12 +346,10 @@ def distillation_trainer(
     """A DistillationTrainer: the tiny student learns from a teacher on generated prompts."""
     from trl import DistillationConfig, DistillationTrainer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    args = DistillationConfig(output_dir=str(output_dir), per_device_train_batch_size=2,
-                              max_completion_length=8,
-                              **{**common_args(steps, 0, lr, save_steps), **overrides})
-    return DistillationTrainer(
-        model=model, teacher_model=teacher or teacher_model(model_dir),
-        args=args, train_dataset=Dataset.from_dict({"prompt": sample_lines(32, seed=3)}),
-        processing_class=tokenizer, callbacks=callbacks, peft_config=peft_config,
-    )
+    return _trainer(
+        DistillationTrainer, DistillationConfig, model, model_dir, output_dir, callbacks,
+        Dataset.from_dict({"prompt": sample_lines(32, seed=3)}), steps=steps, lr=lr,
+        save_steps=save_steps,
+        config={"per_device_train_batch_size": 2, "max_completion_length": 8},
+        overrides=overrides, teacher_model=teacher or teacher_model(model_dir),
+        peft_config=peft_config)

@@ -87,3 +87,38 @@ def test_never_ending_unattested_runs_do_not_lock_out_new_runs_after_a_restart(
         newcomer.close()
     finally:
         restarted.stop()
+
+
+def test_runs_whose_processes_exited_while_the_sidecar_was_down_make_room_at_once(
+    tmp_path: Path,
+) -> None:
+    """The attested kind of stale run: its processes are gone by the restart, so the
+    restored run ends (``process_exited``) before the first stream is served."""
+    from tests.test_trust_runs import Client
+
+    folder = tmp_path / "attested"
+    sidecar = SidecarProcess(folder, extra_args=["--state-dir", str(folder / "state"),
+                                                 "--max-runs", "3"]).start()
+    clients = [Client(sidecar, f"gone-{i}") for i in range(3)]
+    try:
+        for client in clients:
+            assert not client.do(start={"seq": 1})["error"]
+        refused = Pipe(sidecar.address)
+        assert "live runs" in _start(refused, "new-before-restart").error
+        refused.close()
+    finally:
+        sidecar.stop()  # down first, so it never sees the processes go
+        for client in clients:
+            client.close()  # the processes exit while no sidecar watches
+
+    restarted = SidecarProcess(folder, extra_args=["--state-dir", str(folder / "state"),
+                                                   "--max-runs", "3"]).start()
+    try:
+        newcomer = Pipe(restarted.address)
+        answer = _start(newcomer, "new-after-restart")
+        assert not answer.error, answer.error  # accepted at once
+        gone = [r for r in restarted.status().runs if r.run_id.startswith("gone-")]
+        assert gone and all(r.ended and r.end_reason == "process_exited" for r in gone)
+        newcomer.close()
+    finally:
+        restarted.stop()

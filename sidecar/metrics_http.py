@@ -9,6 +9,8 @@ The endpoint faces anything that can reach its port, so it is bounded: at most
 ``MAX_CONNECTIONS`` requests are served at once (one thread each; more are answered 503 and
 closed at once, counted in ``deadweight_metrics_http_refused_total``), and a connection that
 sends nothing for ``READ_TIMEOUT_SECONDS`` is closed, so idle sockets cannot pin threads.
+Scrapes that arrive together share one render (``SharedRender``): fifty parallel scrapers
+cost about one render each round, not fifty renders fighting over one interpreter.
 """
 
 from __future__ import annotations
@@ -157,11 +159,62 @@ def _runbook(path: str, start_response: Callable[..., Any]) -> list[bytes]:
     return [body]
 
 
+class SharedRender:
+    """One render at a time, its page handed to every scrape that waited for it.
+
+    A scrape never gets a page older than itself: it takes the first render that starts
+    after it arrived (a render already under way began before it, so it waits for the next).
+    A render that raises fails every scrape that waited for it, as each would have failed.
+    """
+
+    def __init__(self, render_page: Callable[[], bytes]) -> None:
+        self._render_page = render_page
+        self._changed = threading.Condition()
+        self._started = 0  # renders begun
+        self._finished = 0  # the number of the latest render that finished
+        self._rendering = False
+        self._page = b""
+        self._error: BaseException | None = None
+        #: Scrapes waiting for a render right now.
+        self.waiting = 0
+
+    def page(self) -> bytes:
+        with self._changed:
+            wanted = self._started + 1  # the first render to start from now on
+            while self._finished < wanted:
+                if not self._rendering:
+                    self._rendering = True
+                    self._started += 1
+                    number = self._started
+                    break
+                self.waiting += 1
+                self._changed.wait()
+                self.waiting -= 1
+            else:
+                if self._error is not None:
+                    raise RuntimeError("the shared /metrics render failed") from self._error
+                return self._page
+        page, error = b"", None
+        try:
+            page = self._render_page()
+        except BaseException as err:
+            error = err
+        with self._changed:
+            self._rendering = False
+            self._finished = number
+            self._page, self._error = page, error
+            self._changed.notify_all()
+        if error is not None:
+            raise error
+        return page
+
+
 class MetricsServer:
     """A threaded HTTP server answering ``/metrics`` from a collect function."""
 
     def __init__(self, host: str, port: int, collect: Callable[[], Iterable[Metric]]) -> None:
         self._collect = collect
+        self._shared = SharedRender(self._render)
         self._httpd: _BoundedServer = make_server(host, port, self._app, _BoundedServer,
                                                   _QuietHandler)
         self.port = int(self._httpd.server_address[1])
@@ -177,10 +230,13 @@ class MetricsServer:
         if path not in ("/metrics", "/"):
             start_response("404 Not Found", [("Content-Type", "text/plain")])
             return [b"not found; try /metrics\n"]
-        body = render(self._collect()) + render([self._own_metrics()])
+        body = self._shared.page()
         start_response("200 OK", [("Content-Type", CONTENT_TYPE),
                                   ("Content-Length", str(len(body)))])
         return [body]
+
+    def _render(self) -> bytes:
+        return render(self._collect()) + render([self._own_metrics()])
 
     def _own_metrics(self) -> Metric:
         refused = CounterMetricFamily(

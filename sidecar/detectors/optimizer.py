@@ -207,16 +207,15 @@ class InactiveAdapter(SpecDetector):
         if len(window) < settings.inactive_adapter_steps:
             return Verdict(False, step=steps[-1].step)
         present = {g[0] for g in window[-1].adapter_updates}  # a stuck adapter is reported
+        # Per step, once: which adapters stood still and which moved (a heartbeat re-runs
+        # this; a set lookup per adapter keeps it linear in the 64 adapters a step keeps).
+        still = [{g[0] for g in p.adapter_updates if g[1] == 0 and g[2] == g[3]}
+                 for p in window]
+        moved = [(p.grad_not_in_optimizer_tensors > 0, {g[0] for g in p.adapter_updates
+                                                         if g[1] > 0}) for p in window]
         for name in sorted(trained & present):  # in every step: only these can be stuck
-            stuck = all(
-                any(g[0] == name and g[1] == 0 and g[2] == g[3] for g in p.adapter_updates)
-                for p in window
-            )
-            elsewhere = all(
-                p.grad_not_in_optimizer_tensors > 0
-                or any(g[0] != name and g[1] > 0 for g in p.adapter_updates)
-                for p in window
-            )
+            stuck = all(name in names for names in still)
+            elsewhere = all(outside or len(names - {name}) > 0 for outside, names in moved)
             if stuck and elsewhere:
                 last = window[-1]
                 return Verdict(

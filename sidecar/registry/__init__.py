@@ -324,7 +324,8 @@ class Registry:
         Firing findings come back firing (no second page, STOP or kill for the same
         incident); the action sink re-asserts them. Returns the number of runs restored.
         """
-        found = read_back(self.store, time.time(), self.ended_ttl_seconds,
+        now = time.time()
+        found = read_back(self.store, now, self.ended_ttl_seconds,
                           limit=self.max_runs - len(self._table))
         restored = []
         with self._lock:
@@ -332,6 +333,13 @@ class Registry:
                 if self._table.restore(run.entry):
                     self._lifecycle.restore(run.entry, run.incidents)
                     restored.append(run.entry)
+            # Runs already silent, or whose processes are gone, ended while no sidecar
+            # watched: end them before the first stream, so stale runs never hold the room
+            # of the run table (a full table of them refused every new run after a restart).
+            for silent in self._table.silent(now, self.silent_run_seconds):
+                end_run(silent, self.store, "silent", now)
+            for entry in restored:
+                self._check_exits(entry, now)
         self._flush(*restored)
         if restored:
             log.info("runs_resumed", runs=len(restored))

@@ -114,8 +114,8 @@ def test_dora_magnitude_in_bf16_never_moves(
 
     model_dir, _ = tiny
     # Every DoRA tensor in the base's bf16, magnitude included: the state trl#7268 reports
-    # (there via the QLoRA downcast), reached here by the call SFTTrainer itself makes under
-    # ZeRO-3 on a non-quantized base (autocast_adapter_dtype=False).
+    # (there via a QLoRA downcast of every trainable tensor, which needs a quantized base),
+    # reached here on the plain bf16 base by turning PEFT's fp32 autocast off.
     model = get_peft_model(_base(model_dir, dtype=torch.bfloat16), _dora_config(),
                            autocast_adapter_dtype=False)
     assert _dtypes(model, "lora_magnitude_vector") == _dtypes(model, "lora_") == {

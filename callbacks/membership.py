@@ -122,17 +122,25 @@ def adapter_layer_names(model: Any) -> frozenset[str]:
     return frozenset(names)
 
 
+#: Where DoRA keeps its per-row magnitude: one value per output row, of the size of a row
+#: norm, so a step moves it by far less of its own value than it moves lora_A/B.
+DORA_MAGNITUDE = "lora_magnitude_vector"
+
+
 def module_kind(name: str, adapter: str | None,
                 layer_names: frozenset[str] = frozenset()) -> str:
     """A low-cardinality label for a parameter: the module it sits in (``q_proj``, ``lm_head``).
 
     An adapter tensor (``...q_proj.ia3_l.default``) is labelled with the module it adapts;
-    a prompt encoder's tensors with ``prompt_encoder``.
+    a prompt encoder's tensors with ``prompt_encoder``. A DoRA magnitude is a kind of its own
+    (``q_proj.lora_magnitude_vector``): counted with its module's lora_A/B, a magnitude left
+    in bf16 (trl#7268) whose every element stays put is a tenth of the group's elements.
     """
     parts = [p for p in name.split(".")[:-1] if p != adapter]
     for i, part in enumerate(parts):
         if part in layer_names or part.startswith("lora_") or part == "modules_to_save":
-            return parts[i - 1] if i > 0 else part
+            module = parts[i - 1] if i > 0 else part
+            return f"{module}.{DORA_MAGNITUDE}" if part == DORA_MAGNITUDE else module
     return parts[-1] if parts else name
 
 

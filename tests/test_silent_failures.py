@@ -92,6 +92,75 @@ def test_adapter_cast_to_bf16_updates_in_low_precision(
     silent(live, "bf16-warm", "low_precision_update")
 
 
+def _dora_config() -> Any:
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, target_modules=list(runs.LORA_TARGETS),
+                      task_type="CAUSAL_LM", use_dora=True)
+
+
+def _dtypes(model: Any, part: str) -> set[str]:
+    """The dtypes of the trainable tensors whose names hold part."""
+    return {str(p.dtype) for n, p in model.named_parameters() if p.requires_grad and part in n}
+
+
+def test_dora_magnitude_in_bf16_never_moves(
+    live: InProcessSidecar, tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A DoRA magnitude in bf16 keeps every element at lr 2e-4: it sits at the size of a row
+    norm, so Adam's steps are below half its ULP. The verdict names the magnitude's own kind."""
+    import torch
+    from peft import get_peft_model
+
+    model_dir, _ = tiny
+    # Every DoRA tensor in the base's bf16, magnitude included: the state trl#7268 reports
+    # (there via a QLoRA downcast of every trainable tensor, which needs a quantized base),
+    # reached here on the plain bf16 base by turning PEFT's fp32 autocast off.
+    model = get_peft_model(_base(model_dir, dtype=torch.bfloat16), _dora_config(),
+                           autocast_adapter_dtype=False)
+    assert _dtypes(model, "lora_magnitude_vector") == _dtypes(model, "lora_") == {
+        "torch.bfloat16"}
+    magnitude = {n: p.detach().clone() for n, p in model.named_parameters()
+                 if "lora_magnitude_vector" in n}
+    started = train(runs.sft_trainer(model, model_dir, tmp_path / "bad",
+                                     [live.callback("dora-bf16")], steps=4, save_steps=10))
+    low = detected(live, "dora-bf16", "low_precision_update", started)
+    assert low.step == 3 and low.evidence["dtype"] == "bfloat16"
+    assert low.evidence["module_kind"].endswith(".lora_magnitude_vector")
+    assert float(low.evidence["unchanged_fraction"]) == 1.0  # measured: every element, every step
+    after = dict(model.named_parameters())
+    assert all(torch.equal(after[n], b) for n, b in magnitude.items())
+
+    # Only the magnitude in bf16, lora_A/B fp32: counted with its module's A/B, the magnitude
+    # was 128 of q_proj's 1152 elements (11%, under the 25% threshold) and the run was silent.
+    mixed = get_peft_model(_base(model_dir, dtype=torch.bfloat16), _dora_config())
+    for module in mixed.modules():
+        for layer in getattr(module, "lora_magnitude_vector", {}).values():
+            layer.weight = torch.nn.Parameter(layer.weight.detach().to(torch.bfloat16))
+    assert _dtypes(mixed, "lora_magnitude_vector") == {"torch.bfloat16"}
+    assert _dtypes(mixed, "lora_A") == _dtypes(mixed, "lora_B") == {"torch.float32"}
+    started = train(runs.sft_trainer(mixed, model_dir, tmp_path / "mixed",
+                                     [live.callback("dora-mag-bf16")], steps=4, save_steps=10))
+    low = detected(live, "dora-mag-bf16", "low_precision_update", started)
+    assert low.step == 3 and low.evidence["module_kind"].endswith(".lora_magnitude_vector")
+    assert low.evidence["dtype"] == "bfloat16" and float(low.evidence["unchanged_fraction"]) == 1
+    assert "frozen_weights" not in live.fired("dora-mag-bf16")  # lora_A/B move
+    last = live.seen("dora-mag-bf16").combined_steps()[-1].module_elements
+    assert {k for k, d, _, _ in last if d == "float32"} == {"q_proj", "v_proj"}
+    assert all(u == 0 for k, d, _, u in last if d == "float32")  # every A/B element moved
+
+    # Twin: DoRA on the same bf16 base with PEFT's default autocast: magnitude fp32, silent.
+    twin = get_peft_model(_base(model_dir, dtype=torch.bfloat16), _dora_config())
+    assert _dtypes(twin, "lora_") == {"torch.float32"}
+    train(runs.sft_trainer(twin, model_dir, tmp_path / "good", [live.callback("dora-fp32")],
+                           steps=4, save_steps=10))
+    silent(live, "dora-fp32", "low_precision_update")
+    kinds = live.seen("dora-fp32").combined_steps()[-1].module_elements
+    assert {k for k, _, _, _ in kinds} == {"q_proj", "q_proj.lora_magnitude_vector",
+                                           "v_proj", "v_proj.lora_magnitude_vector"}
+    assert all(d == "float32" and u == 0 for _, d, _, u in kinds)  # all moved
+
+
 def test_pure_bf16_full_fine_tune_loses_its_updates(
     live: InProcessSidecar, tiny: tuple[Path, Path], tmp_path: Path
 ) -> None:

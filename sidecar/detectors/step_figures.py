@@ -133,7 +133,9 @@ class LowPrecisionUpdate(SpecDetector):
     about half the elements of a bf16 LoRA never move, while every tensor changes a little and
     loss and grad_norm look normal (``model.to(torch.bfloat16)`` after ``get_peft_model`` undoes
     PEFT's fp32 adapter autocast; a DoRA magnitude left in bf16; a pure-bf16 full fine-tune).
-    The verdict comes from the per-element counts of the update pass. Only steps that should
+    The verdict comes from the per-element counts of the update pass, per module kind; a DoRA
+    magnitude is a kind of its own (``q_proj.lora_magnitude_vector``), or its lost updates
+    would hide among its module's lora_A/B elements. Only steps that should
     move every element count: lr > 0 past the warmup (warmup and lr 0 are ``lora_lr_too_low``'s),
     a gradient that flows (``zero_gradient``'s), something moved (``frozen_weights``'s), not
     skipped. An optimizer that holds fp32 weights (master copies) at train begin keeps the
@@ -148,8 +150,9 @@ class LowPrecisionUpdate(SpecDetector):
         "fp16 unchanged: updates below half a unit in the last place are lost, so many weights "
         "never move",
         fires_when="in consecutive optimizer steps at lr > 0 past the warmup, with a gradient "
-        "flowing, some bf16/fp16 module kind (`q_proj`, `lm_head`, ...) kept at least the "
-        "threshold share of its elements bit for bit, and the optimizer holds bf16/fp16 weights",
+        "flowing, some bf16/fp16 module kind (`q_proj`, `lm_head`, a DoRA magnitude "
+        "`q_proj.lora_magnitude_vector`, ...) kept at least the threshold share of its elements "
+        "bit for bit, and the optimizer holds bf16/fp16 weights",
         thresholds=(
             Threshold("low_precision_fraction", "ratio",
                       "share of a bf16/fp16 module kind's elements one optimizer step left "

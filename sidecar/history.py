@@ -45,6 +45,11 @@ def step_series(point: StepPoint, report: pb.StepReport) -> dict[str, float]:
         series[prefix + "unchanged"] = series.get(prefix + "unchanged", 0.0) + float(
             group.unchanged_tensors)
         series[prefix + "tensors"] = series.get(prefix + "tensors", 0.0) + float(group.tensors)
+        if group.elements:  # per-element counts: what a precision loss leaves behind
+            series[prefix + "elements"] = series.get(prefix + "elements", 0.0) + float(
+                group.elements)
+            series[prefix + "unchanged_elements"] = series.get(
+                prefix + "unchanged_elements", 0.0) + float(group.unchanged_elements)
     return series
 
 

@@ -143,20 +143,41 @@ def _rl_plot(record: RunRecord) -> str | None:
     return _svg(figure)
 
 
-def module_movement(record: RunRecord) -> dict[str, tuple[float, float]]:
-    """module kind -> (summed update L2 over the run, fraction of its tensor-steps unchanged)."""
-    sums: dict[str, list[float]] = {}
+@dataclass(frozen=True)
+class ModuleMovement:
+    """How one module kind moved over the run."""
+
+    #: Update L2 summed over the run's steps.
+    update_norm: float
+    #: Fraction of its tensor-steps in which the whole tensor stayed byte-identical.
+    unchanged_tensors: float
+    #: Fraction of its element-steps that stayed identical (None: not measured, older data).
+    unchanged_elements: float | None
+
+
+_MODULE_FIELDS = ("update_norm", "unchanged", "tensors", "unchanged_elements", "elements")
+
+
+def module_movement(record: RunRecord) -> dict[str, ModuleMovement]:
+    """module kind -> how it moved, from the per-step history."""
+    sums: dict[str, dict[str, float]] = {}
     for _, _, values in record.steps:
         for key, value in values.items():
             if not key.startswith("module/"):
                 continue
             _, name, field = key.split("/", 2)
-            entry = sums.setdefault(name, [0.0, 0.0, 0.0])
-            index = {"update_norm": 0, "unchanged": 1, "tensors": 2}.get(field)
-            if index is not None:
-                entry[index] += value
-    return {name: (norm, unchanged / tensors if tensors else 0.0)
-            for name, (norm, unchanged, tensors) in sums.items()}
+            if field in _MODULE_FIELDS:
+                entry = sums.setdefault(name, dict.fromkeys(_MODULE_FIELDS, 0.0))
+                entry[field] += value
+    return {
+        name: ModuleMovement(
+            update_norm=entry["update_norm"],
+            unchanged_tensors=entry["unchanged"] / entry["tensors"] if entry["tensors"] else 0.0,
+            unchanged_elements=(entry["unchanged_elements"] / entry["elements"]
+                                if entry["elements"] else None),
+        )
+        for name, entry in sums.items()
+    }
 
 
 def _module_plot(record: RunRecord) -> str | None:
@@ -165,16 +186,19 @@ def _module_plot(record: RunRecord) -> str | None:
         return None
     import matplotlib.pyplot as plt
 
-    ranked = sorted(movement.items(), key=lambda item: -item[1][0])[:MAX_MODULE_KINDS]
+    ranked = sorted(movement.items(), key=lambda item: -item[1].update_norm)[:MAX_MODULE_KINDS]
     names = [name for name, _ in ranked]
-    figure, (norm_ax, frozen_ax) = plt.subplots(1, 2, figsize=(11, 0.35 * len(names) + 1.2))
-    norm_ax.barh(names, [n for _, (n, _) in ranked], color="#1565c0")
+    figure, (norm_ax, frozen_ax, element_ax) = plt.subplots(
+        1, 3, figsize=(14, 0.35 * len(names) + 1.2), sharey=True)
+    norm_ax.barh(names, [m.update_norm for _, m in ranked], color="#1565c0")
     norm_ax.set_title("update L2 summed over the run, per module kind", fontsize=9)
     norm_ax.invert_yaxis()
-    frozen_ax.barh(names, [u for _, (_, u) in ranked], color="#c62828")
+    frozen_ax.barh(names, [m.unchanged_tensors for _, m in ranked], color="#c62828")
     frozen_ax.set_xlim(0, 1)
     frozen_ax.set_title("fraction of tensor-steps unchanged", fontsize=9)
-    frozen_ax.invert_yaxis()
+    element_ax.barh(names, [m.unchanged_elements or 0.0 for _, m in ranked], color="#ef6c00")
+    element_ax.set_xlim(0, 1)
+    element_ax.set_title("fraction of element-steps unchanged (precision loss)", fontsize=9)
     return _svg(figure)
 
 

@@ -85,6 +85,22 @@ def test_report_pages_for_a_frozen_and_a_healthy_run(tiny: tuple[Path, Path],
     assert "identical bytes" in frozen  # the hash chain shows the checkpoint never changed
     assert "healthy: no critical or warning verdict" in healthy
     assert "identical bytes" not in healthy
+    assert "fraction of element-steps unchanged" in frozen
+
+    # The per-module panel: the frozen adapter never moved, element for element; the healthy
+    # one moved everywhere (GRPO's frozen "ref" copy of the adapter is not counted).
+    from deadweight.sidecar import report
+    from deadweight.sidecar.store import Store
+
+    store = Store(state)
+    stood = report.module_movement(report.load(store, "report-frozen"))
+    moved = report.module_movement(report.load(store, "report-healthy"))
+    store.close()
+    assert stood and moved.keys() == stood.keys()
+    assert all(m.unchanged_tensors == 1.0 and m.unchanged_elements == 1.0
+               for m in stood.values()), stood
+    assert all(m.unchanged_tensors == 0.0 and m.unchanged_elements is not None
+               and m.unchanged_elements < 0.1 for m in moved.values()), moved
 
     shots = {}
     for name in ("frozen", "healthy"):

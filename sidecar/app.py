@@ -11,6 +11,7 @@ into a ``SidecarConfig`` and calls ``build``; tests that need their own registry
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,7 +101,7 @@ class Sidecar:
         self.attestation: AttestationServer | None = None
         if config.socket_path and registry.attestor is not None:
             self.attestation = AttestationServer(attest_path(config.socket_path),
-                                                 registry.attestor)
+                                                 registry.attestor, group=config.socket_group)
         self.server = SidecarServer(registry, config)
         self._http: MetricsServer | None = None
         #: How to stop each part that started, in start order.
@@ -142,11 +143,17 @@ class Sidecar:
             folder = Path(self.config.socket_path).parent
             try:
                 folder.mkdir(parents=True, exist_ok=True, mode=0o750)
+                if self.config.socket_group is not None and folder.stat().st_uid == os.geteuid():
+                    os.chown(folder, -1, self.config.socket_group)  # the group may enter it
             except OSError as err:
                 raise StartupError(f"cannot create the socket folder {folder}: "
                                    f"{err.strerror or err}") from err
         if self.attestation is not None:
-            self.attestation.start()
+            try:
+                self.attestation.start()
+            except OSError as err:
+                raise StartupError(f"cannot serve attestation on {self.attestation.path}: "
+                                   f"{err}") from err
             self._running.append(self.attestation.stop)
         if self.watcher is not None:
             self.watcher.start()

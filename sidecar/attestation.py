@@ -32,9 +32,10 @@ from pathlib import Path
 
 import structlog
 
+from deadweight.sidecar.socket_access import grant
+
 log = structlog.get_logger("deadweight.attestation")
 
-SOCKET_MODE = 0o660
 #: Seconds a nonce stays redeemable; a client redeems it within one connect.
 NONCE_TTL_SECONDS = 120.0
 #: Unredeemed nonces kept; a flood of connections evicts the oldest, it cannot grow memory.
@@ -195,8 +196,9 @@ class AttestationServer:
     """The ``<socket>.attest`` listener: one short exchange per connection, several threads."""
 
     def __init__(self, path: str | Path, attestor: Attestor,
-                 threads: int = ACCEPT_THREADS) -> None:
+                 threads: int = ACCEPT_THREADS, group: int | None = None) -> None:
         self.path = Path(path)
+        self.group = group
         self.attestor = attestor
         self.threads = threads
         self._sock: socket.socket | None = None
@@ -217,7 +219,11 @@ class AttestationServer:
             sock.bind(str(self.path))
         finally:
             os.umask(old_umask)
-        os.chmod(self.path, SOCKET_MODE)
+        try:
+            grant(self.path, self.group)
+        except OSError:
+            sock.close()
+            raise
         sock.listen(socket.SOMAXCONN)
         sock.settimeout(0.2)
         return sock

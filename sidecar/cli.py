@@ -71,17 +71,20 @@ def _url_pattern(allowed: frozenset[str]) -> Callable[[str], str]:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from deadweight.sidecar import app, logs
+    from deadweight.sidecar import app, logs, signal_capability
     from deadweight.sidecar.server import InsecureTransport, check_transport
     from deadweight.sidecar.store import StateDirUnsafe
 
     logs.configure(args.log_level)
+    # Before any thread exists: capabilities are per thread, later threads inherit them.
+    capability = signal_capability.raise_kill()
     try:
         config = _sidecar_config(args)
         check_transport(config.server)
     except (InsecureTransport, OSError) as err:
         print(f"deadweight serve: {err}", file=sys.stderr)
         return 2
+    signal_capability.announce(capability, config.trainer_uids)
     try:
         sidecar = app.build(config)
     except (StateDirUnsafe, OSError) as err:
@@ -137,6 +140,7 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         tls_key=Path(args.tls_key).read_bytes() if args.tls_key else None,
         insecure=args.insecure,
         watch_roots=tuple(args.watch_root or ()),
+        socket_group=args.socket_group,
     )
 
 
@@ -266,6 +270,10 @@ def build_parser(*more_commands: Callable[[Commands], None]) -> argparse.Argumen
     serve.add_argument("--trainer-uid", action="append", type=int, default=None,
                        metavar="UID", help="only attested processes of this uid may report "
                        "runs (repeatable; default: any uid that can reach the socket)")
+    serve.add_argument("--socket-group", type=int, default=None, metavar="GID",
+                       help="hand the unix sockets (mode 0660) to this group, one the sidecar "
+                       "and the trainer share, when they run as different uids (default: the "
+                       "sidecar's group, or the folder's when it is setgid)")
     serve.add_argument("--silent-run-seconds", type=float, default=3600.0, metavar="SECONDS",
                        help="end a live run that sent nothing for this long (default 3600)")
     serve.add_argument("--watch-root", action="append", default=None, metavar="DIR",

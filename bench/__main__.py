@@ -18,8 +18,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer shapes and repeats")
     parser.add_argument("--only", nargs="*", default=None,
-                        help="subset of: update_pass full_ft checkpoint sidecar stop_agreement "
-                             "train_step")
+                        help="subset of: update_pass full_ft checkpoint sidecar sidecar_memory "
+                             "stop_agreement train_step")
     parser.add_argument("--device", default="cpu",
                         help="where the weights live: cpu (default) or cuda (the update pass "
                              "and the training step then run there)")
@@ -58,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     if wanted("sidecar"):
         from . import sidecar_load
         sidecar_load.run(repeats, args.quick)
+    if wanted("sidecar_memory"):
+        from . import sidecar_memory
+        sidecar_memory.run(repeats, args.quick)
     if wanted("fsdp2_probe"):
         from . import fsdp2_probe
         fsdp2_probe.run(repeats, args.quick)

@@ -58,6 +58,8 @@ class SidecarConfig:
     policies: dict[str, Policy] = field(default_factory=dict)
     settings: DetectorSettings = field(default_factory=DetectorSettings)
     max_runs: int = 1000
+    #: Ranks held across all runs (``--max-ranks``).
+    max_ranks: int = 1024
     run_ttl_seconds: float = 900.0
     stop_grace_seconds: float = 120.0
     kill_grace_seconds: float = 30.0
@@ -207,7 +209,7 @@ def build(config: SidecarConfig) -> Sidecar:
                         store=store, attestor=Attestor(),
                         allow_unattested=config.allow_unattested,
                         silent_run_seconds=config.silent_run_seconds,
-                        trainer_uids=config.trainer_uids)
+                        trainer_uids=config.trainer_uids, max_ranks=config.max_ranks)
     enforcer = Enforcer(registry, store, actions, stop_grace_seconds=config.stop_grace_seconds,
                         kill_grace_seconds=config.kill_grace_seconds)
     return Sidecar(registry, actions, config.server, enforcer=enforcer, pager=pager,

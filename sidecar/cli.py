@@ -117,7 +117,8 @@ def _sidecar_config(args: argparse.Namespace) -> SidecarConfig:
         alertmanager_url=args.alertmanager_url, runbook_url_pattern=args.runbook_url_pattern,
         dashboard_url_pattern=args.dashboard_url_pattern,
         dry_run=args.dry_run, policies=dict(args.policy or []), settings=_settings(args.setting),
-        max_runs=args.max_runs, run_ttl_seconds=args.run_ttl_seconds,
+        max_runs=args.max_runs, max_ranks=args.max_ranks,
+        run_ttl_seconds=args.run_ttl_seconds,
         stop_grace_seconds=args.stop_grace_seconds, kill_grace_seconds=args.kill_grace_seconds,
         allow_unattested=args.allow_unattested, silent_run_seconds=args.silent_run_seconds,
         trainer_uids=tuple(args.trainer_uid or ()),
@@ -296,6 +297,10 @@ def build_parser(*more_commands: Callable[[Commands], None]) -> argparse.Argumen
                        "(default %(default)s)")
     serve.add_argument("--max-runs", type=int, default=1000,
                        help="most runs tracked at once; the oldest ended run makes room "
+                       "(default %(default)s)")
+    serve.add_argument("--max-ranks", type=int, default=1024,
+                       help="most ranks held across all runs (each keeps a window of steps); "
+                       "a rank beyond it is refused, after ended runs make room "
                        "(default %(default)s)")
     serve.add_argument("--setting", action="append", type=_setting, metavar="NAME=VALUE",
                        help="override a detector threshold or window, e.g. stalled_seconds=600 "

@@ -59,7 +59,7 @@ class SidecarConfig:
     settings: DetectorSettings = field(default_factory=DetectorSettings)
     max_runs: int = 1000
     #: Ranks held across all runs (``--max-ranks``).
-    max_ranks: int = 1024
+    max_ranks: int = 4096
     run_ttl_seconds: float = 900.0
     stop_grace_seconds: float = 120.0
     kill_grace_seconds: float = 30.0

@@ -84,7 +84,8 @@ def _serve(args: argparse.Namespace) -> int:
     except (InsecureTransport, OSError) as err:
         print(f"deadweight serve: {err}", file=sys.stderr)
         return 2
-    signal_capability.announce(capability, config.trainer_uids)
+    signal_capability.announce(capability, config.trainer_uids,
+                               "--trainer-uid" if args.trainer_uid else "default")
     try:
         sidecar = app.build(config)
     except (StateDirUnsafe, OSError) as err:
@@ -121,8 +122,17 @@ def _sidecar_config(args: argparse.Namespace) -> SidecarConfig:
         run_ttl_seconds=args.run_ttl_seconds,
         stop_grace_seconds=args.stop_grace_seconds, kill_grace_seconds=args.kill_grace_seconds,
         allow_unattested=args.allow_unattested, silent_run_seconds=args.silent_run_seconds,
-        trainer_uids=tuple(args.trainer_uid or ()),
+        trainer_uids=tuple(args.trainer_uid or default_trainer_uids()),
     )
+
+
+def default_trainer_uids() -> tuple[int, ...]:
+    """Without --trainer-uid: the sidecar's own uid, and root (which could stop or trace the
+    sidecar anyway, so admitting it opens nothing). Another uid that merely reaches the
+    socket (its group) cannot report, pre-register or squat a run id."""
+    import os
+
+    return tuple(sorted({os.geteuid(), 0}))
 
 
 def _server_config(args: argparse.Namespace) -> ServerConfig:
@@ -270,7 +280,8 @@ def build_parser(*more_commands: Callable[[Commands], None]) -> argparse.Argumen
                        "attest (logged at start and exported as deadweight_unattested_allowed)")
     serve.add_argument("--trainer-uid", action="append", type=int, default=None,
                        metavar="UID", help="only attested processes of this uid may report "
-                       "runs (repeatable; default: any uid that can reach the socket)")
+                       "runs (repeatable; default: the sidecar's own uid and root, so another "
+                       "uid that can reach the socket cannot report)")
     serve.add_argument("--socket-group", type=int, default=None, metavar="GID",
                        help="hand the unix sockets (mode 0660) to this group, one the sidecar "
                        "and the trainer share, when they run as different uids (default: the "
@@ -298,7 +309,7 @@ def build_parser(*more_commands: Callable[[Commands], None]) -> argparse.Argumen
     serve.add_argument("--max-runs", type=int, default=1000,
                        help="most runs tracked at once; the oldest ended run makes room "
                        "(default %(default)s)")
-    serve.add_argument("--max-ranks", type=int, default=1024,
+    serve.add_argument("--max-ranks", type=int, default=4096,
                        help="most ranks held across all runs (each keeps a window of steps); "
                        "a rank beyond it is refused, after ended runs make room "
                        "(default %(default)s)")

@@ -95,12 +95,14 @@ def can_signal(uid: int, capability: KillCapability) -> bool:
     return own == 0 or uid == own or capability.effective
 
 
-def announce(capability: KillCapability, trainer_uids: tuple[int, ...]) -> None:
-    """One startup line on what a ``kill`` policy can reach; an error for a trainer uid it
-    cannot signal (its SIGTERM/SIGKILL would be journaled as permission_denied)."""
+def announce(capability: KillCapability, trainer_uids: tuple[int, ...],
+             source: str = "--trainer-uid") -> None:
+    """One startup line on who may report and what a ``kill`` policy can reach; an error for
+    a trainer uid it cannot signal (its SIGTERM/SIGKILL would be journaled as
+    permission_denied)."""
     log = structlog.get_logger("deadweight.signal_capability")
     log.info("signal_capability", cap_kill=capability.state, uid=os.geteuid(),
-             trainer_uids=list(trainer_uids))
+             trainer_uids=list(trainer_uids), trainer_uids_from=source)
     for uid in trainer_uids:
         if not can_signal(uid, capability):
             log.error("trainer_uid_not_signalable", trainer_uid=uid, uid=os.geteuid(),

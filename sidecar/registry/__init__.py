@@ -90,7 +90,7 @@ class Registry:
         allow_unattested: bool = False,
         silent_run_seconds: float = SILENT_RUN_SECONDS,
         trainer_uids: Iterable[int] = (),
-        max_ranks: int = 1024,
+        max_ranks: int = 4096,
     ) -> None:
         self.actions = actions or LogOnlyActions()
         self.store = store or Store()

@@ -64,7 +64,7 @@ class RunTable:
     """Live and recently ended runs by id, bounded by ``max_runs``."""
 
     def __init__(self, store: Store, forget: Callable[[str], None], max_runs: int,
-                 ended_ttl_seconds: float, max_ranks: int = 1024) -> None:
+                 ended_ttl_seconds: float, max_ranks: int = 4096) -> None:
         self.store = store
         self.forget = forget
         self.max_runs = max_runs

@@ -103,7 +103,8 @@ class Sidecar:
         self.attestation: AttestationServer | None = None
         if config.socket_path and registry.attestor is not None:
             self.attestation = AttestationServer(attest_path(config.socket_path),
-                                                 registry.attestor, group=config.socket_group)
+                                                 registry.attestor, group=config.socket_group,
+                                                 allowed_uids=registry.trainer_uids)
         self.server = SidecarServer(registry, config)
         self._http: MetricsServer | None = None
         #: How to stop each part that started, in start order.

@@ -137,6 +137,11 @@ class Registry:
         return self._table.max_runs
 
     @property
+    def trainer_uids(self) -> frozenset[int]:
+        """Uids whose attested processes may report (empty: any)."""
+        return self._gate.trainer_uids
+
+    @property
     def max_ranks(self) -> int:
         return self._table.max_ranks
 

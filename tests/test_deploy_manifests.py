@@ -5,7 +5,8 @@ Prometheus Operator CRD models for PodMonitor and PrometheusRule (generated from
 OpenAPI schemas, checked for a lossless round trip so unknown fields fail too), and the Compose
 Specification schema shipped by check-jsonschema. Each validator is also shown a broken copy,
 so a test cannot pass because the validator accepts anything. The wiring the schemas cannot see
-(same socket path on both sides, same UID, ports, labels, mounts) is checked across files, and
+(same socket path on both sides, the two UIDs and the one capability, ports,
+labels, mounts) is checked across files, and
 the Prometheus and Alertmanager configs go through the real promtool and amtool.
 """
 

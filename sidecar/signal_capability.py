@@ -111,6 +111,15 @@ def announce(capability: KillCapability, trainer_uids: tuple[int, ...],
                       "signal: add the KILL capability to the sidecar")
 
 
+def interpreter_of(script: Path) -> Path:
+    """The interpreter a ``#!`` script names (the kernel runs that file, with its caps)."""
+    with script.open("rb") as handle:
+        first = handle.readline()
+    if not first.startswith(b"#!"):
+        raise ValueError(f"{script} is not a #! script")
+    return Path(first[2:].decode().split()[0])
+
+
 def grant_to_interpreter(path: Path) -> None:
     """Make path (a venv's interpreter link) a copy of the real interpreter that carries
     CAP_KILL as a permitted file capability (the image build runs this, as root).
@@ -128,4 +137,5 @@ def grant_to_interpreter(path: Path) -> None:
 
 
 if __name__ == "__main__":
-    grant_to_interpreter(Path(sys.argv[1]))
+    # The image build: the interpreter the entry point script runs gets the capability.
+    grant_to_interpreter(interpreter_of(Path(sys.argv[1])))

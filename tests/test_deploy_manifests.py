@@ -196,8 +196,9 @@ def test_image_interpreter_carries_kill_as_a_permitted_file_capability() -> None
     """The image build grants the venv's interpreter cap_kill (see signal_capability)."""
     runs = [line for line in (ROOT / "Dockerfile").read_text().splitlines()
             if line.startswith("RUN ") and "signal_capability" in line]
+    entrypoint = json.loads(dockerfile_instruction("ENTRYPOINT"))[0]
     assert runs == ["RUN /opt/deadweight/bin/python -m deadweight.sidecar.signal_capability "
-                    "/opt/deadweight/bin/python"]
+                    f"/opt/deadweight/bin/{entrypoint}"]
 
 
 def test_podmonitor_selects_the_job_pods_metrics_port() -> None:

@@ -244,7 +244,8 @@ def test_a_second_uid_cannot_take_a_live_run_nor_lock_out_the_job_of_a_trainer_u
         squatter = Client(process, "locked", uid=OTHER_UID)
         job = Client(process, "locked")
         try:
-            assert "not a trainer uid" in squatter.do(start={"seq": 1})["error"]
+            # Its .attest connection is closed unanswered: no nonce, so no RunStart.
+            assert "requires attestation" in squatter.do(start={"seq": 1})["error"]
             assert not job.do(start={"seq": 1})["error"]
             answer = job.do(steps=[1, 10], kind="frozen", seq=2)
             assert not answer["error"] and answer["ack"] == 21
@@ -261,7 +262,8 @@ def test_by_default_only_the_sidecars_own_uid_may_report(shared: Path) -> None:
         squatter = Client(process, "default-locked", uid=OTHER_UID)
         job = Client(process, "default-locked")
         try:
-            assert "not a trainer uid" in squatter.do(start={"seq": 1})["error"]
+            # Its .attest connection is closed unanswered: no nonce, so no RunStart.
+            assert "requires attestation" in squatter.do(start={"seq": 1})["error"]
             assert not job.do(start={"seq": 1})["error"]
             assert not job.do(steps=[1, 2], kind="healthy", seq=2)["error"]
         finally:

@@ -11,6 +11,7 @@ into a ``SidecarConfig`` and calls ``build``; tests that need their own registry
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +58,8 @@ class SidecarConfig:
     policies: dict[str, Policy] = field(default_factory=dict)
     settings: DetectorSettings = field(default_factory=DetectorSettings)
     max_runs: int = 1000
+    #: Ranks held across all runs (``--max-ranks``).
+    max_ranks: int = 4096
     run_ttl_seconds: float = 900.0
     stop_grace_seconds: float = 120.0
     kill_grace_seconds: float = 30.0
@@ -100,7 +103,8 @@ class Sidecar:
         self.attestation: AttestationServer | None = None
         if config.socket_path and registry.attestor is not None:
             self.attestation = AttestationServer(attest_path(config.socket_path),
-                                                 registry.attestor)
+                                                 registry.attestor, group=config.socket_group,
+                                                 allowed_uids=registry.trainer_uids)
         self.server = SidecarServer(registry, config)
         self._http: MetricsServer | None = None
         #: How to stop each part that started, in start order.
@@ -142,11 +146,17 @@ class Sidecar:
             folder = Path(self.config.socket_path).parent
             try:
                 folder.mkdir(parents=True, exist_ok=True, mode=0o750)
+                if self.config.socket_group is not None and folder.stat().st_uid == os.geteuid():
+                    os.chown(folder, -1, self.config.socket_group)  # the group may enter it
             except OSError as err:
                 raise StartupError(f"cannot create the socket folder {folder}: "
                                    f"{err.strerror or err}") from err
         if self.attestation is not None:
-            self.attestation.start()
+            try:
+                self.attestation.start()
+            except OSError as err:
+                raise StartupError(f"cannot serve attestation on {self.attestation.path}: "
+                                   f"{err}") from err
             self._running.append(self.attestation.stop)
         if self.watcher is not None:
             self.watcher.start()
@@ -200,7 +210,7 @@ def build(config: SidecarConfig) -> Sidecar:
                         store=store, attestor=Attestor(),
                         allow_unattested=config.allow_unattested,
                         silent_run_seconds=config.silent_run_seconds,
-                        trainer_uids=config.trainer_uids)
+                        trainer_uids=config.trainer_uids, max_ranks=config.max_ranks)
     enforcer = Enforcer(registry, store, actions, stop_grace_seconds=config.stop_grace_seconds,
                         kill_grace_seconds=config.kill_grace_seconds)
     return Sidecar(registry, actions, config.server, enforcer=enforcer, pager=pager,

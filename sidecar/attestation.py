@@ -32,9 +32,10 @@ from pathlib import Path
 
 import structlog
 
+from deadweight.sidecar.socket_access import grant
+
 log = structlog.get_logger("deadweight.attestation")
 
-SOCKET_MODE = 0o660
 #: Seconds a nonce stays redeemable; a client redeems it within one connect.
 NONCE_TTL_SECONDS = 120.0
 #: Unredeemed nonces kept; a flood of connections evicts the oldest, it cannot grow memory.
@@ -128,6 +129,13 @@ def _pidfd_names(pidfd: int, pid: int) -> bool:
     return False
 
 
+def peer_uid(conn: socket.socket) -> int:
+    """The connecting process's uid as the kernel reports it (one getsockopt)."""
+    _, uid, _ = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                              _UCRED.size))
+    return int(uid)
+
+
 def peer_identity(conn: socket.socket) -> ProcessIdentity | None:
     """The connecting process as the kernel reports it (None when not visible here, or when
     its pid no longer names it by the time /proc was read)."""
@@ -195,8 +203,15 @@ class AttestationServer:
     """The ``<socket>.attest`` listener: one short exchange per connection, several threads."""
 
     def __init__(self, path: str | Path, attestor: Attestor,
-                 threads: int = ACCEPT_THREADS) -> None:
+                 threads: int = ACCEPT_THREADS, group: int | None = None,
+                 allowed_uids: frozenset[int] = frozenset()) -> None:
         self.path = Path(path)
+        self.group = group
+        #: When known (the trainer uids), a connection of any other uid is closed at once:
+        #: no /proc read, no pidfd, no nonce, so a flood of other uids costs one getsockopt.
+        self.allowed_uids = allowed_uids
+        #: Connections closed because their uid may not report.
+        self.refused_uid = 0
         self.attestor = attestor
         self.threads = threads
         self._sock: socket.socket | None = None
@@ -217,7 +232,11 @@ class AttestationServer:
             sock.bind(str(self.path))
         finally:
             os.umask(old_umask)
-        os.chmod(self.path, SOCKET_MODE)
+        try:
+            grant(self.path, self.group)
+        except OSError:
+            sock.close()
+            raise
         sock.listen(socket.SOMAXCONN)
         sock.settimeout(0.2)
         return sock
@@ -269,6 +288,9 @@ class AttestationServer:
                     self.failed += 1  # turn one line per connection into a disk filler)
 
     def _answer(self, conn: socket.socket) -> None:
+        if self.allowed_uids and peer_uid(conn) not in self.allowed_uids:
+            self.refused_uid += 1
+            return  # closed by the caller, before any work
         conn.settimeout(1.0)
         identity = peer_identity(conn)
         if identity is None:

@@ -114,6 +114,8 @@ class CheckpointInspection:
     is_adapter: bool = False
     adapter_digest: str = ""
     tensor_digests: dict[str, str] = field(default_factory=dict)
+    #: Tensors in the weights file (kept when an old checkpoint drops its digest map).
+    tensor_count: int = 0
     tensor_bytes: int = 0
     #: The PEFT method (``peft_type``) the adapter was saved by, from its config or names.
     method: str = ""
@@ -343,6 +345,7 @@ def inspect_file(path: Path, folder: Path | None = None) -> CheckpointInspection
         is_adapter=is_adapter,
         adapter_digest=combine(digests),
         tensor_digests=digests,
+        tensor_count=len(digests),
         tensor_bytes=sum(t.nbytes for t in tensors),
         method=method.peft_type if is_adapter else "",
         identity=method.describe_identity() if is_adapter else "",

@@ -71,17 +71,21 @@ def _url_pattern(allowed: frozenset[str]) -> Callable[[str], str]:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from deadweight.sidecar import app, logs
+    from deadweight.sidecar import app, logs, signal_capability
     from deadweight.sidecar.server import InsecureTransport, check_transport
     from deadweight.sidecar.state_db import StateDirUnsafe
 
     logs.configure(args.log_level)
+    # Before any thread exists: capabilities are per thread, later threads inherit them.
+    capability = signal_capability.raise_kill()
     try:
         config = _sidecar_config(args)
         check_transport(config.server)
     except (InsecureTransport, OSError) as err:
         print(f"deadweight serve: {err}", file=sys.stderr)
         return 2
+    signal_capability.announce(capability, config.trainer_uids,
+                               "--trainer-uid" if args.trainer_uid else "default")
     try:
         sidecar = app.build(config)
     except (StateDirUnsafe, OSError) as err:
@@ -114,11 +118,21 @@ def _sidecar_config(args: argparse.Namespace) -> SidecarConfig:
         alertmanager_url=args.alertmanager_url, runbook_url_pattern=args.runbook_url_pattern,
         dashboard_url_pattern=args.dashboard_url_pattern,
         dry_run=args.dry_run, policies=dict(args.policy or []), settings=_settings(args.setting),
-        max_runs=args.max_runs, run_ttl_seconds=args.run_ttl_seconds,
+        max_runs=args.max_runs, max_ranks=args.max_ranks,
+        run_ttl_seconds=args.run_ttl_seconds,
         stop_grace_seconds=args.stop_grace_seconds, kill_grace_seconds=args.kill_grace_seconds,
         allow_unattested=args.allow_unattested, silent_run_seconds=args.silent_run_seconds,
-        trainer_uids=tuple(args.trainer_uid or ()),
+        trainer_uids=tuple(args.trainer_uid or default_trainer_uids()),
     )
+
+
+def default_trainer_uids() -> tuple[int, ...]:
+    """Without --trainer-uid: the sidecar's own uid, and root (which could stop or trace the
+    sidecar anyway, so admitting it opens nothing). Another uid that merely reaches the
+    socket (its group) cannot report, pre-register or squat a run id."""
+    import os
+
+    return tuple(sorted({os.geteuid(), 0}))
 
 
 def _server_config(args: argparse.Namespace) -> ServerConfig:
@@ -137,6 +151,7 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         tls_key=Path(args.tls_key).read_bytes() if args.tls_key else None,
         insecure=args.insecure,
         watch_roots=tuple(args.watch_root or ()),
+        socket_group=args.socket_group,
     )
 
 
@@ -266,7 +281,12 @@ def build_parser(*more_commands: Callable[[Commands], None]) -> argparse.Argumen
                        "attest (logged at start and exported as deadweight_unattested_allowed)")
     serve.add_argument("--trainer-uid", action="append", type=int, default=None,
                        metavar="UID", help="only attested processes of this uid may report "
-                       "runs (repeatable; default: any uid that can reach the socket)")
+                       "runs (repeatable; default: the sidecar's own uid and root, so another "
+                       "uid that can reach the socket cannot report)")
+    serve.add_argument("--socket-group", type=int, default=None, metavar="GID",
+                       help="hand the unix sockets (mode 0660) to this group, one the sidecar "
+                       "and the trainer share, when they run as different uids (default: the "
+                       "sidecar's group, or the folder's when it is setgid)")
     serve.add_argument("--silent-run-seconds", type=float, default=3600.0, metavar="SECONDS",
                        help="end a live run that sent nothing for this long (default 3600)")
     serve.add_argument("--watch-root", action="append", default=None, metavar="DIR",
@@ -289,6 +309,10 @@ def build_parser(*more_commands: Callable[[Commands], None]) -> argparse.Argumen
                        "(default %(default)s)")
     serve.add_argument("--max-runs", type=int, default=1000,
                        help="most runs tracked at once; the oldest ended run makes room "
+                       "(default %(default)s)")
+    serve.add_argument("--max-ranks", type=int, default=4096,
+                       help="most ranks held across all runs (each keeps a window of steps); "
+                       "a rank beyond it is refused, after ended runs make room "
                        "(default %(default)s)")
     serve.add_argument("--setting", action="append", type=_setting, metavar="NAME=VALUE",
                        help="override a detector threshold or window, e.g. stalled_seconds=600 "

@@ -317,6 +317,14 @@ class Enforcer:
                 esc.delivered += 1
             elif result != "dry_run":
                 target.finished = True
+            if result == "permission_denied":
+                # The kernel refused (EPERM): another uid, and no CAP_KILL. The run goes on;
+                # journaled and counted like every result, and said plainly here.
+                log.error("signal_permission_denied", run_id=esc.run_id, rank=target.rank,
+                          pid=target.identity.pid, target_uid=target.identity.uid,
+                          signal=action, sidecar_uid=os.geteuid(),
+                          note="the sidecar runs as another uid than the trainer and lacks "
+                          "CAP_KILL: add the KILL capability, or run both as one uid")
             self.actions.settle(action_id, esc.event(
                 action, result, target, start_time=target.identity.start_time, **detail))
 

@@ -25,11 +25,11 @@ from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 from deadweight.proto import MAX_MESSAGE_BYTES, add_monitor_servicer, pb, pb_grpc
 from deadweight.proto.transport import bearer_matches
 from deadweight.sidecar.registry import Peer, Registry
+from deadweight.sidecar.socket_access import grant
 from deadweight.sidecar.status import STATUS_MAX_BYTES, bounded
 
 log = structlog.get_logger("deadweight.server")
 
-SOCKET_MODE = 0o660
 TICK_SECONDS = 1.0
 
 
@@ -51,6 +51,8 @@ class ServerConfig:
     #: Folders under which client-named checkpoint paths may be read (``--watch-root``);
     #: empty: none is read, every run's output folder is refused with a finding.
     watch_roots: tuple[str, ...] = ()
+    #: The group the unix sockets are handed to (``--socket-group``); None: the sidecar's.
+    socket_group: int | None = None
     #: Allow TCP without TLS and a token (a private test network only).
     insecure: bool = False
     grpc_options: list[tuple[str, int]] = field(
@@ -231,8 +233,9 @@ class SidecarServer:
                 self.grpc_port = server.add_insecure_port(self.config.listen)
         await server.start()
         if self.config.socket_path:
-            os.chmod(self.config.socket_path, SOCKET_MODE)
-            log.info("grpc_listening", socket=self.config.socket_path)
+            grant(self.config.socket_path, self.config.socket_group)
+            log.info("grpc_listening", socket=self.config.socket_path,
+                     group=os.stat(self.config.socket_path).st_gid)
         if self.config.listen:
             log.info("grpc_listening", listen=self.config.listen, port=self.grpc_port)
         self._ready.set()
@@ -266,7 +269,7 @@ class SidecarServer:
         server = self._new_server()
         _listen_unix(server, path)
         await server.start()
-        os.chmod(path, SOCKET_MODE)
+        grant(path, self.config.socket_group)
         self._relisteners.append(server)
 
     def stop(self) -> None:

@@ -8,6 +8,7 @@ cannot grow the sidecar's memory without limit.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import time
@@ -25,6 +26,9 @@ LOG_WINDOW = 256
 MAX_LOG_KEYS = 512
 #: Checkpoints remembered per run.
 CHECKPOINT_WINDOW = 64
+#: Newest checkpoints of a run that keep their per-tensor digest maps (up to 65536 names
+#: each); older ones keep their combined digest, which is all the detectors compare.
+DIGEST_MAPS_KEPT = 1
 #: Adapters kept per optimizer step (a model with more is not a LoRA run this tracks), and
 #: the longest adapter name kept: 1024 groups with 4 kB names per step cost 260 MB in 60 steps.
 MAX_ADAPTERS_PER_STEP = 64
@@ -260,6 +264,11 @@ class RunState:
         """Remember a new checkpoint; the total is a counter, the window is bounded."""
         self.checkpoints.append(point)
         self.checkpoints_total += 1
+        for older in list(self.checkpoints)[:-DIGEST_MAPS_KEPT]:
+            if older.tensor_digests:
+                older.tensor_digests = {}
+            if older.inspection is not None and older.inspection.tensor_digests:
+                older.inspection = dataclasses.replace(older.inspection, tensor_digests={})
 
     def checkpoint(self, path: str) -> CheckpointPoint | None:
         """The remembered checkpoint at path, if any."""

@@ -26,17 +26,22 @@ def kill_sidecar(folder: Path, state: Path, stop_grace: float, kill_grace: float
 
 
 def start_job(tiny: tuple[Path, Path], folder: Path, address: str, run_id: str, mode: str,
+              prefix: list[str] | None = None, env: dict[str, str] | None = None,
               **options: object) -> subprocess.Popen[bytes]:
-    """tests/enforcement_job.py as a child process; its output goes to folder/<run_id>.log."""
+    """tests/enforcement_job.py as a child process; its output goes to folder/<run_id>.log.
+
+    prefix runs it under another command (``setpriv`` for another uid); env replaces the
+    environment."""
     model_dir, adapter_dir = tiny
     folder.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, str(TESTS / "enforcement_job.py"), "--address", address,
+    argv = [*(prefix or []), sys.executable, str(TESTS / "enforcement_job.py"), "--address",
+            address,
             "--run-id", run_id, "--model-dir", str(model_dir), "--adapter-dir",
             str(adapter_dir), "--out", str(folder / run_id), "--mode", mode]
     for key, value in options.items():
         argv += [f"--{key.replace('_', '-')}", str(value)]
     log = (folder / f"{run_id}.log").open("wb")
-    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
 def start_raw_client(socket_path: Path, run_id: str, log_path: Path, attest: bool,

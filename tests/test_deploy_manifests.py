@@ -5,7 +5,8 @@ Prometheus Operator CRD models for PodMonitor and PrometheusRule (generated from
 OpenAPI schemas, checked for a lossless round trip so unknown fields fail too), and the Compose
 Specification schema shipped by check-jsonschema. Each validator is also shown a broken copy,
 so a test cannot pass because the validator accepts anything. The wiring the schemas cannot see
-(same socket path on both sides, same UID, ports, labels, mounts) is checked across files, and
+(same socket path on both sides, the two UIDs and the one capability, ports,
+labels, mounts) is checked across files, and
 the Prometheus and Alertmanager configs go through the real promtool and amtool.
 """
 
@@ -95,15 +96,20 @@ def serve_args(extra: list[str]) -> argparse.Namespace:
 
 
 def test_job_sidecar_args_are_accepted_by_the_cli() -> None:
-    sidecar = container(pod_spec(job()), "deadweight")
+    spec = pod_spec(job())
+    sidecar = container(spec, "deadweight")
     args = serve_args(sidecar.get("args", []))
     assert args.alertmanager_url.startswith("http://")
-    assert args.state_dir == image_state_dir()
-    # Checkpoints are read only under the output mount the trainer writes to.
     mounts = {m["name"]: m["mountPath"] for m in sidecar["volumeMounts"]}
+    # A folder inside the state volume: the volume's own root belongs to root, and the
+    # sidecar refuses a state dir it does not own.
+    assert Path(args.state_dir).parent == Path(mounts["deadweight-state"])
+    assert mounts["deadweight-state"] == image_state_dir()
+    # Checkpoints are read only under the output mount the trainer writes to.
     assert args.watch_root == [mounts["output"]]
-    # Only the pod's uid may report runs.
-    assert args.trainer_uid == [int(pod_spec(job())["securityContext"]["runAsUser"])]
+    # Only the trainer's uid may report runs; the sockets go to the group both share.
+    assert args.trainer_uid == [effective_ids(spec, "trainer")[0]]
+    assert args.socket_group == spec["securityContext"]["fsGroup"]
 
 
 @pytest.mark.parametrize("version", KUBE_VERSIONS)
@@ -157,17 +163,42 @@ def test_job_output_dir_is_read_only_for_the_sidecar_at_the_trainers_path() -> N
     assert any(arg.startswith(out_train["mountPath"] + "/") for arg in trainer["command"])
 
 
-def test_job_state_dir_matches_the_image_and_both_containers_share_one_uid() -> None:
+def effective_ids(spec: dict[str, Any], name: str) -> tuple[int, int]:
+    """(uid, gid) a container runs as: its own securityContext over the pod's."""
+    pod_sc, own = spec["securityContext"], container(spec, name).get("securityContext", {})
+    return (int(own.get("runAsUser", pod_sc["runAsUser"])),
+            int(own.get("runAsGroup", pod_sc["runAsGroup"])))
+
+
+def test_job_sidecar_runs_as_another_uid_and_may_only_signal() -> None:
     spec = pod_spec(job())
-    sidecar = container(spec, "deadweight")
-    assert image_state_dir() in {m["mountPath"] for m in mounts(sidecar).values()}
+    sidecar, trainer = effective_ids(spec, "deadweight"), effective_ids(spec, "trainer")
+    # The trainer can neither signal nor rewrite the sidecar, nor read its journal.
+    assert sidecar[0] != trainer[0]
+    assert 0 not in (sidecar[0], trainer[0], sidecar[1], trainer[1])
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    # The sidecar reaches the trainer's uid through CAP_KILL alone.
+    caps = container(spec, "deadweight")["securityContext"]["capabilities"]
+    assert caps["drop"] == ["ALL"]
+    assert caps["add"] == ["KILL"]
+    trainer_caps = container(spec, "trainer")["securityContext"]["capabilities"]
+    assert trainer_caps["drop"] == ["ALL"] and "add" not in trainer_caps
+    for name in ("deadweight", "trainer"):
+        assert container(spec, name)["securityContext"]["allowPrivilegeEscalation"] is False
+    # Both are in fsGroup, the group the sidecar hands its 0660 sockets to.
+    assert isinstance(spec["securityContext"]["fsGroup"], int)
+    # The image's own user is the trainer's uid: a plain `docker run` shares one uid.
     uid, gid = dockerfile_instruction("USER").split(":")
-    pod_sc = spec["securityContext"]
-    # Same UID for both containers: the sidecar may signal the trainer without extra capability.
-    assert (str(pod_sc["runAsUser"]), str(pod_sc["runAsGroup"])) == (uid, gid)
-    assert not any("runAsUser" in c.get("securityContext", {}) for c in
-                   spec["initContainers"] + spec["containers"])
-    assert str(pod_sc["fsGroup"]) == gid  # the socket (0660) is group-accessible
+    assert (int(uid), int(gid)) == trainer
+
+
+def test_image_interpreter_carries_kill_as_a_permitted_file_capability() -> None:
+    """The image build grants the venv's interpreter cap_kill (see signal_capability)."""
+    runs = [line for line in (ROOT / "Dockerfile").read_text().splitlines()
+            if line.startswith("RUN ") and "signal_capability" in line]
+    entrypoint = json.loads(dockerfile_instruction("ENTRYPOINT"))[0]
+    assert runs == ["RUN /opt/deadweight/bin/python -m deadweight.sidecar.signal_capability "
+                    f"/opt/deadweight/bin/{entrypoint}"]
 
 
 def test_podmonitor_selects_the_job_pods_metrics_port() -> None:

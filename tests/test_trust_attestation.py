@@ -9,7 +9,9 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -155,3 +157,48 @@ def test_a_peer_that_exited_before_it_was_identified_gets_no_identity(tmp_path: 
         conn, _ = server.accept()
         with conn:
             assert peer_identity(conn) is None
+
+
+def _readline(child: subprocess.Popen[str], timeout: float) -> str:
+    """The child's next output line, waited for at most timeout (a hang fails, never blocks)."""
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.append(child.stdout.readline()  # type: ignore[union-attr]
+                                                          .strip()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    assert lines, f"no line from pid {child.pid} within {timeout}s"
+    return lines[0]
+
+
+def test_a_trainer_registers_while_another_uid_floods_the_attest_socket() -> None:
+    """5: processes of another uid (in the socket's group) flood ``.attest`` without end;
+    the sidecar's trainer uids are known (the default: its own and root), so their
+    connections are closed before any work, and a real trainer gets its nonce and registers
+    attested while the flood still runs."""
+    from bench.attest_flood import OTHER_UID, start_flooders, stop_flooders
+
+    folder = Path(tempfile.mkdtemp(prefix="deadweight-flood-", dir="/tmp"))
+    os.chmod(folder, 0o755)  # the flooding uid reaches the socket through its group
+    state = folder / "state"
+    with SidecarProcess(folder / "sidecar", extra_args=["--state-dir", str(state)]) as process:
+        flooders = start_flooders(process.socket_path, 4)
+        trainer = _spawn(REGISTER, str(process.socket_path), "flooded-by-uid")
+        try:
+            assert _readline(trainer, 60) == "attesting"
+            assert _readline(trainer, 60) == "nonce ok"
+            assert all(f.poll() is None for f in flooders)  # registered during the flood
+            # A connection of the flooding uid is closed with no answer at all.
+            probe = subprocess.run(
+                ["setpriv", "--reuid", str(OTHER_UID), "--regid", str(OTHER_UID), "--groups",
+                 "0", sys.executable, "-c",
+                 "import socket,sys; s=socket.socket(socket.AF_UNIX); s.settimeout(30); "
+                 "s.connect(sys.argv[1]); print(repr(s.recv(128)))",
+                 str(attest_path(process.socket_path))],
+                capture_output=True, text=True, timeout=60, cwd="/")
+            assert probe.stdout.strip() == "b''", probe
+        finally:
+            stop_flooders(flooders)
+            _end([trainer])
+        store = Store(state)
+        assert store.bindings("flooded-by-uid")[0].pid == trainer.pid
+        store.close()

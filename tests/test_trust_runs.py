@@ -83,7 +83,10 @@ def _sidecar(folder: Path, *extra: str) -> SidecarProcess:
 
 @pytest.fixture(scope="module")
 def sidecar(shared: Path) -> Iterator[SidecarProcess]:
-    with _sidecar(shared / "open") as process:
+    """A sidecar that admits the second uid too (the harder case: by default only its own
+    uid and root may report)."""
+    with _sidecar(shared / "open", "--trainer-uid", "0", "--trainer-uid",
+                  str(OTHER_UID)) as process:
         yield process
 
 
@@ -241,7 +244,8 @@ def test_a_second_uid_cannot_take_a_live_run_nor_lock_out_the_job_of_a_trainer_u
         squatter = Client(process, "locked", uid=OTHER_UID)
         job = Client(process, "locked")
         try:
-            assert "not a trainer uid" in squatter.do(start={"seq": 1})["error"]
+            # Its .attest connection is closed unanswered: no nonce, so no RunStart.
+            assert "requires attestation" in squatter.do(start={"seq": 1})["error"]
             assert not job.do(start={"seq": 1})["error"]
             answer = job.do(steps=[1, 10], kind="frozen", seq=2)
             assert not answer["error"] and answer["ack"] == 21
@@ -249,6 +253,25 @@ def test_a_second_uid_cannot_take_a_live_run_nor_lock_out_the_job_of_a_trainer_u
         finally:
             squatter.close()
             job.close()
+
+
+def test_by_default_only_the_sidecars_own_uid_may_report(shared: Path) -> None:
+    """9, default: without --trainer-uid a second uid that attests first is refused (it
+    cannot hold the run id), the sidecar's own uid registers, and the startup line says so."""
+    with _sidecar(shared / "default-uids") as process:
+        squatter = Client(process, "default-locked", uid=OTHER_UID)
+        job = Client(process, "default-locked")
+        try:
+            # Its .attest connection is closed unanswered: no nonce, so no RunStart.
+            assert "requires attestation" in squatter.do(start={"seq": 1})["error"]
+            assert not job.do(start={"seq": 1})["error"]
+            assert not job.do(steps=[1, 2], kind="healthy", seq=2)["error"]
+        finally:
+            squatter.close()
+            job.close()
+        log = process.log_path.read_text()
+    assert '"trainer_uids_from": "default"' in log, log
+    assert f'"trainer_uids": [{os.geteuid()}]' in log, log
 
 
 # -- the operator's opt-out, and runs that stop talking ----------------------------------------

@@ -218,7 +218,7 @@ class EmptyAdapter(_InspectedCheckpoint):
                         settings: DetectorSettings) -> Verdict:
         if not ins.weights_file:
             return Verdict(False, step=point.step)
-        tensors = len(ins.tensor_digests)
+        tensors = max(ins.tensor_count, len(ins.tensor_digests))
         if tensors and len(ins.empty_tensors) < tensors:  # AdaLoRA prunes some to rank 0
             return Verdict(False, step=point.step)
         what = "no tensor at all" if not tensors else f"{tensors} tensors without an element"

@@ -90,6 +90,7 @@ class Registry:
         allow_unattested: bool = False,
         silent_run_seconds: float = SILENT_RUN_SECONDS,
         trainer_uids: Iterable[int] = (),
+        max_ranks: int = 4096,
     ) -> None:
         self.actions = actions or LogOnlyActions()
         self.store = store or Store()
@@ -99,7 +100,8 @@ class Registry:
         self.policies = {d.id: d.default_policy for d in self.detectors}
         self.policies.update(policies or {})
         self._lock = threading.RLock()
-        self._table = RunTable(self.store, self.actions.forget, max_runs, ended_ttl_seconds)
+        self._table = RunTable(self.store, self.actions.forget, max_runs, ended_ttl_seconds,
+                               max_ranks)
         self._gate = IdentityGate(self.store, attestor, allow_unattested, trainer_uids)
         self._events = EventApplier(self.store)
         self._lifecycle = FindingLifecycle(self.detectors, self.settings, self.policies,
@@ -135,6 +137,15 @@ class Registry:
         return self._table.max_runs
 
     @property
+    def trainer_uids(self) -> frozenset[int]:
+        """Uids whose attested processes may report (empty: any)."""
+        return self._gate.trainer_uids
+
+    @property
+    def max_ranks(self) -> int:
+        return self._table.max_ranks
+
+    @property
     def ended_ttl_seconds(self) -> float:
         return self._table.ended_ttl_seconds
 
@@ -167,6 +178,7 @@ class Registry:
                     closed = current
                     self._close_incarnation(current)
                     self._table.succeed(current, request.rank)
+                self._table.make_room_for_rank(request.run_id, request.rank)
                 entry = self._admit(request, peer, numbering)
                 if run_start_of(request) is not None or request.run_id not in peer.incarnations:
                     peer.incarnations[request.run_id] = entry.incarnation

@@ -64,10 +64,13 @@ class RunTable:
     """Live and recently ended runs by id, bounded by ``max_runs``."""
 
     def __init__(self, store: Store, forget: Callable[[str], None], max_runs: int,
-                 ended_ttl_seconds: float) -> None:
+                 ended_ttl_seconds: float, max_ranks: int = 4096) -> None:
         self.store = store
         self.forget = forget
         self.max_runs = max_runs
+        #: Ranks held across every run (ended ones too, until they expire): with max_runs,
+        #: what bounds the sidecar's memory (each rank keeps a window of steps).
+        self.max_ranks = max_ranks
         self.ended_ttl_seconds = ended_ttl_seconds
         self._runs: dict[str, RunEntry] = {}
 
@@ -90,6 +93,16 @@ class RunTable:
         self._runs[run_id] = entry
         log.info("run_registered", run_id=run_id, rank=rank)
         return entry
+
+    def make_room_for_rank(self, run_id: str, rank: int) -> None:
+        """Raise CapacityError when a rank new to the run would exceed max_ranks, after
+        forgetting ended runs (oldest first, never this one) to make room."""
+        entry = self._runs.get(run_id)
+        if entry is not None and rank in entry.state.ranks:
+            return
+        while sum(len(e.state.ranks) for e in self._runs.values()) >= self.max_ranks:
+            if not self._evict_oldest_ended(keep=entry):
+                raise CapacityError(f"sidecar already holds {self.max_ranks} ranks")
 
     def succeed(self, old: RunEntry, rank: int) -> RunEntry:
         """A new incarnation of old's run id, started by rank; incident numbers continue."""
@@ -117,9 +130,10 @@ class RunTable:
             if run.ended and now - run.ended_at > self.ended_ttl_seconds:
                 self._expire(run.run_id, "ttl")
 
-    def _evict_oldest_ended(self) -> bool:
-        """Make room for a new run by forgetting the run that ended first, if any ended."""
-        ended = [(e.state.ended_at, run_id) for run_id, e in self._runs.items() if e.state.ended]
+    def _evict_oldest_ended(self, keep: RunEntry | None = None) -> bool:
+        """Make room by forgetting the run that ended first (never keep), if any ended."""
+        ended = [(e.state.ended_at, run_id) for run_id, e in self._runs.items()
+                 if e.state.ended and e is not keep]
         if not ended:
             return False
         _, run_id = min(ended)

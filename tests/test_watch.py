@@ -183,26 +183,32 @@ def test_deepspeed_bf16_master_weights_are_not_low_precision(tmp_path: Path) -> 
     """ZeRO-2 with bf16 on CPU: the engine casts the model to bf16 and the optimizer steps
     fp32 flat partitions (master copies). At lr 1e-4 most elements of the bf16 model copy keep
     their value in any one step (the step is below half a bf16 ULP) while every master element
-    moves and the run trains correctly."""
+    moves and the run trains correctly. Counted on the model's parameters the optimizer holds
+    the dtype was bf16 and ``low_precision_update`` paged this run; counted on the tensors the
+    optimizer really steps it is fp32, and the run stays silent although the condition the
+    detector looks for is there."""
     state = tmp_path / "state"
     with SidecarProcess(tmp_path / "sidecar", extra_args=["--state-dir", str(state)]) as sidecar:
         reports = _run_loop(sidecar, "deepspeed-bf16", "healthy", tmp_path / "run")
         run_id = reports[0]["run_id"]
         findings = _findings(sidecar, run_id, 2, wrapper="deepspeed")
+        live = reports[0]["live_firing"]
+        assert "low_precision_update" in live and set(live.values()) == {0.0}, live
+    assert findings == {}, {k: f.summary for k, f in findings.items()}
     for report in reports:
         assert report["layout"] == "engine" and report["model_dtype"] == "bfloat16"
         assert report["master_dtypes"] == ["float32"]
         # every element of the fp32 masters moves in every step (the few that stay are the
         # zero padding of the rank's flat partition: 3 of 68 elements here)
         assert report["master_unchanged"] and max(report["master_unchanged"]) < 0.05
+        # what the optimizer steps: this rank's fp32 partition (half the 133 elements, padded)
+        dtypes = report["optimizer_params_by_dtype"]
+        assert dtypes.keys() == {"float32"} and 133 / 2 <= dtypes["float32"] <= 133 / 2 + 4
     shares = _module_unchanged(state, run_id)
     assert len(shares) == STEPS
-    # the bf16 head keeps a large share of its elements in most steps: the condition the
-    # detector looks for is there
-    assert max(s["head"] for s in shares) >= 0.25, shares
-    # Today the optimizer's dtypes are counted on the model's parameters it covers: bf16.
-    assert {d for r in reports for d in r["optimizer_params_by_dtype"]} == {"bfloat16"}
-    assert "low_precision_update" in findings, {k: f.summary for k, f in findings.items()}
+    # The exempted condition is there: the bf16 head kept 78-88% of its elements in every
+    # step when measured (the threshold is 25%), the one-element bf16 scale 100%.
+    assert all(s["head"] >= 0.25 for s in shares), shares
 
 
 def test_unmappable_deepspeed_optimizer_is_unknown_not_empty(

@@ -70,21 +70,20 @@ def optimizer_param_ids(optimizer: Any) -> set[int]:
 def stepped_by_dtype(optimizer: Any) -> dict[str, int]:
     """Elements per dtype of the tensors the optimizer updates, as this rank holds them.
 
-    Counted on the optimizer's own param groups, not on the model parameters it covers: a
+    Counted on what the optimizer really steps, not on the model parameters it covers: a
     DeepSpeed ZeRO or bf16/fp16 optimizer steps fp32 flat partitions (master copies) and
     copies them back into the model's bf16 parameters, so small updates add up there even
-    though the model's copy keeps most elements in any one step.
+    though the model's copy keeps most elements in any one step. A dtype held with no element
+    on this rank (an empty partition) is still listed, with 0.
     """
-    groups = getattr(optimizer, "param_groups", None) or []
     by_dtype: dict[str, int] = {}
     seen: set[int] = set()
-    for group in groups:
-        for tensor in group.get("params", []):
-            if not isinstance(tensor, torch.Tensor) or id(tensor) in seen:
-                continue
-            seen.add(id(tensor))
-            key = str(tensor.dtype).removeprefix("torch.")
-            by_dtype[key] = by_dtype.get(key, 0) + layouts.local_view(tensor).numel()
+    for tensor in layouts.stepped_tensors(optimizer):
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        key = str(tensor.dtype).removeprefix("torch.")
+        by_dtype[key] = by_dtype.get(key, 0) + layouts.local_view(tensor).numel()
     return by_dtype
 
 
@@ -241,7 +240,7 @@ def measure(model: torch.nn.Module, optimizer: Any,
         groups=groups,
         outside_optimizer=outside,
         layout=layout.membership,
-        optimizer_params_by_dtype=stepped_by_dtype(layouts.inner_optimizer(optimizer)),
+        optimizer_params_by_dtype=stepped_by_dtype(optimizer),
     )
 
 

@@ -2,8 +2,9 @@
 
 Usage: ``[torchrun --nproc-per-node 2] tests/raw_loop_worker.py LOOP MODE OUT_DIR`` with
 ``DEADWEIGHT_ADDRESS`` set. LOOP is ``single``, ``ddp``, ``fsdp2``, ``fsdp1-orig``,
-``fsdp1-flat``, ``accelerate``, ``deepspeed`` (ZeRO-2), ``deepspeed3`` or ``deepspeed-bf16``
-(ZeRO-2 with bf16 model weights and fp32 master partitions, at a small lr); MODE is
+``fsdp1-flat``, ``accelerate``, ``deepspeed`` (ZeRO-2), ``deepspeed3``, ``deepspeed-bf16`` or
+``deepspeed3-bf16`` (ZeRO-2/3 with bf16 model weights and fp32 master partitions, at a small
+lr); MODE is
 ``healthy`` or ``frozen``:
 
 - replicated loops (single, ddp, accelerate): the backbone is frozen and the head trains;
@@ -16,7 +17,7 @@ Usage: ``[torchrun --nproc-per-node 2] tests/raw_loop_worker.py LOOP MODE OUT_DI
 
 No run id is given: every rank reports under rank 0's. Each rank writes ``rank<N>.json`` with
 what it knows (run id, steps, membership, and for fsdp2 the unsharded reference norm of each
-step's update, gathered with ``full_tensor()``; for deepspeed-bf16 the share of the fp32
+step's update, gathered with ``full_tensor()``; for the bf16 loops the share of the fp32
 master partitions' elements each step left unchanged).
 """
 
@@ -133,17 +134,18 @@ def main(loop: str, mode: str, out: Path) -> int:
         optimizer = torch.optim.AdamW(
             inner.backbone.parameters() if mode == "frozen"
             else [p for p in model.parameters() if p.requires_grad], lr=LR)
-    elif loop in ("single", "ddp", "accelerate", "deepspeed", "deepspeed3", "deepspeed-bf16"):
+    elif loop in ("single", "ddp", "accelerate", "deepspeed", "deepspeed3", "deepspeed-bf16",
+                  "deepspeed3-bf16"):
         model.backbone.requires_grad_(False)
         params = (model.backbone.parameters() if mode == "frozen"
                   else [p for p in model.parameters() if p.requires_grad])
         if loop.startswith("deepspeed"):
             import deepspeed
 
-            bf16 = loop == "deepspeed-bf16"
+            bf16 = loop.endswith("-bf16")
             config: dict[str, Any] = {
                 "train_micro_batch_size_per_gpu": 4,
-                "zero_optimization": {"stage": 3 if loop == "deepspeed3" else 2},
+                "zero_optimization": {"stage": 3 if loop.startswith("deepspeed3") else 2},
                 "optimizer": {"type": "AdamW",
                               "params": {"lr": BF16_LR if bf16 else LR, "torch_adam": True}}}
             if bf16:  # the engine casts the model to bf16; the optimizer steps fp32 copies
@@ -178,7 +180,11 @@ def main(loop: str, mode: str, out: Path) -> int:
         optimizer = stale or torch.optim.AdamW(model.parameters(), lr=LR)
     sharded = loop.startswith("fsdp")
     dtype = next(model.parameters()).dtype
-    masters = [t for g in optimizer.param_groups for t in g["params"]] if engine else []
+    # DeepSpeed's fp32 master partitions, read from its own attributes (ZeRO-3 empties its
+    # inner optimizer's param groups between steps)
+    masters: list[Any] = [] if engine is None else list(
+        getattr(optimizer, "single_partition_of_fp32_groups", None)
+        or optimizer.fp32_partitioned_groups_flat)
     master_unchanged: list[float] = []
     metrics_url = os.environ["DEADWEIGHT_TEST_METRICS"]
     firing: dict[str, float] = {}

@@ -2,9 +2,9 @@
 
 Usage: ``[torchrun --nproc-per-node 2] tests/raw_loop_worker.py LOOP MODE OUT_DIR`` with
 ``DEADWEIGHT_ADDRESS`` set. LOOP is ``single``, ``ddp``, ``fsdp2``, ``fsdp1-orig``,
-``fsdp1-flat``, ``accelerate``, ``deepspeed`` (ZeRO-2), ``deepspeed3``, ``deepspeed-bf16`` or
-``deepspeed3-bf16`` (ZeRO-2/3 with bf16 model weights and fp32 master partitions, at a small
-lr); MODE is
+``fsdp1-flat``, ``accelerate``, ``deepspeed`` (ZeRO-2), ``deepspeed3``, or ``deepspeed-bf16``,
+``deepspeed3-bf16``, ``deepspeed0-bf16`` (ZeRO-2, ZeRO-3, no ZeRO, with bf16 model weights and
+fp32 master copies, at a small lr); MODE is
 ``healthy`` or ``frozen``:
 
 - replicated loops (single, ddp, accelerate): the backbone is frozen and the head trains;
@@ -107,6 +107,18 @@ def _full(model: Any) -> list[Any]:
     return [p.full_tensor().detach().double().clone() for p in model.parameters()]
 
 
+def _masters(optimizer: Any) -> list[Any]:
+    """DeepSpeed's fp32 master copies, read from its own attributes (ZeRO-1/2, ZeRO-3, the
+    unfused stage-0 optimizer); ZeRO-3 empties its inner optimizer's param groups between
+    steps, so those cannot be read instead."""
+    for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat",
+                 "fp32_groups"):
+        groups = getattr(optimizer, attr, None)
+        if groups:
+            return [t for g in groups for t in (g if isinstance(g, list) else [g])]
+    raise AttributeError(f"no fp32 master copies found on {type(optimizer).__name__}")
+
+
 def main(loop: str, mode: str, out: Path) -> int:
     import torch
     import torch.distributed as dist
@@ -135,7 +147,7 @@ def main(loop: str, mode: str, out: Path) -> int:
             inner.backbone.parameters() if mode == "frozen"
             else [p for p in model.parameters() if p.requires_grad], lr=LR)
     elif loop in ("single", "ddp", "accelerate", "deepspeed", "deepspeed3", "deepspeed-bf16",
-                  "deepspeed3-bf16"):
+                  "deepspeed3-bf16", "deepspeed0-bf16"):
         model.backbone.requires_grad_(False)
         params = (model.backbone.parameters() if mode == "frozen"
                   else [p for p in model.parameters() if p.requires_grad])
@@ -145,7 +157,8 @@ def main(loop: str, mode: str, out: Path) -> int:
             bf16 = loop.endswith("-bf16")
             config: dict[str, Any] = {
                 "train_micro_batch_size_per_gpu": 4,
-                "zero_optimization": {"stage": 3 if loop.startswith("deepspeed3") else 2},
+                "zero_optimization": {"stage": 3 if loop.startswith("deepspeed3")
+                                      else 0 if loop.startswith("deepspeed0") else 2},
                 "optimizer": {"type": "AdamW",
                               "params": {"lr": BF16_LR if bf16 else LR, "torch_adam": True}}}
             if bf16:  # the engine casts the model to bf16; the optimizer steps fp32 copies
@@ -180,11 +193,7 @@ def main(loop: str, mode: str, out: Path) -> int:
         optimizer = stale or torch.optim.AdamW(model.parameters(), lr=LR)
     sharded = loop.startswith("fsdp")
     dtype = next(model.parameters()).dtype
-    # DeepSpeed's fp32 master partitions, read from its own attributes (ZeRO-3 empties its
-    # inner optimizer's param groups between steps)
-    masters: list[Any] = [] if engine is None else list(
-        getattr(optimizer, "single_partition_of_fp32_groups", None)
-        or optimizer.fp32_partitioned_groups_flat)
+    masters = _masters(optimizer) if engine is not None else []
     master_unchanged: list[float] = []
     metrics_url = os.environ["DEADWEIGHT_TEST_METRICS"]
     firing: dict[str, float] = {}

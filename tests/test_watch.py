@@ -28,7 +28,7 @@ from tests.faults import metric_value
 WORKER = Path(__file__).with_name("raw_loop_worker.py")
 STEPS = 6  # raw_loop_worker.STEPS
 DISTRIBUTED = ("ddp", "fsdp2", "fsdp1-orig", "fsdp1-flat", "deepspeed", "deepspeed3",
-               "deepspeed-bf16", "deepspeed3-bf16")
+               "deepspeed-bf16", "deepspeed3-bf16", "deepspeed0-bf16")
 
 
 def _run_loop(sidecar: SidecarProcess, loop: str, mode: str, out: Path) -> list[dict[str, Any]]:
@@ -179,18 +179,19 @@ def _module_unchanged(state: Path, run_id: str) -> list[dict[str, float]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [0, 2, 3])
 def test_deepspeed_bf16_master_weights_are_not_low_precision(stage: int, tmp_path: Path) -> None:
-    """ZeRO-2/3 with bf16 on CPU: the engine casts the model to bf16 and the optimizer steps
-    fp32 flat partitions (master copies). At lr 1e-4 most elements of the bf16 model copy keep
-    their value in any one step (the step is below half a bf16 ULP) while every master element
-    moves and the run trains correctly. Counted on the model's parameters the optimizer holds
-    the dtype was bf16 and ``low_precision_update`` paged this run; counted on the tensors the
+    """DeepSpeed with bf16 on CPU (no ZeRO, ZeRO-2, ZeRO-3): the engine casts the model to
+    bf16 and the optimizer steps fp32 copies (master weights; flat partitions under ZeRO). At
+    lr 1e-4 most elements of the bf16 model copy keep their value in any one step (the step is
+    below half a bf16 ULP) while every master element moves and the run trains correctly.
+    Counted on the model's parameters the optimizer covers the dtype was bf16 and
+    ``low_precision_update`` paged this run (at every stage); counted on the tensors the
     optimizer really steps it is fp32, and the run stays silent although the condition the
     detector looks for is there."""
     state = tmp_path / "state"
     with SidecarProcess(tmp_path / "sidecar", extra_args=["--state-dir", str(state)]) as sidecar:
-        loop = "deepspeed-bf16" if stage == 2 else "deepspeed3-bf16"
+        loop = "deepspeed-bf16" if stage == 2 else f"deepspeed{stage}-bf16"
         reports = _run_loop(sidecar, loop, "healthy", tmp_path / "run")
         run_id = reports[0]["run_id"]
         findings = _findings(sidecar, run_id, 2, wrapper="deepspeed")
@@ -203,10 +204,15 @@ def test_deepspeed_bf16_master_weights_are_not_low_precision(stage: int, tmp_pat
         # every element of the fp32 masters moves in every step (the few that stay are the
         # zero padding of the rank's flat partition: 3 of 68 elements on one ZeRO-2 rank)
         assert report["master_unchanged"] and max(report["master_unchanged"]) < 0.05
-        # what the optimizer steps: this rank's fp32 partition (half the 133 elements, padded:
-        # 68 under ZeRO-2, 67 under ZeRO-3 as measured)
+        # what the optimizer steps: fp32 copies of the 133 trained elements, whole without
+        # ZeRO, else this rank's partition (half of them, padded: 68 under ZeRO-2, 67 under
+        # ZeRO-3 as measured)
         dtypes = report["optimizer_params_by_dtype"]
-        assert dtypes.keys() == {"float32"} and 133 / 2 <= dtypes["float32"] <= 133 / 2 + 4
+        assert dtypes.keys() == {"float32"}, dtypes
+        if stage == 0:
+            assert dtypes["float32"] == 133
+        else:
+            assert 133 / 2 <= dtypes["float32"] <= 70, dtypes
     shares = _module_unchanged(state, run_id)
     assert len(shares) == STEPS
     # The exempted condition is there: the bf16 head kept 70-89% of its elements in every

@@ -4,7 +4,8 @@ Usage: ``[torchrun --nproc-per-node 2] tests/raw_loop_worker.py LOOP MODE OUT_DI
 ``DEADWEIGHT_ADDRESS`` set. LOOP is ``single``, ``ddp``, ``fsdp2``, ``fsdp1-orig``,
 ``fsdp1-flat``, ``accelerate``, ``deepspeed`` (ZeRO-2), ``deepspeed3``, or ``deepspeed-bf16``,
 ``deepspeed3-bf16``, ``deepspeed0-bf16`` (ZeRO-2, ZeRO-3, no ZeRO, with bf16 model weights and
-fp32 master copies, at a small lr); MODE is
+fp32 master copies, at a small lr), ``deepspeed-bf16-nomaster`` (the same ZeRO-2 run with
+DeepSpeed's bf16 master weights and optimizer states: no fp32 copy anywhere); MODE is
 ``healthy`` or ``frozen``:
 
 - replicated loops (single, ddp, accelerate): the backbone is frozen and the head trains;
@@ -17,7 +18,7 @@ fp32 master copies, at a small lr); MODE is
 
 No run id is given: every rank reports under rank 0's. Each rank writes ``rank<N>.json`` with
 what it knows (run id, steps, membership, and for fsdp2 the unsharded reference norm of each
-step's update, gathered with ``full_tensor()``; for the bf16 loops the share of the fp32
+step's update, gathered with ``full_tensor()``; for the bf16 loops the share of the
 master partitions' elements each step left unchanged).
 """
 
@@ -108,15 +109,15 @@ def _full(model: Any) -> list[Any]:
 
 
 def _masters(optimizer: Any) -> list[Any]:
-    """DeepSpeed's fp32 master copies, read from its own attributes (ZeRO-1/2, ZeRO-3, the
-    unfused stage-0 optimizer); ZeRO-3 empties its inner optimizer's param groups between
-    steps, so those cannot be read instead."""
+    """DeepSpeed's master copies (fp32 unless configured otherwise), read from its own
+    attributes (ZeRO-1/2, ZeRO-3, the unfused stage-0 optimizer); ZeRO-3 empties its inner
+    optimizer's param groups between steps, so those cannot be read instead."""
     for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat",
                  "fp32_groups"):
         groups = getattr(optimizer, attr, None)
         if groups:
             return [t for g in groups for t in (g if isinstance(g, list) else [g])]
-    raise AttributeError(f"no fp32 master copies found on {type(optimizer).__name__}")
+    raise AttributeError(f"no master copies found on {type(optimizer).__name__}")
 
 
 def main(loop: str, mode: str, out: Path) -> int:
@@ -147,14 +148,14 @@ def main(loop: str, mode: str, out: Path) -> int:
             inner.backbone.parameters() if mode == "frozen"
             else [p for p in model.parameters() if p.requires_grad], lr=LR)
     elif loop in ("single", "ddp", "accelerate", "deepspeed", "deepspeed3", "deepspeed-bf16",
-                  "deepspeed3-bf16", "deepspeed0-bf16"):
+                  "deepspeed3-bf16", "deepspeed0-bf16", "deepspeed-bf16-nomaster"):
         model.backbone.requires_grad_(False)
         params = (model.backbone.parameters() if mode == "frozen"
                   else [p for p in model.parameters() if p.requires_grad])
         if loop.startswith("deepspeed"):
             import deepspeed
 
-            bf16 = loop.endswith("-bf16")
+            bf16 = "-bf16" in loop
             config: dict[str, Any] = {
                 "train_micro_batch_size_per_gpu": 4,
                 "zero_optimization": {"stage": 3 if loop.startswith("deepspeed3")
@@ -163,6 +164,9 @@ def main(loop: str, mode: str, out: Path) -> int:
                               "params": {"lr": BF16_LR if bf16 else LR, "torch_adam": True}}}
             if bf16:  # the engine casts the model to bf16; the optimizer steps fp32 copies
                 config["bf16"] = {"enabled": True}
+            if loop.endswith("-nomaster"):  # the optimizer steps bf16 partitions instead
+                config["bf16"] |= {"bf16_master_weights_and_grads": True,
+                                   "bf16_optimizer_states": True}
             deepspeed.init_distributed(dist_backend="gloo")
             # Only healthy: both frozen setups tried here fail loudly under ZeRO-2 (an
             # optimizer without trainable parameters at initialize, a head swapped after it).

@@ -28,7 +28,7 @@ from tests.faults import metric_value
 WORKER = Path(__file__).with_name("raw_loop_worker.py")
 STEPS = 6  # raw_loop_worker.STEPS
 DISTRIBUTED = ("ddp", "fsdp2", "fsdp1-orig", "fsdp1-flat", "deepspeed", "deepspeed3",
-               "deepspeed-bf16", "deepspeed3-bf16", "deepspeed0-bf16")
+               "deepspeed-bf16", "deepspeed3-bf16", "deepspeed0-bf16", "deepspeed-bf16-nomaster")
 
 
 def _run_loop(sidecar: SidecarProcess, loop: str, mode: str, out: Path) -> list[dict[str, Any]]:
@@ -218,6 +218,30 @@ def test_deepspeed_bf16_master_weights_are_not_low_precision(stage: int, tmp_pat
     # The exempted condition is there: the bf16 head kept 70-89% of its elements in every
     # step when measured (the threshold is 25%), the one-element bf16 scale 100%.
     assert all(s["head"] >= 0.25 for s in shares), shares
+
+
+@pytest.mark.slow
+def test_deepspeed_bf16_without_master_weights_is_low_precision(
+    sidecar: SidecarProcess, tmp_path: Path
+) -> None:
+    """The failing twin: the same ZeRO-2 bf16 run with DeepSpeed's
+    ``bf16_master_weights_and_grads`` and ``bf16_optimizer_states`` steps bf16 partitions, so
+    no copy keeps the updates below half a bf16 ULP and most of the head never moves."""
+    reports = _run_loop(sidecar, "deepspeed-bf16-nomaster", "healthy", tmp_path)
+    for report in reports:
+        assert report["layout"] == "engine" and report["master_dtypes"] == ["bfloat16"]
+        assert report["optimizer_params_by_dtype"].keys() == {"bfloat16"}
+        # the masters themselves keep most of their elements now
+        assert min(report["master_unchanged"]) >= 0.25, report["master_unchanged"]
+    findings = _findings(sidecar, reports[0]["run_id"], 2, wrapper="deepspeed")
+    low = findings["low_precision_update"]
+    assert low.evidence["dtype"] == "bfloat16" and low.step == 3
+    assert low.evidence["optimizer_dtypes"].startswith("bfloat16=")
+    assert float(low.evidence["unchanged_fraction"]) >= 0.25
+    shares = dict(kv.split("=") for kv in low.evidence["unchanged_by_kind"].split(", "))
+    assert float(shares["head"].rstrip("%")) >= 25, shares  # 96% when measured, not just scale
+    assert "frozen_weights" not in findings  # the head still moves a little every step
+    assert reports[0]["live_firing"].get("low_precision_update") == 1.0  # while it ran
 
 
 def test_unmappable_deepspeed_optimizer_is_unknown_not_empty(

@@ -123,6 +123,39 @@ def _engine_params(optimizer: Any) -> frozenset[int] | None:
     return None
 
 
+#: Where DeepSpeed's optimizers keep the tensors they really step (the master copies of the
+#: model's bf16/fp16 parameters, fp32 unless configured otherwise): ZeRO-3, ZeRO-1/2, the
+#: bf16 optimizer, the fused and the unfused fp16 optimizers. ZeRO-3 empties its inner
+#: optimizer's param groups between steps, so those groups cannot be read instead.
+_MASTER_ATTRS = ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups",
+                 "fp32_groups_flat_partition", "fp32_groups_flat", "fp32_groups")
+
+
+def _tensors(groups: Any) -> list[torch.Tensor]:
+    """The tensors of a list of tensors or of a list of lists of tensors."""
+    found: list[torch.Tensor] = []
+    for item in groups:
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif isinstance(item, list | tuple):
+            found += [t for t in item if isinstance(t, torch.Tensor)]
+    return found
+
+
+def stepped_tensors(optimizer: Any) -> list[torch.Tensor]:
+    """The tensors the optimizer really updates: a DeepSpeed optimizer's master copies (its
+    fp32 partitions, none of the model's parameters), else the tensors in its param groups."""
+    inner = inner_optimizer(optimizer)
+    if inner is not None and is_deepspeed(inner):
+        for attr in _MASTER_ATTRS:
+            groups = getattr(inner, attr, None)
+            if isinstance(groups, list | tuple) and (masters := _tensors(groups)):
+                return masters
+    groups = getattr(inner, "param_groups", None) or []
+    return [t for group in groups for t in group.get("params", [])
+            if isinstance(t, torch.Tensor)]
+
+
 def recognise(model: Any, optimizer: Any) -> Layout:
     """The layout of model and optimizer as they are now (call it after wrapping)."""
     inner = inner_optimizer(optimizer)

@@ -53,7 +53,8 @@ class Membership:
     outside_optimizer: list[torch.nn.Parameter] = field(default_factory=list)
     #: How membership was decided: ``layout.IDENTITY``, ``FLAT``, ``ENGINE`` or ``UNKNOWN``.
     layout: str = layouts.IDENTITY
-    #: Elements the optimizer updates, per dtype: bf16/fp16 weights without an fp32 master
+    #: Elements of the tensors the optimizer really steps, per dtype (under DeepSpeed its fp32
+    #: partitions, not the model's bf16 parameters): bf16/fp16 weights without an fp32 master
     #: copy lose every update smaller than half a unit in the last place.
     optimizer_params_by_dtype: dict[str, int] = field(default_factory=dict)
 
@@ -64,6 +65,26 @@ def optimizer_param_ids(optimizer: Any) -> set[int]:
         return set()
     groups = getattr(optimizer, "param_groups", None) or []
     return {id(p) for group in groups for p in group.get("params", [])}
+
+
+def stepped_by_dtype(optimizer: Any) -> dict[str, int]:
+    """Elements per dtype of the tensors the optimizer updates, as this rank holds them.
+
+    Counted on what the optimizer really steps, not on the model parameters it covers: a
+    DeepSpeed ZeRO or bf16/fp16 optimizer steps fp32 flat partitions (master copies) and
+    copies them back into the model's bf16 parameters, so small updates add up there even
+    though the model's copy keeps most elements in any one step. A dtype held with no element
+    on this rank (an empty partition) is still listed, with 0.
+    """
+    by_dtype: dict[str, int] = {}
+    seen: set[int] = set()
+    for tensor in layouts.stepped_tensors(optimizer):
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        key = str(tensor.dtype).removeprefix("torch.")
+        by_dtype[key] = by_dtype.get(key, 0) + layouts.local_view(tensor).numel()
+    return by_dtype
 
 
 def adapter_names(model: Any) -> list[str]:
@@ -205,10 +226,6 @@ def measure(model: torch.nn.Module, optimizer: Any,
     ]
     held_params = [p for _, p in model.named_parameters() if id(p) in in_optimizer]
     held = {id(p): layouts.local_view(p).numel() for p in held_params}
-    by_dtype: dict[str, int] = {}
-    for p in held_params:
-        key = str(p.dtype).removeprefix("torch.")
-        by_dtype[key] = by_dtype.get(key, 0) + held[id(p)]
     return Membership(
         optimizer_tensors=0 if unknown else len(in_optimizer),
         optimizer_params=sum(held.values()),
@@ -223,7 +240,7 @@ def measure(model: torch.nn.Module, optimizer: Any,
         groups=groups,
         outside_optimizer=outside,
         layout=layout.membership,
-        optimizer_params_by_dtype=by_dtype,
+        optimizer_params_by_dtype=stepped_by_dtype(optimizer),
     )
 
 

@@ -2,7 +2,10 @@
 
 Usage: ``[torchrun --nproc-per-node 2] tests/raw_loop_worker.py LOOP MODE OUT_DIR`` with
 ``DEADWEIGHT_ADDRESS`` set. LOOP is ``single``, ``ddp``, ``fsdp2``, ``fsdp1-orig``,
-``fsdp1-flat``, ``accelerate``, ``deepspeed`` (ZeRO-2) or ``deepspeed3``; MODE is
+``fsdp1-flat``, ``accelerate``, ``deepspeed`` (ZeRO-2), ``deepspeed3``, or ``deepspeed-bf16``,
+``deepspeed3-bf16``, ``deepspeed0-bf16`` (ZeRO-2, ZeRO-3, no ZeRO, with bf16 model weights and
+fp32 master copies, at a small lr), ``deepspeed-bf16-nomaster`` (the same ZeRO-2 run with
+DeepSpeed's bf16 master weights and optimizer states: no fp32 copy anywhere); MODE is
 ``healthy`` or ``frozen``:
 
 - replicated loops (single, ddp, accelerate): the backbone is frozen and the head trains;
@@ -15,7 +18,8 @@ Usage: ``[torchrun --nproc-per-node 2] tests/raw_loop_worker.py LOOP MODE OUT_DI
 
 No run id is given: every rank reports under rank 0's. Each rank writes ``rank<N>.json`` with
 what it knows (run id, steps, membership, and for fsdp2 the unsharded reference norm of each
-step's update, gathered with ``full_tensor()``).
+step's update, gathered with ``full_tensor()``; for the bf16 loops the share of the
+master partitions' elements each step left unchanged).
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 STEPS = 6
 LR = 1e-2
+#: Small enough that most bf16 elements of the model copy keep their value in one step (the
+#: update is below half a bf16 ULP) while the fp32 master partitions move every element.
+BF16_LR = 1e-4
 
 
 def _net() -> Any:
@@ -101,6 +108,18 @@ def _full(model: Any) -> list[Any]:
     return [p.full_tensor().detach().double().clone() for p in model.parameters()]
 
 
+def _masters(optimizer: Any) -> list[Any]:
+    """DeepSpeed's master copies (fp32 unless configured otherwise), read from its own
+    attributes (ZeRO-1/2, ZeRO-3, the unfused stage-0 optimizer); ZeRO-3 empties its inner
+    optimizer's param groups between steps, so those cannot be read instead."""
+    for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat",
+                 "fp32_groups"):
+        groups = getattr(optimizer, attr, None)
+        if groups:
+            return [t for g in groups for t in (g if isinstance(g, list) else [g])]
+    raise AttributeError(f"no master copies found on {type(optimizer).__name__}")
+
+
 def main(loop: str, mode: str, out: Path) -> int:
     import torch
     import torch.distributed as dist
@@ -128,17 +147,26 @@ def main(loop: str, mode: str, out: Path) -> int:
         optimizer = torch.optim.AdamW(
             inner.backbone.parameters() if mode == "frozen"
             else [p for p in model.parameters() if p.requires_grad], lr=LR)
-    elif loop in ("single", "ddp", "accelerate", "deepspeed", "deepspeed3"):
+    elif loop in ("single", "ddp", "accelerate", "deepspeed", "deepspeed3", "deepspeed-bf16",
+                  "deepspeed3-bf16", "deepspeed0-bf16", "deepspeed-bf16-nomaster"):
         model.backbone.requires_grad_(False)
         params = (model.backbone.parameters() if mode == "frozen"
                   else [p for p in model.parameters() if p.requires_grad])
         if loop.startswith("deepspeed"):
             import deepspeed
 
-            config = {"train_micro_batch_size_per_gpu": 4,
-                      "zero_optimization": {"stage": 3 if loop == "deepspeed3" else 2},
-                      "optimizer": {"type": "AdamW",
-                                    "params": {"lr": LR, "torch_adam": True}}}
+            bf16 = "-bf16" in loop
+            config: dict[str, Any] = {
+                "train_micro_batch_size_per_gpu": 4,
+                "zero_optimization": {"stage": 3 if loop.startswith("deepspeed3")
+                                      else 0 if loop.startswith("deepspeed0") else 2},
+                "optimizer": {"type": "AdamW",
+                              "params": {"lr": BF16_LR if bf16 else LR, "torch_adam": True}}}
+            if bf16:  # the engine casts the model to bf16; the optimizer steps fp32 copies
+                config["bf16"] = {"enabled": True}
+            if loop.endswith("-nomaster"):  # the optimizer steps bf16 partitions instead
+                config["bf16"] |= {"bf16_master_weights_and_grads": True,
+                                   "bf16_optimizer_states": True}
             deepspeed.init_distributed(dist_backend="gloo")
             # Only healthy: both frozen setups tried here fail loudly under ZeRO-2 (an
             # optimizer without trainable parameters at initialize, a head swapped after it).
@@ -168,11 +196,14 @@ def main(loop: str, mode: str, out: Path) -> int:
                                              device_id=torch.device("cpu"))
         optimizer = stale or torch.optim.AdamW(model.parameters(), lr=LR)
     sharded = loop.startswith("fsdp")
+    dtype = next(model.parameters()).dtype
+    masters = _masters(optimizer) if engine is not None else []
+    master_unchanged: list[float] = []
     metrics_url = os.environ["DEADWEIGHT_TEST_METRICS"]
     firing: dict[str, float] = {}
     with deadweight.watch(model, optimizer) as monitor:
         for step, (x, y) in enumerate(batches, start=1):
-            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss = torch.nn.functional.mse_loss(model(x.to(dtype)), y.to(dtype))
             if engine is not None:
                 engine.backward(loss)
             elif accelerator is not None:
@@ -182,7 +213,11 @@ def main(loop: str, mode: str, out: Path) -> int:
             grad_norm = _grad_norm(model, sharded) if engine is None else 0.0
             before = _full(model) if loop == "fsdp2" else []
             if engine is not None:
+                old = [t.detach().clone() for t in masters]
                 engine.step()
+                master_unchanged.append(
+                    sum(int((t == o).sum()) for t, o in zip(masters, old, strict=True))
+                    / max(sum(t.numel() for t in masters), 1))
                 grad_norm = float(engine.get_global_grad_norm() or 0.0)
             else:
                 optimizer.step()
@@ -206,6 +241,11 @@ def main(loop: str, mode: str, out: Path) -> int:
             "watched_names": membership.watched_names if membership else [],
             "optimizer_params": membership.optimizer_params if membership else -1,
             "trainable_params": membership.trainable_params if membership else -1,
+            "optimizer_params_by_dtype":
+                membership.optimizer_params_by_dtype if membership else {},
+            "model_dtype": str(dtype).removeprefix("torch."),
+            "master_dtypes": sorted({str(t.dtype).removeprefix("torch.") for t in masters}),
+            "master_unchanged": master_unchanged,
             "dropped": monitor.client.dropped if monitor.client else -1,
             "live_firing": firing,
         }

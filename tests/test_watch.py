@@ -27,7 +27,8 @@ from tests.faults import metric_value
 
 WORKER = Path(__file__).with_name("raw_loop_worker.py")
 STEPS = 6  # raw_loop_worker.STEPS
-DISTRIBUTED = ("ddp", "fsdp2", "fsdp1-orig", "fsdp1-flat", "deepspeed", "deepspeed3")
+DISTRIBUTED = ("ddp", "fsdp2", "fsdp1-orig", "fsdp1-flat", "deepspeed", "deepspeed3",
+               "deepspeed-bf16", "deepspeed3-bf16", "deepspeed0-bf16", "deepspeed-bf16-nomaster")
 
 
 def _run_loop(sidecar: SidecarProcess, loop: str, mode: str, out: Path) -> list[dict[str, Any]]:
@@ -157,6 +158,90 @@ def test_deepspeed_loop_is_not_an_empty_optimizer(stage: int, sidecar: SidecarPr
         total = sum(r["optimizer_params"] for r in reports)
         assert trained <= total <= trained + 3, total
     _check(sidecar, "deepspeed", "healthy", reports)
+
+
+def _module_unchanged(state: Path, run_id: str) -> list[dict[str, float]]:
+    """Per step, the share of each module kind's elements the step left unchanged, as the
+    sidecar recorded it (its per-step history in the state database)."""
+    from deadweight.sidecar.store import Store
+
+    store = Store(state)
+    try:
+        rows = store.history(run_id, "step")
+    finally:
+        store.close()
+    shares = []
+    for _, _, series in rows:
+        kinds = {key.split("/")[1] for key in series if key.startswith("module/")}
+        shares.append({k: series[f"module/{k}/unchanged_elements"] / series[f"module/{k}/elements"]
+                       for k in kinds if series.get(f"module/{k}/elements")})
+    return shares
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_deepspeed_bf16_master_weights_are_not_low_precision(stage: int, tmp_path: Path) -> None:
+    """DeepSpeed with bf16 on CPU (no ZeRO, ZeRO-2, ZeRO-3): the engine casts the model to
+    bf16 and the optimizer steps fp32 copies (master weights; flat partitions under ZeRO). At
+    lr 1e-4 most elements of the bf16 model copy keep their value in any one step (the step is
+    below half a bf16 ULP) while every master element moves and the run trains correctly.
+    Counted on the model's parameters the optimizer covers the dtype was bf16 and
+    ``low_precision_update`` paged this run (at every stage); counted on the tensors the
+    optimizer really steps it is fp32, and the run stays silent although the condition the
+    detector looks for is there."""
+    state = tmp_path / "state"
+    with SidecarProcess(tmp_path / "sidecar", extra_args=["--state-dir", str(state)]) as sidecar:
+        loop = "deepspeed-bf16" if stage == 2 else f"deepspeed{stage}-bf16"
+        reports = _run_loop(sidecar, loop, "healthy", tmp_path / "run")
+        run_id = reports[0]["run_id"]
+        findings = _findings(sidecar, run_id, 2, wrapper="deepspeed")
+        live = reports[0]["live_firing"]
+        assert "low_precision_update" in live and set(live.values()) == {0.0}, live
+    assert findings == {}, {k: f.summary for k, f in findings.items()}
+    for report in reports:
+        assert report["layout"] == "engine" and report["model_dtype"] == "bfloat16"
+        assert report["master_dtypes"] == ["float32"]
+        # every element of the fp32 masters moves in every step (the few that stay are the
+        # zero padding of the rank's flat partition: 3 of 68 elements on one ZeRO-2 rank)
+        assert report["master_unchanged"] and max(report["master_unchanged"]) < 0.05
+        # what the optimizer steps: fp32 copies of the 133 trained elements, whole without
+        # ZeRO, else this rank's partition (half of them, padded: 68 under ZeRO-2, 67 under
+        # ZeRO-3 as measured)
+        dtypes = report["optimizer_params_by_dtype"]
+        assert dtypes.keys() == {"float32"}, dtypes
+        if stage == 0:
+            assert dtypes["float32"] == 133
+        else:
+            assert 133 / 2 <= dtypes["float32"] <= 70, dtypes
+    shares = _module_unchanged(state, run_id)
+    assert len(shares) == STEPS
+    # The exempted condition is there: the bf16 head kept 70-89% of its elements in every
+    # step when measured (the threshold is 25%), the one-element bf16 scale 100%.
+    assert all(s["head"] >= 0.25 for s in shares), shares
+
+
+@pytest.mark.slow
+def test_deepspeed_bf16_without_master_weights_is_low_precision(
+    sidecar: SidecarProcess, tmp_path: Path
+) -> None:
+    """The failing twin: the same ZeRO-2 bf16 run with DeepSpeed's
+    ``bf16_master_weights_and_grads`` and ``bf16_optimizer_states`` steps bf16 partitions, so
+    no copy keeps the updates below half a bf16 ULP and most of the head never moves."""
+    reports = _run_loop(sidecar, "deepspeed-bf16-nomaster", "healthy", tmp_path)
+    for report in reports:
+        assert report["layout"] == "engine" and report["master_dtypes"] == ["bfloat16"]
+        assert report["optimizer_params_by_dtype"].keys() == {"bfloat16"}
+        # the masters themselves keep most of their elements now
+        assert min(report["master_unchanged"]) >= 0.25, report["master_unchanged"]
+    findings = _findings(sidecar, reports[0]["run_id"], 2, wrapper="deepspeed")
+    low = findings["low_precision_update"]
+    assert low.evidence["dtype"] == "bfloat16" and low.step == 3
+    assert low.evidence["optimizer_dtypes"].startswith("bfloat16=")
+    assert float(low.evidence["unchanged_fraction"]) >= 0.25
+    shares = dict(kv.split("=") for kv in low.evidence["unchanged_by_kind"].split(", "))
+    assert float(shares["head"].rstrip("%")) >= 25, shares  # 96% when measured, not just scale
+    assert "frozen_weights" not in findings  # the head still moves a little every step
+    assert reports[0]["live_firing"].get("low_precision_update") == 1.0  # while it ran
 
 
 def test_unmappable_deepspeed_optimizer_is_unknown_not_empty(

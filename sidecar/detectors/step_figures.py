@@ -138,8 +138,10 @@ class LowPrecisionUpdate(SpecDetector):
     would hide among its module's lora_A/B elements. Only steps that should
     move every element count: lr > 0 past the warmup (warmup and lr 0 are ``lora_lr_too_low``'s),
     a gradient that flows (``zero_gradient``'s), something moved (``frozen_weights``'s), not
-    skipped. An optimizer that holds fp32 weights (master copies) at train begin keeps the
-    small updates, so its run is left alone.
+    skipped. An optimizer that steps fp32 tensors (master copies) keeps the small updates, so
+    its run is left alone: the dtypes are those of the tensors the optimizer steps, not of the
+    model's parameters (DeepSpeed with bf16 steps fp32 partitions and copies them back into a
+    bf16 model, which keeps most elements in any one step at a small lr and trains correctly).
     """
 
     spec = DetectorSpec(
@@ -152,7 +154,7 @@ class LowPrecisionUpdate(SpecDetector):
         fires_when="in consecutive optimizer steps at lr > 0 past the warmup, with a gradient "
         "flowing, some bf16/fp16 module kind (`q_proj`, `lm_head`, a DoRA magnitude "
         "`q_proj.lora_magnitude_vector`, ...) kept at least the threshold share of its elements "
-        "bit for bit, and the optimizer holds bf16/fp16 weights",
+        "bit for bit, and the optimizer steps bf16/fp16 tensors (no fp32 master copies)",
         thresholds=(
             Threshold("low_precision_fraction", "ratio",
                       "share of a bf16/fp16 module kind's elements one optimizer step left "
@@ -169,7 +171,8 @@ class LowPrecisionUpdate(SpecDetector):
             return None
         held = dict(run.start.trainable_params_by_dtype) if run.start is not None else {}
         if held and not any(_is_low_precision(d) for d in held):
-            return Verdict(False, step=steps[-1].step)  # fp32 master weights keep the updates
+            # what the optimizer steps is fp32 (master copies): the small updates add up there
+            return Verdict(False, step=steps[-1].step)
         warmup = warmup_steps(run)
         grads = dict(finite_history(run, "grad_norm"))
         counted = [p for p in steps

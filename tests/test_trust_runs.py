@@ -359,7 +359,7 @@ def test_a_second_uid_cannot_read_a_root_only_checkpoint_through_the_sidecar(
 ) -> None:
     """4: another uid points output_dir (and a checkpoint report) at a root-only folder inside
     the watch root: refused with a finding, no file or tensor name leaks to Status or /metrics."""
-    from tests.test_faults_checkpoints import _adapter
+    from tests.checkpoint_files import adapter as _adapter
 
     secret = shared / "open" / "root-only"
     _adapter(secret / "checkpoint-1")

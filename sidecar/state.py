@@ -27,8 +27,8 @@ MAX_LOG_KEYS = 512
 #: Checkpoints remembered per run.
 CHECKPOINT_WINDOW = 64
 #: Newest checkpoints of a run that keep their per-tensor digest maps (up to 65536 names
-#: each); older ones keep their combined digest, which is all the detectors compare.
-DIGEST_MAPS_KEPT = 1
+#: each): the newest is compared with the one before it, tensor by tensor.
+DIGEST_MAPS_KEPT = 2
 #: Adapters kept per optimizer step (a model with more is not a LoRA run this tracks), and
 #: the longest adapter name kept: 1024 groups with 4 kB names per step cost 260 MB in 60 steps.
 MAX_ADAPTERS_PER_STEP = 64

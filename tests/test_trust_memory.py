@@ -61,7 +61,7 @@ def test_ranks_beyond_max_ranks_are_refused_until_an_ended_run_makes_room() -> N
     assert [r.run_id for r in registry.status().runs] == ["b"]
 
 
-def test_only_the_newest_checkpoint_keeps_its_per_tensor_digests() -> None:
+def test_only_the_two_newest_checkpoints_keep_their_per_tensor_digests() -> None:
     run = RunState("r")
     points = [CheckpointPoint(step=i, path=f"/out/checkpoint-{i}", combined_digest=f"{i:032x}",
                               tensor_digests={f"t{j}": f"{i}-{j}" for j in range(100)},
@@ -73,8 +73,8 @@ def test_only_the_newest_checkpoint_keeps_its_per_tensor_digests() -> None:
               for i in range(1, 4)]
     for point in points:
         run.add_checkpoint(point)
-    assert [len(p.tensor_digests) for p in run.checkpoints] == [0, 0, 100]
+    assert [len(p.tensor_digests) for p in run.checkpoints] == [0, 100, 100]
     inspections = [p.inspection for p in run.checkpoints]
-    assert [len(i.tensor_digests) for i in inspections if i] == [0, 0, 100]
+    assert [len(i.tensor_digests) for i in inspections if i] == [0, 100, 100]
     assert [i.tensor_count for i in inspections if i] == [100, 100, 100]
     assert [p.digest for p in run.checkpoints] == [f"{i:032x}" for i in range(1, 4)]

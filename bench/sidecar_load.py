@@ -25,7 +25,7 @@ import grpc
 from deadweight.callbacks.digest import AdapterDigest
 from deadweight.callbacks.membership import Membership
 from deadweight.callbacks.preflight import PreflightFacts
-from deadweight.callbacks.stream_client import StreamClient
+from deadweight.callbacks.stream_client import StreamClient, fetch_attestation
 from deadweight.callbacks.update_probe import GroupStats, UpdateStats
 from deadweight.callbacks.wire import RunStartRecord, StepRecord, to_event
 from deadweight.demo.sidecar_process import SidecarProcess
@@ -92,7 +92,12 @@ def _requests(run: int, batches: int, batch: int) -> list[pb.StreamRequest]:
 
 
 def _stream(address: str, requests: list[pb.StreamRequest], acks: list[int]) -> None:
-    """Send every batch on one stream and keep the last ack."""
+    """Send every batch on one stream (its RunStart attested, as the callback does) and keep
+    the last ack."""
+    nonce = fetch_attestation(address.removeprefix("unix://"))
+    if nonce is None:
+        raise RuntimeError(f"no attestation nonce from the sidecar at {address}")
+    requests[0].events[0].run_start.attestation = nonce
     with grpc.insecure_channel(address) as channel:
         stub = pb_grpc.MonitorServiceStub(channel)  # type: ignore[no-untyped-call]
 

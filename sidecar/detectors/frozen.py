@@ -99,8 +99,9 @@ class FrozenWeights(SpecDetector):
     def streak(run: RunState, settings: DetectorSettings) -> int:
         """Consecutive frozen steps at lr > 0 ending at the latest one (for the metric)."""
         count = 0
-        for point in reversed([p for p in run.combined_steps()
-                               if p.learning_rate > 0 and not p.skipped]):
+        for point in reversed(run.combined_steps()):  # newest first, stops at the streak's end
+            if point.learning_rate <= 0 or point.skipped:
+                continue
             if not _is_frozen_step(point, settings):
                 break
             count += 1

@@ -269,21 +269,27 @@ class _Chunk:
 
     sources: list[torch.Tensor]  # the pieces of the weights, flat when ``flat``
     flat: bool  # every piece contiguous: one torch.cat copies them
-    new: torch.Tensor  # (rows x length) in the buffer receiving the weights
+    new: torch.Tensor  # (rows x length) receiving the weights
     new_slots: list[torch.Tensor]  # per piece, shaped like its source (when not flat)
-    old: torch.Tensor  # (rows x length) in the buffer holding the last snapshot
-    diff: torch.Tensor  # (rows x length) scratch
+    old: torch.Tensor  # (rows x length) holding the last snapshot; becomes new - old
+    both: torch.Tensor  # (2 x rows x length): the chunk's two halves, ``new`` and ``old``
     new_bits: torch.Tensor  # ``new`` and ``old`` as integers of the same width
     old_bits: torch.Tensor
     mask: torch.Tensor  # (rows x length) integer 0/1 scratch: bytes differ
     lanes: torch.Tensor  # ``mask`` as (rows x words) int64, or ``mask`` itself
-    update_out: torch.Tensor  # (rows,) slices of the per-piece results
-    weight_out: torch.Tensor
-    moved_out: torch.Tensor
+    norms_out: torch.Tensor  # (2 x rows) view of the per-piece norms, by half
+    moved_out: torch.Tensor  # (rows,) slice of the per-piece changed-element counts
 
 
 class _ChunkedDtype:
-    """The chunked CPU kernel for the sources of one dtype."""
+    """The chunked CPU kernel for the sources of one dtype.
+
+    Layout: each chunk owns two adjacent halves of one buffer, one per parity of the double
+    buffer, so a chunk's new weights and its old snapshot form one (2 x rows x length) view.
+    Per chunk: copy the weights into the new half, count the elements whose bytes differ,
+    subtract the old half in place (it is the spare for the next step), then one norm call
+    gives the weights' and the update's row norms together.
+    """
 
     def __init__(self, sources: list[torch.Tensor], rows: list[int], chunk_bytes: int) -> None:
         self.rows = rows
@@ -302,82 +308,81 @@ class _ChunkedDtype:
                 pieces += [(i, flat[a:a + row]) for a in range(0, src.numel(), row)]
             elif src.numel():
                 pieces.append((i, src))
-        # blocks: pieces of one length, back to back; each block starts on a cache line
+        # pieces of one length back to back; chunks: runs of at most ``limit`` elements of them
         by_length: dict[int, list[int]] = {}
         for k, (_, piece) in enumerate(pieces):
             by_length.setdefault(piece.numel(), []).append(k)
-        order = [k for ks in by_length.values() for k in ks]
-        self._pieces = [pieces[k] for k in order]
-        self._offsets: list[int] = []
-        blocks: list[tuple[int, int, int]] = []  # (first piece, pieces, length)
-        at, first = 0, 0
-        align = max(_ALIGN // size, 1)
+        self._pieces = [pieces[k] for ks in by_length.values() for k in ks]
+        spans: list[tuple[int, int, int]] = []  # (first piece, pieces, length)
+        first = 0
         for length, ks in by_length.items():
-            at = -(-at // align) * align
-            blocks.append((first, len(ks), length))
-            self._offsets += [at + j * length for j in range(len(ks))]
-            at += len(ks) * length
+            per = max(limit // length, 1)
+            spans += [(p, min(per, first + len(ks) - p), length)
+                      for p in range(first, first + len(ks), per)]
             first += len(ks)
-        total = max(at, 1)
-        self._buffers = [torch.zeros(total, dtype=dtype) for _ in range(2)]
-        self.snapshot_bytes = 2 * total * size
-        # lanes per int64 word for the changed-element sums, when exact for every row
-        lanes = 8 // size if size < 8 else 1
-        span = max([min(limit // n, count) * n for _, count, n in blocks] + [1])
-        self._diff = torch.zeros(span, dtype=dtype)
-        self._mask = torch.zeros(span, dtype=self._bits)
-        count = len(self._pieces)
-        self._update = torch.zeros(count, dtype=dtype)
-        self._weight = torch.zeros(count, dtype=dtype)
-        self._moved = torch.zeros(count, dtype=torch.int64)
+        # each chunk starts on a cache line; its two halves follow each other
+        align = max(_ALIGN // size, 1)
+        bases: list[int] = []
+        at = 0
+        for _, count, length in spans:
+            at = -(-at // align) * align
+            bases.append(at)
+            at += 2 * count * length
+        self._store = torch.zeros(max(at, 1), dtype=dtype)
+        self.snapshot_bytes = max(at, 1) * size
+        # where each piece lies in half 0 (half 1 is count * length further)
+        self._offsets: list[int] = []
+        self._half: list[int] = []
+        for (_, count, length), base in zip(spans, bases, strict=True):
+            self._offsets += [base + j * length for j in range(count)]
+            self._half += [count * length] * count
+        lanes = 8 // size if size < 8 else 1  # 0/1 lanes per int64 word of the mask
         self._lanes = lanes
-        self._packed = torch.zeros(count, dtype=torch.bool)  # moved holds packed lanes
+        self._mask = torch.zeros(max([c * n for _, c, n in spans] + [1]), dtype=self._bits)
+        count = len(self._pieces)
+        self._norms = torch.zeros(count, 2, dtype=dtype)
+        self._moved = torch.zeros(count, dtype=torch.int64)
+        self._packed = torch.tensor([lanes > 1 and n % lanes == 0 and n // lanes < 2 ** (8 * size)
+                                     for _, c, n in spans for _ in range(c)], dtype=torch.bool)
         self._owner = torch.tensor([i for i, _ in self._pieces], dtype=torch.int64)
         self._numel = torch.tensor([float(s.numel()) for s in sources], dtype=torch.float64)
-        # chunks: runs of whole rows of one block, at most ``limit`` elements (or one row)
-        spans: list[tuple[int, int, int]] = []  # (first piece, pieces, length)
-        for first, n_pieces, length in blocks:
-            per = max(limit // length, 1)
-            spans += [(p, min(per, first + n_pieces - p), length)
-                      for p in range(first, first + n_pieces, per)]
-            packs = (lanes > 1 and length % lanes == 0
-                     and length // lanes < 2 ** (8 * size))
-            self._packed[first:first + n_pieces] = packs
-        self._plans = [[self._chunk(spans_, parity) for spans_ in spans] for parity in (0, 1)]
-        self._tensor_views = [self._tensor_slots(buf) for buf in self._buffers]
+        self._plans = [[self._chunk(span, base, half) for span, base in zip(spans, bases,
+                                                                           strict=True)]
+                       for half in (0, 1)]
+        self._tensor_views = [self._tensor_slots(half) for half in (0, 1)]
         self._current = 0
 
-    def _chunk(self, span: tuple[int, int, int], new: int) -> _Chunk:
-        """The operands of one chunk when buffer ``new`` receives the weights."""
+    def _chunk(self, span: tuple[int, int, int], base: int, new: int) -> _Chunk:
+        """The operands of one chunk when its half ``new`` receives the weights."""
         first, count, length = span
-        begin = self._offsets[first]
-        end = begin + count * length
-        new_buf, old_buf = self._buffers[new], self._buffers[1 - new]
+        size = count * length
+        both = self._store[base:base + 2 * size].view(2, count, length)
+        new_half, old_half = both[new], both[1 - new]
         pieces = [p for _, p in self._pieces[first:first + count]]
         flat = all(p.is_contiguous() for p in pieces)
-        mask = self._mask[:count * length].view(count, length)
+        mask = self._mask[:size].view(count, length)
         packed = bool(self._packed[first])
         return _Chunk(
             sources=[p.view(-1) for p in pieces] if flat else pieces,
             flat=flat,
-            new=new_buf[begin:end].view(count, length),
-            new_slots=[new_buf[begin + j * length:begin + (j + 1) * length].view(p.shape)
-                       for j, p in enumerate(pieces)],
-            old=old_buf[begin:end].view(count, length),
-            diff=self._diff[:count * length].view(count, length),
-            new_bits=new_buf[begin:end].view(self._bits).view(count, length),
-            old_bits=old_buf[begin:end].view(self._bits).view(count, length),
+            new=new_half,
+            new_slots=[new_half[j].view(p.shape) for j, p in enumerate(pieces)],
+            old=old_half,
+            both=both,
+            new_bits=new_half.view(self._bits),
+            old_bits=old_half.view(self._bits),
             mask=mask,
             lanes=mask.view(torch.int64) if packed else mask,
-            update_out=self._update[first:first + count],
-            weight_out=self._weight[first:first + count],
+            norms_out=self._norms[first:first + count].t(),
             moved_out=self._moved[first:first + count],
         )
 
-    def _tensor_slots(self, buf: torch.Tensor) -> list[list[torch.Tensor]]:
+    def _tensor_slots(self, half: int) -> list[list[torch.Tensor]]:
         slots: list[list[torch.Tensor]] = [[] for _ in self._sources]
-        for (i, piece), offset in zip(self._pieces, self._offsets, strict=True):
-            slots[i].append(buf[offset:offset + piece.numel()].view(piece.shape))
+        for (i, piece), offset, skip in zip(self._pieces, self._offsets, self._half,
+                                            strict=True):
+            at = offset + half * skip
+            slots[i].append(self._store[at:at + piece.numel()].view(piece.shape))
         return slots
 
     @property
@@ -397,23 +402,36 @@ class _ChunkedDtype:
             torch._foreach_copy_(chunk.new_slots, chunk.sources)
 
     def refresh(self) -> None:
-        # the plan that writes the weights into the buffer that is now current
+        # the plan that writes the weights into the half that is now current
         for chunk in self._plans[self._current]:
             self._copy(chunk)
 
+    @property
+    def next_chunks(self) -> list[_Chunk]:
+        """The chunks the next ``run`` measures (for the bench's compute-only floor)."""
+        return self._plans[1 - self._current]
+
+    @classmethod
+    def measure(cls, chunk: _Chunk) -> None:
+        """Every figure of one chunk's pieces; the old half is left holding new - old."""
+        cls._copy(chunk)
+        torch.ne(chunk.new_bits, chunk.old_bits, out=chunk.mask)
+        torch.sum(chunk.lanes, dim=1, out=chunk.moved_out)
+        torch.sub(chunk.new, chunk.old, out=chunk.old)
+        # 16-bit norms come back in 16 bits (three digits, accumulated in float32): asking
+        # for float32 output triples their cost
+        torch.linalg.vector_norm(chunk.both, dim=2, out=chunk.norms_out)
+
     def run(self) -> torch.Tensor:
-        """(tensors x FIGURES) for this dtype; afterwards the spare buffer is the snapshot."""
+        """(tensors x FIGURES) for this dtype; afterwards the other half is the snapshot.
+
+        The old half is overwritten: until ``run`` returns, the snapshot is not valid (the
+        probe marks it so, and copies again if ``run`` fails).
+        """
         new = 1 - self._current
-        norm = torch.linalg.vector_norm
+        measure = self.measure
         for chunk in self._plans[new]:
-            self._copy(chunk)
-            torch.sub(chunk.new, chunk.old, out=chunk.diff)
-            # 16-bit norms come back in 16 bits (three digits, accumulated in float32):
-            # asking for float32 output triples their cost
-            norm(chunk.diff, dim=1, out=chunk.update_out)
-            norm(chunk.new, dim=1, out=chunk.weight_out)
-            torch.ne(chunk.new_bits, chunk.old_bits, out=chunk.mask)
-            torch.sum(chunk.lanes, dim=1, out=chunk.moved_out)
+            measure(chunk)
         self._current = new
         moved = self._moved
         if self._lanes > 1:
@@ -421,8 +439,8 @@ class _ChunkedDtype:
             unpacked = sum(((moved >> (width * k)) & ((1 << width) - 1)
                             for k in range(self._lanes)), torch.zeros_like(moved))
             moved = torch.where(self._packed, unpacked, moved)
-        per_piece = torch.stack([self._update.double().square(),
-                                 self._weight.double().square(), moved.double()], dim=1)
+        norms = self._norms.double().square()
+        per_piece = torch.stack([norms[:, 1 - new], norms[:, new], moved.double()], dim=1)
         sums = torch.zeros(len(self._sources), 3, dtype=torch.float64).index_add_(
             0, self._owner, per_piece)
         nonfinite = ~torch.isfinite(sums[:, 0])
@@ -656,6 +674,7 @@ class UpdateProbe:
             empty = UpdateStats(0.0, 0.0, 0, 0, 0, 0, self.sampled, [])
             return PendingStats(lambda: torch.zeros(0, update_native.FIGURES), [],
                                 lambda _: empty)
+        self._valid_at = None  # a kernel that fails midway leaves no trusted snapshot
         figures, fences = self._kernel.run()  # also refreshes the snapshot
         self._valid_at = list(map(_version, self._sources))
         return PendingStats(figures, fences, self._summarise)

@@ -84,10 +84,12 @@ class EventApplier:
         rank.connected = True
         try:
             for event in request.events:
-                if event.seq and event.seq <= rank.last_seq:
-                    self.duplicate_events += 1
-                    continue
-                rank.last_seq = max(rank.last_seq, event.seq)
+                seq = event.seq
+                if seq:  # seq 0 (a run start) is never a duplicate and moves nothing
+                    if seq <= rank.last_seq:
+                        self.duplicate_events += 1
+                        continue
+                    rank.last_seq = seq
                 kind = kind_of(event)
                 if kind is not None:
                     self._handlers[kind](entry, request.rank, event, now)

@@ -141,6 +141,8 @@ class StreamClient:
         self._attestation = ""
         self._attest_warned = False
         self._queue: deque[tuple[str, Any, float]] = deque(maxlen=self.settings.max_queue)
+        self._max_queue = self.settings.max_queue  # read by submit() (see there)
+        self._batch_size = self.settings.batch_size
         self._inflight: deque[pb.Event] = deque()
         self._directives: deque[pb.Directive] = deque()
         self._wake = threading.Event()
@@ -177,16 +179,21 @@ class StreamClient:
         self._thread.start()
 
     def submit(self, kind: str, record: Any) -> None:
-        """Queue a record; O(1), never blocks; the oldest record is dropped when full."""
+        """Queue a record; O(1), never blocks; the oldest record is dropped when full.
+
+        The training thread comes here once a step with cold caches: it touches as few
+        objects as it can (the queue, this client's own fields; not the settings object).
+        """
         self.submitted += 1
-        if len(self._queue) >= self.settings.max_queue:
+        queue = self._queue
+        if len(queue) >= self._max_queue:
             try:  # drop the oldest here, so a record the sender took meanwhile is not counted
-                self._queue.popleft()
+                queue.popleft()
                 self.dropped += 1
             except IndexError:
                 pass
-        self._queue.append((kind, record, time.time()))
-        if kind in URGENT_KINDS or len(self._queue) >= self.settings.batch_size:
+        queue.append((kind, record, time.time()))
+        if len(queue) >= self._batch_size or kind in URGENT_KINDS:
             self._wake.set()
 
     def take_directives(self) -> list[pb.Directive]:

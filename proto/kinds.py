@@ -20,13 +20,13 @@ class EventKind(StrEnum):
     RUN_END = "run_end"
 
 
+#: Members by wire name: a dict lookup, not an enum call (the sidecar asks per event).
+_BY_NAME: dict[str | None, EventKind] = {kind.value: kind for kind in EventKind}
+
+
 def kind_of(event: pb.Event) -> EventKind | None:
     """The kind of record event carries; None for an empty event (or a newer kind)."""
-    body = event.WhichOneof("body")
-    try:
-        return EventKind(body) if body else None
-    except ValueError:
-        return None
+    return _BY_NAME.get(event.WhichOneof("body"))
 
 
 __all__ = ["EventKind", "kind_of"]

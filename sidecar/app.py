@@ -135,7 +135,7 @@ class Sidecar:
         if self.config.metrics_address:
             host, port = _host_port(self.config.metrics_address)
             try:
-                self._http = MetricsServer(host, port, self.collector.collect)
+                self._http = MetricsServer(host, port, self.collector.exposition)
             except OSError as err:
                 raise StartupError(f"cannot serve /metrics on {host}:{port}: "
                                    f"{err.strerror or err}") from err

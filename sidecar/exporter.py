@@ -13,13 +13,20 @@ from collections.abc import Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
 
 from deadweight import __version__
 from deadweight.sidecar.actions import Actions
 from deadweight.sidecar.detectors.base import Detector
 from deadweight.sidecar.limits import digest_label
+from deadweight.sidecar.metrics_http import TextFamily, sample_line
 from deadweight.sidecar.registry import Registry
 from deadweight.sidecar.state import RunState
+
+FIRING = "deadweight_detector_firing"
+FIRING_HELP = "1 while the detector's verdict on the run stands."
+#: Cached firing blocks (a run and set of firing detectors each); cleared past it.
+MAX_FIRING_BLOCKS = 10_000
 
 RUN = ["run_id", "trainer"]
 RANK = [*RUN, "rank"]
@@ -44,6 +51,14 @@ def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, labels=labels)
 
 
+def _add(family: Metric, labels: dict[str, str], value: float) -> None:
+    """``family.add_metric`` for a label dict built once per run or rank and shared, read
+    only, by the samples of every family (add_metric zips a new dict for each sample, and a
+    scrape with 50 runs adds 2,000 of them)."""
+    name = family.name + "_total" if family.type == "counter" else family.name
+    family.samples.append(Sample(name, labels, value))
+
+
 class DeadweightCollector(Collector):
     """Collects every deadweight_* family from the registry and the actions journal."""
 
@@ -53,14 +68,26 @@ class DeadweightCollector(Collector):
         self.registry = registry
         self.actions = actions
         self.detectors = detectors
+        #: (detector, severity) label values, read once: every run has a sample per detector.
+        self._detector_labels = [(d.id, d.severity.value) for d in detectors]
+        self._firing_blocks: dict[tuple[str, str, frozenset[str]], str] = {}
 
     def collect(self) -> Iterator[Metric]:
         """Every family, built under the registry's lock: a run stepping meanwhile (its dicts
         and deques growing) can never make a scrape fail or mix two moments."""
+        return self._collect(text=False)
+
+    def exposition(self) -> Iterator[Metric]:
+        """``collect`` for the /metrics renderer: the detector-firing family (a sample per run
+        and detector, nearly all 0: three quarters of the page) comes as text, a cached block
+        per run and set of firing detectors, instead of as samples."""
+        return self._collect(text=True)
+
+    def _collect(self, text: bool) -> Iterator[Metric]:
         info = _gauge("deadweight_sidecar_info", "The sidecar's version.", ["version"])
         info.add_metric([__version__], 1.0)
         with self.registry.lock:
-            families = [info, *self._run_metrics(), *self._action_metrics(),
+            families = [info, *self._run_metrics(text), *self._action_metrics(),
                         *self._guard_metrics()]
         yield from families
 
@@ -104,10 +131,22 @@ class DeadweightCollector(Collector):
         optional.add_metric([], 1.0 if self.registry.allow_unattested else 0.0)
         yield optional
 
-    def _run_metrics(self) -> Iterator[Metric]:
-        firing = _gauge("deadweight_detector_firing",
-                        "1 while the detector's verdict on the run stands.",
-                        [*RUN, "detector", "severity"])
+    def _firing_block(self, run_id: str, trainer: str, firing: frozenset[str]) -> str:
+        """A run's deadweight_detector_firing lines (cached: they change with a verdict)."""
+        key = (run_id, trainer, firing)
+        block = self._firing_blocks.get(key)
+        if block is None:
+            if len(self._firing_blocks) >= MAX_FIRING_BLOCKS:
+                self._firing_blocks.clear()
+            block = self._firing_blocks[key] = "".join([
+                sample_line(FIRING, {"run_id": run_id, "trainer": trainer, "detector": detector,
+                                     "severity": severity}, 1.0 if detector in firing else 0.0)
+                for detector, severity in self._detector_labels])
+        return block
+
+    def _run_metrics(self, text: bool) -> Iterator[Metric]:
+        firing = _gauge(FIRING, FIRING_HELP, [*RUN, "detector", "severity"])
+        blocks: list[str] = []
         active = _gauge("deadweight_run_active", "1 while the run has not ended.", RUN)
         step = _gauge("deadweight_step", "Latest optimizer step reported by the rank.", RANK)
         last = _gauge("deadweight_last_step_timestamp_seconds",
@@ -140,55 +179,61 @@ class DeadweightCollector(Collector):
                            [*RUN, "digest"])
         logs = {name: _gauge(name, doc, RUN) for name, (_, doc) in LOG_GAUGES.items()}
         for run, findings in self.registry.runs():
-            labels = [run.run_id, run.trainer]
+            run_id, trainer = run.run_id, run.trainer
+            labels = {"run_id": run_id, "trainer": trainer}
             by_id = {f.detector: f for f in findings}
-            for detector in self.detectors:
-                f = by_id.get(detector.id)
-                firing.add_metric([*labels, detector.id, detector.severity.value],
-                                  1.0 if f is not None and f.firing else 0.0)
-            active.add_metric(labels, 0.0 if run.ended else 1.0)
+            if text:
+                blocks.append(self._firing_block(run_id, trainer, frozenset(
+                    detector for detector, f in by_id.items() if f.firing)))
+            else:
+                for detector, severity in self._detector_labels:
+                    f = by_id.get(detector)
+                    _add(firing, {"run_id": run_id, "trainer": trainer, "detector": detector,
+                                  "severity": severity},
+                         1.0 if f is not None and f.firing else 0.0)
+            _add(active, labels, 0.0 if run.ended else 1.0)
             for rank in run.ranks.values():
-                rl = [*labels, str(rank.rank)]
-                step.add_metric(rl, float(rank.step))
+                rl = {"run_id": run_id, "trainer": trainer, "rank": str(rank.rank)}
+                _add(step, rl, float(rank.step))
                 if rank.last_step_time:
-                    last.add_metric(rl, rank.last_step_time)
-                opt.add_metric(rl, float(rank.membership.optimizer_params))
-                trainable.add_metric(rl, float(rank.membership.trainable_params))
+                    _add(last, rl, rank.last_step_time)
+                _add(opt, rl, float(rank.membership.optimizer_params))
+                _add(trainable, rl, float(rank.membership.trainable_params))
                 latest = rank.steps[-1] if rank.steps else None
-                outside.add_metric(rl, float(latest.grad_not_in_optimizer_params
-                                             if latest else 0))
-                dropped.add_metric(rl, float(rank.dropped_events))
+                _add(outside, rl, float(latest.grad_not_in_optimizer_params if latest else 0))
+                _add(dropped, rl, float(rank.dropped_events))
             self._add_update(run, labels, update_norm, update_ratio, frozen)
             for name, (key, _) in LOG_GAUGES.items():
                 value = run.log_value(key)
                 if value is not None:
-                    logs[name].add_metric(labels, value)
-            ckpts.add_metric(labels, float(run.checkpoints_total))
-            unchanged.add_metric(labels, float(run.checkpoints_unchanged))
+                    _add(logs[name], labels, value)
+            _add(ckpts, labels, float(run.checkpoints_total))
+            _add(unchanged, labels, float(run.checkpoints_unchanged))
             if run.checkpoints:
                 latest_ckpt = run.checkpoints[-1]
-                ckpt_bytes.add_metric(labels, float(latest_ckpt.adapter_bytes))
-                ckpt_info.add_metric([*labels, digest_label(latest_ckpt.combined_digest)], 1.0)
-        yield from (firing, active, step, last, update_norm, update_ratio, frozen, opt,
+                _add(ckpt_bytes, labels, float(latest_ckpt.adapter_bytes))
+                _add(ckpt_info, {**labels, "digest": digest_label(latest_ckpt.combined_digest)},
+                     1.0)
+        yield TextFamily(FIRING, FIRING_HELP, "gauge", "".join(blocks)) if text else firing
+        yield from (active, step, last, update_norm, update_ratio, frozen, opt,
                     trainable, outside, dropped, ckpts, unchanged, ckpt_bytes, ckpt_info)
         yield from logs.values()
 
     def _add_update(
         self,
         run: RunState,
-        labels: list[str],
+        labels: dict[str, str],
         update_norm: GaugeMetricFamily,
         update_ratio: GaugeMetricFamily,
         frozen: GaugeMetricFamily,
     ) -> None:
-        combined = run.combined_steps()
-        if not combined:
+        latest = run.newest_combined_step()
+        if latest is None:
             return
-        latest = combined[-1]
-        update_norm.add_metric(labels, latest.update_norm)
+        _add(update_norm, labels, latest.update_norm)
         ratio = latest.update_ratio
-        update_ratio.add_metric(labels, math.nan if ratio is None else ratio)
-        frozen.add_metric(labels, float(self.registry.frozen_streak(run)))
+        _add(update_ratio, labels, math.nan if ratio is None else ratio)
+        _add(frozen, labels, float(self.registry.frozen_streak(run)))
 
     def _action_metrics(self) -> Iterator[Metric]:
         actions = CounterMetricFamily(

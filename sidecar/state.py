@@ -68,12 +68,12 @@ class StepPoint:
 
     @classmethod
     def from_report(cls, report: pb.StepReport, at: float) -> StepPoint:
-        return cls(
-            adapter_updates=tuple(
-                (sys.intern(g.name[:MAX_GROUP_NAME]), g.update_sq_sum, g.unchanged_tensors,
-                 g.tensors)
-                for g in report.groups if g.kind == "adapter"
-            )[:MAX_ADAPTERS_PER_STEP],
+        # Built once per step report received (the sidecar's hottest path): the fields go
+        # straight into the instance, as the generated frozen __init__ would put them, without
+        # its object.__setattr__ per field (ten times the cost). Every field is set here
+        # (tests/test_state.py checks it).
+        point = object.__new__(cls)
+        point.__dict__.update(
             step=report.step,
             time=at,
             learning_rate=report.learning_rate,
@@ -87,6 +87,11 @@ class StepPoint:
             grad_not_in_optimizer_tensors=report.grad_not_in_optimizer_tensors,
             grad_not_in_optimizer_params=report.grad_not_in_optimizer_params,
             sampled=report.sampled,
+            adapter_updates=tuple(
+                (sys.intern(g.name[:MAX_GROUP_NAME]), g.update_sq_sum, g.unchanged_tensors,
+                 g.tensors)
+                for g in report.groups if g.kind == "adapter"
+            )[:MAX_ADAPTERS_PER_STEP],
             skipped=report.optimizer_step_skipped,
             adalora_allocated=report.adalora_rank_pattern_set
             if report.HasField("adalora_rank_pattern_set") else None,
@@ -96,6 +101,7 @@ class StepPoint:
                 for g in report.groups if g.kind == "module" and g.elements > 0
             )[:MAX_MODULE_KINDS_PER_STEP],
         )
+        return point
 
     @property
     def update_norm(self) -> float:
@@ -259,6 +265,17 @@ class RunState:
                 )
             )
         return combined
+
+    def newest_combined_step(self) -> StepPoint | None:
+        """``combined_steps()[-1]`` without building the list (asked for every step received):
+        unsharded, the lowest rank's newest step."""
+        if not self.ranks:
+            return None
+        if self.start is None or not self.start.sharded or len(self.ranks) == 1:
+            steps = self.ranks[min(self.ranks)].steps
+            return steps[-1] if steps else None
+        combined = self.combined_steps()
+        return combined[-1] if combined else None
 
     def add_checkpoint(self, point: CheckpointPoint) -> None:
         """Remember a new checkpoint; the total is a counter, the window is bounded."""

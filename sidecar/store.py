@@ -18,6 +18,7 @@ import json
 import sqlite3
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from typing import Any
 import structlog
 
 from deadweight.proto import pb
+from deadweight.sidecar import history
 from deadweight.sidecar.attestation import ProcessIdentity
 from deadweight.sidecar.state import CheckpointPoint
 from deadweight.sidecar.state_db import open_state_db
@@ -66,6 +68,8 @@ RETENTION_SECONDS = 30 * 86400
 #: Rows of per-step history kept per run and kind; past it, every other older row is dropped,
 #: so a long run keeps its whole span at a coarser grain (the report's plots need no more).
 MAX_HISTORY_ROWS = 2000
+#: (run, kind) pairs whose history row count is held in memory.
+_MAX_COUNTED_HISTORIES = 10_000
 #: incidents.enforcement while an escalation (STOP, SIGTERM, SIGKILL) is still in progress.
 ENFORCEMENT_OPEN = "open"
 
@@ -129,6 +133,8 @@ class Store:
         self.path: Path | None = opened.path
         #: Where a corrupt database was moved at start (None: it was sound or new).
         self.moved_aside: Path | None = opened.moved_aside
+        #: History rows per (run, kind), once counted (see _add_history).
+        self._history_rows: dict[tuple[str, str], int] = {}
 
     @property
     def persistent(self) -> bool:
@@ -147,6 +153,22 @@ class Store:
                 log.error("state_write_failed", error=str(err), failures=self.write_failures)
                 raise StoreWriteFailed(str(err)) from err
             return int(cursor.lastrowid or 0)
+
+    def _write_many(self, sql: str, rows: Sequence[tuple[Any, ...]]) -> None:
+        """One statement over many rows, in one transaction (one commit, not one per row)."""
+        with self._lock:
+            try:
+                self._db.execute("BEGIN")
+                try:
+                    self._db.executemany(sql, rows)
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+                self._db.execute("COMMIT")
+            except (sqlite3.OperationalError, OSError) as err:
+                self.write_failures += 1
+                log.error("state_write_failed", error=str(err), failures=self.write_failures)
+                raise StoreWriteFailed(str(err)) from err
 
     def _read(self, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
         with self._lock:
@@ -265,25 +287,45 @@ class Store:
     def add_history(self, run_id: str, kind: str, step: int, series: dict[str, float],
                     at: float) -> None:
         """Keep one step's figures of one kind ("step" or "log"); bounded per run and kind."""
+        self._add_history(run_id, kind, [(step, at, json.dumps(series, sort_keys=True))])
+
+    def add_step_history(self, run_id: str,
+                         rows: Sequence[tuple[int, float, bytes | str]]) -> None:
+        """Keep a batch of steps (``history.encode_step``), in one transaction."""
+        self._add_history(run_id, "step", rows)
+
+    def _add_history(self, run_id: str, kind: str,
+                     rows: Sequence[tuple[int, float, str | bytes]]) -> None:
+        """Insert rows; past MAX_HISTORY_ROWS for the run and kind, drop every other older
+        row. The row count is kept in memory (counting in SQL at every write grew with it)."""
         with self._lock:
-            self._write(
-                "INSERT OR REPLACE INTO history VALUES (?, ?, ?, ?, ?)",
-                (run_id, kind, step, at, json.dumps(series, sort_keys=True)))
-            (count,) = self._db.execute(
-                "SELECT COUNT(*) FROM history WHERE run_id=? AND kind=?", (run_id, kind)
-            ).fetchone()
+            self._write_many("INSERT OR REPLACE INTO history VALUES (?, ?, ?, ?, ?)",
+                             [(run_id, kind, step, at, series) for step, at, series in rows])
+            key = (run_id, kind)
+            count = self._history_rows.get(key)
+            count = self._count_history(key) if count is None else count + len(rows)
             if count > MAX_HISTORY_ROWS:
                 self._write(
                     "DELETE FROM history WHERE rowid IN (SELECT rowid FROM (SELECT rowid, "
                     "row_number() OVER (ORDER BY step) AS n FROM history WHERE run_id=? AND "
                     "kind=?) WHERE n % 2 = 0 AND n < ?)", (run_id, kind, count))
+                count = self._count_history(key)
+            if len(self._history_rows) >= _MAX_COUNTED_HISTORIES:
+                self._history_rows.clear()  # bounded; counted again from SQL when next written
+            self._history_rows[key] = count
+
+    def _count_history(self, key: tuple[str, str]) -> int:
+        (count,) = self._db.execute(
+            "SELECT COUNT(*) FROM history WHERE run_id=? AND kind=?", key).fetchone()
+        return int(count)
 
     def history(self, run_id: str, kind: str) -> list[tuple[int, float, dict[str, float]]]:
         """(step, time, figures) of a run's history of one kind, by step."""
         rows = self._read(
             "SELECT step, time, series FROM history WHERE run_id=? AND kind=? ORDER BY step",
             (run_id, kind))
-        return [(step, at, json.loads(series)) for step, at, series in rows]
+        return [(step, at, json.loads(series) if isinstance(series, str)
+                 else history.decode_step(series, at)) for step, at, series in rows]
 
     def run(self, run_id: str) -> StoredRun | None:
         """One run by id, ended or not."""

@@ -401,3 +401,42 @@ def test_one_log_line_says_which_kernel_runs(
     (line,) = [r for r in caplog.records if "update pass runs" in r.getMessage()]
     assert "torch (DEADWEIGHT_NATIVE=0)" in line.getMessage()
     assert line.levelno == logging.WARNING  # the slow fallback is worth seeing
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_long_tensors_cut_into_rows_and_strided_ones_are_counted_exactly(
+    dtype: torch.dtype,
+) -> None:
+    # The CPU torch kernel cuts a tensor longer than a row into rows (plus a shorter last one)
+    # and lays tensors of one length out as a block; a transposed (non-contiguous) tensor is
+    # copied whole. Every element count must still be exact, against the bytes.
+    from deadweight.callbacks.update_probe import MAX_ROW
+
+    gen = torch.Generator().manual_seed(7)
+    tensors = [torch.randn(2 * MAX_ROW + 13, generator=gen).to(dtype),
+               torch.randn(64, 48, generator=gen).to(dtype).t(),
+               torch.randn(64, 48, generator=gen).to(dtype),
+               torch.randn(MAX_ROW, generator=gen).to(dtype)]
+    probe = UpdateProbe(tensors, path="torch")
+    for moved in (1, 1000, 0):
+        old = [t.clone() for t in tensors]
+        delta = []
+        for t in tensors:
+            d = torch.zeros(t.numel(), dtype=dtype)
+            d[torch.randperm(t.numel(), generator=gen)[:moved]] = 0.5
+            delta.append(d.view(t.shape))
+        stats = step(probe, tensors, delta)
+        check(stats, reference(old, tensors))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_unchanged_elements_of_a_nonfinite_tensor_are_its_equal_bytes(path: str) -> None:
+    t = torch.ones(40, dtype=torch.bfloat16)
+    probe = UpdateProbe([t], path=path)  # type: ignore[arg-type]
+    probe.before_step()
+    t[:4] = float("inf")
+    t[4:10] += 1.0
+    stats = probe.after_step()
+    assert stats is not None
+    assert (stats.nonfinite_update_tensors, stats.unchanged_tensors) == (1, 0)
+    assert stats.unchanged_elements == 30

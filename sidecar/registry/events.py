@@ -60,6 +60,9 @@ class EventApplier:
         self.store = store
         self.watcher: CheckpointSink | None = None
         self.duplicate_events = 0
+        #: The batch's step history rows, written in one transaction after it (under the
+        #: registry lock, so one list serves every run).
+        self._history: list[tuple[int, float, bytes | str]] = []
         self._handlers: dict[EventKind, Callable[[RunEntry, int, pb.Event, float], None]] = {
             EventKind.RUN_START: self._on_run_start,
             EventKind.STEP: self._on_step,
@@ -79,14 +82,22 @@ class EventApplier:
         rank.last_seen = now
         rank.first_seen = rank.first_seen or now
         rank.connected = True
-        for event in request.events:
-            if event.seq and event.seq <= rank.last_seq:
-                self.duplicate_events += 1
-                continue
-            rank.last_seq = max(rank.last_seq, event.seq)
-            kind = kind_of(event)
-            if kind is not None:
-                self._handlers[kind](entry, request.rank, event, now)
+        try:
+            for event in request.events:
+                seq = event.seq
+                if seq:  # seq 0 (a run start) is never a duplicate and moves nothing
+                    if seq <= rank.last_seq:
+                        self.duplicate_events += 1
+                        continue
+                    rank.last_seq = seq
+                kind = kind_of(event)
+                if kind is not None:
+                    self._handlers[kind](entry, request.rank, event, now)
+        finally:
+            if self._history:
+                entry.outbox.add(functools.partial(self.store.add_step_history, run.run_id,
+                                                   self._history))
+                self._history = []
         return rank.last_seq
 
     # -- one handler per kind --------------------------------------------------------------
@@ -110,21 +121,22 @@ class EventApplier:
         if rank.steps and report.step <= rank.steps[-1].step:
             self.duplicate_events += 1
             return  # a repeated or out-of-order step changes nothing
-        rank.steps.append(StepPoint.from_report(report, now))
+        point = StepPoint.from_report(report, now)
+        rank.steps.append(point)
         rank.step = report.step
         rank.last_step_time = now
-        self._keep_step_history(entry, report, now)
+        self._keep_step_history(entry, point, report, now)
 
-    def _keep_step_history(self, entry: RunEntry, report: pb.StepReport, now: float) -> None:
-        """The newest combined step goes to the report's history once every rank sent it."""
-        combined = entry.state.combined_steps()
-        if not combined or combined[-1].step <= entry.history_step:
+    def _keep_step_history(self, entry: RunEntry, point: StepPoint, report: pb.StepReport,
+                           now: float) -> None:
+        """The newest combined step goes to the report's history once every rank sent it,
+        as the report itself (turned into figures when the history is read)."""
+        newest = entry.state.newest_combined_step()
+        if newest is None or newest.step <= entry.history_step:
             return
-        point = combined[-1]
-        entry.history_step = point.step
-        entry.outbox.add(functools.partial(
-            self.store.add_history, entry.state.run_id, "step", point.step,
-            history.step_series(point, report), now))
+        entry.history_step = newest.step
+        self._history.append((newest.step, now, history.encode_step(newest, report,
+                                                                     newest is point)))
 
     def _on_log(self, entry: RunEntry, rank: int, event: pb.Event, now: float) -> None:
         if rank != entry.leader:

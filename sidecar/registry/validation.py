@@ -7,7 +7,7 @@ back to the client (the stream stays open), and nothing of it is applied.
 from __future__ import annotations
 
 from deadweight.proto import pb
-from deadweight.proto.kinds import EventKind, kind_of
+from deadweight.proto.kinds import EventKind
 from deadweight.sidecar import limits
 
 MAX_RUN_ID_LENGTH = 128
@@ -62,5 +62,8 @@ def validate(request: pb.StreamRequest) -> None:
 
 def run_start_of(request: pb.StreamRequest) -> pb.RunStart | None:
     """The batch's first RunStart, if it carries one."""
-    return next((e.run_start for e in request.events if kind_of(e) == EventKind.RUN_START),
-                None)
+    for event in request.events:  # HasField: the cheapest test, asked several times a batch
+        if event.HasField(EventKind.RUN_START):
+            start: pb.RunStart = event.run_start
+            return start
+    return None

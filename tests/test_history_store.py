@@ -1,0 +1,41 @@
+"""The per-step history in the state database: written a batch at a time, bounded, read back
+as figures whatever form a row was kept in."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from deadweight.proto import pb
+from deadweight.sidecar import store as store_module
+from deadweight.sidecar.state import StepPoint
+from deadweight.sidecar.store import Store
+
+
+def _row(step: int) -> tuple[int, float, bytes]:
+    report = pb.StepReport(step=step, learning_rate=1e-4, update_sq_sum=float(step),
+                           watched_tensors=2, watched_params=10)
+    return step, float(step), report.SerializeToString()
+
+
+def test_history_stays_bounded_over_restarts_and_keeps_its_whole_span(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    limit = 50
+    monkeypatch.setattr(store_module, "MAX_HISTORY_ROWS", limit)
+    store = Store(tmp_path)
+    for first in range(1, 301, 30):
+        store.add_step_history("run", [_row(s) for s in range(first, first + 30)])
+    store.add_history("run", "log", 3, {"loss": 1.5}, 3.0)
+    store.close()
+    store = Store(tmp_path)  # a restarted sidecar counts the rows it finds
+    store.add_step_history("run", [_row(s) for s in range(301, 331)])
+    rows = store.history("run", "step")
+    steps = [step for step, _, _ in rows]
+    assert len(rows) <= limit + 30
+    assert steps[0] == 1 and steps[-1] == 330 and steps == sorted(steps)
+    _, at, figures = rows[-1]
+    point = StepPoint.from_report(pb.StepReport.FromString(_row(330)[2]), at)
+    assert figures["update_norm"] == point.update_norm and figures["watched_tensors"] == 2.0
+    assert store.history("run", "log") == [(3, 3.0, {"loss": 1.5})]

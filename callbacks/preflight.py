@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import logging
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -25,6 +26,11 @@ NUMERIC_KEYS = (
 )
 TEXT_KEYS = ("lr_scheduler_type", "optim", "loss_type", "save_strategy", "logging_strategy")
 VERSIONED = ("torch", "transformers", "trl", "peft", "accelerate", "deadweight")
+
+log = logging.getLogger("deadweight")
+
+#: Base model paths whose config could not be read, each warned about once per process.
+_UNREADABLE: set[str] = set()
 
 
 @dataclass
@@ -110,7 +116,22 @@ def _unmatched_regex(pattern: str, matched: Iterable[str]) -> list[str]:
 
 
 def config_file(path: str) -> Path | None:
-    """The base model's config.json: a local folder, else the local hub cache (no download)."""
+    """The base model's config.json: a local folder, else the local hub cache (no download).
+
+    None when it cannot be found or even looked at (a folder the job may not enter, a name too
+    long for the file system): the facts read from it go missing, the run stays monitored.
+    """
+    try:
+        return _find_config(path)
+    except OSError as error:
+        if path not in _UNREADABLE:
+            _UNREADABLE.add(path)
+            log.warning("deadweight: the base model's config.json under %r cannot be read (%s); "
+                        "the facts read from it are left out", path, error)
+        return None
+
+
+def _find_config(path: str) -> Path | None:
     local = Path(path) / "config.json"
     if local.is_file():
         return local

@@ -2,7 +2,8 @@
 
 A real ``deadweight serve`` (as root, this machine's test setup) and FLOODERS processes of
 another uid (``setpriv --reuid``, in the socket's group) that connect to the ``.attest``
-socket in a loop from several threads each, some holding their connections. The trainer (this
+socket in a loop from several threads each, reading each reply, some holding their
+connections (``tests/trust_client.py --flood --read-replies``). The trainer (this
 process) then asks for a nonce, SAMPLES times, exactly as the callback does
 (``fetch_attestation``). Two sidecars are compared: one that admits the flooding uid as a
 trainer uid (every connection costs a ``/proc`` read, a pidfd and a nonce: the old cost for
@@ -15,15 +16,14 @@ from __future__ import annotations
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 
 from deadweight.callbacks.stream_client import fetch_attestation
 from deadweight.demo.sidecar_process import SidecarProcess
 from deadweight.proto.transport import attest_path
+from tests.trust_client import flood_command
 
 from .common import fmt_time, table
 
@@ -32,38 +32,14 @@ OTHER_UID = 12345
 FLOODERS = 6
 SAMPLES = 30
 
-#: Threads connecting to the .attest socket without end, reading whatever comes back, some
-#: connections held open.
-FLOOD = textwrap.dedent("""
-    import socket, sys, threading
-    path = sys.argv[1]
-    held = []
-    def hammer():
-        while True:
-            try:
-                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                s.settimeout(2.0)
-                s.connect(path)
-                s.recv(128)
-                held.append(s)
-                if len(held) > 500:
-                    held.pop(0).close()
-            except OSError:
-                pass
-    for _ in range(8):
-        threading.Thread(target=hammer, daemon=True).start()
-    print("flooding", flush=True)
-    sys.stdin.read()
-""")
-
-
 def start_flooders(socket_path: Path, count: int, uid: int = OTHER_UID
                    ) -> list[subprocess.Popen[str]]:
     """count flooding processes of uid (in group 0, the socket's group here), each flooding."""
     argv = ["setpriv", "--reuid", str(uid), "--regid", str(uid), "--groups", "0",
-            sys.executable, "-c", FLOOD, str(attest_path(str(socket_path)))]
+            *flood_command(str(attest_path(str(socket_path))), read_replies=True)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     flooders = [subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                 text=True, cwd="/") for _ in range(count)]
+                                 text=True, cwd="/", env=env) for _ in range(count)]
     for flooder in flooders:
         assert flooder.stdout is not None and flooder.stdout.readline().strip() == "flooding"
     return flooders

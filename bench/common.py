@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
+import grpc
 import torch
+
+from deadweight.callbacks.stream_client import fetch_attestation
+from deadweight.proto import monitor_stub, pb
 
 #: Larger than the last-level cache: touching it evicts the data a benchmark is about to read,
 #: the way a forward/backward pass does between two optimizer steps.
@@ -86,3 +90,22 @@ def table(title: str, header: list[str], rows: list[list[str]]) -> None:
     print("  ".join("-" * w for w in widths))
     for row in rows:
         print("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)))
+
+
+def attested_stream(address: str, requests: Iterable[pb.StreamRequest]
+                    ) -> Iterator[pb.StreamResponse]:
+    """The sidecar's answers to requests, sent on one Stream to a ``unix://`` address, each
+    RunStart attested with a nonce fetched as it is sent (as the callback does; without one
+    the sidecar refuses the stream with PERMISSION_DENIED and its reason). The channel closes
+    when the answers end or the generator is closed."""
+    socket_path = address.removeprefix("unix://")
+
+    def attested() -> Iterator[pb.StreamRequest]:
+        for request in requests:
+            for event in request.events:
+                if event.HasField("run_start"):
+                    event.run_start.attestation = fetch_attestation(socket_path) or ""
+            yield request
+
+    with grpc.insecure_channel(address) as channel:
+        yield from monitor_stub(channel).Stream(attested())

@@ -17,21 +17,18 @@ import threading
 import time
 import urllib.request
 from collections import deque
-from collections.abc import Iterator
 from pathlib import Path
-
-import grpc
 
 from deadweight.callbacks.digest import AdapterDigest
 from deadweight.callbacks.membership import Membership
 from deadweight.callbacks.preflight import PreflightFacts
-from deadweight.callbacks.stream_client import StreamClient, fetch_attestation
+from deadweight.callbacks.stream_client import StreamClient
 from deadweight.callbacks.update_probe import GroupStats, UpdateStats
 from deadweight.callbacks.wire import RunStartRecord, StepRecord, to_event
 from deadweight.demo.sidecar_process import SidecarProcess
-from deadweight.proto import pb, pb_grpc
+from deadweight.proto import pb
 
-from .common import fmt_time, table, verdict
+from .common import attested_stream, fmt_time, table, verdict
 
 HANDOFF_BUDGET = 2e-6
 INGEST_BUDGET = 50_000  # records/s per core
@@ -94,18 +91,8 @@ def _requests(run: int, batches: int, batch: int) -> list[pb.StreamRequest]:
 def _stream(address: str, requests: list[pb.StreamRequest], acks: list[int]) -> None:
     """Send every batch on one stream (its RunStart attested, as the callback does) and keep
     the last ack."""
-    nonce = fetch_attestation(address.removeprefix("unix://"))
-    if nonce is None:
-        raise RuntimeError(f"no attestation nonce from the sidecar at {address}")
-    requests[0].events[0].run_start.attestation = nonce
-    with grpc.insecure_channel(address) as channel:
-        stub = pb_grpc.MonitorServiceStub(channel)  # type: ignore[no-untyped-call]
-
-        def gen() -> Iterator[pb.StreamRequest]:
-            yield from requests
-
-        for response in stub.Stream(gen()):
-            acks.append(response.ack_seq)
+    for response in attested_stream(address, requests):
+        acks.append(response.ack_seq)
 
 
 def ingest(sidecar: SidecarProcess, batches: int, batch: int) -> tuple[float, float, int]:

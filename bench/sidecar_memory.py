@@ -177,19 +177,11 @@ def _run_start(run: int, output_dir: Path) -> pb.Event:
                                           adapter_params=1000, adapter_tensors=4)))
 
 
-def _steps(run: int, rank: int, shape: Shape) -> Iterator[list[pb.Event]]:
-    """shape.steps optimizer steps, each with shape.adapters distinct adapter groups."""
+def _batched(events: Iterator[pb.Event]) -> Iterator[list[pb.Event]]:
+    """events in batches of about half a message each (two fit in what the sidecar accepts)."""
     batch: list[pb.Event] = []
     size = 0
-    for step in range(1, shape.steps + 1):
-        groups = [pb.GroupUpdate(name=_name(f"r{run}.k{rank}.s{step}", g, state.MAX_GROUP_NAME),
-                                 kind="adapter", update_sq_sum=1e-3 * (g + 1), tensors=2,
-                                 unchanged_tensors=0, optimizer_tensors=2)
-                  for g in range(shape.adapters)]
-        event = pb.Event(time_seconds=time.time(), step=pb.StepReport(
-            step=step, learning_rate=1e-4, update_sq_sum=1.0, param_sq_sum=2.0,
-            watched_tensors=2 * shape.adapters, watched_params=1000, optimizer_params=1000,
-            groups=groups))
+    for event in events:
         size += event.ByteSize()
         batch.append(event)
         if size > (MAX_MESSAGE_BYTES - MESSAGE_SLACK) // 2:
@@ -197,23 +189,31 @@ def _steps(run: int, rank: int, shape: Shape) -> Iterator[list[pb.Event]]:
             batch, size = [], 0
     if batch:
         yield batch
+
+
+def _steps(run: int, rank: int, shape: Shape) -> Iterator[list[pb.Event]]:
+    """shape.steps optimizer steps, each with shape.adapters distinct adapter groups."""
+    def step_events() -> Iterator[pb.Event]:
+        for step in range(1, shape.steps + 1):
+            groups = [pb.GroupUpdate(name=_name(f"r{run}.k{rank}.s{step}", g,
+                                                state.MAX_GROUP_NAME),
+                                     kind="adapter", update_sq_sum=1e-3 * (g + 1), tensors=2,
+                                     unchanged_tensors=0, optimizer_tensors=2)
+                      for g in range(shape.adapters)]
+            yield pb.Event(time_seconds=time.time(), step=pb.StepReport(
+                step=step, learning_rate=1e-4, update_sq_sum=1.0, param_sq_sum=2.0,
+                watched_tensors=2 * shape.adapters, watched_params=1000, optimizer_params=1000,
+                groups=groups))
+
+    return _batched(step_events())
 
 
 def _logs(run: int, shape: Shape) -> Iterator[list[pb.Event]]:
     """shape.log_values log reports, each with shape.log_keys long distinct keys."""
     keys = [_name(f"run{run}.log", k, limits.MAX_LOG_KEY_LENGTH) for k in range(shape.log_keys)]
-    batch: list[pb.Event] = []
-    size = 0
-    for step in range(1, shape.log_values + 1):
-        event = pb.Event(time_seconds=time.time(), log=pb.LogReport(
-            step=step, values={key: step + 0.5 for key in keys}))
-        size += event.ByteSize()
-        batch.append(event)
-        if size > (MAX_MESSAGE_BYTES - MESSAGE_SLACK) // 2:
-            yield batch
-            batch, size = [], 0
-    if batch:
-        yield batch
+    return _batched(pb.Event(time_seconds=time.time(), log=pb.LogReport(
+        step=step, values={key: step + 0.5 for key in keys}))
+        for step in range(1, shape.log_values + 1))
 
 
 def _checkpoints(run: int, shape: Shape, folder: Path) -> Iterator[list[pb.Event]]:

@@ -22,14 +22,11 @@ import threading
 import time
 from pathlib import Path
 
-import grpc
-
-from deadweight.callbacks.stream_client import fetch_attestation
 from deadweight.demo.sidecar_process import SidecarProcess
-from deadweight.proto import monitor_stub, pb
+from deadweight.proto import pb
 from deadweight.sidecar import state as sidecar_state
 
-from .common import fmt_time, table
+from .common import attested_stream, fmt_time, table
 from .sidecar_load import RUNS, _pct, _requests
 
 #: The caps of sidecar/limits.py: the most adapters and groups one client may send.
@@ -41,15 +38,11 @@ class _Stream:
     """One open Stream: send a batch, wait for its answer (a client's round trip)."""
 
     def __init__(self, socket_path: Path) -> None:
-        self.socket_path = str(socket_path)
-        self.channel = grpc.insecure_channel(f"unix://{socket_path}")
         self._requests: queue.Queue[pb.StreamRequest | None] = queue.Queue()
-        self._responses = monitor_stub(self.channel).Stream(iter(self._requests.get, None))
+        self._responses = attested_stream(f"unix://{socket_path}",
+                                          iter(self._requests.get, None))
 
     def send(self, request: pb.StreamRequest) -> pb.StreamResponse:
-        for event in request.events:
-            if event.HasField("run_start"):
-                event.run_start.attestation = fetch_attestation(self.socket_path) or ""
         self._requests.put(request)
         response: pb.StreamResponse = next(self._responses)
         if response.error:
@@ -58,7 +51,7 @@ class _Stream:
 
     def close(self) -> None:
         self._requests.put(None)
-        self.channel.close()
+        self._responses.close()
 
 
 def attack_start(adapters: int = ADAPTERS) -> pb.RunStart:

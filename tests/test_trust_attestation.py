@@ -22,6 +22,9 @@ from deadweight.proto.transport import attest_path
 from deadweight.sidecar.attestation import _peer_pidfd, peer_identity
 from deadweight.sidecar.store import Store
 from tests.realprocs import wait_for
+from tests.trust_client import flood_command
+
+ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.slow
 
@@ -42,30 +45,6 @@ REGISTER = textwrap.dedent("""
     print("nonce" if nonce else "no-nonce", answer.error or "ok", flush=True)
     sys.stdin.read()
 """)
-
-#: An attacker of the same uid: threads connecting to the .attest socket without end, some
-#: holding their connection open without reading.
-FLOOD = textwrap.dedent("""
-    import socket, sys, threading
-    path = sys.argv[1]
-    held = []
-    def hammer():
-        while True:
-            try:
-                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                s.setblocking(False)
-                s.connect(path)
-                held.append(s)
-                if len(held) > 2000:
-                    held.pop(0).close()
-            except OSError:
-                pass
-    for _ in range(8):
-        threading.Thread(target=hammer, daemon=True).start()
-    print("flooding", flush=True)
-    sys.stdin.read()
-""")
-
 
 @pytest.fixture
 def sidecar(tmp_path: Path) -> Iterator[tuple[SidecarProcess, Path]]:
@@ -90,7 +69,10 @@ def test_a_flood_on_the_attest_socket_does_not_leave_real_processes_unattested(
     sidecar: tuple[SidecarProcess, Path],
 ) -> None:
     process, state = sidecar
-    flood = _spawn(FLOOD, str(attest_path(process.socket_path)))
+    # An attacker of the same uid: connections without end, never read, many held open.
+    flood = subprocess.Popen(flood_command(str(attest_path(process.socket_path)), False),
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert flood.stdout is not None and flood.stdout.readline().strip() == "flooding"
     trainers = [_spawn(REGISTER, str(process.socket_path), f"flooded-{i}") for i in range(5)]
     try:

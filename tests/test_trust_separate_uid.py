@@ -179,24 +179,36 @@ def _assert_sockets_shared(sidecar: SidecarProcess) -> None:
             SIDECAR_UID, SHARED_GID, 0o660), path
 
 
-def test_sidecar_of_another_uid_with_kill_alone_ends_the_frozen_trainer(
-        shared: Path, tiny: tuple[Path, Path]) -> None:
-    sidecar = OtherUidSidecar(shared / "with-kill", shared / "capvenv" / "bin" / "python",
-                              with_kill=True)
+@contextmanager
+def _attested_trainer(shared: Path, tiny: tuple[Path, Path], run_id: str, with_kill: bool
+                      ) -> Iterator[tuple[OtherUidSidecar, dict[str, int], subprocess.Popen[bytes],
+                                          tuple[int, int] | int | None]]:
+    """The sidecar as SIDECAR_UID (its sockets checked shared with the trainers' group) and
+    the frozen job as TRAINER_UID, once it attested or exited: (sidecar, the sidecar's
+    capabilities, job, its binding). The job is stopped on leaving; the sidecar stays up."""
+    sidecar = OtherUidSidecar(shared / ("with-kill" if with_kill else "no-kill"),
+                              shared / "capvenv" / "bin" / "python", with_kill=with_kill)
     with sidecar:
         assert sidecar.process is not None
         caps = _caps(sidecar.process.pid)
+        _assert_sockets_shared(sidecar)
+        job = _trainer(shared, tiny, sidecar, run_id)
+        try:
+            bound = wait_for(lambda: binding(sidecar.state, run_id) or job.poll(),
+                             ATTEST_TIMEOUT, interval=0.2, what="the trainer to attest")
+            yield sidecar, caps, job, bound
+        finally:
+            stop_all(job)
+
+
+def test_sidecar_of_another_uid_with_kill_alone_ends_the_frozen_trainer(
+        shared: Path, tiny: tuple[Path, Path]) -> None:
+    with _attested_trainer(shared, tiny, "uids-kill", with_kill=True) as (sidecar, caps, job,
+                                                                          bound):
         assert caps["uid"] == SIDECAR_UID != TRAINER_UID
         assert caps["CapBnd"] == 1 << CAP_KILL and caps["CapAmb"] == 0
         assert caps["CapEff"] == 1 << CAP_KILL  # raised from the file's permitted set
-        _assert_sockets_shared(sidecar)
-        job = _trainer(shared, tiny, sidecar, "uids-kill")
-        try:
-            bound = wait_for(lambda: binding(sidecar.state, "uids-kill") or job.poll(),
-                             ATTEST_TIMEOUT, interval=0.2, what="the trainer to attest")
-            code = job.wait(JOB_TIMEOUT)
-        finally:
-            stop_all(job)
+        code = job.wait(JOB_TIMEOUT)
         wait_for(lambda: outcome(sidecar.state, "uids-kill") == "terminated", 30,
                  what="the escalation to close")
         rows = journal(sidecar.state, "uids-kill")
@@ -214,31 +226,21 @@ def test_sidecar_of_another_uid_with_kill_alone_ends_the_frozen_trainer(
 
 def test_sidecar_of_another_uid_without_kill_journals_the_refusal_and_keeps_serving(
         shared: Path, tiny: tuple[Path, Path]) -> None:
-    sidecar = OtherUidSidecar(shared / "no-kill", shared / "capvenv" / "bin" / "python",
-                              with_kill=False)
-    with sidecar:
-        assert sidecar.process is not None
-        caps = _caps(sidecar.process.pid)
+    with _attested_trainer(shared, tiny, "uids-nokill", with_kill=False) as (sidecar, caps, job,
+                                                                             bound):
         assert caps["uid"] == SIDECAR_UID and caps["CapEff"] == 0
-        _assert_sockets_shared(sidecar)
-        job = _trainer(shared, tiny, sidecar, "uids-nokill")
-        try:
-            bound = wait_for(lambda: binding(sidecar.state, "uids-nokill") or job.poll(),
-                             ATTEST_TIMEOUT, interval=0.2, what="the trainer to attest")
-            wait_for(lambda: ("sigterm", "permission_denied") in journal(sidecar.state,
-                                                                         "uids-nokill"),
-                     JOB_TIMEOUT, interval=0.5, what="the refused SIGTERM in the journal")
-            wait_for(lambda: outcome(sidecar.state, "uids-nokill") == "nothing_signalled", 30,
-                     what="the escalation to close")
-            rows = journal(sidecar.state, "uids-nokill")
-            metrics = sidecar.metrics()
-            # The sidecar is up and answers; the trainer was never hit (it dies of SIGUSR1).
-            assert sidecar.process.poll() is None
-            assert sidecar.run_status("uids-nokill") is not None
-            assert job.poll() is None, (shared / "jobs" / "uids-nokill.log").read_text()
-            assert_never_signalled(job)
-        finally:
-            stop_all(job)
+        wait_for(lambda: ("sigterm", "permission_denied") in journal(sidecar.state,
+                                                                     "uids-nokill"),
+                 JOB_TIMEOUT, interval=0.5, what="the refused SIGTERM in the journal")
+        wait_for(lambda: outcome(sidecar.state, "uids-nokill") == "nothing_signalled", 30,
+                 what="the escalation to close")
+        rows = journal(sidecar.state, "uids-nokill")
+        metrics = sidecar.metrics()
+        # The sidecar is up and answers; the trainer was never hit (it dies of SIGUSR1).
+        assert sidecar.process.poll() is None
+        assert sidecar.run_status("uids-nokill") is not None
+        assert job.poll() is None, (shared / "jobs" / "uids-nokill.log").read_text()
+        assert_never_signalled(job)
         log = sidecar.log()
     assert bound == (TRAINER_UID, job.pid)
     assert rows == [("page", "no_pager"), ("stop", "sent"), ("sigterm", "permission_denied")]

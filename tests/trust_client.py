@@ -12,14 +12,20 @@
 
 The answer is ``{"error": ..., "ack": ..., "directives": [...], "ended": CODE}``; a stream the
 sidecar ended is opened again for the next command (as the callback does).
+
+``python tests/trust_client.py --flood ATTEST_SOCKET [--read-replies]`` plays the flooding
+attacker instead (see ``flood``); ``flood_command`` builds that command line.
 """
 
 from __future__ import annotations
 
 import json
 import queue
+import socket
 import sys
+import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -45,7 +51,47 @@ class Stream:
                 "directives": [pb.Directive.Action.Name(d.action) for d in response.directives]}
 
 
+def flood(path: str, read_replies: bool) -> None:
+    """Eight threads connecting to the ``.attest`` socket at path without end, the newest
+    connections held open. read_replies: each connection waits (2 s at most) for what the
+    sidecar sends, a nonce or the close; else it only connects, non-blocking, and never reads."""
+    held: list[socket.socket] = []
+    keep = 500 if read_replies else 2000
+
+    def hammer() -> None:
+        while True:
+            try:
+                conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                if read_replies:
+                    conn.settimeout(2.0)
+                else:
+                    conn.setblocking(False)
+                conn.connect(path)
+                if read_replies:
+                    conn.recv(128)
+                held.append(conn)
+                if len(held) > keep:
+                    held.pop(0).close()
+            except OSError:
+                pass
+
+    for _ in range(8):
+        threading.Thread(target=hammer, daemon=True).start()
+    print("flooding", flush=True)
+    sys.stdin.read()
+
+
+def flood_command(attest_socket: str, read_replies: bool) -> list[str]:
+    """The argv of one flooding process (prefix it with ``setpriv`` for another uid; its
+    environment needs the repo root on PYTHONPATH). It prints ``flooding`` once it floods."""
+    argv = [sys.executable, str(Path(__file__).resolve()), "--flood", attest_socket]
+    return [*argv, "--read-replies"] if read_replies else argv
+
+
 def main() -> int:
+    if sys.argv[1] == "--flood":
+        flood(sys.argv[2], "--read-replies" in sys.argv)
+        return 0
     socket_path, run_id, rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
     attest = "--no-attest" not in sys.argv
     stream = Stream(socket_path)

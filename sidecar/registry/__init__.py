@@ -14,7 +14,7 @@ after the lock is released. The jobs live in the modules beside this one:
 - ``events``: applying a batch (and the one place a run ends);
 - ``incidents``: the findings lifecycle (fire, resolve, restore);
 - ``pending``: the outbox of writes and action calls done after the lock;
-- ``restart`` and ``status_report``: reading the store back, rendering ``Status``.
+- ``restart`` and ``status_report``: reading the store back and resuming, rendering ``Status``.
 
 Trust: on the unix socket a run is written only by processes the kernel identified, unless the
 operator opted out (``allow_unattested``: logged and exported); ``trainer_uids`` narrows who
@@ -41,10 +41,10 @@ from deadweight.sidecar.attestation import Attestor, ProcessIdentity
 from deadweight.sidecar.detectors.base import Detector, Policy
 from deadweight.sidecar.detectors.frozen import FrozenWeights
 from deadweight.sidecar.finding import ActionSink, Finding, LogOnlyActions
+from deadweight.sidecar.registry import restart
 from deadweight.sidecar.registry.events import CheckpointSink, EventApplier, end_run
 from deadweight.sidecar.registry.identity import IdentityGate, Peer
 from deadweight.sidecar.registry.incidents import RESUME_HOLD_STEPS, FindingLifecycle
-from deadweight.sidecar.registry.restart import read_back
 from deadweight.sidecar.registry.run_table import RunEntry, RunTable
 from deadweight.sidecar.registry.status_report import status_response
 from deadweight.sidecar.registry.validation import (
@@ -331,30 +331,12 @@ class Registry:
     # -- restart ---------------------------------------------------------------------------
 
     def resume(self) -> int:
-        """Read back the runs, bindings, checkpoints and incidents a previous sidecar left.
-
-        Firing findings come back firing (no second page, STOP or kill for the same
-        incident); the action sink re-asserts them. Returns the number of runs restored.
-        """
-        now = time.time()
-        found = read_back(self.store, now, self.ended_ttl_seconds,
-                          limit=self.max_runs - len(self._table))
-        restored = []
-        with self._lock:
-            for run in found:
-                if self._table.restore(run.entry):
-                    self._lifecycle.restore(run.entry, run.incidents)
-                    restored.append(run.entry)
-            # Runs already silent, or whose processes are gone, ended while no sidecar
-            # watched: end them before the first stream, so stale runs never hold the room
-            # of the run table (a full table of them refused every new run after a restart).
-            for silent in self._table.silent(now, self.silent_run_seconds):
-                end_run(silent, self.store, "silent", now)
-            for entry in restored:
-                self._check_exits(entry, now)
+        """Read back the runs, bindings, checkpoints and incidents a previous sidecar left
+        (``restart.resume``); the action sink re-asserts firing findings. Returns the number
+        of runs restored."""
+        restored = restart.resume(self.store, self._table, self._lifecycle, self._lock,
+                                  self.silent_run_seconds, self._check_exits)
         self._flush(*restored)
-        if restored:
-            log.info("runs_resumed", runs=len(restored))
         return len(restored)
 
     # -- readers ---------------------------------------------------------------------------

@@ -1,17 +1,23 @@
 """Restart: what a previous sidecar left in the store, read back before the lock is taken.
 
 ``read_back`` prunes the journal past its retention and reads the runs still worth keeping
-(live, or ended within the TTL) with their bindings, checkpoints and incidents; the registry
-then installs them under its lock. Stall clocks restart with the sidecar.
+(live, or ended within the TTL) with their bindings, checkpoints and incidents; ``resume``
+then installs them under the registry's lock and ends those that expired while no sidecar
+watched. Stall clocks restart with the sidecar.
 """
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
 
-from deadweight.sidecar.registry.run_table import RunEntry
+from deadweight.sidecar.registry.events import end_run
+from deadweight.sidecar.registry.incidents import FindingLifecycle
+from deadweight.sidecar.registry.run_table import RunEntry, RunTable
 from deadweight.sidecar.state import RunState
 from deadweight.sidecar.store import RETENTION_SECONDS, Store, StoredIncident
 
@@ -46,4 +52,32 @@ def read_back(store: Store, now: float, ended_ttl_seconds: float,
         run.checkpoints.extend(points)
         run.checkpoints_total = len(points)
         restored.append(RestoredRun(entry, store.incidents(stored.run_id)))
+    return restored
+
+
+def resume(store: Store, table: RunTable, lifecycle: FindingLifecycle, lock: threading.RLock,
+           silent_run_seconds: float, check_exits: Callable[[RunEntry, float], None]
+           ) -> list[RunEntry]:
+    """Install the runs a previous sidecar left, as many as the table has room for; returns
+    them (their outboxes still to flush, outside the lock).
+
+    Firing findings come back firing (no second page, STOP or kill for the same incident).
+    Runs already silent, or whose processes are gone (check_exits), ended while no sidecar
+    watched: they end before the first stream, so stale runs never hold the room of the run
+    table (a full table of them refused every new run after a restart).
+    """
+    now = time.time()
+    found = read_back(store, now, table.ended_ttl_seconds, limit=table.max_runs - len(table))
+    restored = []
+    with lock:
+        for run in found:
+            if table.restore(run.entry):
+                lifecycle.restore(run.entry, run.incidents)
+                restored.append(run.entry)
+        for silent in table.silent(now, silent_run_seconds):
+            end_run(silent, store, "silent", now)
+        for entry in restored:
+            check_exits(entry, now)
+    if restored:
+        log.info("runs_resumed", runs=len(restored))
     return restored

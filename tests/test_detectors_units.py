@@ -328,3 +328,28 @@ def test_a_streak_names_the_item_where_it_reached_its_length() -> None:
     steps = trailing_streak([(1, 0.0), (2, 1.0), (3, 0.0), (4, 0.0)], lambda p: p[1] == 0)
     assert steps.reached(2) == (4, 0.0) and steps.reached(1) == (3, 0.0)
     assert not trailing_streak([0, 1], lambda v: v == 0).items  # the newest breaks it
+
+
+def test_start_fact_detectors_wait_for_the_start_and_stay_silent_without_their_fact() -> None:
+    """Before the RunStart a start-fact detector has nothing to judge (no verdict at all); a
+    RunStart without the optional fact (the client could not gather it) is a silent verdict,
+    while the same fact present and bad fires."""
+    from deadweight.sidecar.detectors.base import Verdict
+    from deadweight.sidecar.detectors.start_facts import (
+        DatasetShrunk,
+        ResumeLostAdapter,
+        StopTokenUntrained,
+        UnsavedHead,
+    )
+    from deadweight.sidecar.state import RunState
+
+    settings = DetectorSettings()
+    detectors = (StopTokenUntrained(), UnsavedHead(), DatasetShrunk(), ResumeLostAdapter())
+    run = RunState("r")
+    assert [d.evaluate(run, settings) for d in detectors] == [None] * 4
+    run.start = pb.RunStart(trainer="SFTTrainer")
+    assert [d.evaluate(run, settings) for d in detectors] == [Verdict(False)] * 4
+    run.start = pb.RunStart(trainer="SFTTrainer", dataset_rows=pb.DatasetRows(given=32, kept=2),
+                            stop_token=pb.StopTokenCheck(sequences=4, in_labels=0, token="<eos>"))
+    fired = [d.spec.id for d in detectors if (v := d.evaluate(run, settings)) and v.firing]
+    assert fired == ["stop_token_untrained", "dataset_shrunk"]

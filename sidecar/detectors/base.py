@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Generic, Protocol, TypeVar
 
+from deadweight.proto import pb
+
 # Policy and Severity are re-exported: the registry, actions and CLI import them from here.
 from deadweight.sidecar.detectors.spec import DetectorSpec, Scope
 from deadweight.sidecar.detectors.spec import Policy as Policy
@@ -102,6 +104,17 @@ RL_TRAINERS = frozenset({"GRPOTrainer", "RLOOTrainer"})
 def is_rl(run: RunState) -> bool:
     """A GRPO/RLOO-style run: named so, or configured with num_generations."""
     return run.trainer in RL_TRAINERS or "num_generations" in run.config
+
+
+def start_facts_or_silent(run: RunState, fact: str = "") -> pb.RunStart | Verdict | None:
+    """The run's start facts, or what a detector over them answers without them: None before
+    the RunStart (nothing to judge yet), a silent verdict when the RunStart lacks the optional
+    fact (the client could not gather it: the run is watched without it)."""
+    if run.start is None:
+        return None
+    if fact and not run.start.HasField(fact):
+        return Verdict(False)
+    return run.start
 
 
 def finite_history(run: RunState, key: str) -> list[tuple[int, float]]:

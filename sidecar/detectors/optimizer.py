@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from deadweight.sidecar.detectors.base import SpecDetector, Verdict, fmt
+from deadweight.proto import pb
+from deadweight.sidecar.detectors.base import SpecDetector, Verdict, fmt, start_facts_or_silent
 from deadweight.sidecar.detectors.spec import (
     ROOT_CAUSES,
     DetectorSpec,
@@ -37,9 +38,10 @@ class EmptyOptimizer(SpecDetector):
     )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
-        if run.start is None:
-            return None
-        m = run.start.membership
+        start = start_facts_or_silent(run)
+        if not isinstance(start, pb.RunStart):
+            return start
+        m = start.membership
         if m.optimizer_tensors > 0 or m.layout == MEMBERSHIP_UNKNOWN:
             return Verdict(False)  # unknown: a partitioning optimizer the client cannot map
         return Verdict(
@@ -85,9 +87,10 @@ class GradNotInOptimizer(SpecDetector):
     )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
-        if run.start is None:
-            return None
-        m = run.start.membership
+        start = start_facts_or_silent(run)
+        if not isinstance(start, pb.RunStart):
+            return start
+        m = start.membership
         steps = run.combined_steps()
         latest = steps[-1] if steps else None
         if latest is not None and latest.grad_not_in_optimizer_tensors > 0:
@@ -170,9 +173,10 @@ class InactiveAdapter(SpecDetector):
     )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
-        if run.start is None:
-            return None
-        adapters = list(run.start.membership.adapters)
+        start = start_facts_or_silent(run)
+        if not isinstance(start, pb.RunStart):
+            return start
+        adapters = list(start.membership.adapters)
         trained = {a.name for a in adapters if a.in_optimizer_tensors > 0}
         idle = [a for a in adapters if a.tensors > 0 and a.in_optimizer_tensors == 0
                 and not _is_reference(run, a.name)]
@@ -192,7 +196,7 @@ class InactiveAdapter(SpecDetector):
                     "idle_adapters": ",".join(a.name for a in idle),
                     "idle_adapter_params": fmt(sum(a.params for a in idle)),
                     "trained_adapters": ",".join(sorted(trained)),
-                    "active_adapter": run.start.preflight.active_adapter,
+                    "active_adapter": start.preflight.active_adapter,
                     "step": "0 (train begin)",
                 },
             )

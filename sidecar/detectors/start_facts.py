@@ -10,7 +10,14 @@ from __future__ import annotations
 import math
 
 from deadweight.proto import pb
-from deadweight.sidecar.detectors.base import SpecDetector, Verdict, finite_history, fmt, is_rl
+from deadweight.sidecar.detectors.base import (
+    SpecDetector,
+    Verdict,
+    finite_history,
+    fmt,
+    is_rl,
+    start_facts_or_silent,
+)
 from deadweight.sidecar.detectors.spec import DetectorSpec, Evidence, Severity, Threshold
 from deadweight.sidecar.settings import DetectorSettings
 from deadweight.sidecar.state import RunState
@@ -38,11 +45,10 @@ class StopTokenUntrained(SpecDetector):
     )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
-        if run.start is None:
-            return None
-        if not run.start.HasField("stop_token"):
-            return Verdict(False)
-        check = run.start.stop_token
+        start = start_facts_or_silent(run, "stop_token")
+        if not isinstance(start, pb.RunStart):
+            return start
+        check = start.stop_token
         if check.sequences <= 0 or check.in_labels > 0:
             return Verdict(False)
         where = (f"appears {check.in_inputs} times in the inputs but never in the labels"
@@ -76,11 +82,10 @@ class UnsavedHead(SpecDetector):
     )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
-        if run.start is None:
-            return None
-        if not run.start.HasField("heads"):
-            return Verdict(False)
-        h = run.start.heads
+        start = start_facts_or_silent(run, "heads")
+        if not isinstance(start, pb.RunStart):
+            return start
+        h = start.heads
         lost = [n for n in h.new_heads if n not in h.saved_heads]
         if not lost:
             return Verdict(False)
@@ -116,11 +121,10 @@ class DatasetShrunk(SpecDetector):
     )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
-        if run.start is None:
-            return None
-        if not run.start.HasField("dataset_rows"):
-            return Verdict(False)
-        rows = run.start.dataset_rows
+        start = start_facts_or_silent(run, "dataset_rows")
+        if not isinstance(start, pb.RunStart):
+            return start
+        rows = start.dataset_rows
         dropped = rows.given - rows.kept
         if rows.given <= 0 or dropped / rows.given < settings.dataset_drop_fraction:
             return Verdict(False)
@@ -171,11 +175,10 @@ class ResumeLostAdapter(SpecDetector):
     )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
-        if run.start is None:
-            return None
-        if not run.start.HasField("resume"):
-            return Verdict(False)
-        resume = run.start.resume
+        start = start_facts_or_silent(run, "resume")
+        if not isinstance(start, pb.RunStart):
+            return start
+        resume = start.resume
         return self._by_digest(run, resume) or self._by_loss(run, resume, settings)
 
     @staticmethod

@@ -7,6 +7,7 @@ reference is measured in the same run as the figure it is compared with.
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -109,3 +110,14 @@ def attested_stream(address: str, requests: Iterable[pb.StreamRequest]
 
     with grpc.insecure_channel(address) as channel:
         yield from monitor_stub(channel).Stream(attested())
+
+
+def in_threads(target: Callable[[], object], count: int) -> float:
+    """Run target on count threads at once; the wall seconds until the last one ends."""
+    threads = [threading.Thread(target=target) for _ in range(count)]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return time.perf_counter() - start

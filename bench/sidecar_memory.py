@@ -45,7 +45,7 @@ from deadweight.proto import MAX_MESSAGE_BYTES, monitor_stub, pb
 from deadweight.sidecar import limits, state, status
 from deadweight.sidecar.checkpoint_inspector import MAX_HEADER_BYTES, MAX_TENSORS
 
-from .common import table, verdict
+from .common import in_threads, table, verdict
 
 ROOT = Path(__file__).resolve().parent.parent
 MANIFEST = ROOT / "deploy" / "kubernetes" / "training-job.yaml"
@@ -254,11 +254,7 @@ def _status_storm(sidecar: SidecarProcess, parallel: int) -> int:
         except grpc.RpcError as err:
             failures.append(err)
 
-    threads = [threading.Thread(target=one) for _ in range(parallel)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    in_threads(one, parallel)
     if failures:
         raise failures[0]
     return max(sizes)
@@ -322,11 +318,7 @@ def measure(folder: Path, flags: dict[str, int], shape: Shape, parallel: int = 4
                 with lock:
                     errors.extend(found)
 
-        workers = [threading.Thread(target=drain) for _ in range(parallel)]
-        for worker in workers:
-            worker.start()
-        for worker in workers:
-            worker.join()
+        in_threads(drain, parallel)
         assert not errors, errors[:3]
         # One rank beyond --max-ranks is refused (the cap that bounds all of the above).
         refused = client.send("mem-0", 10_000, iter([[pb.Event(

@@ -26,7 +26,7 @@ from deadweight.demo.sidecar_process import SidecarProcess
 from deadweight.proto import pb
 from deadweight.sidecar import state as sidecar_state
 
-from .common import attested_stream, fmt_time, table
+from .common import attested_stream, fmt_time, in_threads, table
 from .sidecar_load import RUNS, _pct, _requests
 
 #: The caps of sidecar/limits.py: the most adapters and groups one client may send.
@@ -256,13 +256,7 @@ def scrape_flood(sidecar: SidecarProcess, idle: int, rounds: int) -> list[str]:
             if outcome != "ok":
                 time.sleep(0.25)  # the scraper's next attempt
 
-    threads = [threading.Thread(target=scraper) for _ in range(SCRAPERS)]
-    start = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    wall = time.perf_counter() - start
+    wall = in_threads(scraper, SCRAPERS)
     for conn in held:
         conn.close()
     return [f"{SCRAPERS} parallel scrapers x {rounds}, {idle} idle connections held",

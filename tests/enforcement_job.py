@@ -56,7 +56,7 @@ def main() -> int:
         """Leave CPU to the rest of the machine between steps."""
 
         def on_step_end(self, *a: Any, **kw: Any) -> None:
-            time.sleep(args.step_pause)
+            time.sleep(args.step_pause)  # the job's pace, not a wait on a condition
 
     cls = DeadweightCallback if args.mode == "obey" else DeafCallback
     callback = cls(address=args.address, run_id=args.run_id, start_timeout_seconds=10.0)

@@ -70,7 +70,7 @@ class RealProcess:
                 http_get(self.url + "/-/ready", timeout=1.0)
                 return
             except (urllib.error.URLError, OSError):
-                time.sleep(0.05)
+                time.sleep(0.05)  # poll interval of the readiness wait
         self.stop()
         raise TimeoutError(f"{self.name} not ready after {timeout}s:\n{self.log()}")
 

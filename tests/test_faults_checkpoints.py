@@ -57,7 +57,7 @@ def test_a_checkpoint_still_being_written_is_inspected_once_complete(run: Watche
         for i in range(0, len(data), len(data) // 5 + 1):
             handle.write(data[i:i + len(data) // 5 + 1])
             handle.flush()
-            time.sleep(0.3)
+            time.sleep(0.3)  # the slowness under test: the writer pauses between chunks
     line = run.wait_line(folder, "checkpoint_inspected")
     assert line["digest"] == inspect_path(final).adapter_digest
     assert [x["event"] for x in run.lines(folder)] == ["checkpoint_inspected"]

@@ -183,7 +183,7 @@ def netns() -> Iterator[list[str]]:
                                          capture_output=True, text=True).stdout.split(">")[0]:
             assert holder.poll() is None, "network namespace holder exited"
             assert time.monotonic() < deadline, "loopback never came up"
-            time.sleep(0.05)
+            time.sleep(0.05)  # poll interval of the condition wait
         yield prefix
     finally:
         holder.kill()
@@ -204,7 +204,7 @@ def test_sidecar_serves_metrics_in_the_image(image: str, container: str,
         while subprocess.run([*in_ctr, *healthcheck], capture_output=True).returncode != 0:
             assert server.poll() is None, f"sidecar exited:\n{log_path.read_text()}"
             assert time.monotonic() < deadline, f"never healthy:\n{log_path.read_text()}"
-            time.sleep(0.2)
+            time.sleep(0.2)  # poll interval of the condition wait
 
         port = flag(config["Entrypoint"], "--metrics-address").rsplit(":", 1)[1]
         fetch = ("import urllib.request as u; "

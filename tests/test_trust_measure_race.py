@@ -29,6 +29,8 @@ from deadweight.sidecar.exporter import DeadweightCollector
 from deadweight.sidecar.metrics_http import render
 from deadweight.sidecar.registry import Registry
 
+pytestmark = pytest.mark.slow  # thousands of renders under churn: about 30 s
+
 #: Renders the test requires (each one a full /metrics page).
 RENDERS = 3000
 RANKS = 4

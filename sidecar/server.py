@@ -25,7 +25,7 @@ from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 from deadweight.proto import MAX_MESSAGE_BYTES, add_monitor_servicer, pb, pb_grpc
 from deadweight.proto.transport import bearer_matches
 from deadweight.sidecar.registry import Peer, Registry
-from deadweight.sidecar.socket_access import grant
+from deadweight.sidecar.socket_access import grant, secure_folder
 from deadweight.sidecar.status import STATUS_MAX_BYTES, bounded
 
 log = structlog.get_logger("deadweight.server")
@@ -132,13 +132,10 @@ def refuse_if_listening(path: Path) -> None:
 
 
 def _prepare_socket(path: Path) -> None:
-    """Create the socket's folder (owner-only) and clear a stale socket from a crash."""
+    """Create the socket's folder (owner and group only; see ``secure_folder``) and clear a
+    stale socket from a crash."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
-    folder = path.parent.stat()
-    if folder.st_uid != os.geteuid() or folder.st_mode & 0o002:
-        # Whoever else may write here could swap the socket for their own.
-        log.warning("socket_dir_not_private", folder=str(path.parent), owner=folder.st_uid,
-                    mode=oct(stat.S_IMODE(folder.st_mode)))
+    secure_folder(path.parent)
     if path.exists() or path.is_symlink():
         if not stat.S_ISSOCK(path.lstat().st_mode):
             raise FileExistsError(f"{path} exists and is not a socket; refusing to replace it")

@@ -71,7 +71,7 @@ def _url_pattern(allowed: frozenset[str]) -> Callable[[str], str]:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from deadweight.sidecar import app, logs, signal_capability
+    from deadweight.sidecar import app, gc_tuning, logs, signal_capability
     from deadweight.sidecar.server import InsecureTransport, check_transport
     from deadweight.sidecar.state_db import StateDirUnsafe
 
@@ -98,6 +98,8 @@ def _serve(args: argparse.Namespace) -> int:
         sidecar.stop()
         sidecar.close()
         return 2
+
+    gc_tuning.tune_garbage_collector()
 
     def _stop(signum: int, frame: object) -> None:
         sidecar.stop()

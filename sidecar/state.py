@@ -40,6 +40,90 @@ MAX_DTYPE_TEXT = 64
 REFUSED_WINDOW = 16
 
 
+#: One adapter's figures in a step: (name, update_sq_sum, unchanged_tensors, tensors).
+AdapterFigures = tuple[str, float, int, int]
+#: One module kind's figures in a step: (kind, dtype, elements, unchanged_elements).
+ModuleFigures = tuple[str, str, int, int]
+
+
+class StepGroups:
+    """A step's per-adapter and per-module-kind figures, read off its report on first use.
+
+    Reading the groups of a LoRA step report (one per module kind and adapter) costs more than
+    the rest of the step put together, and most of the steps a rank keeps are never read
+    group by group: the detectors that do read the newest few. So a received step keeps its
+    report's bytes (which the history needs anyway) and decodes them once, when first asked.
+    Groups already known (summed over a sharded run's ranks) are held as they are.
+    """
+
+    __slots__ = ("_adapters", "_encoded", "_modules")
+
+    def __init__(self, adapters: tuple[AdapterFigures, ...] = (),
+                 modules: tuple[ModuleFigures, ...] = ()) -> None:
+        self._encoded: bytes | None = None
+        self._adapters = adapters
+        self._modules = modules
+
+    @classmethod
+    def encoded(cls, report_bytes: bytes) -> StepGroups:
+        """The groups of a serialized ``StepReport``, decoded when first read."""
+        groups = cls()
+        groups._encoded = report_bytes
+        return groups
+
+    @property
+    def decoded(self) -> bool:
+        """Whether the figures were read off the report (or were never encoded)."""
+        return self._encoded is None
+
+    @property
+    def adapters(self) -> tuple[AdapterFigures, ...]:
+        if self._encoded is not None:
+            self._decode(self._encoded)
+        return self._adapters
+
+    @property
+    def modules(self) -> tuple[ModuleFigures, ...]:
+        if self._encoded is not None:
+            self._decode(self._encoded)
+        return self._modules
+
+    def _decode(self, encoded: bytes) -> None:
+        # Two threads may both decode (the registry lock is not always held by readers): each
+        # writes the same figures, and the bytes are dropped only after both are set.
+        adapters: list[AdapterFigures] = []
+        modules: list[ModuleFigures] = []
+        intern = sys.intern
+        for group in pb.StepReport.FromString(encoded).groups:
+            kind = group.kind
+            if kind == "adapter":
+                if len(adapters) < MAX_ADAPTERS_PER_STEP:
+                    adapters.append((intern(group.name[:MAX_GROUP_NAME]), group.update_sq_sum,
+                                     group.unchanged_tensors, group.tensors))
+            elif kind == "module" and len(modules) < MAX_MODULE_KINDS_PER_STEP:
+                elements = group.elements
+                if elements > 0:
+                    modules.append((intern(group.name[:MAX_GROUP_NAME]),
+                                    intern(group.dtype[:MAX_DTYPE_TEXT]), elements,
+                                    group.unchanged_elements))
+        self._adapters, self._modules = tuple(adapters), tuple(modules)
+        self._encoded = None
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, StepGroups):
+            return NotImplemented
+        return (self.adapters, self.modules) == (other.adapters, other.modules)
+
+    def __hash__(self) -> int:
+        return hash((self.adapters, self.modules))
+
+    def __repr__(self) -> str:
+        return f"StepGroups(adapters={self.adapters!r}, modules={self.modules!r})"
+
+
+NO_GROUPS = StepGroups()
+
+
 @dataclass(frozen=True)
 class StepPoint:
     """One optimizer step as one rank measured it."""
@@ -57,21 +141,23 @@ class StepPoint:
     grad_not_in_optimizer_tensors: int
     grad_not_in_optimizer_params: int
     sampled: bool
-    #: Per adapter: (update_sq_sum, unchanged_tensors, tensors), from the step's groups.
-    adapter_updates: tuple[tuple[str, float, int, int], ...] = ()
+    #: Per adapter and per module kind, from the step's groups (see StepGroups).
+    groups: StepGroups = NO_GROUPS
     #: The optimizer skipped this step (fp16 loss scaling saw inf/NaN gradients).
     skipped: bool = False
     #: AdaLoRA only: whether a rank_pattern had been allocated by this step.
     adalora_allocated: bool | None = None
-    #: Per module kind: (kind, dtype, elements, unchanged_elements), from the step's groups.
-    module_elements: tuple[tuple[str, str, int, int], ...] = ()
 
     @classmethod
-    def from_report(cls, report: pb.StepReport, at: float) -> StepPoint:
-        # Built once per step report received (the sidecar's hottest path): the fields go
-        # straight into the instance, as the generated frozen __init__ would put them, without
-        # its object.__setattr__ per field (ten times the cost). Every field is set here
-        # (tests/test_state.py checks it).
+    def from_report(cls, report: pb.StepReport, at: float,
+                    encoded: bytes | None = None) -> StepPoint:
+        """The step a report describes; encoded: the report's bytes, if already serialized.
+
+        Built once per step report received (the sidecar's hottest path): the fields go
+        straight into the instance, as the generated frozen __init__ would put them, without
+        its object.__setattr__ per field (ten times the cost). Every field is set here
+        (tests/test_step_point.py checks it).
+        """
         point = object.__new__(cls)
         point.__dict__.update(
             step=report.step,
@@ -87,21 +173,23 @@ class StepPoint:
             grad_not_in_optimizer_tensors=report.grad_not_in_optimizer_tensors,
             grad_not_in_optimizer_params=report.grad_not_in_optimizer_params,
             sampled=report.sampled,
-            adapter_updates=tuple(
-                (sys.intern(g.name[:MAX_GROUP_NAME]), g.update_sq_sum, g.unchanged_tensors,
-                 g.tensors)
-                for g in report.groups if g.kind == "adapter"
-            )[:MAX_ADAPTERS_PER_STEP],
+            groups=StepGroups.encoded(report.SerializeToString() if encoded is None
+                                      else encoded) if report.groups else NO_GROUPS,
             skipped=report.optimizer_step_skipped,
             adalora_allocated=report.adalora_rank_pattern_set
             if report.HasField("adalora_rank_pattern_set") else None,
-            module_elements=tuple(
-                (sys.intern(g.name[:MAX_GROUP_NAME]), sys.intern(g.dtype[:MAX_DTYPE_TEXT]),
-                 g.elements, g.unchanged_elements)
-                for g in report.groups if g.kind == "module" and g.elements > 0
-            )[:MAX_MODULE_KINDS_PER_STEP],
         )
         return point
+
+    @property
+    def adapter_updates(self) -> tuple[AdapterFigures, ...]:
+        """Per adapter: (name, update_sq_sum, unchanged_tensors, tensors)."""
+        return self.groups.adapters
+
+    @property
+    def module_elements(self) -> tuple[ModuleFigures, ...]:
+        """Per module kind with elements: (kind, dtype, elements, unchanged_elements)."""
+        return self.groups.modules
 
     @property
     def update_norm(self) -> float:
@@ -261,7 +349,7 @@ class RunState:
                     sampled=any(p.sampled for p in points),
                     skipped=any(p.skipped for p in points),
                     adalora_allocated=first.adalora_allocated,
-                    module_elements=_sum_module_elements(points),
+                    groups=StepGroups(modules=_sum_module_elements(points)),
                 )
             )
         return combined
@@ -314,7 +402,7 @@ class RunState:
             self.logs[key] = value
 
 
-def _sum_module_elements(points: list[StepPoint]) -> tuple[tuple[str, str, int, int], ...]:
+def _sum_module_elements(points: list[StepPoint]) -> tuple[ModuleFigures, ...]:
     """Each module kind's element counts summed over the ranks' shards (dtype of the first)."""
     summed: dict[str, tuple[str, int, int]] = {}
     for point in points:

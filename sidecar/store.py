@@ -65,9 +65,11 @@ CREATE TABLE IF NOT EXISTS history (
 
 #: How long the journal of an ended run is kept (pruned when the sidecar starts).
 RETENTION_SECONDS = 30 * 86400
-#: Rows of per-step history kept per run and kind; past it, every other older row is dropped,
+#: Steps (and log rows) of history kept per run; past it, every other older row is dropped,
 #: so a long run keeps its whole span at a coarser grain (the report's plots need no more).
 MAX_HISTORY_ROWS = 2000
+#: The history kind of rows that each hold a batch of steps (``history.pack_steps``).
+PACKED_STEPS = "steps"
 #: (run, kind) pairs whose history row count is held in memory.
 _MAX_COUNTED_HISTORIES = 10_000
 #: incidents.enforcement while an escalation (STOP, SIGTERM, SIGKILL) is still in progress.
@@ -156,11 +158,17 @@ class Store:
 
     def _write_many(self, sql: str, rows: Sequence[tuple[Any, ...]]) -> None:
         """One statement over many rows, in one transaction (one commit, not one per row)."""
+        self._write_together([(sql, rows)])
+
+    def _write_together(self, statements: Sequence[tuple[str, Sequence[tuple[Any, ...]]]]
+                        ) -> None:
+        """Statements, each over its rows, in one transaction: all of them or none."""
         with self._lock:
             try:
                 self._db.execute("BEGIN")
                 try:
-                    self._db.executemany(sql, rows)
+                    for sql, rows in statements:
+                        self._db.executemany(sql, rows)
                 except BaseException:
                     self._db.execute("ROLLBACK")
                     raise
@@ -289,10 +297,50 @@ class Store:
         """Keep one step's figures of one kind ("step" or "log"); bounded per run and kind."""
         self._add_history(run_id, kind, [(step, at, json.dumps(series, sort_keys=True))])
 
-    def add_step_history(self, run_id: str,
-                         rows: Sequence[tuple[int, float, bytes | str]]) -> None:
-        """Keep a batch of steps (``history.encode_step``), in one transaction."""
-        self._add_history(run_id, "step", rows)
+    def add_step_history(self, run_id: str, rows: Sequence[history.StoredStep]) -> None:
+        """Keep a batch of steps (``history.encode_step``) as one row (``history.pack_steps``);
+        past MAX_HISTORY_ROWS steps of the run, every other older step is dropped."""
+        if not rows:
+            return
+        key = (run_id, PACKED_STEPS)
+        with self._lock:
+            self._write("INSERT OR REPLACE INTO history VALUES (?, ?, ?, ?, ?)",
+                        (run_id, PACKED_STEPS, rows[0][0], rows[0][1],
+                         history.pack_steps(rows)))
+            count = self._history_rows.get(key)
+            count = len(self._packed_steps(run_id)) if count is None else count + len(rows)
+            if count > MAX_HISTORY_ROWS:
+                count = self._thin_packed_steps(run_id)
+            self._count_rows(key, count)
+
+    def _packed_steps(self, run_id: str) -> list[history.StoredStep]:
+        """A run's packed steps, by step (a step kept twice: the later row's)."""
+        by_step: dict[int, history.StoredStep] = {}
+        for (packed,) in self._read("SELECT series FROM history WHERE run_id=? AND kind=? "
+                                    "ORDER BY step", (run_id, PACKED_STEPS)):
+            try:
+                for stored in history.unpack_steps(packed):
+                    by_step[stored[0]] = stored
+            except ValueError as err:  # a damaged row: the steps before the damage are kept
+                log.warning("history_row_damaged", run_id=run_id, error=str(err))
+        return [by_step[step] for step in sorted(by_step)]
+
+    def _thin_packed_steps(self, run_id: str) -> int:
+        """Drop every other step but the newest, in one row: the run's whole span stays, at
+        half the grain. Returns the steps kept."""
+        steps = self._packed_steps(run_id)
+        kept = [s for n, s in enumerate(steps, 1) if n % 2 == 1 or n == len(steps)]
+        self._write_together([
+            ("DELETE FROM history WHERE run_id=? AND kind=?", [(run_id, PACKED_STEPS)]),
+            ("INSERT INTO history VALUES (?, ?, ?, ?, ?)",
+             [(run_id, PACKED_STEPS, kept[0][0], kept[0][1], history.pack_steps(kept))]),
+        ])
+        return len(kept)
+
+    def _count_rows(self, key: tuple[str, str], count: int) -> None:
+        if len(self._history_rows) >= _MAX_COUNTED_HISTORIES:
+            self._history_rows.clear()  # bounded; counted again from SQL when next written
+        self._history_rows[key] = count
 
     def _add_history(self, run_id: str, kind: str,
                      rows: Sequence[tuple[int, float, str | bytes]]) -> None:
@@ -310,9 +358,7 @@ class Store:
                     "row_number() OVER (ORDER BY step) AS n FROM history WHERE run_id=? AND "
                     "kind=?) WHERE n % 2 = 0 AND n < ?)", (run_id, kind, count))
                 count = self._count_history(key)
-            if len(self._history_rows) >= _MAX_COUNTED_HISTORIES:
-                self._history_rows.clear()  # bounded; counted again from SQL when next written
-            self._history_rows[key] = count
+            self._count_rows(key, count)
 
     def _count_history(self, key: tuple[str, str]) -> int:
         (count,) = self._db.execute(
@@ -320,12 +366,18 @@ class Store:
         return int(count)
 
     def history(self, run_id: str, kind: str) -> list[tuple[int, float, dict[str, float]]]:
-        """(step, time, figures) of a run's history of one kind, by step."""
-        rows = self._read(
-            "SELECT step, time, series FROM history WHERE run_id=? AND kind=? ORDER BY step",
-            (run_id, kind))
-        return [(step, at, json.loads(series) if isinstance(series, str)
-                 else history.decode_step(series, at)) for step, at, series in rows]
+        """(step, time, figures) of a run's history of one kind ("step" or "log"), by step.
+
+        Steps are read from their packed rows and from the one-row-per-step form a sidecar
+        before packing wrote (a step in both: the packed one)."""
+        rows: dict[int, tuple[float, bytes | str]] = {
+            step: (at, series) for step, at, series in self._read(
+                "SELECT step, time, series FROM history WHERE run_id=? AND kind=? "
+                "ORDER BY step", (run_id, kind))}
+        if kind == "step":
+            rows.update((step, (at, kept)) for step, at, kept in self._packed_steps(run_id))
+        return [(step, at, history.stored_figures(at, series))
+                for step, (at, series) in sorted(rows.items())]
 
     def run(self, run_id: str) -> StoredRun | None:
         """One run by id, ended or not."""

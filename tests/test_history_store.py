@@ -39,3 +39,30 @@ def test_history_stays_bounded_over_restarts_and_keeps_its_whole_span(
     point = StepPoint.from_report(pb.StepReport.FromString(_row(330)[2]), at)
     assert figures["update_norm"] == point.update_norm and figures["watched_tensors"] == 2.0
     assert store.history("run", "log") == [(3, 3.0, {"loss": 1.5})]
+
+
+def test_a_batch_of_steps_is_one_row_and_reads_back_step_by_step(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    store.add_step_history("run", [_row(s) for s in range(1, 257)])
+    store.add_step_history("run", [(257, 257.0, '{"update_norm": 2.5}')])  # a sharded step
+    (rows,) = store._read("SELECT COUNT(*) FROM history WHERE run_id='run'")
+    assert rows == (2,)
+    steps = store.history("run", "step")
+    assert [s for s, _, _ in steps] == list(range(1, 258))
+    assert steps[9][1] == 10.0 and steps[9][2]["watched_tensors"] == 2.0
+    assert steps[-1] == (257, 257.0, {"update_norm": 2.5})
+
+
+def test_rows_of_an_older_sidecar_and_a_damaged_row_still_read(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    old = pb.StepReport(step=1, update_sq_sum=4.0, watched_tensors=1).SerializeToString()
+    store._write("INSERT INTO history VALUES ('run', 'step', 1, 1.0, ?)", (old,))
+    store._write("INSERT INTO history VALUES ('run', 'step', 2, 2.0, ?)",
+                 ('{"update_norm": 1.0}',))
+    store.add_step_history("run", [_row(3), _row(4)])
+    store.add_step_history("run", [_row(5), _row(6)])
+    store._write("UPDATE history SET series = substr(series, 1, length(series) - 5) "
+                 "WHERE kind = ? AND step = 5", (store_module.PACKED_STEPS,))
+    steps = store.history("run", "step")
+    assert [s for s, _, _ in steps] == [1, 2, 3, 4, 5]  # step 6 was cut short
+    assert steps[0][2]["update_norm"] == 2.0 and steps[1][2] == {"update_norm": 1.0}

@@ -9,7 +9,8 @@ import pytest
 
 from deadweight.proto import pb
 from deadweight.sidecar import history
-from deadweight.sidecar.state import StepPoint
+from deadweight.sidecar.registry import Registry
+from deadweight.sidecar.state import MAX_ADAPTERS_PER_STEP, NO_GROUPS, STEP_WINDOW, StepPoint
 
 
 def _report() -> pb.StepReport:
@@ -65,3 +66,43 @@ def test_an_oversized_step_report_is_kept_as_its_bounded_figures() -> None:
     assert isinstance(stored, str) and len(stored) < history.MAX_STORED_STEP_BYTES * 2
     modules = {k.split("/")[1] for k in json.loads(stored) if k.startswith("module/")}
     assert len(modules) == history.MAX_MODULE_KINDS + 1 and "other" in modules
+
+
+def test_groups_are_read_off_the_report_when_first_asked_and_capped() -> None:
+    report = _report()
+    report.groups.add(name="v_proj", kind="module", update_sq_sum=2e-6, tensors=2,
+                      elements=64, unchanged_elements=40, dtype="bfloat16")
+    for i in range(MAX_ADAPTERS_PER_STEP + 5):
+        report.groups.add(name=f"extra{i}", kind="adapter", update_sq_sum=0.0, tensors=1,
+                          unchanged_tensors=1)
+    point = StepPoint.from_report(report, 1.0)
+    assert not point.groups.decoded  # kept as bytes until a detector asks
+    assert point.module_elements == (("v_proj", "bfloat16", 64, 40),)  # q_proj has no counts
+    assert point.groups.decoded
+    assert len(point.adapter_updates) == MAX_ADAPTERS_PER_STEP
+    assert point.adapter_updates[0] == ("default", 4e-6, 1, 4)
+    assert StepPoint.from_report(pb.StepReport(step=2), 0.0).groups is NO_GROUPS
+
+
+def test_the_detectors_read_the_groups_of_the_newest_steps_only() -> None:
+    """256 steps kept per rank, evaluated after every batch: only the newest few are decoded
+    (reading every step's groups was the largest cost of ingest)."""
+    registry = Registry()
+    request = pb.StreamRequest(run_id="lazy", rank=0)
+    start = request.events.add(seq=0).run_start
+    start.trainer, start.world_size = "SFTTrainer", 1
+    start.membership.layout = "module"
+    assert not registry.ingest(request).error
+    for first in range(1, 257, 64):
+        batch = pb.StreamRequest(run_id="lazy", rank=0)
+        for step in range(first, first + 64):
+            event = batch.events.add(seq=step)
+            event.step.CopyFrom(_report())
+            event.step.step = step
+            event.step.groups.add(name="v_proj", kind="module", update_sq_sum=1e-6, tensors=2,
+                                  elements=64, unchanged_elements=1, dtype="float32")
+        assert not registry.ingest(batch).error
+    steps = registry.run("lazy").ranks[0].steps  # type: ignore[union-attr]
+    decoded = sum(point.groups.decoded for point in steps)
+    assert len(steps) == STEP_WINDOW and 0 < decoded <= 4 * 16
+    assert steps[-1].groups.decoded  # the newest step was looked at

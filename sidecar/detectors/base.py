@@ -143,10 +143,17 @@ class Streak(Generic[T]):
         return self.items[length - 1] if 0 < length <= len(self.items) else None
 
 
-def trailing_streak(items: Sequence[T], met: Callable[[T], bool]) -> Streak[T]:
-    """Walk items back from the newest while they meet the condition: that streak."""
+def trailing_streak(items: Sequence[T], met: Callable[[T], bool],
+                    skip: Callable[[T], bool] | None = None) -> Streak[T]:
+    """Walk items back from the newest while they meet the condition: that streak.
+
+    Items that ``skip`` picks neither count nor break it. The walk stops at the streak's end,
+    so a condition read only there (a step's groups, decoded on first read) costs little.
+    """
     streak: list[T] = []
     for item in reversed(items):
+        if skip is not None and skip(item):
+            continue
         if not met(item):
             break
         streak.append(item)

@@ -12,7 +12,7 @@ from deadweight.sidecar.detectors.spec import (
     Threshold,
 )
 from deadweight.sidecar.settings import DetectorSettings
-from deadweight.sidecar.state import RunState
+from deadweight.sidecar.state import RunState, StepPoint
 
 #: ``OptimizerMembership.layout`` when the client could not map the optimizer's partitions.
 MEMBERSHIP_UNKNOWN = "unknown"
@@ -204,12 +204,19 @@ class InactiveAdapter(SpecDetector):
 
     def _switched(self, run: RunState, settings: DetectorSettings, trained: set[str]
                   ) -> Verdict | None:
-        steps = [p for p in run.combined_steps() if p.learning_rate > 0 and p.adapter_updates]
-        if not steps or not trained:
+        if not trained:
             return None
-        window = steps[-settings.inactive_adapter_steps:]
+        window: list[StepPoint] = []  # the newest steps that moved adapters, newest first
+        for point in reversed(run.combined_steps()):  # groups are decoded for these only
+            if point.learning_rate > 0 and point.adapter_updates:
+                window.append(point)
+                if len(window) == settings.inactive_adapter_steps:
+                    break
+        if not window:
+            return None
+        window.reverse()
         if len(window) < settings.inactive_adapter_steps:
-            return Verdict(False, step=steps[-1].step)
+            return Verdict(False, step=window[-1].step)
         present = {g[0] for g in window[-1].adapter_updates}  # a stuck adapter is reported
         # Per step, once: which adapters stood still and which moved (a heartbeat re-runs
         # this; a set lookup per adapter keeps it linear in the 64 adapters a step keeps).
@@ -239,4 +246,4 @@ class InactiveAdapter(SpecDetector):
                         "update_norm": fmt(last.update_norm),
                     },
                 )
-        return Verdict(False, step=steps[-1].step)
+        return Verdict(False, step=window[-1].step)

@@ -166,13 +166,16 @@ class LowPrecisionUpdate(SpecDetector):
     )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
-        steps = [p for p in run.combined_steps() if p.module_elements]
-        if not steps:
+        steps = run.combined_steps()
+        # Steps without element counts neither count nor break a streak. A step's groups are
+        # decoded when first read: the newest steps only, not the whole window, per batch.
+        newest = next((p for p in reversed(steps) if p.module_elements), None)
+        if newest is None:
             return None
         held = dict(run.start.trainable_params_by_dtype) if run.start is not None else {}
         if held and not any(_is_low_precision(d) for d in held):
             # what the optimizer steps is fp32 (master copies): the small updates add up there
-            return Verdict(False, step=steps[-1].step)
+            return Verdict(False, step=newest.step)
         warmup = warmup_steps(run)
         grads = dict(finite_history(run, "grad_norm"))
         counted = [p for p in steps
@@ -180,10 +183,11 @@ class LowPrecisionUpdate(SpecDetector):
                    and p.update_sq_sum > 0 and grads.get(p.step, 1.0) != 0]
         streak = trailing_streak(counted, lambda p: (
             (worst := _stillest_low_precision_kind(p)) is not None
-            and worst[0] >= settings.low_precision_fraction))
+            and worst[0] >= settings.low_precision_fraction),
+            skip=lambda p: not p.module_elements)
         reached = streak.reached(settings.low_precision_steps)
         if reached is None:
-            return Verdict(False, step=steps[-1].step)
+            return Verdict(False, step=newest.step)
         last = streak.items[-1]
         fraction, kind, dtype = _stillest_low_precision_kind(reached) or (0.0, "", "")
         shares = ", ".join(f"{k}={u / n:.0%}" for k, d, n, u in last.module_elements

@@ -121,14 +121,15 @@ class EventApplier:
         if rank.steps and report.step <= rank.steps[-1].step:
             self.duplicate_events += 1
             return  # a repeated or out-of-order step changes nothing
-        point = StepPoint.from_report(report, now)
+        encoded = report.SerializeToString()  # kept by the point and by the history
+        point = StepPoint.from_report(report, now, encoded)
         rank.steps.append(point)
         rank.step = report.step
         rank.last_step_time = now
-        self._keep_step_history(entry, point, report, now)
+        self._keep_step_history(entry, point, report, encoded, now)
 
     def _keep_step_history(self, entry: RunEntry, point: StepPoint, report: pb.StepReport,
-                           now: float) -> None:
+                           encoded: bytes, now: float) -> None:
         """The newest combined step goes to the report's history once every rank sent it,
         as the report itself (turned into figures when the history is read)."""
         newest = entry.state.newest_combined_step()
@@ -136,7 +137,8 @@ class EventApplier:
             return
         entry.history_step = newest.step
         self._history.append((newest.step, now, history.encode_step(newest, report,
-                                                                     newest is point)))
+                                                                     newest is point,
+                                                                     encoded)))
 
     def _on_log(self, entry: RunEntry, rank: int, event: pb.Event, now: float) -> None:
         if rank != entry.leader:

@@ -121,7 +121,9 @@ class RunFigures(NamedTuple):
     ended: bool
     ranks: tuple[RankFigures, ...]
     update: tuple[float, float, float] | None  # update norm, ratio (nan: unknown), frozen steps
-    logs: tuple[float | None, ...]  # per LOG_GAUGES; None: never logged (no sample)
+    #: Per LOG_GAUGES; None: never logged (no sample). A logged -0.0 is exported as 0.0 (the
+    #: same number), so equal figures always mean equal text.
+    logs: tuple[float | None, ...]
     checkpoints: float
     unchanged: float
     checkpoint: tuple[float, str] | None  # latest checkpoint's adapter bytes and digest label
@@ -155,6 +157,14 @@ def run_samples(figures: RunFigures) -> list[RunSample]:
     return out
 
 
+class _RunText(NamedTuple):
+    """A run's lines on the last page, and the figures they were written from."""
+
+    figures: RunFigures
+    lines: list[tuple[int, str]]  # (family index, sample line), in run_samples order
+    prefixes: dict[tuple[int, str], str]  # (family index, extra label value) -> line prefix
+
+
 def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, labels=labels)
 
@@ -178,8 +188,8 @@ class DeadweightCollector(Collector):
         #: (detector, severity) label values, read once: every run has a sample per detector.
         self._detector_labels = [(d.id, d.severity.value) for d in detectors]
         self._firing_blocks: dict[tuple[str, str, frozenset[str]], str] = {}
-        #: (run_id, trainer) -> (family index, extra label value) -> the line up to its value.
-        self._prefixes: dict[tuple[str, str], dict[tuple[int, str], str]] = {}
+        #: run_id -> the run's lines on the last page written (see ``_run_text``).
+        self._texts: dict[str, _RunText] = {}
 
     def collect(self) -> Iterator[Metric]:
         """Every family, from figures copied under the registry's lock: a run stepping
@@ -239,7 +249,9 @@ class DeadweightCollector(Collector):
                           digest_label(latest_ckpt.combined_digest))
         return RunFigures(
             run.run_id, run.trainer, frozenset(f.detector for f in findings if f.firing),
-            run.ended, tuple(ranks), update, tuple([logs.get(key) for key in _LOG_KEYS]),
+            run.ended, tuple(ranks), update,
+            tuple([None if (value := logs.get(key)) is None else value or 0.0
+                   for key in _LOG_KEYS]),
             float(run.checkpoints_total), float(run.checkpoints_unchanged), checkpoint)
 
     # -- the client library's families -----------------------------------------------------
@@ -287,23 +299,35 @@ class DeadweightCollector(Collector):
         return block
 
     def _run_text(self, figures: Iterable[RunFigures]) -> list[TextFamily]:
-        """The RUN_FAMILIES as text. Label text is kept per live run (dropped when it leaves)."""
+        """The RUN_FAMILIES as text. A run whose figures equal those of the last page keeps
+        its lines; otherwise only the values are spelled again (its label text is kept).
+        Entries of runs that left are dropped with each page."""
         lines: list[list[str]] = [[] for _ in RUN_FAMILIES]
         inf = math.inf
-        kept, self._prefixes = self._prefixes, {}
+        kept: dict[str, _RunText] = self._texts
+        written: dict[str, _RunText] = {}
         for f in figures:
-            key = (f.run_id, f.trainer)
-            prefixes = self._prefixes[key] = kept.get(key) or {}
-            for index, extra, value in run_samples(f):
-                prefix = prefixes.get((index, extra))
-                if prefix is None:
-                    family = RUN_FAMILIES[index]
-                    labels = {"run_id": f.run_id, "trainer": f.trainer}
-                    if family.extra_label:
-                        labels[family.extra_label] = extra
-                    prefix = prefixes[index, extra] = sample_prefix(_sample_name(family), labels)
-                spelled = repr(value) if -inf < value < 1e6 else number(value)
-                lines[index].append(f"{prefix}{spelled}\n")
+            entry = kept.get(f.run_id)
+            if entry is None or entry.figures != f:
+                prefixes = entry.prefixes if entry is not None and \
+                    entry.figures.trainer == f.trainer else {}
+                run_lines = []
+                for index, extra, value in run_samples(f):
+                    prefix = prefixes.get((index, extra))
+                    if prefix is None:
+                        family = RUN_FAMILIES[index]
+                        labels = {"run_id": f.run_id, "trainer": f.trainer}
+                        if family.extra_label:
+                            labels[family.extra_label] = extra
+                        prefix = prefixes[index, extra] = sample_prefix(_sample_name(family),
+                                                                        labels)
+                    spelled = repr(value) if -inf < value < 1e6 else number(value)
+                    run_lines.append((index, f"{prefix}{spelled}\n"))
+                entry = _RunText(f, run_lines, prefixes)
+            written[f.run_id] = entry
+            for index, line in entry.lines:
+                lines[index].append(line)
+        self._texts = written
         return [TextFamily(family.name, family.documentation, family.type, "".join(text))
                 for family, text in zip(RUN_FAMILIES, lines, strict=True)]
 

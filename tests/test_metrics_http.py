@@ -157,6 +157,7 @@ def test_the_page_matches_the_library_for_every_kind_of_run_figure() -> None:
         assert page == generate_latest(library)
     text = page.decode()
     assert 'deadweight_loss{run_id="solo",trainer="T \\"x\\""} 0.0' in text  # was -0.0
+    assert 'deadweight_grad_norm{run_id="solo",trainer="T \\"x\\""} 0.0\n' in text  # -0.0 sent
     assert 'rank="1",run_id="sharded"' in text
     assert 'deadweight_run_active{run_id="replicated",trainer="T \\"x\\""} 0.0' in text
     assert "deadweight_optimizer_params{" in text and "1.2345678e+07" in text

@@ -156,6 +156,13 @@ def test_the_page_matches_the_library_for_every_kind_of_run_figure() -> None:
         page = render(collector.exposition())
         assert page == generate_latest(library)
     text = page.decode()
+    # The ended run's id is used again by another trainer: a new incarnation, new label text.
+    again = pb.RunStart(trainer="GRPOTrainer", world_size=1)
+    assert not registry.ingest(pb.StreamRequest(run_id="replicated", events=[
+        pb.Event(seq=1, run_start=again), _step(2, 1, 1e-4, moved=True)])).error
+    later = render(collector.exposition())
+    assert later == generate_latest(library)
+    assert b'deadweight_step{rank="0",run_id="replicated",trainer="GRPOTrainer"} 1.0' in later
     assert 'deadweight_loss{run_id="solo",trainer="T \\"x\\""} 0.0' in text  # was -0.0
     assert 'deadweight_grad_norm{run_id="solo",trainer="T \\"x\\""} 0.0\n' in text  # -0.0 sent
     assert 'rank="1",run_id="sharded"' in text

@@ -6,10 +6,10 @@ is written here, in the Prometheus text format 0.0.4 (escaping and float spellin
 client library does), at under 1 us per line: a sample's labels are spelled once and kept.
 
 The endpoint faces anything that can reach its port, so it is bounded: at most
-``MAX_CONNECTIONS`` requests are served at once (one thread each; more are answered 503 and
-closed at once, counted in ``deadweight_metrics_http_refused_total``), and a connection that
-sends nothing for ``READ_TIMEOUT_SECONDS`` is closed, so idle sockets cannot pin threads.
-Request threads are kept between requests (see ``_BoundedServer``).
+``MAX_CONNECTIONS`` requests are served at once (one thread each, kept between requests; more
+are answered 503 and closed at once, counted in ``deadweight_metrics_http_refused_total``),
+and a connection that sends nothing for ``READ_TIMEOUT_SECONDS`` is closed, so idle sockets
+cannot pin threads.
 Scrapes that arrive together share one render (``SharedRender``): fifty parallel scrapers
 cost about one render each round, not fifty renders fighting over one interpreter.
 """

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -219,3 +220,26 @@ def test_attest_connections_of_another_uid_are_closed_and_counted() -> None:
             assert probe.stdout.strip() == "b''", probe
         # The count is taken when the listener closes the connection, which the probe saw.
         assert _attest_refused(process) == 2.0
+
+
+def test_a_silent_connection_holding_the_kept_thread_does_not_hold_up_a_scrape() -> None:
+    # The one kept request thread is busy waiting on a client that sends nothing; a scrape
+    # meanwhile gets a thread of its own and is answered while that connection is still open
+    # (served after the silent one timed out, it would find that connection closed).
+    server = MetricsServer("127.0.0.1", 0, _Awkward().collect)
+    try:
+        url = f"http://127.0.0.1:{server.port}/metrics"
+        with urllib.request.urlopen(url, timeout=30) as response:  # the kept thread exists
+            assert response.status == 200
+        silent = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+        try:
+            for _ in range(3):
+                with urllib.request.urlopen(url, timeout=30) as response:
+                    assert b"dw_events_total" in response.read()
+            silent.setblocking(False)
+            with pytest.raises(BlockingIOError):  # no data, and not closed (that reads b"")
+                silent.recv(1)
+        finally:
+            silent.close()
+    finally:
+        server.stop()

@@ -309,10 +309,13 @@ class DeadweightCollector(Collector):
         for f in figures:
             entry = kept.get(f.run_id)
             if entry is None or entry.figures != f:
+                samples = run_samples(f)
                 prefixes = entry.prefixes if entry is not None and \
                     entry.figures.trainer == f.trainer else {}
+                if len(prefixes) > 2 * len(samples):  # old digests and ranks pile up: start over
+                    prefixes = {}
                 run_lines = []
-                for index, extra, value in run_samples(f):
+                for index, extra, value in samples:
                     prefix = prefixes.get((index, extra))
                     if prefix is None:
                         family = RUN_FAMILIES[index]

@@ -173,7 +173,6 @@ class _BoundedServer(WSGIServer):
 
     max_connections = MAX_CONNECTIONS
     request_queue_size = 128  # the listen backlog: a burst is accepted and answered, not dropped
-    daemon_threads = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -205,10 +204,13 @@ class _BoundedServer(WSGIServer):
         try:
             threading.Thread(target=self._worker, name="deadweight-metrics-request",
                              daemon=True).start()
-        except BaseException:
+        except BaseException:  # no thread to serve it: taken back, and closed by the caller
             with self._work:
                 self._workers -= 1
-            raise  # the request stays queued for a worker that frees up
+                if (request, client_address) in self._pending:
+                    self._pending.remove((request, client_address))
+                    self._slots.release()
+            raise
 
     def _next(self) -> tuple[_Request, Any] | None:
         """The next request, or None when this worker should end (idle too long, stopping)."""

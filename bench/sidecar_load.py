@@ -214,7 +214,11 @@ def wake_cost(calls: int) -> tuple[float, float]:
 
 
 def render_in_process(repeats: int) -> tuple[float, float, float, int]:
-    """(collect, collect + our text, collect + the library's text) seconds, without HTTP."""
+    """(our page, our page after every run stepped, the library's text) seconds, no HTTP.
+
+    The second figure is what a scrape costs when every run has reported since the last one
+    (Prometheus scraping live runs): nothing of a run's figures can be reused.
+    """
     from prometheus_client import CollectorRegistry, generate_latest
 
     from deadweight.sidecar.exporter import DeadweightCollector
@@ -224,25 +228,33 @@ def render_in_process(repeats: int) -> tuple[float, float, float, int]:
 
     configure(level="warning")  # 50 "run_registered" lines would drown the tables
     registry = Registry()
+    batches, batch = 2, 16
     for run in range(RUNS):
-        for request in _requests(run, 2, 16):
+        for request in _requests(run, batches, batch):
             registry.ingest(request)
     collector = DeadweightCollector(registry, None, registry.detectors)
     prom = CollectorRegistry(auto_describe=False)
     prom.register(collector)
-    collect, ours, library = [], [], []
+    ours, stepped, library = [], [], []
     size = 0
+    seq = batches * batch
     for _ in range(repeats):  # ours: what the server renders (collector.exposition)
-        start = time.perf_counter()
-        list(collector.exposition())
-        collect.append(time.perf_counter() - start)
         start = time.perf_counter()
         size = len(render_text(collector.exposition()))
         ours.append(time.perf_counter() - start)
+        seq += 1
+        for run in range(RUNS):  # one more step of every run, then the same page again
+            event = to_event("step", _step_record(seq))
+            event.seq = seq
+            event.time_seconds = time.time()
+            registry.ingest(pb.StreamRequest(run_id=f"bench-{run}", rank=0, events=[event]))
+        start = time.perf_counter()
+        render_text(collector.exposition())
+        stepped.append(time.perf_counter() - start)
         start = time.perf_counter()
         generate_latest(prom)
         library.append(time.perf_counter() - start)
-    return min(collect), min(ours), min(library), size
+    return min(ours), min(stepped), min(library), size
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -283,12 +295,13 @@ def run(repeats: int, quick: bool) -> list[list[str]]:
         med = statistics.median(times)
         rows.append([f"/metrics with {RUNS} live runs ({size / 1024:.0f} KiB)", fmt_time(med),
                      f"p99 {fmt_time(_pct(times, 0.99))}, min {fmt_time(min(times))}",
-                     f"<= 10 ms (median) {verdict(med <= METRICS_BUDGET)}"])
+                     f"<= 10 ms (median) {verdict(med <= METRICS_BUDGET)}, "
+                     f"2x margin {verdict(med <= METRICS_BUDGET / 2)}"])
         del records
-        collect, ours, library, size = render_in_process(20 if quick else 50)
-        rows.append([f"/metrics in-process: collect / + text / + library text "
-                     f"({size / 1024:.0f} KiB)",
-                     f"{fmt_time(collect)} / {fmt_time(ours)} / {fmt_time(library)}", "min",
+        ours, stepped, library, size = render_in_process(20 if quick else 50)
+        rows.append([f"/metrics in-process: page / page after every run stepped / library "
+                     f"text ({size / 1024:.0f} KiB)",
+                     f"{fmt_time(ours)} / {fmt_time(stepped)} / {fmt_time(library)}", "min",
                      "reference"])
     table("sidecar and hand-off (real sidecar process, unix socket)",
           ["what", "median / rate", "p99 / per core", "budget"], rows)

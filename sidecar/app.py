@@ -99,12 +99,13 @@ class Sidecar:
             if not config.watch_roots:
                 log.warning("checkpoint_paths_refused", reason="no --watch-root given: no "
                             "client-named checkpoint folder is read")
-        self.collector = DeadweightCollector(registry, actions, registry.detectors)
         self.attestation: AttestationServer | None = None
         if config.socket_path and registry.attestor is not None:
             self.attestation = AttestationServer(attest_path(config.socket_path),
                                                  registry.attestor, group=config.socket_group,
                                                  allowed_uids=registry.trainer_uids)
+        self.collector = DeadweightCollector(registry, actions, registry.detectors,
+                                             attestation=self.attestation)
         self.server = SidecarServer(registry, config)
         self._http: MetricsServer | None = None
         #: How to stop each part that started, in start order.

@@ -4,12 +4,19 @@ A custom collector builds every family from one consistent copy of the registry 
 time, so an expired run simply disappears and cardinality stays bounded by the registry's
 caps. Labels: ``run_id`` and ``trainer`` on every run metric, ``rank`` on per-rank ones,
 ``detector``/``severity`` on verdicts; never a tensor name.
+
+Under the registry's lock only the figures are copied (``RunFigures``, plain values); the
+families are written from that copy after the lock is released, so ingest never waits on a
+scrape's formatting. The same copy feeds both outputs: ``collect`` (the client library's
+families) and ``exposition`` (the /metrics page, written as text with each run's label text
+spelled once and kept), so the two cannot disagree.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from typing import NamedTuple
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -17,9 +24,11 @@ from prometheus_client.samples import Sample
 
 from deadweight import __version__
 from deadweight.sidecar.actions import Actions
+from deadweight.sidecar.attestation import AttestationServer
 from deadweight.sidecar.detectors.base import Detector
+from deadweight.sidecar.finding import Finding
 from deadweight.sidecar.limits import digest_label
-from deadweight.sidecar.metrics_http import TextFamily, sample_line
+from deadweight.sidecar.metrics_http import TextFamily, number, sample_line, sample_prefix
 from deadweight.sidecar.registry import Registry
 from deadweight.sidecar.state import RunState
 
@@ -29,7 +38,6 @@ FIRING_HELP = "1 while the detector's verdict on the run stands."
 MAX_FIRING_BLOCKS = 10_000
 
 RUN = ["run_id", "trainer"]
-RANK = [*RUN, "rank"]
 
 #: deadweight metric name -> the trainer log key it mirrors.
 LOG_GAUGES = {
@@ -45,51 +53,288 @@ LOG_GAUGES = {
     "deadweight_completion_mean_length": (
         "completions/mean_length", "Mean completion length in tokens."),
 }
+_LOG_KEYS = tuple(key for key, _ in LOG_GAUGES.values())
+
+
+class RunFamily(NamedTuple):
+    """A per-run family: its samples carry ``run_id``, ``trainer`` and maybe one label more."""
+
+    name: str
+    documentation: str
+    type: str  # "gauge" or "counter"
+    extra_label: str  # "rank", "digest" or "" (none)
+
+
+#: The per-run families after the detector-firing one, in page order.
+RUN_FAMILIES = (
+    RunFamily("deadweight_run_active", "1 while the run has not ended.", "gauge", ""),
+    RunFamily("deadweight_step", "Latest optimizer step reported by the rank.", "gauge", "rank"),
+    RunFamily("deadweight_last_step_timestamp_seconds",
+              "Unix time of the rank's latest optimizer step report.", "gauge", "rank"),
+    RunFamily("deadweight_update_norm",
+              "L2 norm of the latest optimizer step's weight update.", "gauge", ""),
+    RunFamily("deadweight_update_ratio",
+              "Scale-free update: L2 / (lr * sqrt(trainable params)).", "gauge", ""),
+    RunFamily("deadweight_frozen_steps",
+              "Consecutive optimizer steps (lr > 0) that moved no weight.", "gauge", ""),
+    RunFamily("deadweight_optimizer_params", "Parameters (elements) the optimizer holds.",
+              "gauge", "rank"),
+    RunFamily("deadweight_trainable_params",
+              "Parameters (elements) with requires_grad at train begin.", "gauge", "rank"),
+    RunFamily("deadweight_grad_not_in_optimizer_params",
+              "Parameters (elements) with a gradient that the optimizer lacks.", "gauge", "rank"),
+    RunFamily("deadweight_client_dropped_events",
+              "Events the rank's callback dropped (queue full).", "counter", "rank"),
+    RunFamily("deadweight_checkpoints", "Checkpoints the run saved.", "counter", ""),
+    RunFamily("deadweight_checkpoint_unchanged",
+              "Checkpoints byte-identical to the previous one or the initial adapter.",
+              "counter", ""),
+    RunFamily("deadweight_checkpoint_adapter_bytes",
+              "Size of the latest checkpoint's adapter tensors.", "gauge", ""),
+    RunFamily("deadweight_checkpoint_info",
+              "Digest of the latest checkpoint's adapter (value 1).", "gauge", "digest"),
+    *(RunFamily(name, doc, "gauge", "") for name, (_, doc) in LOG_GAUGES.items()),
+)
+(ACTIVE, STEP, LAST_STEP, UPDATE_NORM, UPDATE_RATIO, FROZEN, OPTIMIZER, TRAINABLE, OUTSIDE,
+ DROPPED, CHECKPOINTS, UNCHANGED, CHECKPOINT_BYTES, CHECKPOINT_INFO) = range(14)
+FIRST_LOG = CHECKPOINT_INFO + 1
+
+
+class RankFigures(NamedTuple):
+    """What /metrics says of one rank."""
+
+    rank: str
+    step: float
+    last_step_time: float  # 0: no step yet (no sample)
+    optimizer_params: float
+    trainable_params: float
+    grad_not_in_optimizer_params: float
+    dropped_events: float
+
+
+class RunFigures(NamedTuple):
+    """What /metrics says of one run, copied under the registry's lock."""
+
+    run_id: str
+    trainer: str
+    firing: frozenset[str]
+    ended: bool
+    ranks: tuple[RankFigures, ...]
+    update: tuple[float, float, float] | None  # update norm, ratio (nan: unknown), frozen steps
+    #: Per LOG_GAUGES; None: never logged (no sample). A logged -0.0 is exported as 0.0 (the
+    #: same number), so equal figures always mean equal text.
+    logs: tuple[float | None, ...]
+    checkpoints: float
+    unchanged: float
+    checkpoint: tuple[float, str] | None  # latest checkpoint's adapter bytes and digest label
+
+
+#: (family index in RUN_FAMILIES, its extra label's value or "", value).
+RunSample = tuple[int, str, float]
+
+
+def run_samples(figures: RunFigures) -> list[RunSample]:
+    """The run's samples of every RUN_FAMILIES family, in page order within each family."""
+    out: list[RunSample] = [(ACTIVE, "", 0.0 if figures.ended else 1.0)]
+    for rank in figures.ranks:
+        label = rank.rank
+        out.append((STEP, label, rank.step))
+        if rank.last_step_time:
+            out.append((LAST_STEP, label, rank.last_step_time))
+        out += ((OPTIMIZER, label, rank.optimizer_params),
+                (TRAINABLE, label, rank.trainable_params),
+                (OUTSIDE, label, rank.grad_not_in_optimizer_params),
+                (DROPPED, label, rank.dropped_events))
+    if figures.update is not None:
+        norm, ratio, frozen = figures.update
+        out += ((UPDATE_NORM, "", norm), (UPDATE_RATIO, "", ratio), (FROZEN, "", frozen))
+    out += [(FIRST_LOG + i, "", value) for i, value in enumerate(figures.logs)
+            if value is not None]
+    out += ((CHECKPOINTS, "", figures.checkpoints), (UNCHANGED, "", figures.unchanged))
+    if figures.checkpoint is not None:
+        size, digest = figures.checkpoint
+        out += ((CHECKPOINT_BYTES, "", size), (CHECKPOINT_INFO, digest, 1.0))
+    return out
+
+
+class _RunText(NamedTuple):
+    """A run's lines on the last page, and the figures they were written from."""
+
+    figures: RunFigures
+    lines: list[tuple[int, str]]  # (family index, sample line), in run_samples order
+    prefixes: dict[tuple[int, str], str]  # (family index, extra label value) -> line prefix
 
 
 def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, labels=labels)
 
 
-def _add(family: Metric, labels: dict[str, str], value: float) -> None:
-    """``family.add_metric`` for a label dict built once per run or rank and shared, read
-    only, by the samples of every family (add_metric zips a new dict for each sample, and a
-    scrape with 50 runs adds 2,000 of them)."""
-    name = family.name + "_total" if family.type == "counter" else family.name
-    family.samples.append(Sample(name, labels, value))
+def _sample_name(family: RunFamily) -> str:
+    return family.name + "_total" if family.type == "counter" else family.name
 
 
 class DeadweightCollector(Collector):
     """Collects every deadweight_* family from the registry and the actions journal."""
 
     def __init__(
-        self, registry: Registry, actions: Actions | None, detectors: tuple[Detector, ...]
+        self, registry: Registry, actions: Actions | None, detectors: tuple[Detector, ...],
+        attestation: AttestationServer | None = None,
     ) -> None:
         self.registry = registry
         self.actions = actions
         self.detectors = detectors
+        #: The ``.attest`` listener, whose refused connections are exported (None: no socket).
+        self.attestation = attestation
         #: (detector, severity) label values, read once: every run has a sample per detector.
         self._detector_labels = [(d.id, d.severity.value) for d in detectors]
         self._firing_blocks: dict[tuple[str, str, frozenset[str]], str] = {}
+        #: run_id -> the run's lines on the last page written (see ``_run_text``).
+        self._texts: dict[str, _RunText] = {}
 
     def collect(self) -> Iterator[Metric]:
-        """Every family, built under the registry's lock: a run stepping meanwhile (its dicts
-        and deques growing) can never make a scrape fail or mix two moments."""
-        return self._collect(text=False)
+        """Every family, from figures copied under the registry's lock: a run stepping
+        meanwhile (its dicts and deques growing) can never make a scrape fail or mix two
+        moments."""
+        info, figures, actions, guards = self._snapshot()
+        families: list[Metric] = [info, self._firing_family(figures)]
+        families += self._run_families(figures)
+        yield from (*families, actions, *guards)
 
     def exposition(self) -> Iterator[Metric]:
-        """``collect`` for the /metrics renderer: the detector-firing family (a sample per run
-        and detector, nearly all 0: three quarters of the page) comes as text, a cached block
-        per run and set of firing detectors, instead of as samples."""
-        return self._collect(text=True)
+        """``collect`` for the /metrics renderer: the per-run families come as text
+        (``TextFamily``), each run's label text written once and kept while the run lives,
+        the detector-firing lines (a sample per run and detector, nearly all 0) as a cached
+        block per run and set of firing detectors."""
+        info, figures, actions, guards = self._snapshot()
+        yield info
+        yield TextFamily(FIRING, FIRING_HELP, "gauge", "".join([
+            self._firing_block(f.run_id, f.trainer, f.firing) for f in figures]))
+        yield from self._run_text(figures)
+        yield actions
+        yield from guards
 
-    def _collect(self, text: bool) -> Iterator[Metric]:
+    # -- the copy under the lock -----------------------------------------------------------
+
+    def _snapshot(self) -> tuple[Metric, list[RunFigures], Metric, list[Metric]]:
         info = _gauge("deadweight_sidecar_info", "The sidecar's version.", ["version"])
         info.add_metric([__version__], 1.0)
         with self.registry.lock:
-            families = [info, *self._run_metrics(text), *self._action_metrics(),
-                        *self._guard_metrics()]
-        yield from families
+            runs = self.registry.runs()
+            figures = [self._figures(run, findings) for run, findings in runs]
+            actions = self._action_metrics({run.run_id for run, _ in runs})
+            guards = list(self._guard_metrics())
+        return info, figures, actions, guards
+
+    def _figures(self, run: RunState, findings: list[Finding]) -> RunFigures:
+        ranks = []
+        for rank in run.ranks.values():
+            latest = rank.steps[-1] if rank.steps else None
+            membership = rank.membership
+            ranks.append(RankFigures(
+                str(rank.rank), float(rank.step), rank.last_step_time,
+                float(membership.optimizer_params), float(membership.trainable_params),
+                float(latest.grad_not_in_optimizer_params if latest else 0),
+                float(rank.dropped_events)))
+        newest = run.newest_combined_step()
+        update = None
+        if newest is not None:
+            ratio = newest.update_ratio
+            update = (newest.update_norm, math.nan if ratio is None else ratio,
+                      float(self.registry.frozen_streak(run)))
+        logs = run.logs
+        checkpoint = None
+        if run.checkpoints:
+            latest_ckpt = run.checkpoints[-1]
+            checkpoint = (float(latest_ckpt.adapter_bytes),
+                          digest_label(latest_ckpt.combined_digest))
+        return RunFigures(
+            run.run_id, run.trainer, frozenset(f.detector for f in findings if f.firing),
+            run.ended, tuple(ranks), update,
+            tuple([None if (value := logs.get(key)) is None else value or 0.0
+                   for key in _LOG_KEYS]),
+            float(run.checkpoints_total), float(run.checkpoints_unchanged), checkpoint)
+
+    # -- the client library's families -----------------------------------------------------
+
+    def _firing_family(self, figures: list[RunFigures]) -> Metric:
+        firing = _gauge(FIRING, FIRING_HELP, [*RUN, "detector", "severity"])
+        for f in figures:
+            for detector, severity in self._detector_labels:
+                firing.samples.append(Sample(FIRING, {
+                    "run_id": f.run_id, "trainer": f.trainer, "detector": detector,
+                    "severity": severity}, 1.0 if detector in f.firing else 0.0))
+        return firing
+
+    @staticmethod
+    def _run_families(figures: list[RunFigures]) -> list[Metric]:
+        families: list[Metric] = []
+        for family in RUN_FAMILIES:
+            labels = [*RUN, family.extra_label] if family.extra_label else RUN
+            families.append(CounterMetricFamily(family.name, family.documentation,
+                                                labels=labels)
+                            if family.type == "counter"
+                            else _gauge(family.name, family.documentation, labels))
+        names = [_sample_name(family) for family in RUN_FAMILIES]
+        for f in figures:
+            base = {"run_id": f.run_id, "trainer": f.trainer}
+            for index, extra, value in run_samples(f):
+                extra_label = RUN_FAMILIES[index].extra_label
+                families[index].samples.append(Sample(
+                    names[index], {**base, extra_label: extra} if extra_label else base, value))
+        return families
+
+    # -- the /metrics text -----------------------------------------------------------------
+
+    def _firing_block(self, run_id: str, trainer: str, firing: frozenset[str]) -> str:
+        """A run's deadweight_detector_firing lines (cached: they change with a verdict)."""
+        key = (run_id, trainer, firing)
+        block = self._firing_blocks.get(key)
+        if block is None:
+            if len(self._firing_blocks) >= MAX_FIRING_BLOCKS:
+                self._firing_blocks.clear()
+            block = self._firing_blocks[key] = "".join([
+                sample_line(FIRING, {"run_id": run_id, "trainer": trainer, "detector": detector,
+                                     "severity": severity}, 1.0 if detector in firing else 0.0)
+                for detector, severity in self._detector_labels])
+        return block
+
+    def _run_text(self, figures: Iterable[RunFigures]) -> list[TextFamily]:
+        """The RUN_FAMILIES as text. A run whose figures equal those of the last page keeps
+        its lines; otherwise only the values are spelled again (its label text is kept).
+        Entries of runs that left are dropped with each page."""
+        lines: list[list[str]] = [[] for _ in RUN_FAMILIES]
+        inf = math.inf
+        kept: dict[str, _RunText] = self._texts
+        written: dict[str, _RunText] = {}
+        for f in figures:
+            entry = kept.get(f.run_id)
+            if entry is None or entry.figures != f:
+                samples = run_samples(f)
+                prefixes = entry.prefixes if entry is not None and \
+                    entry.figures.trainer == f.trainer else {}
+                if len(prefixes) > 2 * len(samples):  # old digests and ranks pile up: start over
+                    prefixes = {}
+                run_lines = []
+                for index, extra, value in samples:
+                    prefix = prefixes.get((index, extra))
+                    if prefix is None:
+                        family = RUN_FAMILIES[index]
+                        labels = {"run_id": f.run_id, "trainer": f.trainer}
+                        if family.extra_label:
+                            labels[family.extra_label] = extra
+                        prefix = prefixes[index, extra] = sample_prefix(_sample_name(family),
+                                                                        labels)
+                    spelled = repr(value) if -inf < value < 1e6 else number(value)
+                    run_lines.append((index, f"{prefix}{spelled}\n"))
+                entry = _RunText(f, run_lines, prefixes)
+            written[f.run_id] = entry
+            for index, line in entry.lines:
+                lines[index].append(line)
+        self._texts = written
+        return [TextFamily(family.name, family.documentation, family.type, "".join(text))
+                for family, text in zip(RUN_FAMILIES, lines, strict=True)]
+
+    # -- sidecar-wide families -------------------------------------------------------------
 
     def _guard_metrics(self) -> Iterator[Metric]:
         """Counters of what the sidecar refused or could not do (attacks and accidents)."""
@@ -114,6 +359,13 @@ class DeadweightCollector(Collector):
         for kind in ("attestation", "identity", "capacity", "invalid"):
             batches.add_metric([kind], float(self.registry.refusals[kind]))
         yield batches
+        closed = CounterMetricFamily(
+            "deadweight_attestation_refused_connections",
+            "Connections to the attestation socket closed before any work because the "
+            "peer's uid may not report (not a trainer uid).")
+        closed.add_metric([], float(self.attestation.refused_uid
+                                    if self.attestation is not None else 0))
+        yield closed
         lives = CounterMetricFamily(
             "deadweight_run_incarnations",
             "Incarnations started by a rank rebound to another process or a run id used "
@@ -131,119 +383,15 @@ class DeadweightCollector(Collector):
         optional.add_metric([], 1.0 if self.registry.allow_unattested else 0.0)
         yield optional
 
-    def _firing_block(self, run_id: str, trainer: str, firing: frozenset[str]) -> str:
-        """A run's deadweight_detector_firing lines (cached: they change with a verdict)."""
-        key = (run_id, trainer, firing)
-        block = self._firing_blocks.get(key)
-        if block is None:
-            if len(self._firing_blocks) >= MAX_FIRING_BLOCKS:
-                self._firing_blocks.clear()
-            block = self._firing_blocks[key] = "".join([
-                sample_line(FIRING, {"run_id": run_id, "trainer": trainer, "detector": detector,
-                                     "severity": severity}, 1.0 if detector in firing else 0.0)
-                for detector, severity in self._detector_labels])
-        return block
-
-    def _run_metrics(self, text: bool) -> Iterator[Metric]:
-        firing = _gauge(FIRING, FIRING_HELP, [*RUN, "detector", "severity"])
-        blocks: list[str] = []
-        active = _gauge("deadweight_run_active", "1 while the run has not ended.", RUN)
-        step = _gauge("deadweight_step", "Latest optimizer step reported by the rank.", RANK)
-        last = _gauge("deadweight_last_step_timestamp_seconds",
-                      "Unix time of the rank's latest optimizer step report.", RANK)
-        update_norm = _gauge("deadweight_update_norm",
-                             "L2 norm of the latest optimizer step's weight update.", RUN)
-        update_ratio = _gauge("deadweight_update_ratio",
-                              "Scale-free update: L2 / (lr * sqrt(trainable params)).", RUN)
-        frozen = _gauge("deadweight_frozen_steps",
-                        "Consecutive optimizer steps (lr > 0) that moved no weight.", RUN)
-        opt = _gauge("deadweight_optimizer_params",
-                     "Parameters (elements) the optimizer holds.", RANK)
-        trainable = _gauge("deadweight_trainable_params",
-                           "Parameters (elements) with requires_grad at train begin.", RANK)
-        outside = _gauge("deadweight_grad_not_in_optimizer_params",
-                         "Parameters (elements) with a gradient that the optimizer lacks.", RANK)
-        dropped = CounterMetricFamily("deadweight_client_dropped_events",
-                                      "Events the rank's callback dropped (queue full).",
-                                      labels=RANK)
-        ckpts = CounterMetricFamily("deadweight_checkpoints", "Checkpoints the run saved.",
-                                    labels=RUN)
-        unchanged = CounterMetricFamily(
-            "deadweight_checkpoint_unchanged",
-            "Checkpoints byte-identical to the previous one or the initial adapter.",
-            labels=RUN)
-        ckpt_bytes = _gauge("deadweight_checkpoint_adapter_bytes",
-                            "Size of the latest checkpoint's adapter tensors.", RUN)
-        ckpt_info = _gauge("deadweight_checkpoint_info",
-                           "Digest of the latest checkpoint's adapter (value 1).",
-                           [*RUN, "digest"])
-        logs = {name: _gauge(name, doc, RUN) for name, (_, doc) in LOG_GAUGES.items()}
-        for run, findings in self.registry.runs():
-            run_id, trainer = run.run_id, run.trainer
-            labels = {"run_id": run_id, "trainer": trainer}
-            by_id = {f.detector: f for f in findings}
-            if text:
-                blocks.append(self._firing_block(run_id, trainer, frozenset(
-                    detector for detector, f in by_id.items() if f.firing)))
-            else:
-                for detector, severity in self._detector_labels:
-                    f = by_id.get(detector)
-                    _add(firing, {"run_id": run_id, "trainer": trainer, "detector": detector,
-                                  "severity": severity},
-                         1.0 if f is not None and f.firing else 0.0)
-            _add(active, labels, 0.0 if run.ended else 1.0)
-            for rank in run.ranks.values():
-                rl = {"run_id": run_id, "trainer": trainer, "rank": str(rank.rank)}
-                _add(step, rl, float(rank.step))
-                if rank.last_step_time:
-                    _add(last, rl, rank.last_step_time)
-                _add(opt, rl, float(rank.membership.optimizer_params))
-                _add(trainable, rl, float(rank.membership.trainable_params))
-                latest = rank.steps[-1] if rank.steps else None
-                _add(outside, rl, float(latest.grad_not_in_optimizer_params if latest else 0))
-                _add(dropped, rl, float(rank.dropped_events))
-            self._add_update(run, labels, update_norm, update_ratio, frozen)
-            for name, (key, _) in LOG_GAUGES.items():
-                value = run.log_value(key)
-                if value is not None:
-                    _add(logs[name], labels, value)
-            _add(ckpts, labels, float(run.checkpoints_total))
-            _add(unchanged, labels, float(run.checkpoints_unchanged))
-            if run.checkpoints:
-                latest_ckpt = run.checkpoints[-1]
-                _add(ckpt_bytes, labels, float(latest_ckpt.adapter_bytes))
-                _add(ckpt_info, {**labels, "digest": digest_label(latest_ckpt.combined_digest)},
-                     1.0)
-        yield TextFamily(FIRING, FIRING_HELP, "gauge", "".join(blocks)) if text else firing
-        yield from (active, step, last, update_norm, update_ratio, frozen, opt,
-                    trainable, outside, dropped, ckpts, unchanged, ckpt_bytes, ckpt_info)
-        yield from logs.values()
-
-    def _add_update(
-        self,
-        run: RunState,
-        labels: dict[str, str],
-        update_norm: GaugeMetricFamily,
-        update_ratio: GaugeMetricFamily,
-        frozen: GaugeMetricFamily,
-    ) -> None:
-        latest = run.newest_combined_step()
-        if latest is None:
-            return
-        _add(update_norm, labels, latest.update_norm)
-        ratio = latest.update_ratio
-        _add(update_ratio, labels, math.nan if ratio is None else ratio)
-        _add(frozen, labels, float(self.registry.frozen_streak(run)))
-
-    def _action_metrics(self) -> Iterator[Metric]:
+    def _action_metrics(self, live: set[str]) -> Metric:
+        """Actions of the live runs (an expired run's counters leave with it)."""
         actions = CounterMetricFamily(
             "deadweight_actions", "Actions taken on verdicts, by outcome.",
             labels=[*RUN, "detector", "action", "result"])
         if self.actions is not None:
-            live = {run.run_id for run, _ in self.registry.runs()}  # expired runs leave too
             for key, count in sorted(self.actions.counts.items(), key=lambda kv: str(kv[0])):
                 if key.run_id not in live:
                     continue
                 actions.add_metric(
                     [key.run_id, key.trainer, key.detector, key.action, key.result], count)
-        yield actions
+        return actions

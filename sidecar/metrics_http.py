@@ -6,9 +6,10 @@ is written here, in the Prometheus text format 0.0.4 (escaping and float spellin
 client library does), at under 1 us per line: a sample's labels are spelled once and kept.
 
 The endpoint faces anything that can reach its port, so it is bounded: at most
-``MAX_CONNECTIONS`` requests are served at once (one thread each; more are answered 503 and
-closed at once, counted in ``deadweight_metrics_http_refused_total``), and a connection that
-sends nothing for ``READ_TIMEOUT_SECONDS`` is closed, so idle sockets cannot pin threads.
+``MAX_CONNECTIONS`` requests are served at once (one thread each, kept between requests; more
+are answered 503 and closed at once, counted in ``deadweight_metrics_http_refused_total``),
+and a connection that sends nothing for ``READ_TIMEOUT_SECONDS`` is closed, so idle sockets
+cannot pin threads.
 Scrapes that arrive together share one render (``SharedRender``): fifty parallel scrapers
 cost about one render each round, not fifty renders fighting over one interpreter.
 """
@@ -18,11 +19,11 @@ from __future__ import annotations
 import math
 import socket
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, make_server
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
@@ -34,6 +35,9 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 MAX_CONNECTIONS = 32
 #: Seconds a connection may stay silent (reading the request or the client's socket).
 READ_TIMEOUT_SECONDS = 5.0
+#: Request threads kept while no request comes; more end after ``IDLE_WORKER_SECONDS``.
+CORE_WORKERS = 1
+IDLE_WORKER_SECONDS = 5.0
 _BUSY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain\r\n"
          b"Content-Length: 23\r\nConnection: close\r\n\r\ntoo many connections\r\n\r\n")
 
@@ -56,9 +60,25 @@ def _go_float(value: float) -> str:
     return spelled
 
 
-def _number(value: float) -> str:
+#: Spellings of finite values from a million up (parameter counts, Unix times), which take
+#: the slow path: such a float equals another only when their bits (and spelling) are equal.
+_large: dict[float, str] = {}
+MAX_CACHED_LARGE = 10_000
+
+
+def number(value: float) -> str:
+    """A sample's value as the client library spells it."""
     value = float(value)
-    return repr(value) if -math.inf < value < 1e6 else _go_float(value)
+    if -math.inf < value < 1e6:
+        return repr(value)
+    spelled = _large.get(value)
+    if spelled is None:
+        spelled = _go_float(value)
+        if 1e6 <= value < math.inf:  # not NaN (never equal to itself) nor an infinity
+            if len(_large) >= MAX_CACHED_LARGE:
+                _large.clear()
+            _large[value] = spelled
+    return spelled
 
 
 #: Sample name and labels -> the line up to its value. A run's label text is the same at
@@ -67,15 +87,17 @@ _prefixes: dict[tuple[object, ...], str] = {}
 MAX_CACHED_PREFIXES = 50_000
 
 
-def _prefix(sample_name: str, labels: dict[str, str]) -> str:
+def sample_prefix(sample_name: str, labels: dict[str, str]) -> str:
+    """A sample's line up to its value: the name and the labels, sorted and escaped."""
     text = ",".join([f'{key}="{_escape_label(str(labels[key]))}"' for key in sorted(labels)])
     return f"{sample_name}{{{text}}} "
 
 
 def sample_line(sample_name: str, labels: dict[str, str], value: float) -> str:
     """One sample's line, as ``render`` writes it."""
-    number = _number(value)
-    return f"{_prefix(sample_name, labels)}{number}\n" if labels else f"{sample_name} {number}\n"
+    spelled = number(value)
+    return (f"{sample_prefix(sample_name, labels)}{spelled}\n" if labels
+            else f"{sample_name} {spelled}\n")
 
 
 class TextFamily(Metric):
@@ -110,19 +132,19 @@ def render(families: Iterable[Metric]) -> bytes:
             if sample_name.endswith("_created"):
                 continue
             value = float(sample.value)
-            number = repr(value) if -inf < value < 1e6 else _go_float(value)
+            spelled = repr(value) if -inf < value < 1e6 else number(value)
             labels = sample.labels
             if not labels:
-                append(f"{sample_name} {number}\n")
+                append(f"{sample_name} {spelled}\n")
                 continue
             try:
                 key = (sample_name, *labels.items())
                 prefix = prefixes.get(key)
                 if prefix is None:
-                    prefix = prefixes[key] = _prefix(sample_name, labels)
+                    prefix = prefixes[key] = sample_prefix(sample_name, labels)
             except TypeError:  # a label value that cannot be a key: spelled every time
-                prefix = _prefix(sample_name, labels)
-            append(f"{prefix}{number}\n")
+                prefix = sample_prefix(sample_name, labels)
+            append(f"{prefix}{spelled}\n")
     return "".join(out).encode()
 
 
@@ -139,8 +161,15 @@ class _QuietHandler(WSGIRequestHandler):
             self.close_connection = True
 
 
-class _BoundedServer(ThreadingWSGIServer):  # type: ignore[misc]
-    """One thread per request, at most ``MAX_CONNECTIONS`` at once; quiet about client errors."""
+class _BoundedServer(WSGIServer):
+    """At most ``MAX_CONNECTIONS`` requests at once, served by kept worker threads; quiet
+    about client errors.
+
+    A thread started per request made every scrape wait for a new thread to be scheduled
+    (``Thread.start`` blocks until it runs): on a loaded machine that was most of a scrape's
+    time. Workers are kept instead and handed requests; ``CORE_WORKERS`` stay for the next
+    scrape, any more end after ``IDLE_WORKER_SECONDS`` without work.
+    """
 
     max_connections = MAX_CONNECTIONS
     request_queue_size = 128  # the listen backlog: a burst is accepted and answered, not dropped
@@ -149,6 +178,11 @@ class _BoundedServer(ThreadingWSGIServer):  # type: ignore[misc]
         super().__init__(*args, **kwargs)
         self._slots = threading.BoundedSemaphore(self.max_connections)
         self.refused = 0
+        self._work = threading.Condition()
+        self._pending: deque[tuple[_Request, Any]] = deque()
+        self._idle = 0  # workers waiting for a request
+        self._workers = 0
+        self._stopping = False
 
     def process_request(self, request: _Request, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
@@ -161,20 +195,60 @@ class _BoundedServer(ThreadingWSGIServer):  # type: ignore[misc]
                 pass
             self.shutdown_request(request)
             return
+        with self._work:
+            self._pending.append((request, client_address))
+            if self._idle >= len(self._pending):
+                self._work.notify()
+                return
+            self._workers += 1
         try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._slots.release()
+            threading.Thread(target=self._worker, name="deadweight-metrics-request",
+                             daemon=True).start()
+        except BaseException:  # no thread to serve it: taken back, and closed by the caller
+            with self._work:
+                self._workers -= 1
+                if (request, client_address) in self._pending:
+                    self._pending.remove((request, client_address))
+                    self._slots.release()
             raise
 
-    def process_request_thread(self, request: _Request, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
+    def _next(self) -> tuple[_Request, Any] | None:
+        """The next request, or None when this worker should end (idle too long, stopping)."""
+        with self._work:
+            self._idle += 1
+            try:
+                while not self._pending:
+                    if self._stopping:
+                        break
+                    woken = self._work.wait(IDLE_WORKER_SECONDS)
+                    if not woken and not self._pending and self._workers > CORE_WORKERS:
+                        break
+                else:
+                    return self._pending.popleft()
+                self._workers -= 1
+                return None
+            finally:
+                self._idle -= 1
+
+    def _worker(self) -> None:
+        while (item := self._next()) is not None:
+            request, client_address = item
+            try:
+                self.finish_request(request, client_address)
+            except Exception:
+                self.handle_error(request, client_address)
+            finally:
+                self.shutdown_request(request)
+                self._slots.release()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A client that hangs up or stalls is not an error of the sidecar."""
+
+    def server_close(self) -> None:
+        super().server_close()
+        with self._work:
+            self._stopping = True
+            self._work.notify_all()
 
 
 def _runbook(path: str, start_response: Callable[..., Any]) -> list[bytes]:

@@ -96,6 +96,15 @@ class FrozenWeights(SpecDetector):
 
     @staticmethod
     def streak(run: RunState, settings: DetectorSettings) -> int:
-        """Consecutive frozen steps at lr > 0 ending at the latest one (for the metric)."""
-        steps = [p for p in run.combined_steps() if p.learning_rate > 0 and not p.skipped]
-        return len(_frozen_streak(steps, settings))
+        """Consecutive frozen steps at lr > 0 ending at the latest one (for the metric).
+
+        Walked back from the newest step, so a moving run costs one step, not its window
+        (every /metrics scrape asks this of every run)."""
+        count = 0
+        for point in reversed(run.combined_steps()):
+            if point.learning_rate <= 0 or point.skipped:
+                continue  # neither counts nor breaks the streak, as in evaluate()
+            if not _is_frozen_step(point, settings):
+                break
+            count += 1
+        return count

@@ -264,6 +264,44 @@ def resume_alone(calls: int) -> list[float]:
     return times
 
 
+def _gil_bound(iterations: int = 300_000) -> float:
+    """Seconds of pure-Python work that holds the GIL throughout (the Python side of a step)."""
+    start = time.perf_counter()
+    total = 0
+    for i in range(iterations):
+        total += i
+    return time.perf_counter() - start
+
+
+def idle_sender_tax(sidecar: SidecarProcess, cycles: int, repeats: int = 5,
+                    ) -> tuple[float, float]:
+    """Median seconds of GIL-bound work with no client, and with a connected idle client.
+
+    The sender wakes every ``flush_seconds`` and must take the GIL from the training thread
+    each time (after up to the switch interval, 5 ms): the difference is what those wake-ups
+    cost a training thread busy in Python. Blocks with and without a client alternate, so a
+    change in the machine's load falls on both.
+    """
+    alone: list[float] = []
+    live: list[float] = []
+    for cycle in range(cycles):
+        alone += [_gil_bound() for _ in range(repeats)]
+        client = StreamClient(sidecar.address, f"bench-idle-sender-{cycle}", 0, to_event)
+        client.start(RunStartRecord(
+            trainer="SFTTrainer", world_size=1, output_dir="/tmp/bench-idle", config={},
+            config_text={}, versions={},
+            membership=Membership(1, 1, 1, 1, 0, 1, 1, [], [], [], []),
+            preflight=PreflightFacts(), initial_adapter=AdapterDigest(),
+        ))
+        deadline = time.monotonic() + 30
+        while not client.wait_registered(0.1):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the sidecar did not register the idle-sender run")
+        live += [_gil_bound() for _ in range(repeats)]
+        client.close(timeout=10)
+    return statistics.median(alone), statistics.median(live)
+
+
 def wake_cost(calls: int) -> tuple[float, float]:
     """Median seconds of deque.append alone and of append + Event.set() waking a waiter.
 
@@ -369,6 +407,10 @@ def run(repeats: int, quick: bool) -> list[list[str]]:
                      fmt_time(statistics.median(live)), fmt_time(_pct(live, 0.99)),
                      f"reference (no client: {fmt_time(statistics.median(alone))}, "
                      f"p99 {fmt_time(_pct(alone, 0.99))})"])
+        alone_s, live_s = idle_sender_tax(sidecar, 4 if quick else 10)
+        rows.append(["hand-off: GIL-bound Python work, idle sender live (its timed wake-ups)",
+                     fmt_time(live_s), "",
+                     f"reference (no client: {fmt_time(alone_s)}, {live_s / alone_s - 1:+.1%})"])
         for label, client_class in (
                 ("the previous submit (clock read, queue checks)", ClockedClient),
                 ("submit waking the sender on every record (earlier client)",

@@ -146,12 +146,11 @@ def scrape(sidecar: SidecarProcess, repeats: int) -> tuple[list[float], int]:
 class WakeEveryRecordClient(StreamClient):
     """An earlier client, measured beside the real one: it woke the sender on every record."""
 
-    stamped = 0.0
-
     def submit(self, kind: str, record: object) -> None:
-        self.submitted += 1
-        self.stamped = time.time()  # it stamped each record on the training thread
-        self._queue.append((kind, record, self.submitted))
+        ordinal = self.submitted + 1
+        self.submitted = ordinal
+        time.time()  # it stamped the record here; the tuple keeps the ordinal the sender reads
+        self._queue.append((kind, record, ordinal))
         self._wake.set()
 
 
@@ -162,25 +161,23 @@ _URGENT_KINDS = frozenset({"checkpoint", "run_end"})
 class ClockedClient(StreamClient):
     """The previous client, measured beside the real one: it read the clock on the training
     thread for every record, checked the queue for a full batch and a full queue, and looked
-    the kind up among the urgent ones."""
+    the kind up among the urgent ones. (The tuple carries the ordinal the sender now reads
+    instead of the time; the clock is read all the same.)"""
 
     def submit(self, kind: str, record: object) -> None:
-        self.submitted += 1
+        ordinal = self.submitted + 1
+        self.submitted = ordinal
         queue = self._queue
-        if len(queue) >= self._max_queue:
-            try:
-                queue.popleft()
-                self._inflight_dropped += 1  # a counter of its own, as the old one had
-            except IndexError:
-                pass
-        self.stamped = time.time()  # (the sender now stamps from its marks)
-        queue.append((kind, record, self.submitted))
-        if len(queue) >= self._batch_size or kind in _URGENT_KINDS:
+        if len(queue) >= _MAX_QUEUE:  # (never true here: the sender drains)
+            queue.popleft()
+        time.time()
+        queue.append((kind, record, ordinal))
+        if len(queue) >= _BATCH_SIZE or kind in _URGENT_KINDS:
             self._wake.set()
 
-    stamped = 0.0
-    _max_queue = ClientSettings().max_queue
-    _batch_size = ClientSettings().batch_size
+
+_MAX_QUEUE = ClientSettings().max_queue
+_BATCH_SIZE = ClientSettings().batch_size
 
 
 #: What each iteration of the hand-off loop times, in turn (see ``handoff``).

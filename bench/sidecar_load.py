@@ -22,7 +22,7 @@ from pathlib import Path
 from deadweight.callbacks.digest import AdapterDigest
 from deadweight.callbacks.membership import Membership
 from deadweight.callbacks.preflight import PreflightFacts
-from deadweight.callbacks.stream_client import StreamClient
+from deadweight.callbacks.stream_client import ClientSettings, StreamClient
 from deadweight.callbacks.update_probe import GroupStats, UpdateStats
 from deadweight.callbacks.wire import RunStartRecord, StepRecord, to_event
 from deadweight.demo.sidecar_process import SidecarProcess
@@ -131,26 +131,69 @@ def scrape(sidecar: SidecarProcess, repeats: int) -> tuple[list[float], int]:
 
 
 class WakeEveryRecordClient(StreamClient):
-    """The earlier client, measured beside the real one: it woke the sender on every record."""
+    """An earlier client, measured beside the real one: it woke the sender on every record."""
 
     def submit(self, kind: str, record: object) -> None:
-        self.submitted += 1
-        if len(self._queue) >= self.settings.max_queue:
-            self.dropped += 1
-        self._queue.append((kind, record, time.time()))
+        ordinal = self.submitted + 1
+        self.submitted = ordinal
+        time.time()  # it stamped the record here; the tuple keeps the ordinal the sender reads
+        self._queue.append((kind, record, ordinal))
         self._wake.set()
+
+
+#: The kinds the previous client looked up on every record, to wake its sender for them.
+_URGENT_KINDS = frozenset({"checkpoint", "run_end"})
+
+
+class ClockedClient(StreamClient):
+    """The previous client, measured beside the real one: it read the clock on the training
+    thread for every record, checked the queue for a full batch and a full queue, and looked
+    the kind up among the urgent ones. (The tuple carries the ordinal the sender now reads
+    instead of the time; the clock is read all the same.)"""
+
+    def submit(self, kind: str, record: object) -> None:
+        ordinal = self.submitted + 1
+        self.submitted = ordinal
+        queue = self._queue
+        if len(queue) >= _MAX_QUEUE:  # (never true here: the sender drains)
+            queue.popleft()
+        time.time()
+        queue.append((kind, record, ordinal))
+        if len(queue) >= _BATCH_SIZE or kind in _URGENT_KINDS:
+            self._wake.set()
+
+
+_MAX_QUEUE = ClientSettings().max_queue
+_BATCH_SIZE = ClientSettings().batch_size
+
+
+#: What each iteration of the hand-off loop times, in turn (see ``handoff``).
+SUBMIT, EMPTY, BARE = "submit", "empty", "bare"
+#: The training thread's 0.5 ms GIL-free wait between two hand-offs, timed whole.
+RESUME = "resume"
 
 
 def handoff(sidecar: SidecarProcess, calls: int,
             client_class: type[StreamClient] = StreamClient,
-            ) -> tuple[list[float], list[float], float]:
-    """Per-call seconds: bare deque.append, and StreamClient.submit with a live sender."""
+            ) -> tuple[dict[str, list[float]], list[float], float]:
+    """Per-call seconds of submit() with a live sender, and of its references in the same loop.
+
+    Each iteration stands for a training step: build the step's record, time one thing, then
+    sleep (the rest of the step, GIL released, so the sender and other processes run and the
+    caches go cold). The thing timed rotates between ``client.submit``, an empty timed region
+    (the pair of clock reads alone: after a sleep it is far from free, and every other figure
+    includes it) and a bare ``deque.append((kind, record, time.time()))`` into a deque of our
+    own, so all three see the same conditions. Also returns the record build times and the
+    mean of a tight loop of bare appends (warm caches, the lower bound). ``RESUME`` holds the
+    sleeps themselves (see ``resume_alone``).
+    """
     bare: deque[tuple[str, object, float]] = deque(maxlen=10_000)
     record = _step_record(1)
     start = time.perf_counter()
     for _ in range(calls):
         bare.append(("step", record, time.time()))
     bare_mean = (time.perf_counter() - start) / calls
+    bare.clear()
 
     client = client_class(sidecar.address, f"bench-handoff-{client_class.__name__}", 0,
                           to_event)
@@ -164,18 +207,83 @@ def handoff(sidecar: SidecarProcess, calls: int,
     while not client.wait_registered(0.1):
         if time.monotonic() > deadline:
             raise TimeoutError("the sidecar did not register the hand-off run")
-    submit, build = [], []
-    for step in range(1, calls + 1):
-        t0 = time.perf_counter_ns()
+    timed: dict[str, list[float]] = {SUBMIT: [], EMPTY: [], BARE: [], RESUME: []}
+    build = []
+    order = (SUBMIT, EMPTY, BARE)
+    clock = time.perf_counter_ns
+    for step in range(1, 3 * calls + 1):
+        t0 = clock()
         rec = _step_record(step)
-        t1 = time.perf_counter_ns()
-        client.submit("step", rec)
-        t2 = time.perf_counter_ns()
+        t1 = clock()
+        what = order[step % 3]
+        if what == SUBMIT:
+            t1 = clock()
+            client.submit("step", rec)
+            t2 = clock()
+        elif what == EMPTY:
+            t1 = clock()
+            t2 = clock()
+        else:
+            t1 = clock()
+            bare.append(("step", rec, time.time()))
+            t2 = clock()
         build.append((t1 - t0) / 1e9)
-        submit.append((t2 - t1) / 1e9)
+        timed[what].append((t2 - t1) / 1e9)
+        t3 = clock()
         time.sleep(0.0005)  # the rest of the "training step", GIL released
+        timed[RESUME].append((clock() - t3) / 1e9)
     client.close(timeout=10)
-    return submit, build, bare_mean
+    return timed, build, bare_mean
+
+
+def resume_alone(calls: int) -> list[float]:
+    """Seconds of the same 0.5 ms sleep with no client in the process: beside the same figure
+    with a live sender, it shows whether the sender's drains (records turned into protobuf
+    events with the GIL held) delay the training thread's return from a GIL-free wait."""
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter_ns()
+        time.sleep(0.0005)
+        times.append((time.perf_counter_ns() - t0) / 1e9)
+    return times
+
+
+def _gil_bound(iterations: int = 300_000) -> float:
+    """Seconds of pure-Python work that holds the GIL throughout (the Python side of a step)."""
+    start = time.perf_counter()
+    total = 0
+    for i in range(iterations):
+        total += i
+    return time.perf_counter() - start
+
+
+def idle_sender_tax(sidecar: SidecarProcess, cycles: int, repeats: int = 5,
+                    ) -> tuple[float, float]:
+    """Median seconds of GIL-bound work with no client, and with a connected idle client.
+
+    The sender wakes every ``flush_seconds`` and must take the GIL from the training thread
+    each time (after up to the switch interval, 5 ms): the difference is what those wake-ups
+    cost a training thread busy in Python. Blocks with and without a client alternate, so a
+    change in the machine's load falls on both.
+    """
+    alone: list[float] = []
+    live: list[float] = []
+    for cycle in range(cycles):
+        alone += [_gil_bound() for _ in range(repeats)]
+        client = StreamClient(sidecar.address, f"bench-idle-sender-{cycle}", 0, to_event)
+        client.start(RunStartRecord(
+            trainer="SFTTrainer", world_size=1, output_dir="/tmp/bench-idle", config={},
+            config_text={}, versions={},
+            membership=Membership(1, 1, 1, 1, 0, 1, 1, [], [], [], []),
+            preflight=PreflightFacts(), initial_adapter=AdapterDigest(),
+        ))
+        deadline = time.monotonic() + 30
+        while not client.wait_registered(0.1):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the sidecar did not register the idle-sender run")
+        live += [_gil_bound() for _ in range(repeats)]
+        client.close(timeout=10)
+    return statistics.median(alone), statistics.median(live)
 
 
 def wake_cost(calls: int) -> tuple[float, float]:
@@ -267,9 +375,11 @@ def run(repeats: int, quick: bool) -> list[list[str]]:
     rows: list[list[str]] = []
     logging.getLogger("deadweight").setLevel(logging.ERROR)  # a client closing mid-stream warns
     with tempfile.TemporaryDirectory() as tmp, SidecarProcess(Path(tmp)) as sidecar:
-        submit, build, bare = handoff(sidecar, 1000 if quick else 5000)
-        rows.append(["hand-off: deque.append((kind, record, time.time()))", fmt_time(bare),
-                     "", "reference"])
+        calls = 1000 if quick else 5000
+        timed, build, bare = handoff(sidecar, calls)
+        submit, empty, appended = timed[SUBMIT], timed[EMPTY], timed[BARE]
+        rows.append(["hand-off: deque.append((kind, record, time.time())), tight loop",
+                     fmt_time(bare), "", "reference (warm caches)"])
         rows.append(["hand-off: build StepRecord (+ its UpdateStats)",
                      fmt_time(statistics.median(build)), fmt_time(_pct(build, 0.99)),
                      "reference (probe already built the stats)"])
@@ -277,10 +387,34 @@ def run(repeats: int, quick: bool) -> list[list[str]]:
         rows.append(["hand-off: StreamClient.submit, sender live", fmt_time(med),
                      fmt_time(_pct(submit, 0.99)),
                      f"<= 2 us (median) {verdict(med <= HANDOFF_BUDGET)}"])
-        eager, _, _ = handoff(sidecar, 1000 if quick else 5000, WakeEveryRecordClient)
-        rows.append(["hand-off: submit waking the sender on every record (earlier client)",
-                     fmt_time(statistics.median(eager)), fmt_time(_pct(eager, 0.99)),
-                     "reference"])
+        floor = statistics.median(empty)
+        rows.append(["hand-off: empty timed region (2 clock reads), same loop", fmt_time(floor),
+                     fmt_time(_pct(empty, 0.99)), "reference (inside every figure here)"])
+        ref = statistics.median(appended)
+        rows.append(["hand-off: deque.append((kind, record, time.time())), same loop",
+                     fmt_time(ref), fmt_time(_pct(appended, 0.99)),
+                     f"reference (submit = {med / ref:.2f}x this)"])
+        rows.append(["hand-off: submit net of the empty region (medians)",
+                     fmt_time(max(med - floor, 0.0)), "",
+                     f"reference (bare append net: {fmt_time(max(ref - floor, 0.0))})"])
+        alone = resume_alone(3 * calls)
+        live = timed[RESUME]
+        rows.append(["hand-off: training thread back from a 0.5 ms GIL-free wait, sender live",
+                     fmt_time(statistics.median(live)), fmt_time(_pct(live, 0.99)),
+                     f"reference (no client: {fmt_time(statistics.median(alone))}, "
+                     f"p99 {fmt_time(_pct(alone, 0.99))})"])
+        alone_s, live_s = idle_sender_tax(sidecar, 4 if quick else 10)
+        rows.append(["hand-off: GIL-bound Python work, idle sender live (its timed wake-ups)",
+                     fmt_time(live_s), "",
+                     f"reference (no client: {fmt_time(alone_s)}, {live_s / alone_s - 1:+.1%})"])
+        for label, client_class in (
+                ("the previous submit (clock read, queue checks)", ClockedClient),
+                ("submit waking the sender on every record (earlier client)",
+                 WakeEveryRecordClient)):
+            other, _, _ = handoff(sidecar, calls, client_class)
+            rows.append([f"hand-off: {label}", fmt_time(statistics.median(other[SUBMIT])),
+                         fmt_time(_pct(other[SUBMIT], 0.99)),
+                         f"reference (empty region {fmt_time(statistics.median(other[EMPTY]))})"])
         quiet, woken = wake_cost(1000 if quick else 3000)
         rows.append(["hand-off: deque.append, sender not signalled", fmt_time(quiet), "",
                      "reference (sender drains on a timer)"])

@@ -128,6 +128,7 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
         self._stop_proposed = False
         self._disabled = False
         self._model: Any = None
+        self._adalora = False
         self._loss_scale: float | None = None
         self._trainer_logs = False
         self._last_checkpoint: tuple[Path, digest.AdapterDigest] | None = None
@@ -186,6 +187,9 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
         train_dataloader: Any = None,
     ) -> None:
         self._model = model
+        # AdaLoRA's rank allocation is read every step, on AdaLoRA runs only: the check
+        # walks the adapter configs, work other runs need not repeat each step.
+        self._adalora = preflight.adalora_allocated(model) is not None
         self._trainer_logs = trainer_logs.run_first(self)  # loggers then see our keys
         self._run.start(
             model,
@@ -232,7 +236,8 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
         self._run.after_step(
             state.global_step + 1,  # global_step advances after this hook
             optimizer_step_skipped=_step_skipped(kw.get("optimizer"), self._loss_scale),
-            adalora_rank_pattern_set=preflight.adalora_allocated(self._model),
+            adalora_rank_pattern_set=(preflight.adalora_allocated(self._model)
+                                      if self._adalora else None),
         )
 
     def on_step_end(

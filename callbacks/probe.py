@@ -287,7 +287,7 @@ class RunProbe:
 
     def checkpoint(self, step: int, path: str | os.PathLike[str], model: Any) -> None:
         if self.client is not None:
-            self.client.submit(EventKind.CHECKPOINT, CheckpointRecord(
+            self.client.submit_now(EventKind.CHECKPOINT, CheckpointRecord(
                 step, str(Path(path).resolve()), digest.digest_adapter(model)))
 
     def end(self, step: int, reason: str, timeout: float = 2.0) -> None:
@@ -297,7 +297,7 @@ class RunProbe:
         """
         self.update = None
         if self.client is not None:
-            self.client.submit(EventKind.RUN_END, RunEndRecord(step, reason))
+            self.client.submit_now(EventKind.RUN_END, RunEndRecord(step, reason))
             self.client.close(timeout=timeout)
 
     def directives(self) -> list[pb.Directive]:

@@ -4,6 +4,12 @@ The training thread only appends a record to a deque (drop-oldest, counted) and 
 sender thread turns records into ``deadweight.v1`` events, batches them, keeps unacknowledged
 events for a resend after a reconnect, sends heartbeats, and collects the sidecar's directives.
 A sidecar that is absent, slow or restarting costs the job one warning, never an exception.
+
+The hand-off reads no clock: each record carries its ordinal, and the sender stamps it with the
+first of its own clock marks taken after that ordinal was submitted (it takes one at every
+wake-up, every ``flush_seconds`` at most, also while the sidecar is away). A record's time is
+thus never before its hand-off and at most about one flush interval after it. Drops are counted
+by the sender from gaps in the ordinals, so ``submit`` touches no counter of its own but one.
 """
 
 from __future__ import annotations
@@ -40,16 +46,18 @@ class ClientSettings:
     max_inflight: int = 10_000
     batch_size: int = 256
     heartbeat_seconds: float = 5.0
-    #: The sender drains the queue at least this often; submit() wakes it only for a full
-    #: batch or an event that should not wait, so a hand-off costs no thread switch.
+    #: The sender drains the queue at least this often (and stamps records with this
+    #: precision); submit() never wakes it (submit_now() does, for a record that should not
+    #: wait), so a hand-off costs no thread switch.
     flush_seconds: float = 0.05
     connect_timeout_seconds: float = 2.0
     backoff_initial_seconds: float = 0.2
     backoff_max_seconds: float = 10.0
 
 
-#: Record kinds sent at once instead of with the next timed flush.
-URGENT_KINDS = frozenset({"checkpoint", "run_end"})
+#: Clock marks kept for records not yet taken: at one a flush interval, minutes of an outage;
+#: past that, records are stamped later than their hand-off (never earlier).
+_MAX_MARKS = 4096
 
 def fetch_attestation(socket_path: str, timeout: float = 1.0, attempts: int = 5,
                       backoff_seconds: float = 0.1) -> str | None:
@@ -121,6 +129,17 @@ def _close_quietly(channel: grpc.Channel) -> None:
 class StreamClient:
     """One (run_id, rank) stream to the sidecar, fed without blocking the training thread."""
 
+    # Slots: ``submit`` reads its two fields from the object itself, not from a values array
+    # of forty entries that the sender thread writes to (``__dict__`` stays for subclasses).
+    __slots__ = (
+        "__dict__", "_attest_warned", "_attestation", "_channel", "_closing", "_connected",
+        "_directives", "_evicted", "_inflight", "_inflight_dropped", "_last_taken", "_lock",
+        "_marks", "_metadata", "_pending_resend", "_queue", "_ready", "_rejections",
+        "_reported_dropped", "_run_start", "_seq", "_start_acked", "_stop", "_thread",
+        "_tls_root", "_to_event", "_wake", "_warned", "address", "connects", "firing",
+        "last_step", "rank", "run_id", "sent", "settings", "submitted",
+    )
+
     def __init__(
         self,
         address: str,
@@ -140,9 +159,14 @@ class StreamClient:
         self._tls_root = self._read_ca(tls_ca)
         self._attestation = ""
         self._attest_warned = False
-        self._queue: deque[tuple[str, Any, float]] = deque(maxlen=self.settings.max_queue)
-        self._max_queue = self.settings.max_queue  # read by submit() (see there)
-        self._batch_size = self.settings.batch_size
+        #: (kind, record, ordinal); full, the append drops the oldest (see ``dropped``).
+        self._queue: deque[tuple[str, Any, int]] = deque(maxlen=self.settings.max_queue)
+        #: (records submitted, time.time()) taken by the sender at each wake-up: the stamps.
+        self._marks: deque[tuple[int, float]] = deque(maxlen=_MAX_MARKS)
+        #: Ordinal of the last record the sender took, and the records evicted before it.
+        self._last_taken = 0
+        self._evicted = 0
+        self._inflight_dropped = 0
         self._inflight: deque[pb.Event] = deque()
         self._directives: deque[pb.Directive] = deque()
         self._wake = threading.Event()
@@ -161,7 +185,6 @@ class StreamClient:
         self.firing: tuple[str, ...] = ()
         #: The pending wait for a connection, while there is one (close() cancels it).
         self._ready: grpc.Future | None = None
-        self.dropped = 0
         self._reported_dropped = -1
         self._rejections: set[str] = set()
         self.submitted = 0
@@ -179,25 +202,29 @@ class StreamClient:
         self._thread.start()
 
     def submit(self, kind: str, record: Any) -> None:
-        """Queue a record; O(1), never blocks; the oldest record is dropped when full.
+        """Queue a record for the sender's next drain (within ``flush_seconds``); O(1), never
+        blocks; a full queue drops its oldest record.
 
-        The training thread comes here once a step with cold caches: it touches as few
-        objects as it can (the queue, this client's own fields; not the settings object).
+        The training thread comes here once a step with cold caches, so this reads no clock
+        (the sender stamps the record, see the module docstring), takes no lock, wakes nobody
+        and looks up no kind: one append and one counter, on the fields that share the cache
+        line of the object's header. The counter is written after the append, so whoever
+        reads it finds every record up to it already queued.
         """
-        self.submitted += 1
-        queue = self._queue
-        if len(queue) >= self._max_queue:
-            try:  # drop the oldest here, so a record the sender took meanwhile is not counted
-                queue.popleft()
-                self.dropped += 1
-            except IndexError:
-                pass
-        queue.append((kind, record, time.time()))
-        if len(queue) >= self._batch_size or kind in URGENT_KINDS:
-            self._wake.set()
+        ordinal = self.submitted + 1
+        self._queue.append((kind, record, ordinal))
+        self.submitted = ordinal
+
+    def submit_now(self, kind: str, record: Any) -> None:
+        """Queue a record and wake the sender: for records that should not wait for the next
+        drain (a checkpoint, the run end)."""
+        self.submit(kind, record)
+        self._wake.set()
 
     def take_directives(self) -> list[pb.Directive]:
         """Directives received since the last call."""
+        if not self._directives:  # nearly always: twice a step, nothing to take
+            return []
         taken: list[pb.Directive] = []
         while self._directives:
             taken.append(self._directives.popleft())
@@ -250,6 +277,21 @@ class StreamClient:
     @property
     def queued(self) -> int:
         return len(self._queue)
+
+    @property
+    def dropped(self) -> int:
+        """Records the full queue evicted, plus sent events the full resend buffer evicted.
+
+        Exact on the sender thread and once the client is closed; read from another thread
+        while records flow, it may lag by the records in flight.
+        """
+        evicted = self._evicted
+        submitted = self.submitted  # first: every record up to it is queued, taken or gone
+        try:
+            oldest = self._queue[0][2]
+        except IndexError:
+            oldest = submitted + 1
+        return evicted + max(0, oldest - self._last_taken - 1) + self._inflight_dropped
 
     # -- sender thread ---------------------------------------------------------------------
 
@@ -308,7 +350,7 @@ class StreamClient:
                 break
             if time.monotonic() - started > 5 * backoff:
                 backoff = self.settings.backoff_initial_seconds  # the stream had been healthy
-            self._stop.wait(backoff)
+            self._wait(backoff, self._stop)
             backoff = min(backoff * 2, self.settings.backoff_max_seconds)
 
     def _warn_unreachable(self, why: str) -> None:
@@ -330,7 +372,7 @@ class StreamClient:
             if self._stop.is_set():  # close() ran before it could see this wait
                 ready.cancel()
             try:
-                ready.result(timeout=self.settings.connect_timeout_seconds)
+                self._await_ready(ready)
             finally:
                 self._ready = None
                 if not ready.done():
@@ -348,6 +390,19 @@ class StreamClient:
         finally:
             _close_quietly(channel)
             self._channel = None
+
+    def _await_ready(self, ready: grpc.Future) -> None:
+        """Wait for the connection up to the connect timeout, taking clock marks meanwhile."""
+        deadline = time.monotonic() + self.settings.connect_timeout_seconds
+        while True:
+            self._mark()
+            left = deadline - time.monotonic()
+            try:
+                ready.result(timeout=max(0.0, min(left, self.settings.flush_seconds)))
+                return
+            except grpc.FutureTimeoutError:
+                if left <= self.settings.flush_seconds:
+                    raise
 
     def _on_response(self, response: pb.StreamResponse) -> None:
         rejected = response.error
@@ -368,19 +423,48 @@ class StreamClient:
             self._pending_resend = list(self._inflight)
             self._inflight.clear()
 
+    def _mark(self) -> None:
+        """Note the time against the records submitted so far (once per wake-up)."""
+        submitted = self.submitted
+        marks = self._marks
+        if submitted > self._last_taken and (not marks or marks[-1][0] != submitted):
+            marks.append((submitted, time.time()))
+
+    def _stamp(self, ordinal: int) -> float:
+        """The time of the first mark taken once record ``ordinal`` was queued."""
+        marks = self._marks
+        while marks and marks[0][0] < ordinal:
+            marks.popleft()
+        if not marks:
+            self._mark()
+        return marks[0][1] if marks else time.time()
+
+    def _wait(self, seconds: float, event: threading.Event) -> None:
+        """Wait on event for up to seconds, taking a clock mark every flush interval."""
+        deadline = time.monotonic() + seconds
+        while not event.is_set():
+            self._mark()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            event.wait(min(left, self.settings.flush_seconds))
+
     def _next_batch(self) -> list[pb.Event]:
         events: list[pb.Event] = []
         while self._pending_resend and len(events) < self.settings.batch_size:
             events.append(self._pending_resend.pop(0))
+        self._mark()
         while self._queue and len(events) < self.settings.batch_size:
             try:
-                kind, record, at = self._queue.popleft()
+                kind, record, ordinal = self._queue.popleft()
             except IndexError:
                 break
+            self._evicted += ordinal - self._last_taken - 1  # the queue dropped those
+            self._last_taken = ordinal
             self._seq += 1
             event = self._to_event(kind, record)
             event.seq = self._seq
-            event.time_seconds = at
+            event.time_seconds = self._stamp(ordinal)
             events.append(event)
         return events
 
@@ -411,7 +495,7 @@ class StreamClient:
                         self._inflight.append(event)
                 while len(self._inflight) > self.settings.max_inflight:
                     self._inflight.popleft()
-                    self.dropped += 1
+                    self._inflight_dropped += 1
             self.sent += len(events)
             last_sent = time.monotonic()
             yield pb.StreamRequest(run_id=self.run_id, rank=self.rank, events=events)

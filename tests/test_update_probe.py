@@ -90,6 +90,29 @@ def test_sampled_mode_bounds_the_snapshot() -> None:
     assert stats.update_sq_sum == pytest.approx(500 * 0.25, rel=1e-4)
 
 
+@pytest.mark.parametrize("path", ["native", "torch"])
+def test_a_write_between_steps_through_a_parameter_is_seen_in_sampled_mode(path: str) -> None:
+    """The probe reads version counters off the parameters, while its kernels read sampled
+    views of them: the counters are shared, so a write between two steps (a callback editing
+    weights) is copied into the snapshot, not counted as the next step's update."""
+    param = torch.nn.Parameter(torch.zeros(1000, 100))
+    probe = UpdateProbe([param], max_full_elements=10_000, sample_per_tensor=500,
+                        path=path)  # type: ignore[arg-type]
+    assert probe.sampled and probe._sources[0] is not param
+    probe.before_step()
+    with torch.no_grad():
+        param.add_(1.0)
+    assert probe.after_step() is not None
+    with torch.no_grad():
+        param.add_(5.0)  # between the steps
+    probe.before_step()
+    with torch.no_grad():
+        param.add_(0.5)  # the step
+    stats = probe.after_step()
+    assert stats is not None
+    assert stats.update_sq_sum == pytest.approx(500 * 0.25, rel=1e-4)
+
+
 def test_after_step_without_snapshot_reports_nothing() -> None:
     assert UpdateProbe(_tensors()).after_step() is None
 

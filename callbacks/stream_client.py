@@ -267,7 +267,10 @@ class StreamClient:
         else:
             channel = self._channel
             if channel is not None:
-                channel.close()  # ends a blocked stream read at once
+                # Ends a blocked stream read at once. The sender may have just given up a
+                # connect (its ready-future cleared, the poller still running for up to
+                # 0.2 s): closing under the poller leaks 'Channel closed!' from its thread.
+                _close_quietly(channel)
         self._thread.join(max(0.0, deadline - time.monotonic()) + 0.5)
 
     @property
@@ -365,10 +368,12 @@ class StreamClient:
     def _stream_once(self) -> None:
         target = grpc_target(self.address)
         channel = open_channel(target, self._tls_root)
-        self._channel = channel
         try:
+            # The wait is published before the channel: close() on another thread that sees
+            # the channel but no wait would close it just as grpc's poller starts on it.
             ready = grpc.channel_ready_future(channel)
             self._ready = ready
+            self._channel = channel
             if self._stop.is_set():  # close() ran before it could see this wait
                 ready.cancel()
             try:

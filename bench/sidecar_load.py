@@ -197,6 +197,23 @@ SUBMIT, EMPTY, BARE = "submit", "empty", "bare"
 RESUME = "resume"
 
 
+def _registered_client(sidecar: SidecarProcess, run_id: str,
+                       client_class: type[StreamClient]) -> StreamClient:
+    """A started client of a one-rank run the sidecar has registered (its RunStart acked)."""
+    client = client_class(sidecar.address, run_id, 0, to_event)
+    client.start(RunStartRecord(
+        trainer="SFTTrainer", world_size=1, output_dir=f"/tmp/{run_id}", config={},
+        config_text={}, versions={},
+        membership=Membership(1, 1, 1, 1, 0, 1, 1, [], [], [], []),
+        preflight=PreflightFacts(), initial_adapter=AdapterDigest(),
+    ))
+    deadline = time.monotonic() + 30
+    while not client.wait_registered(0.1):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the sidecar did not register the run {run_id}")
+    return client
+
+
 def handoff(sidecar: SidecarProcess, calls: int,
             client_class: type[StreamClient] = StreamClient,
             ) -> tuple[dict[str, list[float]], list[float], float]:
@@ -219,18 +236,8 @@ def handoff(sidecar: SidecarProcess, calls: int,
     bare_mean = (time.perf_counter() - start) / calls
     bare.clear()
 
-    client = client_class(sidecar.address, f"bench-handoff-{client_class.__name__}", 0,
-                          to_event)
-    client.start(RunStartRecord(
-        trainer="SFTTrainer", world_size=1, output_dir="/tmp/bench-handoff", config={},
-        config_text={}, versions={},
-        membership=Membership(1, 1, 1, 1, 0, 1, 1, [], [], [], []),
-        preflight=PreflightFacts(), initial_adapter=AdapterDigest(),
-    ))
-    deadline = time.monotonic() + 30
-    while not client.wait_registered(0.1):
-        if time.monotonic() > deadline:
-            raise TimeoutError("the sidecar did not register the hand-off run")
+    client = _registered_client(sidecar, f"bench-handoff-{client_class.__name__}",
+                                client_class)
     timed: dict[str, list[float]] = {SUBMIT: [], EMPTY: [], BARE: [], RESUME: []}
     build = []
     order = (SUBMIT, EMPTY, BARE)
@@ -294,17 +301,7 @@ def idle_sender_tax(sidecar: SidecarProcess, cycles: int, repeats: int = 5,
     live: list[float] = []
     for cycle in range(cycles):
         alone += [_gil_bound() for _ in range(repeats)]
-        client = StreamClient(sidecar.address, f"bench-idle-sender-{cycle}", 0, to_event)
-        client.start(RunStartRecord(
-            trainer="SFTTrainer", world_size=1, output_dir="/tmp/bench-idle", config={},
-            config_text={}, versions={},
-            membership=Membership(1, 1, 1, 1, 0, 1, 1, [], [], [], []),
-            preflight=PreflightFacts(), initial_adapter=AdapterDigest(),
-        ))
-        deadline = time.monotonic() + 30
-        while not client.wait_registered(0.1):
-            if time.monotonic() > deadline:
-                raise TimeoutError("the sidecar did not register the idle-sender run")
+        client = _registered_client(sidecar, f"bench-idle-sender-{cycle}", StreamClient)
         live += [_gil_bound() for _ in range(repeats)]
         client.close(timeout=10)
     return statistics.median(alone), statistics.median(live)

@@ -5,8 +5,6 @@ from __future__ import annotations
 import math
 import os
 import socket
-import subprocess
-import sys
 import tempfile
 import urllib.request
 from collections.abc import Iterator
@@ -25,6 +23,7 @@ from deadweight.sidecar.detectors.frozen import _frozen_streak
 from deadweight.sidecar.exporter import DeadweightCollector
 from deadweight.sidecar.metrics_http import MetricsServer, render
 from deadweight.sidecar.registry import Registry
+from tests.trust_client import attest_as
 
 
 class _Awkward(Collector):
@@ -210,13 +209,7 @@ def test_attest_connections_of_another_uid_are_closed_and_counted() -> None:
         assert _attest_refused(process) == 0.0
         assert fetch_attestation(str(process.socket_path))  # our own uid: a nonce, not counted
         for _ in range(2):
-            probe = subprocess.run(
-                ["setpriv", "--reuid", str(OTHER_UID), "--regid", str(OTHER_UID), "--groups",
-                 "0", sys.executable, "-c",
-                 "import socket,sys; s=socket.socket(socket.AF_UNIX); s.settimeout(30); "
-                 "s.connect(sys.argv[1]); print(repr(s.recv(128)))",
-                 str(attest_path(process.socket_path))],
-                capture_output=True, text=True, timeout=60, cwd="/")
+            probe = attest_as(OTHER_UID, attest_path(process.socket_path))
             assert probe.stdout.strip() == "b''", probe
         # The count is taken when the listener closes the connection, which the probe saw.
         assert _attest_refused(process) == 2.0

@@ -22,7 +22,7 @@ from deadweight.proto.transport import attest_path
 from deadweight.sidecar.attestation import _peer_pidfd, peer_identity
 from deadweight.sidecar.store import Store
 from tests.realprocs import wait_for
-from tests.trust_client import flood_command
+from tests.trust_client import attest_as, flood_command
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -170,13 +170,7 @@ def test_a_trainer_registers_while_another_uid_floods_the_attest_socket() -> Non
             assert _readline(trainer, 60) == "nonce ok"
             assert all(f.poll() is None for f in flooders)  # registered during the flood
             # A connection of the flooding uid is closed with no answer at all.
-            probe = subprocess.run(
-                ["setpriv", "--reuid", str(OTHER_UID), "--regid", str(OTHER_UID), "--groups",
-                 "0", sys.executable, "-c",
-                 "import socket,sys; s=socket.socket(socket.AF_UNIX); s.settimeout(30); "
-                 "s.connect(sys.argv[1]); print(repr(s.recv(128)))",
-                 str(attest_path(process.socket_path))],
-                capture_output=True, text=True, timeout=60, cwd="/")
+            probe = attest_as(OTHER_UID, attest_path(process.socket_path))
             assert probe.stdout.strip() == "b''", probe
         finally:
             stop_flooders(flooders)

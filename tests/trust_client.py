@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import queue
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -33,6 +34,16 @@ import grpc
 from deadweight.callbacks.stream_client import fetch_attestation
 from deadweight.proto import monitor_stub, pb
 from tests.raw_client import frozen_events, healthy_events
+
+
+def attest_as(uid: int, attest_socket: str | Path) -> subprocess.CompletedProcess[str]:
+    """One connection of uid (in group 0, to reach the socket) to the ``.attest`` socket; its
+    stdout is the repr of what it read: ``b''`` when the sidecar closed it unanswered."""
+    return subprocess.run(
+        ["setpriv", "--reuid", str(uid), "--regid", str(uid), "--groups", "0", sys.executable,
+         "-c", "import socket,sys; s=socket.socket(socket.AF_UNIX); s.settimeout(30); "
+         "s.connect(sys.argv[1]); print(repr(s.recv(128)))", str(attest_socket)],
+        capture_output=True, text=True, timeout=60, cwd="/")
 
 
 class Stream:

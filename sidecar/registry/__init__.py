@@ -51,6 +51,7 @@ from deadweight.sidecar.registry.validation import (
     MAX_RUN_ID_LENGTH,
     IdentityRejected,
     IngestError,
+    forget_run_start_scan,
     refusal_kind,
     run_start_of,
     validate,
@@ -203,6 +204,8 @@ class Registry:
             log.warning("batch_rejected", run_id=request.run_id[:MAX_RUN_ID_LENGTH],
                         reason=str(err))
             return pb.StreamResponse(error=str(err))
+        finally:
+            forget_run_start_scan()
 
     def _close_incarnation(self, old: RunEntry) -> None:
         """End old (superseded), resolve its firing findings and end its escalations; all

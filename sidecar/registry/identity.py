@@ -22,6 +22,7 @@ from deadweight.sidecar.registry.validation import (
     AttestationRequired,
     IdentityRejected,
     IngestError,
+    run_start_event,
     run_start_of,
 )
 from deadweight.sidecar.store import Store
@@ -66,9 +67,10 @@ class IdentityGate:
         that is gone (a restarted job, a run id used again: a live process of another uid
         keeps its run, ``admit`` refuses); or, for unattested runs, a rank whose sequence
         numbers start again from another stream (a new process)."""
-        start_seq = next((e.seq for e in request.events if e.HasField("run_start")), None)
-        if start_seq is None:
+        start_event = run_start_event(request)
+        if start_event is None:
             return False
+        start_seq = start_event.seq
         if entry.state.ended:
             return True
         self.redeem(request, peer)

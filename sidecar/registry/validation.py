@@ -6,6 +6,8 @@ back to the client (the stream stays open), and nothing of it is applied.
 
 from __future__ import annotations
 
+import threading
+
 from deadweight.proto import pb
 from deadweight.proto.kinds import EventKind
 from deadweight.sidecar import limits
@@ -60,10 +62,36 @@ def validate(request: pb.StreamRequest) -> None:
         raise IngestError(problem)
 
 
+#: Per thread, the batch being ingested and its first RunStart event: the registry asks this
+#: three or four times a batch, and each scan of a 256-event batch cost about 0.6 us a record.
+_last_scan = threading.local()
+
+
+def run_start_event(request: pb.StreamRequest) -> pb.Event | None:
+    """The batch's first event that carries a RunStart, if any (scanned once per batch)."""
+    if getattr(_last_scan, "request", None) is request:
+        found: pb.Event | None = _last_scan.event
+        return found
+    found = None
+    for event in request.events:  # HasField: the cheapest test
+        if event.HasField(EventKind.RUN_START):
+            found = event
+            break
+    # The reference kept here stops a new batch from taking this one's address (identity).
+    _last_scan.request, _last_scan.event = request, found
+    return found
+
+
+def forget_run_start_scan() -> None:
+    """End the scan's life with the batch (``Registry.ingest`` calls this when done), so a
+    request object changed and sent again is scanned again."""
+    _last_scan.request = _last_scan.event = None
+
+
 def run_start_of(request: pb.StreamRequest) -> pb.RunStart | None:
     """The batch's first RunStart, if it carries one."""
-    for event in request.events:  # HasField: the cheapest test, asked several times a batch
-        if event.HasField(EventKind.RUN_START):
-            start: pb.RunStart = event.run_start
-            return start
-    return None
+    event = run_start_event(request)
+    if event is None:
+        return None
+    start: pb.RunStart = event.run_start
+    return start

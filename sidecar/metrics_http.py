@@ -175,7 +175,8 @@ class _BoundedServer(WSGIServer):
     request_queue_size = 128  # the listen backlog: a burst is accepted and answered, not dropped
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+        # Set before binding: a port that cannot be bound makes the base class call
+        # server_close(), which reads these.
         self._slots = threading.BoundedSemaphore(self.max_connections)
         self.refused = 0
         self._work = threading.Condition()
@@ -183,6 +184,7 @@ class _BoundedServer(WSGIServer):
         self._idle = 0  # workers waiting for a request
         self._workers = 0
         self._stopping = False
+        super().__init__(*args, **kwargs)
 
     def process_request(self, request: _Request, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):

@@ -61,6 +61,9 @@ CREATE INDEX IF NOT EXISTS actions_incident ON actions (run_id, detector, incide
 CREATE TABLE IF NOT EXISTS history (
     run_id TEXT NOT NULL, kind TEXT NOT NULL, step INTEGER NOT NULL, time REAL NOT NULL,
     series TEXT NOT NULL, PRIMARY KEY (run_id, kind, step));
+CREATE TABLE IF NOT EXISTS step_batches (
+    run_id TEXT NOT NULL, first_step INTEGER NOT NULL, steps INTEGER NOT NULL,
+    packed BLOB NOT NULL, PRIMARY KEY (run_id, first_step));
 """
 
 #: How long the journal of an ended run is kept (pruned when the sidecar starts).
@@ -68,7 +71,7 @@ RETENTION_SECONDS = 30 * 86400
 #: Steps (and log rows) of history kept per run; past it, every other older row is dropped,
 #: so a long run keeps its whole span at a coarser grain (the report's plots need no more).
 MAX_HISTORY_ROWS = 2000
-#: The history kind of rows that each hold a batch of steps (``history.pack_steps``).
+#: The history kind under which step counts are held in memory (rows of ``step_batches``).
 PACKED_STEPS = "steps"
 #: (run, kind) pairs whose history row count is held in memory.
 _MAX_COUNTED_HISTORIES = 10_000
@@ -158,17 +161,11 @@ class Store:
 
     def _write_many(self, sql: str, rows: Sequence[tuple[Any, ...]]) -> None:
         """One statement over many rows, in one transaction (one commit, not one per row)."""
-        self._write_together([(sql, rows)])
-
-    def _write_together(self, statements: Sequence[tuple[str, Sequence[tuple[Any, ...]]]]
-                        ) -> None:
-        """Statements, each over its rows, in one transaction: all of them or none."""
         with self._lock:
             try:
                 self._db.execute("BEGIN")
                 try:
-                    for sql, rows in statements:
-                        self._db.executemany(sql, rows)
+                    self._db.executemany(sql, rows)
                 except BaseException:
                     self._db.execute("ROLLBACK")
                     raise
@@ -299,43 +296,42 @@ class Store:
 
     def add_step_history(self, run_id: str, rows: Sequence[history.StoredStep]) -> None:
         """Keep a batch of steps (``history.encode_step``) as one row (``history.pack_steps``);
-        past MAX_HISTORY_ROWS steps of the run, every other older step is dropped."""
+        past MAX_HISTORY_ROWS steps of the run, every other older batch is dropped (a batch is
+        a few steps in a real run; the run's whole span stays, at a coarser grain)."""
         if not rows:
             return
         key = (run_id, PACKED_STEPS)
         with self._lock:
-            self._write("INSERT OR REPLACE INTO history VALUES (?, ?, ?, ?, ?)",
-                        (run_id, PACKED_STEPS, rows[0][0], rows[0][1],
-                         history.pack_steps(rows)))
+            self._write("INSERT OR REPLACE INTO step_batches VALUES (?, ?, ?, ?)",
+                        (run_id, rows[0][0], len(rows), history.pack_steps(rows)))
             count = self._history_rows.get(key)
-            count = len(self._packed_steps(run_id)) if count is None else count + len(rows)
+            count = self._count_steps(run_id) if count is None else count + len(rows)
             if count > MAX_HISTORY_ROWS:
-                count = self._thin_packed_steps(run_id)
+                self._write(
+                    "DELETE FROM step_batches WHERE rowid IN (SELECT rowid FROM (SELECT rowid, "
+                    "row_number() OVER (ORDER BY first_step) AS n, COUNT(*) OVER () AS total "
+                    "FROM step_batches WHERE run_id=?) WHERE n % 2 = 0 AND n < total)",
+                    (run_id,))
+                count = self._count_steps(run_id)
             self._count_rows(key, count)
 
+    def _count_steps(self, run_id: str) -> int:
+        (count,) = self._db.execute(
+            "SELECT COALESCE(SUM(steps), 0) FROM step_batches WHERE run_id=?",
+            (run_id,)).fetchone()
+        return int(count)
+
     def _packed_steps(self, run_id: str) -> list[history.StoredStep]:
-        """A run's packed steps, by step (a step kept twice: the later row's)."""
+        """A run's packed steps, by step (a step kept twice: the later batch's)."""
         by_step: dict[int, history.StoredStep] = {}
-        for (packed,) in self._read("SELECT series FROM history WHERE run_id=? AND kind=? "
-                                    "ORDER BY step", (run_id, PACKED_STEPS)):
+        for (packed,) in self._read("SELECT packed FROM step_batches WHERE run_id=? "
+                                    "ORDER BY first_step", (run_id,)):
             try:
                 for stored in history.unpack_steps(packed):
                     by_step[stored[0]] = stored
             except ValueError as err:  # a damaged row: the steps before the damage are kept
                 log.warning("history_row_damaged", run_id=run_id, error=str(err))
         return [by_step[step] for step in sorted(by_step)]
-
-    def _thin_packed_steps(self, run_id: str) -> int:
-        """Drop every other step but the newest, in one row: the run's whole span stays, at
-        half the grain. Returns the steps kept."""
-        steps = self._packed_steps(run_id)
-        kept = [s for n, s in enumerate(steps, 1) if n % 2 == 1 or n == len(steps)]
-        self._write_together([
-            ("DELETE FROM history WHERE run_id=? AND kind=?", [(run_id, PACKED_STEPS)]),
-            ("INSERT INTO history VALUES (?, ?, ?, ?, ?)",
-             [(run_id, PACKED_STEPS, kept[0][0], kept[0][1], history.pack_steps(kept))]),
-        ])
-        return len(kept)
 
     def _count_rows(self, key: tuple[str, str], count: int) -> None:
         if len(self._history_rows) >= _MAX_COUNTED_HISTORIES:
@@ -368,8 +364,8 @@ class Store:
     def history(self, run_id: str, kind: str) -> list[tuple[int, float, dict[str, float]]]:
         """(step, time, figures) of a run's history of one kind ("step" or "log"), by step.
 
-        Steps are read from their packed rows and from the one-row-per-step form a sidecar
-        before packing wrote (a step in both: the packed one)."""
+        Steps are read from their batches (``step_batches``) and from the one-row-per-step
+        form a sidecar before packing wrote (a step in both: the packed one)."""
         rows: dict[int, tuple[float, bytes | str]] = {
             step: (at, series) for step, at, series in self._read(
                 "SELECT step, time, series FROM history WHERE run_id=? AND kind=? "
@@ -423,7 +419,7 @@ class Store:
             try:
                 for run_id in ids:
                     for table in ("bindings", "checkpoints", "incidents", "actions", "history",
-                                  "runs"):
+                                  "step_batches", "runs"):
                         self._write(f"DELETE FROM {table} WHERE run_id=?", (run_id,))
             except StoreWriteFailed:
                 return 0  # a full disk: pruning waits for the next start

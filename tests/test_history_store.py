@@ -45,7 +45,7 @@ def test_a_batch_of_steps_is_one_row_and_reads_back_step_by_step(tmp_path: Path)
     store = Store(tmp_path)
     store.add_step_history("run", [_row(s) for s in range(1, 257)])
     store.add_step_history("run", [(257, 257.0, '{"update_norm": 2.5}')])  # a sharded step
-    (rows,) = store._read("SELECT COUNT(*) FROM history WHERE run_id='run'")
+    (rows,) = store._read("SELECT COUNT(*) FROM step_batches WHERE run_id='run'")
     assert rows == (2,)
     steps = store.history("run", "step")
     assert [s for s, _, _ in steps] == list(range(1, 258))
@@ -61,8 +61,8 @@ def test_rows_of_an_older_sidecar_and_a_damaged_row_still_read(tmp_path: Path) -
                  ('{"update_norm": 1.0}',))
     store.add_step_history("run", [_row(3), _row(4)])
     store.add_step_history("run", [_row(5), _row(6)])
-    store._write("UPDATE history SET series = substr(series, 1, length(series) - 5) "
-                 "WHERE kind = ? AND step = 5", (store_module.PACKED_STEPS,))
+    store._write("UPDATE step_batches SET packed = substr(packed, 1, length(packed) - 5) "
+                 "WHERE first_step = 5")
     steps = store.history("run", "step")
     assert [s for s, _, _ in steps] == [1, 2, 3, 4, 5]  # step 6 was cut short
     assert steps[0][2]["update_norm"] == 2.0 and steps[1][2] == {"update_norm": 1.0}

@@ -74,7 +74,10 @@ def test_everything_survives_a_reopen(tmp_path: Path) -> None:
     again.close_enforcement("r1", "frozen_weights", 1, "killed")
     assert again.open_enforcements() == []
     assert again.prune(ended_before=100.0) == 0  # r2 ended at 100.0: not before
+    again.add_step_history("r2", [(1, 1.0, pb.StepReport(step=1).SerializeToString())])
+    assert again.history("r2", "step")
     assert again.prune(ended_before=100.5) == 1
+    assert again.history("r2", "step") == []  # its steps went with it
     assert [r.run_id for r in again.runs()] == ["r1"]  # a live run is never pruned
     assert again.bindings("r1") and again.actions("r1")
     assert oct(os.stat(tmp_path / "state").st_mode & 0o777) == "0o700"

@@ -453,6 +453,10 @@ def test_f12_pickle_checkpoint(live: InProcessSidecar, qwen: tuple[Path, Path],
     _train(runs.sft_trainer(model, model_dir, tmp_path,
                             [PickleCopy(), live.callback("f12-pickle")], steps=2, save_steps=2))
     live.wait_inspected("f12-pickle", 1)
+    # The watcher may inspect the folder before the user's callback adds its .bin: the file
+    # it adds changes the folder, which is inspected again at the next scan.
+    wait_for(lambda: "pickle_checkpoint" in live.fired("f12-pickle"), 30,
+             what="the pickle verdict")
     pickled = live.fired("f12-pickle")["pickle_checkpoint"]
     assert pickled.evidence["pickle_files"] == "adapter_model.bin"
     assert pickled.firing  # an artifact verdict outlives the run

@@ -18,7 +18,7 @@ import json
 import sqlite3
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -304,16 +304,12 @@ class Store:
         with self._lock:
             self._write("INSERT OR REPLACE INTO step_batches VALUES (?, ?, ?, ?)",
                         (run_id, rows[0][0], len(rows), history.pack_steps(rows)))
-            count = self._history_rows.get(key)
-            count = self._count_steps(run_id) if count is None else count + len(rows)
-            if count > MAX_HISTORY_ROWS:
+            self._keep_bounded(key, len(rows), lambda: self._count_steps(run_id), lambda: (
                 self._write(
                     "DELETE FROM step_batches WHERE rowid IN (SELECT rowid FROM (SELECT rowid, "
                     "row_number() OVER (ORDER BY first_step) AS n, COUNT(*) OVER () AS total "
                     "FROM step_batches WHERE run_id=?) WHERE n % 2 = 0 AND n < total)",
-                    (run_id,))
-                count = self._count_steps(run_id)
-            self._count_rows(key, count)
+                    (run_id,))))
 
     def _count_steps(self, run_id: str) -> int:
         (count,) = self._db.execute(
@@ -333,7 +329,15 @@ class Store:
                 log.warning("history_row_damaged", run_id=run_id, error=str(err))
         return [by_step[step] for step in sorted(by_step)]
 
-    def _count_rows(self, key: tuple[str, str], count: int) -> None:
+    def _keep_bounded(self, key: tuple[str, str], added: int, counted: Callable[[], int],
+                      thin: Callable[[], object]) -> None:
+        """Count added rows (steps) for key, from SQL the first time; past MAX_HISTORY_ROWS,
+        thin (drop every other older row) and count again."""
+        count = self._history_rows.get(key)
+        count = counted() if count is None else count + added
+        if count > MAX_HISTORY_ROWS:
+            thin()
+            count = counted()
         if len(self._history_rows) >= _MAX_COUNTED_HISTORIES:
             self._history_rows.clear()  # bounded; counted again from SQL when next written
         self._history_rows[key] = count
@@ -346,15 +350,12 @@ class Store:
             self._write_many("INSERT OR REPLACE INTO history VALUES (?, ?, ?, ?, ?)",
                              [(run_id, kind, step, at, series) for step, at, series in rows])
             key = (run_id, kind)
-            count = self._history_rows.get(key)
-            count = self._count_history(key) if count is None else count + len(rows)
-            if count > MAX_HISTORY_ROWS:
+            self._keep_bounded(key, len(rows), lambda: self._count_history(key), lambda: (
                 self._write(
                     "DELETE FROM history WHERE rowid IN (SELECT rowid FROM (SELECT rowid, "
-                    "row_number() OVER (ORDER BY step) AS n FROM history WHERE run_id=? AND "
-                    "kind=?) WHERE n % 2 = 0 AND n < ?)", (run_id, kind, count))
-                count = self._count_history(key)
-            self._count_rows(key, count)
+                    "row_number() OVER (ORDER BY step) AS n, COUNT(*) OVER () AS total FROM "
+                    "history WHERE run_id=? AND kind=?) WHERE n % 2 = 0 AND n < total)",
+                    (run_id, kind))))
 
     def _count_history(self, key: tuple[str, str]) -> int:
         (count,) = self._db.execute(

@@ -39,6 +39,10 @@ def test_history_stays_bounded_over_restarts_and_keeps_its_whole_span(
     point = StepPoint.from_report(pb.StepReport.FromString(_row(330)[2]), at)
     assert figures["update_norm"] == point.update_norm and figures["watched_tensors"] == 2.0
     assert store.history("run", "log") == [(3, 3.0, {"loss": 1.5})]
+    for step in range(4, 4 + 2 * limit):  # logs are thinned the same way, a row a step
+        store.add_history("run", "log", step, {"loss": float(step)}, float(step))
+    logs = [step for step, _, _ in store.history("run", "log")]
+    assert len(logs) <= limit and logs[0] == 3 and logs[-1] == 3 + 2 * limit
 
 
 def test_a_batch_of_steps_is_one_row_and_reads_back_step_by_step(tmp_path: Path) -> None:

@@ -24,8 +24,15 @@ def _is_frozen_step(point: StepPoint, settings: DetectorSettings) -> bool:
     return ratio is not None and ratio < settings.frozen_ratio_floor
 
 
+def _counts(point: StepPoint) -> bool:
+    """Steps at lr 0 (warmup's first) and skipped steps neither count nor break a streak."""
+    return point.learning_rate > 0 and not point.skipped
+
+
 def _frozen_streak(steps: list[StepPoint], settings: DetectorSettings) -> Streak[StepPoint]:
-    return trailing_streak(steps, lambda p: _is_frozen_step(p, settings))
+    """Walked back from the newest step: a moving run costs one step, not its window."""
+    return trailing_streak(steps, lambda p: _is_frozen_step(p, settings),
+                           skip=lambda p: not _counts(p))
 
 
 class FrozenWeights(SpecDetector):
@@ -54,7 +61,7 @@ class FrozenWeights(SpecDetector):
     )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
-        steps = [p for p in run.combined_steps() if p.learning_rate > 0 and not p.skipped]
+        steps = [p for p in run.combined_steps() if _counts(p)]
         if not steps:
             return None
         loss = run.log_value("loss")
@@ -96,15 +103,6 @@ class FrozenWeights(SpecDetector):
 
     @staticmethod
     def streak(run: RunState, settings: DetectorSettings) -> int:
-        """Consecutive frozen steps at lr > 0 ending at the latest one (for the metric).
-
-        Walked back from the newest step, so a moving run costs one step, not its window
-        (every /metrics scrape asks this of every run)."""
-        count = 0
-        for point in reversed(run.combined_steps()):
-            if point.learning_rate <= 0 or point.skipped:
-                continue  # neither counts nor breaks the streak, as in evaluate()
-            if not _is_frozen_step(point, settings):
-                break
-            count += 1
-        return count
+        """Consecutive frozen steps at lr > 0 ending at the latest one (for the metric; every
+        /metrics scrape asks this of every run)."""
+        return len(_frozen_streak(run.combined_steps(), settings))

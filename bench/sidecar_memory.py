@@ -42,7 +42,7 @@ import yaml
 
 from deadweight.demo.sidecar_process import SidecarProcess
 from deadweight.proto import MAX_MESSAGE_BYTES, monitor_stub, pb
-from deadweight.sidecar import limits, state, status
+from deadweight.sidecar import limits, state, status, step_point
 from deadweight.sidecar.checkpoint_inspector import MAX_HEADER_BYTES, MAX_TENSORS
 
 from .common import in_threads, table, verdict
@@ -103,7 +103,7 @@ class Shape:
         def part(full: int) -> int:
             return max(1, int(full * scale))
         return cls(runs=part(runs), ranks=part(ranks), steps=part(state.STEP_WINDOW),
-                   adapters=state.MAX_ADAPTERS_PER_STEP, log_keys=part(state.MAX_LOG_KEYS),
+                   adapters=step_point.MAX_ADAPTERS_PER_STEP, log_keys=part(state.MAX_LOG_KEYS),
                    log_values=part(state.LOG_WINDOW), checkpoints=part(state.CHECKPOINT_WINDOW),
                    tensors=part(MAX_TENSORS))
 
@@ -196,7 +196,7 @@ def _steps(run: int, rank: int, shape: Shape) -> Iterator[list[pb.Event]]:
     def step_events() -> Iterator[pb.Event]:
         for step in range(1, shape.steps + 1):
             groups = [pb.GroupUpdate(name=_name(f"r{run}.k{rank}.s{step}", g,
-                                                state.MAX_GROUP_NAME),
+                                                step_point.MAX_GROUP_NAME),
                                      kind="adapter", update_sq_sum=1e-3 * (g + 1), tensors=2,
                                      unchanged_tensors=0, optimizer_tensors=2)
                       for g in range(shape.adapters)]

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from deadweight.demo.sidecar_process import SidecarProcess
 from deadweight.proto import pb
-from deadweight.sidecar import state as sidecar_state
+from deadweight.sidecar import step_point
 
 from .common import attested_stream, fmt_time, in_threads, table
 from .sidecar_load import RUNS, _pct, _requests
@@ -92,8 +92,8 @@ def ingest_in_process(steps: int, heartbeats: int, cap: int) -> tuple[list[float
     from deadweight.sidecar.registry import Registry
 
     configure(level="error")
-    kept = sidecar_state.MAX_ADAPTERS_PER_STEP
-    sidecar_state.MAX_ADAPTERS_PER_STEP = cap
+    kept = step_point.MAX_ADAPTERS_PER_STEP
+    step_point.MAX_ADAPTERS_PER_STEP = cap
     try:
         registry = Registry()
         registry.ingest(pb.StreamRequest(run_id="attack", events=[
@@ -111,7 +111,7 @@ def ingest_in_process(steps: int, heartbeats: int, cap: int) -> tuple[list[float
             beat_times.append(time.perf_counter() - start)
         return step_times, beat_times
     finally:
-        sidecar_state.MAX_ADAPTERS_PER_STEP = kept
+        step_point.MAX_ADAPTERS_PER_STEP = kept
 
 
 class _Attacker(threading.Thread):
@@ -283,7 +283,7 @@ def run(repeats: int, quick: bool) -> list[list[str]]:
     logging.getLogger("deadweight").setLevel(logging.ERROR)
     rows: list[list[str]] = []
     steps, beats = (20, 200) if quick else (60, 1000)
-    for cap, label in ((sidecar_state.MAX_ADAPTERS_PER_STEP, "capped (now)"),
+    for cap, label in ((step_point.MAX_ADAPTERS_PER_STEP, "capped (now)"),
                        (ADAPTERS, "cap lifted (earlier code)")):
         step_times, beat_times = ingest_in_process(steps, beats // (1 if cap < 1024 else 10),
                                                    cap)

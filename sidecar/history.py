@@ -19,7 +19,7 @@ import struct
 from collections.abc import Iterator, Sequence
 
 from deadweight.proto import pb
-from deadweight.sidecar.state import StepPoint
+from deadweight.sidecar.step_point import StepPoint
 
 #: Log keys worth a plot: the loss-only view, the RL signals and DPO's rewards.
 LOG_KEYS = frozenset({

@@ -9,7 +9,7 @@ import pytest
 
 from deadweight.proto import pb
 from deadweight.sidecar import store as store_module
-from deadweight.sidecar.state import StepPoint
+from deadweight.sidecar.step_point import StepPoint
 from deadweight.sidecar.store import Store
 
 

@@ -10,7 +10,8 @@ import pytest
 from deadweight.proto import pb
 from deadweight.sidecar import history
 from deadweight.sidecar.registry import Registry
-from deadweight.sidecar.state import MAX_ADAPTERS_PER_STEP, NO_GROUPS, STEP_WINDOW, StepPoint
+from deadweight.sidecar.state import STEP_WINDOW
+from deadweight.sidecar.step_point import MAX_ADAPTERS_PER_STEP, NO_GROUPS, StepPoint
 
 
 def _report() -> pb.StepReport:

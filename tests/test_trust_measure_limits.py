@@ -198,7 +198,7 @@ def test_steps_of_a_1024_adapter_run_keep_64_adapters_in_memory() -> None:
     """The detector work per event is bounded because the state is: a step's adapter groups
     beyond the cap are not kept (read back through the in-process registry)."""
     from deadweight.sidecar.registry import Registry
-    from deadweight.sidecar.state import MAX_ADAPTERS_PER_STEP
+    from deadweight.sidecar.step_point import MAX_ADAPTERS_PER_STEP
 
     registry = Registry()
     groups = [pb.GroupUpdate(name=f"adapter-{i}", kind="adapter", tensors=4)

@@ -7,7 +7,8 @@ import math
 from deadweight.sidecar.detectors.base import SpecDetector, Streak, Verdict, fmt, trailing_streak
 from deadweight.sidecar.detectors.spec import DetectorSpec, Evidence, Severity, Threshold
 from deadweight.sidecar.settings import DetectorSettings
-from deadweight.sidecar.state import RunState, StepPoint
+from deadweight.sidecar.state import RunState
+from deadweight.sidecar.step_point import StepPoint
 
 #: Also read by lora_lr_too_low (K steps at lr 0 after the warmup).
 FROZEN_STEPS = Threshold("frozen_steps", "optimizer steps",

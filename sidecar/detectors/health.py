@@ -14,7 +14,8 @@ from deadweight.sidecar.detectors.spec import (
     Threshold,
 )
 from deadweight.sidecar.settings import DetectorSettings
-from deadweight.sidecar.state import RunState, StepPoint
+from deadweight.sidecar.state import RunState
+from deadweight.sidecar.step_point import StepPoint
 
 
 class NonfiniteLoss(SpecDetector):

@@ -12,7 +12,8 @@ from deadweight.sidecar.detectors.spec import (
     Threshold,
 )
 from deadweight.sidecar.settings import DetectorSettings
-from deadweight.sidecar.state import RunState, StepPoint
+from deadweight.sidecar.state import RunState
+from deadweight.sidecar.step_point import StepPoint
 
 #: ``OptimizerMembership.layout`` when the client could not map the optimizer's partitions.
 MEMBERSHIP_UNKNOWN = "unknown"

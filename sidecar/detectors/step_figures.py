@@ -16,7 +16,8 @@ from deadweight.sidecar.detectors.base import (
 )
 from deadweight.sidecar.detectors.spec import DetectorSpec, Evidence, Severity, Threshold
 from deadweight.sidecar.settings import DetectorSettings
-from deadweight.sidecar.state import RunState, StepPoint
+from deadweight.sidecar.state import RunState
+from deadweight.sidecar.step_point import StepPoint
 
 #: Dtypes in which an optimizer step loses every update below half a unit in the last place.
 LOW_PRECISION = frozenset({"bfloat16", "float16"})

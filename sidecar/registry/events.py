@@ -21,7 +21,8 @@ from deadweight.sidecar import history, limits
 from deadweight.sidecar.detectors import checkpoints
 from deadweight.sidecar.registry.run_table import RunEntry
 from deadweight.sidecar.registry.validation import IngestError
-from deadweight.sidecar.state import CheckpointPoint, RunState, StepPoint
+from deadweight.sidecar.state import CheckpointPoint, RunState
+from deadweight.sidecar.step_point import StepPoint
 from deadweight.sidecar.store import Store
 
 if TYPE_CHECKING:

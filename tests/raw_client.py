@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -100,8 +101,8 @@ def main() -> int:
                     print(f"ERROR {response.error}", flush=True)
         except grpc.RpcError as err:
             print(f"STREAM_ENDED {err.code().name}", flush=True)
-    while True:  # stay alive: the tests decide when this process ends
-        time.sleep(60)
+    while True:  # stay alive until a signal ends it: the tests decide when
+        signal.pause()
 
 
 if __name__ == "__main__":

@@ -295,17 +295,22 @@ class RunProbe:
 
         The client stays readable afterwards (its counters tell what was sent and dropped).
         """
-        self.update = None
+        self._release_update()
         if self.client is not None:
             self.client.submit_now(EventKind.RUN_END, RunEndRecord(step, reason))
             self.client.close(timeout=timeout)
+
+    def _release_update(self) -> None:
+        update, self.update = self.update, None
+        if update is not None:
+            update.close()
 
     def directives(self) -> list[pb.Directive]:
         return self.client.take_directives() if self.client is not None else []
 
     def shut_off(self) -> None:
         """Stop measuring and sending at once (after a failure of ours)."""
-        self.update = None
+        self._release_update()
         client, self.client = self.client, None
         if client is not None:
             client.close(timeout=0.0)

@@ -12,7 +12,9 @@ Three kernels compute the same figures; ``path="auto"`` takes the fastest one fo
 ``native`` (CPU, the default there) is the C loop built at install time, one pass over memory;
 ``torch`` is eager torch: on CPU over cache-sized chunks with a double-buffered snapshot, on an
 accelerator ``torch._foreach_*`` ops whose figures go to pinned host memory with a
-non-blocking copy, read later off the training thread (``after_step_deferred``). "Unchanged"
+non-blocking copy, read later off the training thread (``after_step_deferred``). On the CPU
+the kernel runs on the probe's own thread from the end of one optimizer step until the next
+``before_step``, which waits for it: the training thread only hands it over. "Unchanged"
 is exact, never a norm (a square underflows): the CPU kernels compare bytes, the accelerator
 kernel counts elements with a nonzero difference, so there +0.0 and -0.0 count as equal. A
 tensor holding a non-finite value is counted as non-finite, never as unchanged.
@@ -31,6 +33,7 @@ import logging
 import operator
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -146,6 +149,23 @@ class _Fence:
         if self._event is not None:
             self._event.synchronize()
 
+    def done(self) -> bool:
+        """The copy has landed (asks the device without waiting for it)."""
+        return self._event is None or bool(self._event.query())  # type: ignore[no-untyped-call]
+
+
+class _Background:
+    """Marks when a CPU kernel running on the probe's own thread has finished."""
+
+    def __init__(self, job: Future[Callable[[], torch.Tensor]]) -> None:
+        self._job = job
+
+    def wait(self) -> None:
+        self._job.result()
+
+    def done(self) -> bool:
+        return self._job.done()
+
 
 class PendingStats:
     """One step's figures on their way to the host, read later and off the training thread.
@@ -155,7 +175,7 @@ class PendingStats:
     Every step gets its own host buffer, so a later step never overwrites an unread one.
     """
 
-    def __init__(self, figures: Callable[[], torch.Tensor], fences: list[_Fence],
+    def __init__(self, figures: Callable[[], torch.Tensor], fences: Sequence[_Fence | _Background],
                  finish: Callable[[torch.Tensor], UpdateStats]) -> None:
         self._figures: Callable[[], torch.Tensor] | None = figures
         self._fences = fences
@@ -164,9 +184,9 @@ class PendingStats:
         self._lock = threading.Lock()
 
     def peek(self) -> UpdateStats | None:
-        """The figures if reading them now costs no wait on a device (read already, or
-        measured on the CPU, where there is nothing to wait for); else None."""
-        if self._stats is None and not self._fences:
+        """The figures if reading them now costs no wait (read already, or their device copy
+        or background kernel has finished); else None."""
+        if self._stats is None and all(fence.done() for fence in self._fences):
             return self.result()
         return self._stats
 
@@ -555,8 +575,12 @@ class UpdateProbe:
         max_full_elements: int = DEFAULT_MAX_FULL_ELEMENTS,
         sample_per_tensor: int = DEFAULT_SAMPLE_PER_TENSOR,
         path: Path = "auto",
+        background: bool = True,
     ) -> None:
         self.watched_params = sum(t.numel() for t in tensors)
+        self._background = background
+        self._worker: ThreadPoolExecutor | None = None
+        self._inflight: Future[Callable[[], torch.Tensor]] | None = None
         self.sampled = self.watched_params > max_full_elements
         self._tensors = list(tensors)
         self._sample = sample_per_tensor
@@ -607,6 +631,9 @@ class UpdateProbe:
             kernel = _DeviceKernel(self._sources)
         self._kernel = kernel
         self.path: str = "native" if native is not None else "torch"
+        #: CPU kernels run on the probe's own thread (see ``after_step_deferred``); the device
+        #: kernel only queues work, so it stays on the training thread.
+        self.in_background = self._background and not isinstance(kernel, _DeviceKernel)
         self._group_dtypes = [
             ",".join(sorted({str(self._sources[i].dtype).removeprefix("torch.")
                              for i in g.indices})) for g in self._groups
@@ -652,6 +679,7 @@ class UpdateProbe:
         After a measured step the snapshot is already fresh; it is copied again only when a
         version counter shows that something wrote a watched tensor since.
         """
+        self._settle()
         tensors = self._tensors
         if list(map(_data_ptr, tensors)) != self._storage:
             self._bind()
@@ -676,7 +704,9 @@ class UpdateProbe:
         """Queue the measurement of the update since before_step; None without a snapshot.
 
         The training thread only launches the work; ``result()`` on the returned object
-        reads the figures (later, and from another thread: the callback's sender).
+        reads the figures (later, and from another thread: the callback's sender). On the
+        CPU the kernel itself runs on the probe's own thread (``in_background``): the weights
+        stay as they are until the next optimizer step, and ``before_step`` waits for it.
         """
         if not self._ready:
             return None
@@ -686,9 +716,43 @@ class UpdateProbe:
             return PendingStats(lambda: torch.zeros(0, update_native.FIGURES), [],
                                 lambda _: empty)
         self._valid_at = None  # a kernel that fails midway leaves no trusted snapshot
+        if self.in_background:
+            if self._worker is None:
+                self._worker = ThreadPoolExecutor(1, thread_name_prefix="deadweight-update")
+            job = self._worker.submit(self._run_kernel)
+            self._inflight = job
+            # the weights as the kernel will read them; _settle withdraws this if it fails
+            self._valid_at = list(map(_version, self._tensors))
+            return PendingStats(lambda: job.result()(), [_Background(job)], self._summarise)
         figures, fences = self._kernel.run()  # also refreshes the snapshot
         self._valid_at = list(map(_version, self._tensors))  # (shared with the sources)
         return PendingStats(figures, fences, self._summarise)
+
+    def _run_kernel(self) -> Callable[[], torch.Tensor]:
+        """The CPU kernel, on the probe's thread (grad mode is per thread)."""
+        with torch.no_grad():
+            return self._kernel.run()[0]
+
+    def _settle(self) -> None:
+        """Wait for the background kernel of the last step: the optimizer must not write the
+        weights while it reads them, nor ``before_step`` refresh a snapshot it is writing.
+
+        It has had a whole forward and backward pass to finish, so this rarely waits.
+        """
+        job, self._inflight = self._inflight, None
+        if job is None:
+            return
+        try:
+            job.result()
+        except Exception:  # the reader of its figures logs it; the snapshot is not trusted
+            self._valid_at = None
+
+    def close(self) -> None:
+        """Let the background kernel finish and release its thread (at the run's end)."""
+        self._settle()
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)  # idle once settled: it exits at once
+            self._worker = None
 
     def _summarise(self, figures: torch.Tensor) -> UpdateStats:
         """Totals and group sums from the per-tensor figures (already on the host)."""

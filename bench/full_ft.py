@@ -60,7 +60,7 @@ def run(bandwidth: float, repeats: int, quick: bool) -> list[list[str]]:
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     rows = []
     for label, limit in (("sampled (default above 200M)", 1), ("full snapshot", n + 1)):
-        probe = UpdateProbe(tensors, max_full_elements=limit)
+        probe = UpdateProbe(tensors, max_full_elements=limit, background=False)
         times = _step_cost(probe, tensors, max(3, repeats // 2))
         rows.append([label, probe.path, f"{probe.snapshot_bytes / 2**20:.1f} MiB",
                      f"{probe.snapshot_bytes / nbytes:.4%}", fmt_time(min(times)),

@@ -149,8 +149,8 @@ def run(bandwidth: float, repeats: int, quick: bool) -> list[list[str]]:
                 "naive loop": NaiveLoop(tensors),
                 "eager foreach": EagerForeach(tensors),
                 "eager foreach + count": EagerForeachCount(tensors),
-                "probe torch": UpdateProbe(tensors, path="torch"),
-                "probe native": UpdateProbe(tensors, path="native"),
+                "probe torch": UpdateProbe(tensors, path="torch", background=False),
+                "probe native": UpdateProbe(tensors, path="native", background=False),
             }
             timings, copy = interleaved(variants, tensors, nbytes, repeats)
             # bandwidth from the copy timed in the same rounds, so load hits both alike
@@ -217,7 +217,7 @@ def run_device(device: str, repeats: int, quick: bool) -> list[list[str]]:
             nbytes = sum(t.numel() * t.element_size() for t in tensors)
             src = torch.ones(max(nbytes // 4, 1), device=dev)
             dst = torch.empty_like(src)
-            probe = UpdateProbe(tensors, path="torch")
+            probe = UpdateProbe(tensors, path="torch", background=False)
             eager = EagerForeach(tensors)
             host: dict[str, list[float]] = {"probe": [], "eager": []}
             gpu: dict[str, list[float]] = {"probe": [], "eager": [], "copy": []}

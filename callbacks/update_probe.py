@@ -157,7 +157,7 @@ class _Fence:
 class _Background:
     """Marks when a CPU kernel running on the probe's own thread has finished."""
 
-    def __init__(self, job: Future[Callable[[], torch.Tensor]]) -> None:
+    def __init__(self, job: Future[tuple[Callable[[], torch.Tensor], list[int]]]) -> None:
         self._job = job
 
     def wait(self) -> None:
@@ -580,7 +580,7 @@ class UpdateProbe:
         self.watched_params = sum(t.numel() for t in tensors)
         self._background = background
         self._worker: ThreadPoolExecutor | None = None
-        self._inflight: Future[Callable[[], torch.Tensor]] | None = None
+        self._inflight: Future[tuple[Callable[[], torch.Tensor], list[int]]] | None = None
         self.sampled = self.watched_params > max_full_elements
         self._tensors = list(tensors)
         self._sample = sample_per_tensor
@@ -721,17 +721,18 @@ class UpdateProbe:
                 self._worker = ThreadPoolExecutor(1, thread_name_prefix="deadweight-update")
             job = self._worker.submit(self._run_kernel)
             self._inflight = job
-            # the weights as the kernel will read them; _settle withdraws this if it fails
-            self._valid_at = list(map(_version, self._tensors))
-            return PendingStats(lambda: job.result()(), [_Background(job)], self._summarise)
+            return PendingStats(lambda: job.result()[0](), [_Background(job)], self._summarise)
         figures, fences = self._kernel.run()  # also refreshes the snapshot
         self._valid_at = list(map(_version, self._tensors))  # (shared with the sources)
         return PendingStats(figures, fences, self._summarise)
 
-    def _run_kernel(self) -> Callable[[], torch.Tensor]:
-        """The CPU kernel, on the probe's thread (grad mode is per thread)."""
+    def _run_kernel(self) -> tuple[Callable[[], torch.Tensor], list[int]]:
+        """The CPU kernel, on the probe's thread (grad mode is per thread), and the versions
+        of the weights it read (nothing but the optimizer writes them in between, and only
+        after ``_settle``; a write during the pass shows as a newer version there)."""
+        versions = list(map(_version, self._tensors))
         with torch.no_grad():
-            return self._kernel.run()[0]
+            return self._kernel.run()[0], versions
 
     def _settle(self) -> None:
         """Wait for the background kernel of the last step: the optimizer must not write the
@@ -743,7 +744,7 @@ class UpdateProbe:
         if job is None:
             return
         try:
-            job.result()
+            self._valid_at = job.result()[1]
         except Exception:  # the reader of its figures logs it; the snapshot is not trusted
             self._valid_at = None
 

@@ -157,7 +157,7 @@ class _Fence:
 class _Background:
     """Marks when a CPU kernel running on the probe's own thread has finished."""
 
-    def __init__(self, job: Future[tuple[Callable[[], torch.Tensor], list[int]]]) -> None:
+    def __init__(self, job: Future[tuple[UpdateStats, list[int]]]) -> None:
         self._job = job
 
     def wait(self) -> None:
@@ -168,18 +168,19 @@ class _Background:
 
 
 class PendingStats:
-    """One step's figures on their way to the host, read later and off the training thread.
+    """One step's figures on their way, read later and off the training thread.
 
-    The training thread only queues the device work and a non-blocking copy into pinned host
-    memory; ``result()`` (called by the sender thread) waits for that copy and summarises.
-    Every step gets its own host buffer, so a later step never overwrites an unread one.
+    On an accelerator the training thread only queues the device work and a non-blocking copy
+    into pinned host memory; ``result()`` (called by the sender thread) waits for that copy
+    and summarises. Every step gets its own host buffer, so a later step never overwrites an
+    unread one. On the CPU the probe's own thread measures and summarises; ``result()`` waits
+    for it.
     """
 
-    def __init__(self, figures: Callable[[], torch.Tensor], fences: Sequence[_Fence | _Background],
-                 finish: Callable[[torch.Tensor], UpdateStats]) -> None:
-        self._figures: Callable[[], torch.Tensor] | None = figures
+    def __init__(self, read: Callable[[], UpdateStats],
+                 fences: Sequence[_Fence | _Background]) -> None:
+        self._read: Callable[[], UpdateStats] | None = read
         self._fences = fences
-        self._finish = finish
         self._stats: UpdateStats | None = None
         self._lock = threading.Lock()
 
@@ -196,9 +197,9 @@ class PendingStats:
             if self._stats is None:
                 for fence in self._fences:
                     fence.wait()
-                assert self._figures is not None
-                self._stats = self._finish(self._figures())
-                self._figures = None
+                assert self._read is not None
+                self._stats = self._read()
+                self._read = None
             return self._stats
 
 
@@ -580,7 +581,7 @@ class UpdateProbe:
         self.watched_params = sum(t.numel() for t in tensors)
         self._background = background
         self._worker: ThreadPoolExecutor | None = None
-        self._inflight: Future[tuple[Callable[[], torch.Tensor], list[int]]] | None = None
+        self._inflight: Future[tuple[UpdateStats, list[int]]] | None = None
         self.sampled = self.watched_params > max_full_elements
         self._tensors = list(tensors)
         self._sample = sample_per_tensor
@@ -713,26 +714,27 @@ class UpdateProbe:
         self._ready = False
         if not self._sources:
             empty = UpdateStats(0.0, 0.0, 0, 0, 0, 0, self.sampled, [])
-            return PendingStats(lambda: torch.zeros(0, update_native.FIGURES), [],
-                                lambda _: empty)
+            return PendingStats(lambda: empty, [])
         self._valid_at = None  # a kernel that fails midway leaves no trusted snapshot
         if self.in_background:
             if self._worker is None:
                 self._worker = ThreadPoolExecutor(1, thread_name_prefix="deadweight-update")
             job = self._worker.submit(self._run_kernel)
             self._inflight = job
-            return PendingStats(lambda: job.result()[0](), [_Background(job)], self._summarise)
+            return PendingStats(lambda: job.result()[0], [_Background(job)])
         figures, fences = self._kernel.run()  # also refreshes the snapshot
         self._valid_at = list(map(_version, self._tensors))  # (shared with the sources)
-        return PendingStats(figures, fences, self._summarise)
+        return PendingStats(lambda: self._summarise(figures()), fences)
 
-    def _run_kernel(self) -> tuple[Callable[[], torch.Tensor], list[int]]:
-        """The CPU kernel, on the probe's thread (grad mode is per thread), and the versions
-        of the weights it read (nothing but the optimizer writes them in between, and only
-        after ``_settle``; a write during the pass shows as a newer version there)."""
+    def _run_kernel(self) -> tuple[UpdateStats, list[int]]:
+        """The CPU kernel and the summary, on the probe's thread (grad mode is per thread),
+        and the versions of the weights it read (nothing but the optimizer writes them in
+        between, and only after ``_settle``; a write during the pass shows as a newer version
+        there)."""
         versions = list(map(_version, self._tensors))
         with torch.no_grad():
-            return self._kernel.run()[0], versions
+            figures = self._kernel.run()[0]
+        return self._summarise(figures()), versions
 
     def _settle(self) -> None:
         """Wait for the background kernel of the last step: the optimizer must not write the

@@ -90,8 +90,11 @@ class EventApplier:
         rank.first_seen = rank.first_seen or now
         rank.connected = True
         steps = rank.steps
+        newest = steps[-1].step if steps else None  # the rank's newest step, kept up to date
         newest_is_own = self._newest_is_own(run, rank_id)
         from_report = StepPoint.from_report
+        keep = self._history.append
+        largest_kept = history.MAX_STORED_STEP_BYTES
         try:
             for event, found in zip(request.events, scanned, strict=True):
                 seq = event.seq
@@ -102,19 +105,19 @@ class EventApplier:
                     rank.last_seq = seq
                 if isinstance(found, bytes):  # a step report, serialized by the scan
                     report = event.step
-                    if steps and report.step <= steps[-1].step:
+                    point = from_report(report, now, found)
+                    step = point.step
+                    if newest is not None and step <= newest:
                         self.duplicate_events += 1
                         continue  # a repeated or out-of-order step changes nothing
-                    point = from_report(report, now, found)
                     steps.append(point)
-                    rank.step = point.step
+                    newest = rank.step = step
                     rank.last_step_time = now
                     if newest_is_own:  # the run's newest combined step is this one
-                        if point.step > entry.history_step:
-                            entry.history_step = point.step
-                            self._history.append((point.step, now, found if len(found)
-                                                  <= history.MAX_STORED_STEP_BYTES else
-                                                  history.encode_step(point, report, True)))
+                        if step > entry.history_step:
+                            entry.history_step = step
+                            keep((step, now, found if len(found) <= largest_kept
+                                  else history.encode_step(point, report, True)))
                     else:
                         self._keep_step_history(entry, point, report, found, now)
                 elif found is not None:

@@ -78,7 +78,7 @@ def scan(request: pb.StreamRequest) -> list[Scanned]:
     kinds = KIND_BY_NAME
     small = limits.SMALL_STEP_BYTES
     start: pb.Event | None = None
-    for index, event in enumerate(request.events):
+    for event in request.events:  # an event's index is len(found): one entry per event
         kind = kinds.get(event.WhichOneof("body"))
         if kind is EventKind.STEP:
             report = event.step
@@ -86,13 +86,13 @@ def scan(request: pb.StreamRequest) -> list[Scanned]:
             if len(encoded) > small:
                 problem = limits.step_problem(report, len(encoded))
                 if problem is not None:
-                    raise IngestError(f"event {index} (seq {event.seq}): {problem}")
+                    raise IngestError(f"event {len(found)} (seq {event.seq}): {problem}")
             append(encoded)
             continue
         if kind is not None:
             problem = limits.event_problem(event, kind)
             if problem is not None:
-                raise IngestError(f"event {index} (seq {event.seq}): {problem}")
+                raise IngestError(f"event {len(found)} (seq {event.seq}): {problem}")
             if kind is EventKind.RUN_START and start is None:
                 start = event
         append(kind)

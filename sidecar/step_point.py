@@ -146,6 +146,13 @@ class StepPoint:
         __init__ would hold, without its object.__setattr__ per field (ten times the cost).
         Every field is set here (tests/test_step_point.py checks it).
         """
+        if encoded is None:
+            groups = StepGroups.encoded(report.SerializeToString()) if report.groups \
+                else NO_GROUPS
+        else:  # StepGroups.encoded(encoded), without its call
+            groups = object.__new__(StepGroups)
+            groups._encoded = encoded
+            groups._adapters = groups._modules = ()
         point = object.__new__(cls)
         object.__setattr__(point, "__dict__", {
             "step": report.step,
@@ -161,9 +168,7 @@ class StepPoint:
             "grad_not_in_optimizer_tensors": report.grad_not_in_optimizer_tensors,
             "grad_not_in_optimizer_params": report.grad_not_in_optimizer_params,
             "sampled": report.sampled,
-            "groups": StepGroups.encoded(encoded) if encoded is not None
-            else StepGroups.encoded(report.SerializeToString()) if report.groups
-            else NO_GROUPS,
+            "groups": groups,
             "skipped": report.optimizer_step_skipped,
             "adalora_allocated": report.adalora_rank_pattern_set
             if report.HasField("adalora_rank_pattern_set") else None,

@@ -21,12 +21,12 @@ class EventKind(StrEnum):
 
 
 #: Members by wire name: a dict lookup, not an enum call (the sidecar asks per event).
-_BY_NAME: dict[str | None, EventKind] = {kind.value: kind for kind in EventKind}
+KIND_BY_NAME: dict[str | None, EventKind] = {kind.value: kind for kind in EventKind}
 
 
 def kind_of(event: pb.Event) -> EventKind | None:
     """The kind of record event carries; None for an empty event (or a newer kind)."""
-    return _BY_NAME.get(event.WhichOneof("body"))
+    return KIND_BY_NAME.get(event.WhichOneof("body"))
 
 
-__all__ = ["EventKind", "kind_of"]
+__all__ = ["KIND_BY_NAME", "EventKind", "kind_of"]

@@ -1,7 +1,8 @@
 """Caps on what one client can make the sidecar hold or export.
 
-Every batch passes ``batch_problem`` before it touches state: a field beyond its cap rejects
-the whole batch with a message that names the field and the cap (the stream stays open).
+Every event of a batch passes ``event_problem`` (a step report ``step_problem``) before the
+batch touches state (``registry.validation.scan``): a field beyond its cap rejects the whole
+batch with a message that names the event, the field and the cap (the stream stays open).
 The caps sit well above what the callback ever sends (it bounds log keys to 256 of at most
 128 characters), so only a broken or hostile client meets them. Label values that reach
 ``/metrics`` are cleaned by ``label_value`` so a client cannot blow up Prometheus' series.
@@ -12,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from deadweight.proto import pb
-from deadweight.proto.kinds import EventKind, kind_of
+from deadweight.proto.kinds import EventKind
 
 #: Longest trainer name exported as a label; longer names are cut (the rest is ignored).
 MAX_LABEL_LENGTH = 64
@@ -115,12 +116,25 @@ def _run_start(start: pb.RunStart) -> str | None:
     )
 
 
-def _step(step: pb.StepReport) -> str | None:
+#: A serialized step report at most this long needs no look inside: none of its texts can be
+#: longer than the whole, and each group costs at least 2 bytes (its tag and its length), so
+#: it holds at most MAX_LIST_ENTRIES groups. A LoRA run's step report is a few hundred bytes.
+SMALL_STEP_BYTES = min(MAX_TEXT_LENGTH, 2 * MAX_LIST_ENTRIES)
+
+
+def step_problem(step: pb.StepReport, size: int) -> str | None:
+    """Why a step report of size bytes (serialized) is refused, or None.
+
+    The ingest serializes every step report anyway (its groups and its history are kept as
+    bytes), so the size is known for free: only a report past SMALL_STEP_BYTES is looked into.
+    """
+    if size <= SMALL_STEP_BYTES:
+        return None
     groups = step.groups
     if len(groups) > MAX_LIST_ENTRIES:
         return f"step.groups has more than {MAX_LIST_ENTRIES} entries"
-    if step.ByteSize() <= MAX_TEXT_LENGTH:
-        return None  # no text in it can be longer than the whole (the usual step report)
+    if size <= MAX_TEXT_LENGTH:
+        return None  # no text in it can be longer than the whole
     for group in groups:
         if len(group.name) > MAX_TEXT_LENGTH or len(group.kind) > MAX_TEXT_LENGTH \
                 or len(group.dtype) > MAX_TEXT_LENGTH:
@@ -128,13 +142,14 @@ def _step(step: pb.StepReport) -> str | None:
     return None
 
 
-def event_problem(event: pb.Event) -> str | None:
-    """Why one event is refused, or None."""
-    kind = kind_of(event)
+def event_problem(event: pb.Event, kind: EventKind | None) -> str | None:
+    """Why one event (of kind, ``kind_of(event)``) is refused, or None; a step report is
+    checked by ``step_problem``, with its serialized size."""
     if kind == EventKind.RUN_START:
         return _run_start(event.run_start)
     if kind == EventKind.STEP:
-        return _step(event.step)
+        step = event.step
+        return step_problem(step, step.ByteSize())
     if kind == EventKind.LOG:
         return _map("log.values", event.log.values, key_limit=MAX_LOG_KEY_LENGTH)
     if kind == EventKind.CHECKPOINT:
@@ -143,13 +158,4 @@ def event_problem(event: pb.Event) -> str | None:
         )
     if kind == EventKind.RUN_END:
         return _text("run_end.reason", event.run_end.reason)
-    return None
-
-
-def batch_problem(request: pb.StreamRequest) -> str | None:
-    """Why a batch is refused (the first problem found), or None."""
-    for index, event in enumerate(request.events):
-        problem = event_problem(event)
-        if problem is not None:
-            return f"event {index} (seq {event.seq}): {problem}"
     return None

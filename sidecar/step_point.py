@@ -50,8 +50,9 @@ class StepGroups:
     @classmethod
     def encoded(cls, report_bytes: bytes) -> StepGroups:
         """The groups of a serialized ``StepReport``, decoded when first read."""
-        groups = cls()
+        groups = object.__new__(cls)  # once per step received: no __init__ call
         groups._encoded = report_bytes
+        groups._adapters = groups._modules = ()
         return groups
 
     @property
@@ -136,32 +137,42 @@ class StepPoint:
                     encoded: bytes | None = None) -> StepPoint:
         """The step a report describes; encoded: the report's bytes, if already serialized.
 
+        Given its bytes, a step keeps them for its groups whether it has any or not (telling
+        costs as much as keeping a few bytes); without them, a report with no groups shares
+        ``NO_GROUPS`` and one with groups is serialized here.
+
         Built once per step report received (the sidecar's hottest path): the fields go
-        straight into the instance, as the generated frozen __init__ would put them, without
-        its object.__setattr__ per field (ten times the cost). Every field is set here
-        (tests/test_step_point.py checks it).
+        straight into the instance as one new ``__dict__``, what the generated frozen
+        __init__ would hold, without its object.__setattr__ per field (ten times the cost).
+        Every field is set here (tests/test_step_point.py checks it).
         """
+        if encoded is None:
+            groups = StepGroups.encoded(report.SerializeToString()) if report.groups \
+                else NO_GROUPS
+        else:  # StepGroups.encoded(encoded), without its call
+            groups = object.__new__(StepGroups)
+            groups._encoded = encoded
+            groups._adapters = groups._modules = ()
         point = object.__new__(cls)
-        point.__dict__.update(
-            step=report.step,
-            time=at,
-            learning_rate=report.learning_rate,
-            update_sq_sum=report.update_sq_sum,
-            param_sq_sum=report.param_sq_sum,
-            watched_tensors=report.watched_tensors,
-            watched_params=report.watched_params,
-            optimizer_params=report.optimizer_params,
-            unchanged_tensors=report.unchanged_tensors,
-            nonfinite_update_tensors=report.nonfinite_update_tensors,
-            grad_not_in_optimizer_tensors=report.grad_not_in_optimizer_tensors,
-            grad_not_in_optimizer_params=report.grad_not_in_optimizer_params,
-            sampled=report.sampled,
-            groups=StepGroups.encoded(report.SerializeToString() if encoded is None
-                                      else encoded) if report.groups else NO_GROUPS,
-            skipped=report.optimizer_step_skipped,
-            adalora_allocated=report.adalora_rank_pattern_set
+        object.__setattr__(point, "__dict__", {
+            "step": report.step,
+            "time": at,
+            "learning_rate": report.learning_rate,
+            "update_sq_sum": report.update_sq_sum,
+            "param_sq_sum": report.param_sq_sum,
+            "watched_tensors": report.watched_tensors,
+            "watched_params": report.watched_params,
+            "optimizer_params": report.optimizer_params,
+            "unchanged_tensors": report.unchanged_tensors,
+            "nonfinite_update_tensors": report.nonfinite_update_tensors,
+            "grad_not_in_optimizer_tensors": report.grad_not_in_optimizer_tensors,
+            "grad_not_in_optimizer_params": report.grad_not_in_optimizer_params,
+            "sampled": report.sampled,
+            "groups": groups,
+            "skipped": report.optimizer_step_skipped,
+            "adalora_allocated": report.adalora_rank_pattern_set
             if report.HasField("adalora_rank_pattern_set") else None,
-        )
+        })
         return point
 
     @property

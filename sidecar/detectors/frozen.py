@@ -62,15 +62,16 @@ class FrozenWeights(SpecDetector):
     )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
-        steps = [p for p in run.combined_steps() if _counts(p)]
-        if not steps:
+        steps = run.combined_steps()
+        # the newest counted step; the streak skips the others (no filtered copy per batch)
+        last = next((p for p in reversed(steps) if _counts(p)), None)
+        if last is None:
             return None
         loss = run.log_value("loss")
         grad_norm = run.log_value("grad_norm")
         if loss is not None and not math.isfinite(loss):
             return Verdict(False)  # a non-finite loss is its own detector's verdict
         streak = _frozen_streak(steps, settings)
-        last = steps[-1]
         unknown = run.start is not None and run.start.membership.layout == "unknown"
         optimizer_empty = last.optimizer_params == 0 and not unknown
         gradient_flows = grad_norm is not None and grad_norm > 0

@@ -179,13 +179,14 @@ class LowPrecisionUpdate(SpecDetector):
             return Verdict(False, step=newest.step)
         warmup = warmup_steps(run)
         grads = dict(finite_history(run, "grad_norm"))
-        counted = [p for p in steps
-                   if p.learning_rate > 0 and p.step > warmup and not p.skipped
-                   and p.update_sq_sum > 0 and grads.get(p.step, 1.0) != 0]
-        streak = trailing_streak(counted, lambda p: (
+        # Steps that do not count (and those without element counts) are skipped on the walk
+        # back from the newest: no filtered copy of the window per batch.
+        streak = trailing_streak(steps, lambda p: (
             (worst := _stillest_low_precision_kind(p)) is not None
             and worst[0] >= settings.low_precision_fraction),
-            skip=lambda p: not p.module_elements)
+            skip=lambda p: not (p.learning_rate > 0 and p.step > warmup and not p.skipped
+                                and p.update_sq_sum > 0 and grads.get(p.step, 1.0) != 0)
+            or not p.module_elements)
         reached = streak.reached(settings.low_precision_steps)
         if reached is None:
             return Verdict(False, step=newest.step)

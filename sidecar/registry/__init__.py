@@ -170,7 +170,7 @@ class Registry:
         entry: RunEntry | None = None
         closed: RunEntry | None = None
         try:
-            validate(request)
+            scanned = validate(request)
             numbering = self._numbering_if_new(request)
             with self._lock:
                 current = self._table.get(request.run_id)
@@ -183,7 +183,7 @@ class Registry:
                 entry = self._admit(request, peer, numbering)
                 if run_start_of(request) is not None or request.run_id not in peer.incarnations:
                     peer.incarnations[request.run_id] = entry.incarnation
-                ack = self._events.apply(entry, request)
+                ack = self._events.apply(entry, request, scanned)
                 self._lifecycle.evaluate(entry)
             if closed is not None:
                 self._flush(closed)

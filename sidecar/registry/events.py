@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import structlog
 
 from deadweight.proto import pb
-from deadweight.proto.kinds import EventKind, kind_of
+from deadweight.proto.kinds import EventKind
 from deadweight.sidecar import history, limits
 from deadweight.sidecar.detectors import checkpoints
 from deadweight.sidecar.registry.run_table import RunEntry
-from deadweight.sidecar.registry.validation import IngestError
+from deadweight.sidecar.registry.validation import IngestError, Scanned
 from deadweight.sidecar.state import CheckpointPoint, RunState
 from deadweight.sidecar.step_point import StepPoint
 from deadweight.sidecar.store import Store
@@ -64,42 +64,82 @@ class EventApplier:
         #: The batch's step history rows, written in one transaction after it (under the
         #: registry lock, so one list serves every run).
         self._history: list[tuple[int, float, bytes | str]] = []
+        #: Handlers of the kinds other than steps (``apply`` applies those itself).
         self._handlers: dict[EventKind, Callable[[RunEntry, int, pb.Event, float], None]] = {
             EventKind.RUN_START: self._on_run_start,
-            EventKind.STEP: self._on_step,
             EventKind.LOG: self._on_log,
             EventKind.CHECKPOINT: self._on_checkpoint,
             EventKind.HEARTBEAT: self._on_heartbeat,
             EventKind.RUN_END: self._on_run_end,
         }
 
-    def apply(self, entry: RunEntry, request: pb.StreamRequest) -> int:
-        """Apply one rank's batch; returns the rank's highest sequence number (the ack)."""
+    def apply(self, entry: RunEntry, request: pb.StreamRequest,
+              scanned: Sequence[Scanned]) -> int:
+        """Apply one rank's batch (``scanned``: what ``validation.scan`` found in it, event by
+        event); returns the rank's highest sequence number (the ack).
+
+        Step reports, nearly every event of a busy run, are applied here without a handler
+        call each; the other kinds go to their handler."""
         run = entry.state
         if request.rank not in run.ranks and len(run.ranks) >= limits.MAX_RANKS_PER_RUN:
             raise IngestError(f"run already has {limits.MAX_RANKS_PER_RUN} ranks")
-        rank = run.rank(request.rank)
+        rank_id = request.rank
+        rank = run.rank(rank_id)
         now = time.time()
         rank.last_seen = now
         rank.first_seen = rank.first_seen or now
         rank.connected = True
+        steps = rank.steps
+        newest = steps[-1].step if steps else None  # the rank's newest step, kept up to date
+        newest_is_own = self._newest_is_own(run, rank_id)
+        from_report = StepPoint.from_report
+        keep = self._history.append
+        largest_kept = history.MAX_STORED_STEP_BYTES
         try:
-            for event in request.events:
+            for event, found in zip(request.events, scanned, strict=True):
                 seq = event.seq
                 if seq:  # seq 0 (a run start) is never a duplicate and moves nothing
                     if seq <= rank.last_seq:
                         self.duplicate_events += 1
                         continue
                     rank.last_seq = seq
-                kind = kind_of(event)
-                if kind is not None:
-                    self._handlers[kind](entry, request.rank, event, now)
+                if isinstance(found, bytes):  # a step report, serialized by the scan
+                    report = event.step
+                    point = from_report(report, now, found)
+                    step = point.step
+                    if newest is not None and step <= newest:
+                        self.duplicate_events += 1
+                        continue  # a repeated or out-of-order step changes nothing
+                    steps.append(point)
+                    newest = rank.step = step
+                    rank.last_step_time = now
+                    if newest_is_own:  # the run's newest combined step is this one
+                        if step > entry.history_step:
+                            entry.history_step = step
+                            keep((step, now, found if len(found) <= largest_kept
+                                  else history.encode_step(point, report, True)))
+                    else:
+                        self._keep_step_history(entry, point, report, found, now)
+                elif found is not None:
+                    self._handlers[found](entry, rank_id, event, now)
+                    if found is EventKind.RUN_START:  # may make the run sharded
+                        newest_is_own = self._newest_is_own(run, rank_id)
         finally:
             if self._history:
                 entry.outbox.add(functools.partial(self.store.add_step_history, run.run_id,
                                                    self._history))
                 self._history = []
         return rank.last_seq
+
+    @staticmethod
+    def _newest_is_own(run: RunState, rank: int) -> bool:
+        """Whether each step this rank reports is, once applied, the run's newest combined
+        step (``RunState.newest_combined_step``): an unsharded run's lowest rank, or a run
+        of one rank. Fixed during a batch but for a RunStart in it (the batch's rank exists
+        before its first event)."""
+        start = run.start
+        ranks = run.ranks
+        return (len(ranks) == 1 or start is None or not start.sharded) and rank == min(ranks)
 
     # -- one handler per kind --------------------------------------------------------------
 
@@ -115,19 +155,6 @@ class EventApplier:
             bound = entry.identities.get(rank)
             self.watcher.watch(run.run_id, start.output_dir,
                                owner_uid=bound.uid if bound is not None else None)
-
-    def _on_step(self, entry: RunEntry, rank_id: int, event: pb.Event, now: float) -> None:
-        report = event.step
-        rank = entry.state.rank(rank_id)
-        if rank.steps and report.step <= rank.steps[-1].step:
-            self.duplicate_events += 1
-            return  # a repeated or out-of-order step changes nothing
-        encoded = report.SerializeToString()  # kept by the point and by the history
-        point = StepPoint.from_report(report, now, encoded)
-        rank.steps.append(point)
-        rank.step = report.step
-        rank.last_step_time = now
-        self._keep_step_history(entry, point, report, encoded, now)
 
     def _keep_step_history(self, entry: RunEntry, point: StepPoint, report: pb.StepReport,
                            encoded: bytes, now: float) -> None:

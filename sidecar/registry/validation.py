@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 
 from deadweight.proto import pb
-from deadweight.proto.kinds import EventKind
+from deadweight.proto.kinds import KIND_BY_NAME, EventKind
 from deadweight.sidecar import limits
 
 MAX_RUN_ID_LENGTH = 128
@@ -45,8 +45,12 @@ def refusal_kind(err: IngestError) -> str:
     return "invalid"
 
 
-def validate(request: pb.StreamRequest) -> None:
-    """Raise IngestError naming the first thing wrong with the batch."""
+#: What ``scan`` found for one event: a step report's bytes (serialized once, for its size
+#: check, its groups and its history), or the kind of any other event (None: empty or newer).
+Scanned = bytes | EventKind | None
+
+def validate(request: pb.StreamRequest) -> list[Scanned]:
+    """Raise IngestError naming the first thing wrong with the batch; else its ``scan``."""
     if not request.run_id:
         raise IngestError("run_id is empty")
     if len(request.run_id) > MAX_RUN_ID_LENGTH:
@@ -57,13 +61,47 @@ def validate(request: pb.StreamRequest) -> None:
         raise IngestError(f"rank {request.rank} outside 0..{MAX_RANK}")
     if len(request.events) > MAX_EVENTS_PER_BATCH:
         raise IngestError(f"more than {MAX_EVENTS_PER_BATCH} events in one batch")
-    problem = limits.batch_problem(request)
-    if problem is not None:
-        raise IngestError(problem)
+    return scan(request)
+
+
+def scan(request: pb.StreamRequest) -> list[Scanned]:
+    """One pass over the batch: every event checked against its caps (``limits``), each
+    event's kind read once, each step report serialized once; the first RunStart remembered
+    for ``run_start_event``. Raises IngestError naming the first refused event (index and
+    seq): nothing of a batch with one bad event is applied.
+
+    The step reports are most of every batch: they are checked and serialized here, in the
+    loop, without a function call per event.
+    """
+    found: list[Scanned] = []
+    append = found.append
+    kinds = KIND_BY_NAME
+    small = limits.SMALL_STEP_BYTES
+    start: pb.Event | None = None
+    for event in request.events:  # an event's index is len(found): one entry per event
+        kind = kinds.get(event.WhichOneof("body"))
+        if kind is EventKind.STEP:
+            report = event.step
+            encoded: bytes = report.SerializeToString()
+            if len(encoded) > small:
+                problem = limits.step_problem(report, len(encoded))
+                if problem is not None:
+                    raise IngestError(f"event {len(found)} (seq {event.seq}): {problem}")
+            append(encoded)
+            continue
+        if kind is not None:
+            problem = limits.event_problem(event, kind)
+            if problem is not None:
+                raise IngestError(f"event {len(found)} (seq {event.seq}): {problem}")
+            if kind is EventKind.RUN_START and start is None:
+                start = event
+        append(kind)
+    _last_scan.request, _last_scan.event = request, start
+    return found
 
 
 #: Per thread, the batch being ingested and its first RunStart event: the registry asks this
-#: three or four times a batch, and each scan of a 256-event batch cost about 0.6 us a record.
+#: three or four times a batch (``scan`` notes it; a batch not scanned is scanned for it).
 _last_scan = threading.local()
 
 

@@ -447,6 +447,13 @@ def run(repeats: int, quick: bool) -> list[list[str]]:
                      f"{wall:,.0f} rec/s wall", f"{per_cpu:,.0f} rec/s per CPU-s",
                      f">= {INGEST_BUDGET:,} rec/s per core {verdict(per_cpu >= INGEST_BUDGET)}"
                      f", 2x margin {verdict(per_cpu >= 2 * INGEST_BUDGET)}"])
+        with tempfile.TemporaryDirectory() as pinned_tmp, SidecarProcess(
+                Path(pinned_tmp), extra_args=["--cpu", "auto"]) as pinned:
+            pin_wall, pin_cpu, _ = ingest(pinned, batches, batch)
+        rows.append(["ingest, a fresh sidecar pinned to one CPU (serve --cpu auto)",
+                     f"{pin_wall:,.0f} rec/s wall", f"{pin_cpu:,.0f} rec/s per CPU-s",
+                     f">= {INGEST_BUDGET:,} rec/s per core {verdict(pin_cpu >= INGEST_BUDGET)}"
+                     f", 2x margin {verdict(pin_cpu >= 2 * INGEST_BUDGET)}"])
         _, floor_cpu, _ = transport_floor(batches, batch)
         own = 1e6 / per_cpu - 1e6 / floor_cpu
         rows.append(["ingest floor: the same streams, gRPC transport + worker-thread hand-off "

@@ -43,6 +43,16 @@ def _host_port(text: str) -> str:
     return text
 
 
+def _cpu(text: str) -> str:
+    """An argparse type: none, auto or a CPU number (``cpu_pin``)."""
+    from deadweight.sidecar import cpu_pin
+
+    try:
+        return cpu_pin.spec(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def _policy(text: str) -> tuple[str, Policy]:
     detector, sep, action = text.partition("=")
     if not sep:
@@ -71,13 +81,23 @@ def _url_pattern(allowed: frozenset[str]) -> Callable[[str], str]:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from deadweight.sidecar import app, gc_tuning, logs, signal_capability
+    import structlog
+
+    from deadweight.sidecar import app, cpu_pin, gc_tuning, logs, signal_capability
     from deadweight.sidecar.server import InsecureTransport, check_transport
     from deadweight.sidecar.state_db import StateDirUnsafe
 
     logs.configure(args.log_level)
-    # Before any thread exists: capabilities are per thread, later threads inherit them.
+    # Before any thread exists: capabilities and CPU affinity are per thread, later threads
+    # inherit them.
     capability = signal_capability.raise_kill()
+    try:
+        cpu = cpu_pin.pin(args.cpu)
+    except (ValueError, OSError) as err:
+        print(f"deadweight serve: {err}", file=sys.stderr)
+        return 2
+    if cpu is not None:
+        structlog.get_logger("deadweight.sidecar").info("cpu_pinned", cpu=cpu, asked=args.cpu)
     try:
         config = _sidecar_config(args)
         check_transport(config.server)
@@ -319,6 +339,10 @@ def build_parser(*more_commands: Callable[[Commands], None]) -> argparse.Argumen
     serve.add_argument("--setting", action="append", type=_setting, metavar="NAME=VALUE",
                        help="override a detector threshold or window, e.g. stalled_seconds=600 "
                        "(repeatable; names and defaults in the README)")
+    serve.add_argument("--cpu", default="none", type=_cpu, metavar="none|auto|N",
+                       help="run every sidecar thread on one CPU: N, or auto (the one it "
+                            "starts on); its Python uses one CPU at a time anyway, and "
+                            "pinned it spends about a third less CPU per record (default none)")
     serve.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS,
                        help="(default %(default)s)")
     serve.set_defaults(func=_serve)

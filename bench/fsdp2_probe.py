@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from deadweight.demo.sidecar_process import free_port
+
 from .common import fmt_time
 
 #: Layers of width x width: 8 x 1024 x 1024 = 8.4M parameters, 4.2M per rank.
@@ -84,7 +86,7 @@ def run(repeats: int, quick: bool) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1",
                "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
                "-m", "bench.fsdp2_probe", "--worker", str(out), str(steps)]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
@@ -105,12 +107,6 @@ def run(repeats: int, quick: bool) -> None:
               f"{100 * probe_med / step_med:.2f}% |")
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:

@@ -391,6 +391,13 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def _ingest_row(label: str, wall: float, per_cpu: float) -> list[str]:
+    """An ingest figure beside its budget and the 2x margin aimed for."""
+    return [label, f"{wall:,.0f} rec/s wall", f"{per_cpu:,.0f} rec/s per CPU-s",
+            f">= {INGEST_BUDGET:,} rec/s per core {verdict(per_cpu >= INGEST_BUDGET)}"
+            f", 2x margin {verdict(per_cpu >= 2 * INGEST_BUDGET)}"]
+
+
 def run(repeats: int, quick: bool) -> list[list[str]]:
     """Hand-off, ingest and /metrics rows."""
     rows: list[list[str]] = []
@@ -443,17 +450,13 @@ def run(repeats: int, quick: bool) -> list[list[str]]:
                      "", "reference (the thread switch submit() now avoids)"])
         batches, batch = (4, 256) if quick else (20, 256)
         wall, per_cpu, records = ingest(sidecar, batches, batch)
-        rows.append([f"ingest: {RUNS} runs x {batches} batches x {batch} step reports",
-                     f"{wall:,.0f} rec/s wall", f"{per_cpu:,.0f} rec/s per CPU-s",
-                     f">= {INGEST_BUDGET:,} rec/s per core {verdict(per_cpu >= INGEST_BUDGET)}"
-                     f", 2x margin {verdict(per_cpu >= 2 * INGEST_BUDGET)}"])
+        rows.append(_ingest_row(f"ingest: {RUNS} runs x {batches} batches x {batch} step "
+                                "reports", wall, per_cpu))
         with tempfile.TemporaryDirectory() as pinned_tmp, SidecarProcess(
                 Path(pinned_tmp), extra_args=["--cpu", "auto"]) as pinned:
             pin_wall, pin_cpu, _ = ingest(pinned, batches, batch)
-        rows.append(["ingest, a fresh sidecar pinned to one CPU (serve --cpu auto)",
-                     f"{pin_wall:,.0f} rec/s wall", f"{pin_cpu:,.0f} rec/s per CPU-s",
-                     f">= {INGEST_BUDGET:,} rec/s per core {verdict(pin_cpu >= INGEST_BUDGET)}"
-                     f", 2x margin {verdict(pin_cpu >= 2 * INGEST_BUDGET)}"])
+        rows.append(_ingest_row("ingest, a fresh sidecar pinned to one CPU (serve --cpu auto)",
+                                pin_wall, pin_cpu))
         _, floor_cpu, _ = transport_floor(batches, batch)
         own = 1e6 / per_cpu - 1e6 / floor_cpu
         rows.append(["ingest floor: the same streams, gRPC transport + worker-thread hand-off "

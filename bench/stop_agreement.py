@@ -11,21 +11,16 @@ that waited for the other rank would cost.
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 import statistics
 import time
 from typing import Any
+
+from deadweight.demo.sidecar_process import free_port
 
 from .common import fmt_time, table, verdict
 
 #: The agreement's share of a training step (the callback's whole budget is 0.25%).
 STEP_SHARE_BUDGET = 0.0025
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _step_work(size: int, grads: Any) -> None:
@@ -91,7 +86,7 @@ def measure(steps: int, size: int = 640) -> Measured:
     all-reduces the agreement started; seconds of the step ends that started one."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, port, steps, size, out)) for r in range(2)]
     for p in procs:
         p.start()

@@ -149,10 +149,8 @@ class StepPoint:
         if encoded is None:
             groups = StepGroups.encoded(report.SerializeToString()) if report.groups \
                 else NO_GROUPS
-        else:  # StepGroups.encoded(encoded), without its call
-            groups = object.__new__(StepGroups)
-            groups._encoded = encoded
-            groups._adapters = groups._modules = ()
+        else:
+            groups = StepGroups.encoded(encoded)
         point = object.__new__(cls)
         object.__setattr__(point, "__dict__", {
             "step": report.step,

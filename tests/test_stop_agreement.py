@@ -4,17 +4,11 @@ step; short steps share one all-reduce, long ones agree at every step end."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 import time
 from typing import Any
 
 from deadweight.callbacks.stop_agreement import MAX_STEPS_PER_AGREEMENT
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from deadweight.demo.sidecar_process import free_port
 
 
 def _rank(rank: int, port: int, propose_at: int, interval: float, step_seconds: float,
@@ -44,7 +38,7 @@ def _run(propose_at: int, interval: float, step_seconds: float) -> dict[int, tup
     """{rank: (step it stopped after, all-reduces it started)}"""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, port, propose_at, interval, step_seconds, out))
              for r in range(2)]
     for p in procs:

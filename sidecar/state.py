@@ -9,9 +9,13 @@ cannot grow the sidecar's memory without limit.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
+from bisect import bisect_right
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from deadweight.proto import pb
 from deadweight.sidecar.checkpoint_inspector import CheckpointInspection
@@ -108,6 +112,11 @@ class RunState:
     ended_at: float = 0.0
     #: The registry's clock at the latest evaluation (time-based detectors read it).
     evaluated_at: float = 0.0
+    #: Log keys whose history is not in step order (a log went back): ``logged_at`` scans
+    #: them instead of bisecting.
+    unordered_log_keys: set[str] = field(default_factory=set)
+    _config: tuple[pb.RunStart, Mapping[str, float]] | None = field(
+        default=None, repr=False, compare=False)
 
     # -- derived views ---------------------------------------------------------------------
 
@@ -116,8 +125,16 @@ class RunState:
         return self.start.trainer if self.start is not None else ""
 
     @property
-    def config(self) -> dict[str, float]:
-        return dict(self.start.config) if self.start is not None else {}
+    def config(self) -> Mapping[str, float]:
+        """The RunStart's config, read off the message once per RunStart (detectors ask for
+        it many times a batch)."""
+        start = self.start
+        if start is None:
+            return _NO_CONFIG
+        cached = self._config
+        if cached is None or cached[0] is not start:
+            cached = self._config = (start, MappingProxyType(dict(start.config)))
+        return cached[1]
 
     @property
     def step(self) -> int:
@@ -214,6 +231,30 @@ class RunState:
     def history(self, key: str) -> list[tuple[int, float]]:
         return list(self.log_history.get(key, ()))
 
+    def last_logged(self, key: str) -> tuple[int, float] | None:
+        """The newest (step, value) logged for key, without copying its history."""
+        entries = self.log_history.get(key)
+        return entries[-1] if entries else None
+
+    def logged_at(self, key: str, step: int) -> float | None:
+        """The last finite value logged for key at step, or None.
+
+        Detectors ask this for the few newest steps at every batch: a bisection of the
+        history (a trainer logs in step order), where a map of the whole window per batch
+        cost more than the rest of their work; a key logged out of order is scanned."""
+        entries = self.log_history.get(key)
+        if not entries:
+            return None
+        if key in self.unordered_log_keys:
+            found = [v for s, v in entries if s == step and math.isfinite(v)]
+            return found[-1] if found else None
+        index = bisect_right(entries, step, key=_logged_step) - 1
+        while index >= 0 and entries[index][0] == step:
+            if math.isfinite(value := entries[index][1]):
+                return value
+            index -= 1
+        return None
+
     # -- updates ---------------------------------------------------------------------------
 
     def record_log(self, step: int, values: dict[str, float]) -> None:
@@ -224,8 +265,18 @@ class RunState:
                     self.dropped_log_keys += 1
                     continue
                 self.log_history[key] = deque(maxlen=LOG_WINDOW)
-            self.log_history[key].append((step, value))
+            entries = self.log_history[key]
+            if entries and step < entries[-1][0]:
+                self.unordered_log_keys.add(key)
+            entries.append((step, value))
             self.logs[key] = value
+
+
+_NO_CONFIG: Mapping[str, float] = MappingProxyType({})
+
+
+def _logged_step(entry: tuple[int, float]) -> int:
+    return entry[0]
 
 
 def _sum_module_elements(points: list[StepPoint]) -> tuple[ModuleFigures, ...]:

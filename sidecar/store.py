@@ -294,6 +294,14 @@ class Store:
         """Keep one step's figures of one kind ("step" or "log"); bounded per run and kind."""
         self._add_history(run_id, kind, [(step, at, json.dumps(series, sort_keys=True))])
 
+    def add_logs(self, run_id: str, logs: Sequence[tuple[int, float, dict[str, float]]]
+                 ) -> None:
+        """Keep a batch's logs, (step, time, figures) each, in one transaction: a commit per
+        log cost more than the rest of its ingest."""
+        if logs:
+            self._add_history(run_id, "log", [(step, at, json.dumps(series, sort_keys=True))
+                                              for step, at, series in logs])
+
     def add_step_history(self, run_id: str, rows: Sequence[history.StoredStep]) -> None:
         """Keep a batch of steps (``history.encode_step``) as one row (``history.pack_steps``);
         past MAX_HISTORY_ROWS steps of the run, every other older batch is dropped (a batch is

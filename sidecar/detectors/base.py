@@ -9,6 +9,7 @@ the class holds as ``spec``; ``SpecDetector`` exposes it under the protocol's na
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Generic, Protocol, TypeVar
@@ -21,6 +22,7 @@ from deadweight.sidecar.detectors.spec import Policy as Policy
 from deadweight.sidecar.detectors.spec import Severity as Severity
 from deadweight.sidecar.settings import DetectorSettings
 from deadweight.sidecar.state import RunState
+from deadweight.sidecar.step_point import StepPoint
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,24 @@ def start_facts_or_silent(run: RunState, fact: str = "") -> pb.RunStart | Verdic
     if fact and not run.start.HasField(fact):
         return Verdict(False)
     return run.start
+
+
+def _step_of(point: StepPoint) -> int:
+    return point.step
+
+
+def step_at(steps: Sequence[StepPoint], step: int) -> StepPoint | None:
+    """The step numbered step among steps (ordered by step, as ``combined_steps``), or None.
+
+    A lookup by bisection: detectors run at every batch and look up a few steps, where a
+    ``{p.step: p}`` map of the whole window cost more than the rest of their work."""
+    index = bisect_left(steps, step, key=_step_of)
+    return steps[index] if index < len(steps) and steps[index].step == step else None
+
+
+def steps_after(steps: Sequence[StepPoint], step: int) -> Sequence[StepPoint]:
+    """The steps numbered above step (a tail of steps, ordered by step), without a walk."""
+    return steps[bisect_right(steps, step, key=_step_of):]
 
 
 def finite_history(run: RunState, key: str) -> list[tuple[int, float]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import time
 
-from deadweight.sidecar.detectors.base import SpecDetector, Verdict, fmt
+from deadweight.sidecar.detectors.base import SpecDetector, Verdict, fmt, step_at
 from deadweight.sidecar.detectors.spec import (
     ROOT_CAUSES,
     DetectorSpec,
@@ -38,9 +38,9 @@ class NonfiniteLoss(SpecDetector):
         latest = steps[-1] if steps else None
         if loss is None and grad_norm is None and latest is None:
             return None
-        grads = run.history("grad_norm")
-        skipped = {p.step for p in steps if p.skipped}
-        if grads and grads[-1][0] in skipped:
+        last_grad = run.last_logged("grad_norm")
+        if last_grad is not None and (
+                (point := step_at(steps, last_grad[0])) is not None and point.skipped):
             grad_norm = None  # fp16 overflow: the scaler skipped the step, as designed
         bad = [k for k, v in (("loss", loss), ("grad_norm", grad_norm))
                if v is not None and not math.isfinite(v)]
@@ -166,11 +166,11 @@ class DecayOnlyUpdate(SpecDetector):
             return None
         if run.config.get("weight_decay", 0.0) <= 0:
             return Verdict(False)  # Adam momentum alone moves weights for a few steps
-        by_step = {p.step: p for p in run.combined_steps()}
         window = grads[-settings.decay_only_steps:]
         if len(window) < settings.decay_only_steps:
             return Verdict(False)
-        points = [by_step.get(s) for s, _ in window]
+        steps = run.combined_steps()
+        points = [step_at(steps, s) for s, _ in window]
         if any(g != 0 for _, g in window) or any(
                 p is None or p.learning_rate <= 0 or p.update_sq_sum <= 0 for p in points):
             return Verdict(False)

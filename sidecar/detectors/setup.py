@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from deadweight.sidecar.detectors.base import SpecDetector, Verdict, fmt, is_rl, warmup_steps
+from deadweight.sidecar.detectors.base import (
+    SpecDetector,
+    Verdict,
+    fmt,
+    is_rl,
+    steps_after,
+    warmup_steps,
+)
 from deadweight.sidecar.detectors.frozen import FROZEN_STEPS
 from deadweight.sidecar.detectors.spec import (
     DetectorSpec,
@@ -165,8 +172,7 @@ class LoraLrTooLow(SpecDetector):
             reason = (f"LoRA at lr {lr:.3g}, below {settings.lora_lr_floor:.3g} (a full "
                       f"fine-tune default)")
         else:
-            late = [p for p in run.combined_steps() if p.step > warmup + 1]
-            window = late[-settings.frozen_steps:]
+            window = steps_after(run.combined_steps(), warmup + 1)[-settings.frozen_steps:]
             if len(window) == settings.frozen_steps and all(
                     p.learning_rate == 0 for p in window):
                 reason = f"lr 0 at steps {window[0].step}-{window[-1].step}, after the warmup"

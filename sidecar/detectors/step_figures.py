@@ -6,11 +6,13 @@ each leaves loss and grad_norm looking ordinary.
 
 from __future__ import annotations
 
+import math
+
 from deadweight.sidecar.detectors.base import (
     SpecDetector,
     Verdict,
-    finite_history,
     fmt,
+    step_at,
     trailing_streak,
     warmup_steps,
 )
@@ -44,16 +46,21 @@ class ZeroGradient(SpecDetector):
     )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
-        grads = finite_history(run, "grad_norm")
-        if not grads:
+        grads = run.log_history.get("grad_norm", ())
+        if not any(math.isfinite(g) for _, g in reversed(grads)):
             return None
-        by_step = {p.step: p for p in run.combined_steps()}
-        counted = [(s, g) for s, g in grads
-                   if (point := by_step.get(s)) is None
-                   or (point.learning_rate > 0 and not point.skipped)]
-        streak = trailing_streak(counted, lambda report: report[1] == 0)
+        steps = run.combined_steps()
+
+        def left_out(report: tuple[int, float]) -> bool:
+            """Non-finite, or logged at a step at lr 0 or skipped (fp16): neither counts."""
+            point = step_at(steps, report[0])
+            return not math.isfinite(report[1]) or (
+                point is not None and (point.learning_rate <= 0 or point.skipped))
+
+        # Walked back from the newest log: in a healthy run the walk ends at the first.
+        streak = trailing_streak(grads, lambda report: report[1] == 0, skip=left_out)
         reached = streak.reached(settings.zero_gradient_logs)
-        last = by_step.get(streak.items[-1][0]) if streak.items else None
+        last = step_at(steps, streak.items[-1][0]) if streak.items else None
         if reached is None or (last is not None and last.optimizer_params == 0):
             return Verdict(False)
         first, end = streak.items[0][0], streak.items[-1][0]
@@ -178,14 +185,13 @@ class LowPrecisionUpdate(SpecDetector):
             # what the optimizer steps is fp32 (master copies): the small updates add up there
             return Verdict(False, step=newest.step)
         warmup = warmup_steps(run)
-        grads = dict(finite_history(run, "grad_norm"))
         # Steps that do not count (and those without element counts) are skipped on the walk
         # back from the newest: no filtered copy of the window per batch.
         streak = trailing_streak(steps, lambda p: (
             (worst := _stillest_low_precision_kind(p)) is not None
             and worst[0] >= settings.low_precision_fraction),
             skip=lambda p: not (p.learning_rate > 0 and p.step > warmup and not p.skipped
-                                and p.update_sq_sum > 0 and grads.get(p.step, 1.0) != 0)
+                                and p.update_sq_sum > 0 and run.logged_at("grad_norm", p.step) != 0)
             or not p.module_elements)
         reached = streak.reached(settings.low_precision_steps)
         if reached is None:

@@ -64,6 +64,8 @@ class EventApplier:
         #: The batch's step history rows, written in one transaction after it (under the
         #: registry lock, so one list serves every run).
         self._history: list[tuple[int, float, bytes | str]] = []
+        #: The batch's log history rows (step, time, figures), written likewise.
+        self._logs: list[tuple[int, float, dict[str, float]]] = []
         #: Handlers of the kinds other than steps (``apply`` applies those itself).
         self._handlers: dict[EventKind, Callable[[RunEntry, int, pb.Event, float], None]] = {
             EventKind.RUN_START: self._on_run_start,
@@ -129,6 +131,9 @@ class EventApplier:
                 entry.outbox.add(functools.partial(self.store.add_step_history, run.run_id,
                                                    self._history))
                 self._history = []
+            if self._logs:
+                entry.outbox.add(functools.partial(self.store.add_logs, run.run_id, self._logs))
+                self._logs = []
         return rank.last_seq
 
     @staticmethod
@@ -175,8 +180,7 @@ class EventApplier:
         entry.state.record_log(event.log.step, values)
         series = history.log_series(values)
         if series:
-            entry.outbox.add(functools.partial(
-                self.store.add_history, entry.state.run_id, "log", event.log.step, series, now))
+            self._logs.append((event.log.step, now, series))
 
     def _on_heartbeat(self, entry: RunEntry, rank_id: int, event: pb.Event, now: float) -> None:
         rank = entry.state.rank(rank_id)

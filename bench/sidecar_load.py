@@ -26,7 +26,7 @@ from deadweight.callbacks.membership import Membership
 from deadweight.callbacks.preflight import PreflightFacts
 from deadweight.callbacks.stream_client import ClientSettings, StreamClient
 from deadweight.callbacks.update_probe import GroupStats, UpdateStats
-from deadweight.callbacks.wire import RunStartRecord, StepRecord, to_event
+from deadweight.callbacks.wire import LogRecord, RunStartRecord, StepRecord, to_event
 from deadweight.demo.sidecar_process import SidecarProcess
 from deadweight.proto import pb
 
@@ -73,16 +73,27 @@ def _step_record(step: int) -> StepRecord:
     return StepRecord(step, 2e-4, _stats(step), 10_092_544, 0, 0)
 
 
-def _requests(run: int, batches: int, batch: int) -> list[pb.StreamRequest]:
-    """The run's whole stream, built before timing starts."""
+def _log_record(step: int) -> LogRecord:
+    return LogRecord(step, {"loss": 2.0 - 1e-4 * step, "grad_norm": 0.5, "learning_rate": 2e-4,
+                            "epoch": step / 1000})
+
+
+def _requests(run: int, batches: int, batch: int, logs: bool = False
+              ) -> list[pb.StreamRequest]:
+    """The run's whole stream, built before timing starts; logs: every step report is
+    followed by its trainer log (``logging_steps=1``), as the callback sends them."""
     run_id = f"bench-{run}"
     out = [pb.StreamRequest(run_id=run_id, rank=0, events=[_run_start(run)])]
-    seq = 0
+    seq = step = 0
     for _ in range(batches):
         events = []
         for _ in range(batch):
             seq += 1
-            event = to_event("step", _step_record(seq))
+            if logs and seq % 2 == 0:
+                event = to_event("log", _log_record(step))
+            else:
+                step += 1
+                event = to_event("step", _step_record(step))
             event.seq = seq
             event.time_seconds = time.time()
             events.append(event)
@@ -97,13 +108,14 @@ def _stream(address: str, requests: list[pb.StreamRequest], acks: list[int]) -> 
         acks.append(response.ack_seq)
 
 
-def ingest(sidecar: SidecarProcess, batches: int, batch: int) -> tuple[float, float, int]:
+def ingest(sidecar: SidecarProcess, batches: int, batch: int, logs: bool = False
+           ) -> tuple[float, float, int]:
     """(records/s wall, records/s per sidecar CPU second, records) for RUNS streams."""
     assert sidecar.process is not None
-    return _ingest(sidecar.address, sidecar.process.pid, batches, batch)
+    return _ingest(sidecar.address, sidecar.process.pid, batches, batch, logs)
 
 
-def transport_floor(batches: int, batch: int) -> tuple[float, float, int]:
+def transport_floor(batches: int, batch: int, logs: bool = False) -> tuple[float, float, int]:
     """``ingest``'s streams against ``bench.transport_floor``: what the gRPC transport and
     the hand-off to a worker thread cost with nothing applied."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -115,14 +127,15 @@ def transport_floor(batches: int, batch: int) -> tuple[float, float, int]:
             assert server.stdout is not None
             if server.stdout.readline().strip() != "ready":  # "" once it died
                 raise RuntimeError(f"the transport floor server exited ({server.wait()})")
-            return _ingest(f"unix://{socket_path}", server.pid, batches, batch)
+            return _ingest(f"unix://{socket_path}", server.pid, batches, batch, logs)
         finally:
             server.kill()
             server.wait()
 
 
-def _ingest(address: str, pid: int, batches: int, batch: int) -> tuple[float, float, int]:
-    plans = [_requests(run, batches, batch) for run in range(RUNS)]
+def _ingest(address: str, pid: int, batches: int, batch: int, logs: bool = False
+            ) -> tuple[float, float, int]:
+    plans = [_requests(run, batches, batch, logs) for run in range(RUNS)]
     acks: list[list[int]] = [[] for _ in range(RUNS)]
     threads = [threading.Thread(target=_stream, args=(address, plan, acks[i]))
                for i, plan in enumerate(plans)]
@@ -386,6 +399,30 @@ def render_in_process(repeats: int) -> tuple[float, float, float, int]:
     return min(ours), min(stepped), min(library), size
 
 
+#: Events in a batch as the callback sends them: its sender drains every 50 ms, and a
+#: training step takes longer, so a batch holds a step report and its log, a few at most.
+SMALL_BATCH = 8
+
+
+def small_batches(batches: int) -> list[list[str]]:
+    """Ingest at the callback's batch size, each step report followed by its log: what a
+    batch costs beyond its records (detectors, history writes, the gRPC round trip)."""
+    with tempfile.TemporaryDirectory() as tmp, SidecarProcess(Path(tmp)) as sidecar:
+        wall, per_cpu, _ = ingest(sidecar, batches, SMALL_BATCH, logs=True)
+    _, floor_cpu, _ = transport_floor(batches, SMALL_BATCH, logs=True)
+    batch_cost = SMALL_BATCH / per_cpu
+    return [
+        [f"ingest at the callback's batch size: {RUNS} runs x {batches} batches x "
+         f"{SMALL_BATCH} events (a step report and its log each)", f"{wall:,.0f} rec/s wall",
+         f"{per_cpu:,.0f} rec/s per CPU-s",
+         f"reference ({fmt_time(batch_cost)} of CPU a batch; a real run sends a few a second)"],
+        ["ingest floor at that batch size (bench.transport_floor)", "",
+         f"{floor_cpu:,.0f} rec/s per CPU-s",
+         f"reference (the sidecar's own work: {fmt_time(batch_cost - SMALL_BATCH / floor_cpu)}"
+         " a batch)"],
+    ]
+
+
 def _pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -463,6 +500,7 @@ def run(repeats: int, quick: bool) -> list[list[str]]:
                      "only (bench.transport_floor)", "", f"{floor_cpu:,.0f} rec/s per CPU-s",
                      f"reference (the sidecar's own work: {own:.1f} us of "
                      f"{1e6 / per_cpu:.1f} us a record)"])
+        rows.extend(small_batches(160 if quick else 640))
         times, size = scrape(sidecar, 20 if quick else 50)
         med = statistics.median(times)
         rows.append([f"/metrics with {RUNS} live runs ({size / 1024:.0f} KiB)", fmt_time(med),

@@ -116,8 +116,8 @@ def ingest(sidecar: SidecarProcess, batches: int, batch: int, logs: bool = False
 
 
 def transport_floor(batches: int, batch: int, logs: bool = False) -> tuple[float, float, int]:
-    """``ingest``'s streams against ``bench.transport_floor``: what the gRPC transport and
-    the hand-off to a worker thread cost with nothing applied."""
+    """``ingest``'s streams against ``bench.transport_floor``: what the gRPC transport costs
+    with nothing applied."""
     with tempfile.TemporaryDirectory() as tmp:
         socket_path = Path(tmp) / "floor.sock"
         server = subprocess.Popen(
@@ -496,8 +496,8 @@ def run(repeats: int, quick: bool) -> list[list[str]]:
                                 pin_wall, pin_cpu))
         _, floor_cpu, _ = transport_floor(batches, batch)
         own = 1e6 / per_cpu - 1e6 / floor_cpu
-        rows.append(["ingest floor: the same streams, gRPC transport + worker-thread hand-off "
-                     "only (bench.transport_floor)", "", f"{floor_cpu:,.0f} rec/s per CPU-s",
+        rows.append(["ingest floor: the same streams, gRPC transport only "
+                     "(bench.transport_floor)", "", f"{floor_cpu:,.0f} rec/s per CPU-s",
                      f"reference (the sidecar's own work: {own:.1f} us of "
                      f"{1e6 / per_cpu:.1f} us a record)"])
         rows.extend(small_batches(160 if quick else 640))

@@ -1,9 +1,10 @@
 """The ingest bench's floor: the sidecar's gRPC transport with nothing behind it.
 
 A child process serving ``deadweight.v1.MonitorService.Stream`` on a unix socket the way the
-sidecar does (``grpc.aio``, the sidecar's options, each batch handed to a worker thread and
-answered with its ack) but applying nothing. Its CPU per record is what the transport alone
-costs, so the ingest row can say how much of the sidecar's cost is its own work.
+sidecar does (``grpc.aio``, the sidecar's options, each batch answered with its ack on the
+event loop, as the sidecar answers a batch that waits for nothing) but applying nothing. Its
+CPU per record is what the transport alone costs, so the ingest row can say how much of the
+sidecar's cost is its own work.
 
 Run as ``python -m bench.transport_floor SOCKET``; prints ``ready`` once it listens.
 """
@@ -25,12 +26,12 @@ def _ack(request: pb.StreamRequest) -> pb.StreamResponse:
 
 
 class AckOnly(pb_grpc.MonitorServiceServicer):  # type: ignore[misc]
-    """Answers every batch with its last sequence number, from a worker thread."""
+    """Answers every batch with its last sequence number, on the event loop."""
 
     async def Stream(self, request_iterator: AsyncIterator[pb.StreamRequest],
                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StreamResponse]:
         async for request in request_iterator:
-            yield await asyncio.to_thread(_ack, request)
+            yield _ack(request)
 
 
 async def _serve(socket_path: str) -> None:

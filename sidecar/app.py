@@ -31,6 +31,7 @@ from deadweight.sidecar.detectors.base import Policy
 from deadweight.sidecar.enforcer import Enforcer
 from deadweight.sidecar.exporter import DeadweightCollector
 from deadweight.sidecar.finding import Finding, RunFacts
+from deadweight.sidecar.history_queue import HistoryQueue
 from deadweight.sidecar.metrics_http import MetricsServer
 from deadweight.sidecar.registry import Registry
 from deadweight.sidecar.server import (
@@ -85,8 +86,11 @@ class Sidecar:
 
     def __init__(self, registry: Registry, actions: Actions | None, config: ServerConfig,
                  enforcer: Enforcer | None = None, pager: AlertmanagerPusher | None = None,
-                 store: Store | None = None) -> None:
+                 store: Store | None = None, history_queue: HistoryQueue | None = None
+                 ) -> None:
         self.registry = registry
+        #: Commits the runs' step and log history behind ingest (the registry queues it).
+        self.history_queue = history_queue
         self.actions = actions
         self.config = config
         self.enforcer = enforcer
@@ -130,6 +134,9 @@ class Sidecar:
                 except OSError as err:
                     raise StartupError(str(err)) from err
         self.registry.resume()
+        if self.history_queue is not None:  # stopped after the server: the last rows land
+            self.history_queue.start()
+            self._running.append(self.history_queue.stop)
         if self.enforcer is not None:
             self.enforcer.resume()
             self.enforcer.start()
@@ -192,6 +199,7 @@ class Sidecar:
 def build(config: SidecarConfig) -> Sidecar:
     """Every part of a sidecar, in dependency order, from its configuration."""
     store = Store(config.state_dir)
+    history_queue = HistoryQueue(store)
     pager = None
     if config.alertmanager_url:
         pager = AlertmanagerPusher(config.alertmanager_url, config.runbook_url_pattern,
@@ -211,8 +219,9 @@ def build(config: SidecarConfig) -> Sidecar:
                         store=store, attestor=Attestor(),
                         allow_unattested=config.allow_unattested,
                         silent_run_seconds=config.silent_run_seconds,
-                        trainer_uids=config.trainer_uids, max_ranks=config.max_ranks)
+                        trainer_uids=config.trainer_uids, max_ranks=config.max_ranks,
+                        history_queue=history_queue)
     enforcer = Enforcer(registry, store, actions, stop_grace_seconds=config.stop_grace_seconds,
                         kill_grace_seconds=config.kill_grace_seconds)
     return Sidecar(registry, actions, config.server, enforcer=enforcer, pager=pager,
-                   store=store)
+                   store=store, history_queue=history_queue)

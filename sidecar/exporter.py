@@ -345,6 +345,13 @@ class DeadweightCollector(Collector):
         store = self.actions.store if self.actions is not None else None
         writes.add_metric([], float(store.write_failures if store is not None else 0))
         yield writes
+        queue = self.registry.history_queue
+        lost = CounterMetricFamily(
+            "deadweight_history_rows_dropped",
+            "Step and log history rows (for deadweight report) dropped before they were "
+            "written: the history queue was full, its disk slower than the runs.")
+        lost.add_metric([], float(queue.dropped if queue is not None else 0))
+        yield lost
         refused = CounterMetricFamily(
             "deadweight_checkpoint_refused",
             "Client-named checkpoint paths not read (outside --watch-root, another uid's, "

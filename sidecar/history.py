@@ -14,6 +14,7 @@ costs about 4 us to insert whatever its size, a step's few hundred bytes a fract
 from __future__ import annotations
 
 import json
+import math
 import re
 import struct
 from collections.abc import Iterator, Sequence
@@ -58,8 +59,8 @@ def step_series(point: StepPoint, report: pb.StepReport) -> dict[str, float]:
     for index, group in enumerate(modules):
         name = _SAFE_NAME.sub("_", group.name)[:64] if index < MAX_MODULE_KINDS else "other"
         prefix = f"module/{name}/"
-        series[prefix + "update_norm"] = series.get(prefix + "update_norm", 0.0) + (
-            group.update_sq_sum ** 0.5)
+        series[prefix + "update_norm"] = series.get(prefix + "update_norm", 0.0) + _root(
+            group.update_sq_sum)
         series[prefix + "unchanged"] = series.get(prefix + "unchanged", 0.0) + float(
             group.unchanged_tensors)
         series[prefix + "tensors"] = series.get(prefix + "tensors", 0.0) + float(group.tensors)
@@ -69,6 +70,12 @@ def step_series(point: StepPoint, report: pb.StepReport) -> dict[str, float]:
             series[prefix + "unchanged_elements"] = series.get(
                 prefix + "unchanged_elements", 0.0) + float(group.unchanged_elements)
     return series
+
+
+def _root(square_sum: float) -> float:
+    """The L2 norm of a sum of squares; NaN for a negative one, which no tensor gives (a
+    client's bytes: a float power of it would be complex, which no figure can hold)."""
+    return math.sqrt(square_sum) if square_sum >= 0 else math.nan
 
 
 def encode_step(point: StepPoint, report: pb.StepReport, same: bool,

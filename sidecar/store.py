@@ -18,7 +18,8 @@ import json
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,9 @@ from deadweight.sidecar.state import CheckpointPoint
 from deadweight.sidecar.state_db import open_state_db
 
 log = structlog.get_logger("deadweight.store")
+
+#: One log kept for the report: (step, time, the figures worth a plot).
+LoggedFigures = tuple[int, float, dict[str, float]]
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -159,13 +163,15 @@ class Store:
                 raise StoreWriteFailed(str(err)) from err
             return int(cursor.lastrowid or 0)
 
-    def _write_many(self, sql: str, rows: Sequence[tuple[Any, ...]]) -> None:
-        """One statement over many rows, in one transaction (one commit, not one per row)."""
+    @contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """BEGIN ... COMMIT, ROLLBACK on an error: the writes inside commit together or not at
+        all. A write that fails raises StoreWriteFailed, counted once."""
         with self._lock:
             try:
                 self._db.execute("BEGIN")
                 try:
-                    self._db.executemany(sql, rows)
+                    yield
                 except BaseException:
                     self._db.execute("ROLLBACK")
                     raise
@@ -174,6 +180,11 @@ class Store:
                 self.write_failures += 1
                 log.error("state_write_failed", error=str(err), failures=self.write_failures)
                 raise StoreWriteFailed(str(err)) from err
+
+    def _write_many(self, sql: str, rows: Sequence[tuple[Any, ...]]) -> None:
+        """One statement over many rows, in one transaction (one commit, not one per row)."""
+        with self._transaction():
+            self._db.executemany(sql, rows)
 
     def _read(self, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
         with self._lock:
@@ -294,30 +305,41 @@ class Store:
         """Keep one step's figures of one kind ("step" or "log"); bounded per run and kind."""
         self._add_history(run_id, kind, [(step, at, json.dumps(series, sort_keys=True))])
 
-    def add_logs(self, run_id: str, logs: Sequence[tuple[int, float, dict[str, float]]]
-                 ) -> None:
-        """Keep a batch's logs, (step, time, figures) each, in one transaction: a commit per
-        log cost more than the rest of its ingest."""
-        if logs:
-            self._add_history(run_id, "log", [(step, at, json.dumps(series, sort_keys=True))
-                                              for step, at, series in logs])
+    def add_logs(self, run_id: str, logs: Sequence[LoggedFigures]) -> None:
+        """Keep a batch's logs, (step, time, figures) each, in one transaction."""
+        self.write_history(logs=[(run_id, logs)])
 
     def add_step_history(self, run_id: str, rows: Sequence[history.StoredStep]) -> None:
         """Keep a batch of steps (``history.encode_step``) as one row (``history.pack_steps``);
         past MAX_HISTORY_ROWS steps of the run, every other older batch is dropped (a batch is
         a few steps in a real run; the run's whole span stays, at a coarser grain)."""
-        if not rows:
+        self.write_history(steps=[(run_id, rows)])
+
+    def write_history(self, steps: Sequence[tuple[str, Sequence[history.StoredStep]]] = (),
+                      logs: Sequence[tuple[str, Sequence[LoggedFigures]]] = ()) -> None:
+        """Steps and logs of any number of runs in one transaction: a commit per batch cost
+        more than the rest of a small batch's ingest (``HistoryQueue`` gathers them)."""
+        if not any(rows for _, rows in steps) and not any(rows for _, rows in logs):
             return
-        key = (run_id, PACKED_STEPS)
-        with self._lock:
-            self._write("INSERT OR REPLACE INTO step_batches VALUES (?, ?, ?, ?)",
-                        (run_id, rows[0][0], len(rows), history.pack_steps(rows)))
-            self._keep_bounded(key, len(rows), lambda: self._count_steps(run_id), lambda: (
-                self._write(
-                    "DELETE FROM step_batches WHERE rowid IN (SELECT rowid FROM (SELECT rowid, "
-                    "row_number() OVER (ORDER BY first_step) AS n, COUNT(*) OVER () AS total "
-                    "FROM step_batches WHERE run_id=?) WHERE n % 2 = 0 AND n < total)",
-                    (run_id,))))
+        with self._transaction():
+            for run_id, rows in steps:
+                if rows:
+                    self._insert_steps(run_id, rows)
+            for run_id, entries in logs:
+                if entries:
+                    self._insert_history(run_id, "log", [
+                        (step, at, json.dumps(series, sort_keys=True))
+                        for step, at, series in entries])
+
+    def _insert_steps(self, run_id: str, rows: Sequence[history.StoredStep]) -> None:
+        """In a transaction: one packed row of steps, the run's oldest thinned past the cap."""
+        self._db.execute("INSERT OR REPLACE INTO step_batches VALUES (?, ?, ?, ?)",
+                         (run_id, rows[0][0], len(rows), history.pack_steps(rows)))
+        self._keep_bounded((run_id, PACKED_STEPS), len(rows), lambda: self._count_steps(run_id),
+                           lambda: self._db.execute(
+            "DELETE FROM step_batches WHERE rowid IN (SELECT rowid FROM (SELECT rowid, "
+            "row_number() OVER (ORDER BY first_step) AS n, COUNT(*) OVER () AS total "
+            "FROM step_batches WHERE run_id=?) WHERE n % 2 = 0 AND n < total)", (run_id,)))
 
     def _count_steps(self, run_id: str) -> int:
         (count,) = self._db.execute(
@@ -352,18 +374,23 @@ class Store:
 
     def _add_history(self, run_id: str, kind: str,
                      rows: Sequence[tuple[int, float, str | bytes]]) -> None:
-        """Insert rows; past MAX_HISTORY_ROWS for the run and kind, drop every other older
-        row. The row count is kept in memory (counting in SQL at every write grew with it)."""
-        with self._lock:
-            self._write_many("INSERT OR REPLACE INTO history VALUES (?, ?, ?, ?, ?)",
+        with self._transaction():
+            self._insert_history(run_id, kind, rows)
+
+    def _insert_history(self, run_id: str, kind: str,
+                        rows: Sequence[tuple[int, float, str | bytes]]) -> None:
+        """In a transaction: insert rows; past MAX_HISTORY_ROWS for the run and kind, drop
+        every other older row. The row count is kept in memory (counting in SQL at every
+        write grew with it)."""
+        self._db.executemany("INSERT OR REPLACE INTO history VALUES (?, ?, ?, ?, ?)",
                              [(run_id, kind, step, at, series) for step, at, series in rows])
-            key = (run_id, kind)
-            self._keep_bounded(key, len(rows), lambda: self._count_history(key), lambda: (
-                self._write(
-                    "DELETE FROM history WHERE rowid IN (SELECT rowid FROM (SELECT rowid, "
-                    "row_number() OVER (ORDER BY step) AS n, COUNT(*) OVER () AS total FROM "
-                    "history WHERE run_id=? AND kind=?) WHERE n % 2 = 0 AND n < total)",
-                    (run_id, kind))))
+        key = (run_id, kind)
+        self._keep_bounded(key, len(rows), lambda: self._count_history(key), lambda: (
+            self._db.execute(
+                "DELETE FROM history WHERE rowid IN (SELECT rowid FROM (SELECT rowid, "
+                "row_number() OVER (ORDER BY step) AS n, COUNT(*) OVER () AS total FROM "
+                "history WHERE run_id=? AND kind=?) WHERE n % 2 = 0 AND n < total)",
+                (run_id, kind))))
 
     def _count_history(self, key: tuple[str, str]) -> int:
         (count,) = self._db.execute(

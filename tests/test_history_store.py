@@ -70,3 +70,23 @@ def test_rows_of_an_older_sidecar_and_a_damaged_row_still_read(tmp_path: Path) -
     steps = store.history("run", "step")
     assert [s for s, _, _ in steps] == [1, 2, 3, 4, 5]  # step 6 was cut short
     assert steps[0][2]["update_norm"] == 2.0 and steps[1][2] == {"update_norm": 1.0}
+
+
+def test_a_negative_sum_of_squares_is_kept_as_nan_not_refused(tmp_path: Path) -> None:
+    """A client's report with a negative group sum (no tensor gives one) still goes to the
+    history, its module norm as NaN; it used to raise from a complex square root."""
+    import math
+
+    from deadweight.sidecar import history
+
+    report = pb.StepReport(step=1, learning_rate=1e-4, update_sq_sum=1e-6, groups=[
+        pb.GroupUpdate(name="q_proj", kind="module", update_sq_sum=-1.0, tensors=2),
+        pb.GroupUpdate(name="v_proj", kind="module", update_sq_sum=4.0, tensors=2)])
+    series = history.step_series(StepPoint.from_report(report, 1.0), report)
+    assert math.isnan(series["module/q_proj/update_norm"])
+    assert series["module/v_proj/update_norm"] == 2.0
+    store = Store(tmp_path)
+    store.add_step_history("run", [(1, 1.0, history.encode_step(
+        StepPoint.from_report(report, 1.0), report, False))])
+    [(step, _, figures)] = store.history("run", "step")
+    assert step == 1 and math.isnan(figures["module/q_proj/update_norm"])

@@ -62,6 +62,7 @@ from deadweight.sidecar.store import Store
 
 if TYPE_CHECKING:
     from deadweight.sidecar.checkpoint_inspector import CheckpointInspection
+    from deadweight.sidecar.history_queue import HistoryQueue
 
 log = structlog.get_logger("deadweight.registry")
 
@@ -92,6 +93,7 @@ class Registry:
         silent_run_seconds: float = SILENT_RUN_SECONDS,
         trainer_uids: Iterable[int] = (),
         max_ranks: int = 4096,
+        history_queue: HistoryQueue | None = None,
     ) -> None:
         self.actions = actions or LogOnlyActions()
         self.store = store or Store()
@@ -104,7 +106,7 @@ class Registry:
         self._table = RunTable(self.store, self.actions.forget, max_runs, ended_ttl_seconds,
                                max_ranks)
         self._gate = IdentityGate(self.store, attestor, allow_unattested, trainer_uids)
-        self._events = EventApplier(self.store)
+        self._events = EventApplier(self.store, history_queue)
         self._lifecycle = FindingLifecycle(self.detectors, self.settings, self.policies,
                                            self.actions, self.store, resume_hold_steps,
                                            lock=self._lock)
@@ -162,17 +164,39 @@ class Registry:
     def watcher(self) -> CheckpointSink | None:
         return self._events.watcher
 
+    @property
+    def history_queue(self) -> HistoryQueue | None:
+        """Where step and log history waits for its commit (None: written with its batch)."""
+        return self._events.history_queue
+
     # -- ingest ----------------------------------------------------------------------------
 
     def ingest(self, request: pb.StreamRequest, peer: Peer | None = None) -> pb.StreamResponse:
         """Apply one batch; answer with the ack, directives for this rank, or an error."""
-        peer = peer or Peer()
+        applied = self.apply(request, peer or Peer())
+        assert applied is not None  # it waited for the lock
+        return applied.answer()
+
+    def apply(self, request: pb.StreamRequest, peer: Peer, wait: bool = True
+              ) -> AppliedBatch | None:
+        """The in-memory half of ``ingest``: validate and admit the batch, apply it and
+        evaluate its run, under the lock. The store writes and action calls this decided
+        stay in the run's outbox for ``AppliedBatch.answer``; when there are none the answer
+        is ready at once (``AppliedBatch.ready``).
+
+        wait=False: None, with nothing applied, when another thread holds the lock or the
+        batch carries a RunStart (which may read the store), so that the event loop never
+        waits (the caller sends such a batch to ``ingest`` in a worker thread)."""
         entry: RunEntry | None = None
         closed: RunEntry | None = None
         try:
             scanned = validate(request)
+            if not wait and run_start_of(request) is not None:
+                return None
             numbering = self._numbering_if_new(request)
-            with self._lock:
+            if not self._lock.acquire(blocking=wait):
+                return None
+            try:
                 current = self._table.get(request.run_id)
                 if current is not None and self._gate.starts_incarnation(current, request,
                                                                          peer):
@@ -185,25 +209,14 @@ class Registry:
                     peer.incarnations[request.run_id] = entry.incarnation
                 ack = self._events.apply(entry, request, scanned)
                 self._lifecycle.evaluate(entry)
-            if closed is not None:
-                self._flush(closed)
-            self._flush(entry)
-            with self._lock:
-                rank_directives = entry.take_directives(request.rank)
-                firing = sorted(d for d, f in entry.findings.items() if f.firing)
-            return pb.StreamResponse(ack_seq=ack, directives=rank_directives, firing=firing)
+                applied = AppliedBatch(self, request, peer, (closed, entry), ack)
+                if not applied.pending:  # nothing to write first: answer now, still locked
+                    applied.ready = applied.response(entry)
+                return applied
+            finally:
+                self._lock.release()
         except IngestError as err:
-            if closed is not None:
-                self._flush(closed)
-            if entry is not None:  # admitted before the refusal: its writes still happen
-                self._flush(entry)
-            if isinstance(err, IdentityRejected):
-                peer.rejected = str(err)
-            self.refusals[refusal_kind(err)] += 1
-            self.rejected_batches += 1
-            log.warning("batch_rejected", run_id=request.run_id[:MAX_RUN_ID_LENGTH],
-                        reason=str(err))
-            return pb.StreamResponse(error=str(err))
+            return AppliedBatch(self, request, peer, (closed, entry), error=err)
         finally:
             forget_run_start_scan()
 
@@ -386,10 +399,59 @@ class Registry:
         return status_response(runs, actions, time.time())
 
 
+class AppliedBatch:
+    """A batch applied in memory, and what is left to do before its answer: the writes and
+    action calls it decided (its runs' outboxes), then the directives they produced."""
+
+    def __init__(self, registry: Registry, request: pb.StreamRequest, peer: Peer,
+                 entries: tuple[RunEntry | None, RunEntry | None], ack: int = 0,
+                 error: IngestError | None = None) -> None:
+        self.registry = registry
+        self.request = request
+        self.peer = peer
+        #: The incarnation this batch closed, if any, and the batch's run.
+        self.entries = tuple(e for e in entries if e is not None)
+        self.ack = ack
+        self.error = error
+        #: The answer, when it was ready under the lock (nothing was left to write).
+        self.ready: pb.StreamResponse | None = None
+
+    @property
+    def pending(self) -> bool:
+        """Whether writes or action calls wait in the outboxes (they may touch the disk)."""
+        return self.error is not None or any(len(e.outbox) for e in self.entries)
+
+    def response(self, entry: RunEntry) -> pb.StreamResponse:
+        """The ack, this rank's directives and the run's firing findings (under the lock)."""
+        firing = sorted(d for d, f in entry.findings.items() if f.firing)
+        return pb.StreamResponse(ack_seq=self.ack,
+                                 directives=entry.take_directives(self.request.rank),
+                                 firing=firing)
+
+    def answer(self) -> pb.StreamResponse:
+        """Do what the outboxes hold (outside the lock), then answer."""
+        if self.ready is not None:
+            return self.ready
+        registry = self.registry
+        registry._flush(*self.entries)
+        err = self.error
+        if err is None:
+            with registry.lock:
+                return self.response(self.entries[-1])
+        if isinstance(err, IdentityRejected):
+            self.peer.rejected = str(err)
+        registry.refusals[refusal_kind(err)] += 1
+        registry.rejected_batches += 1
+        log.warning("batch_rejected", run_id=self.request.run_id[:MAX_RUN_ID_LENGTH],
+                    reason=str(err))
+        return pb.StreamResponse(error=str(err))
+
+
 __all__ = [
     "EXIT_CHECK_SECONDS",
     "MAX_RUN_ID_LENGTH",
     "RESUME_HOLD_STEPS",
+    "AppliedBatch",
     "CheckpointSink",
     "IdentityRejected",
     "IngestError",

@@ -27,6 +27,7 @@ from deadweight.sidecar.store import Store
 
 if TYPE_CHECKING:
     from deadweight.sidecar.checkpoint_inspector import CheckpointInspection
+    from deadweight.sidecar.history_queue import HistoryQueue
 
 log = structlog.get_logger("deadweight.registry")
 
@@ -57,8 +58,10 @@ def end_run(entry: RunEntry, store: Store, reason: str, now: float, step: int | 
 class EventApplier:
     """Applies batches to runs; counts the events it had to skip."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, history_queue: HistoryQueue | None = None) -> None:
         self.store = store
+        #: Where step and log history goes (None: the run's outbox, a commit per batch).
+        self.history_queue = history_queue
         self.watcher: CheckpointSink | None = None
         self.duplicate_events = 0
         #: The batch's step history rows, written in one transaction after it (under the
@@ -127,14 +130,25 @@ class EventApplier:
                     if found is EventKind.RUN_START:  # may make the run sharded
                         newest_is_own = self._newest_is_own(run, rank_id)
         finally:
-            if self._history:
-                entry.outbox.add(functools.partial(self.store.add_step_history, run.run_id,
-                                                   self._history))
-                self._history = []
-            if self._logs:
-                entry.outbox.add(functools.partial(self.store.add_logs, run.run_id, self._logs))
-                self._logs = []
+            self._keep_history(entry)
         return rank.last_seq
+
+    def _keep_history(self, entry: RunEntry) -> None:
+        """Hand the batch's step and log history to the queue (or the run's outbox)."""
+        run_id, queue = entry.state.run_id, self.history_queue
+        if self._history:
+            if queue is not None:
+                queue.add_steps(run_id, self._history)
+            else:
+                entry.outbox.add(functools.partial(self.store.add_step_history, run_id,
+                                                   self._history))
+            self._history = []
+        if self._logs:
+            if queue is not None:
+                queue.add_logs(run_id, self._logs)
+            else:
+                entry.outbox.add(functools.partial(self.store.add_logs, run_id, self._logs))
+            self._logs = []
 
     @staticmethod
     def _newest_is_own(run: RunState, rank: int) -> bool:

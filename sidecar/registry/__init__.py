@@ -31,6 +31,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import structlog
@@ -51,8 +52,11 @@ from deadweight.sidecar.registry.validation import (
     MAX_RUN_ID_LENGTH,
     IdentityRejected,
     IngestError,
+    Scanned,
     forget_run_start_scan,
     refusal_kind,
+    remember_run_start,
+    run_start_event,
     run_start_of,
     validate,
 )
@@ -173,26 +177,39 @@ class Registry:
 
     def ingest(self, request: pb.StreamRequest, peer: Peer | None = None) -> pb.StreamResponse:
         """Apply one batch; answer with the ack, directives for this rank, or an error."""
-        applied = self.apply(request, peer or Peer())
+        applied = self.apply(self.check(request), peer or Peer())
         assert applied is not None  # it waited for the lock
         return applied.answer()
 
-    def apply(self, request: pb.StreamRequest, peer: Peer, wait: bool = True
-              ) -> AppliedBatch | None:
-        """The in-memory half of ``ingest``: validate and admit the batch, apply it and
-        evaluate its run, under the lock. The store writes and action calls this decided
-        stay in the run's outbox for ``AppliedBatch.answer``; when there are none the answer
-        is ready at once (``AppliedBatch.ready``).
+    @staticmethod
+    def check(request: pb.StreamRequest) -> CheckedBatch:
+        """Validate a batch, once, outside the lock (``validation``)."""
+        try:
+            scanned = validate(request)
+            return CheckedBatch(request, scanned, None, run_start_event(request))
+        except IngestError as err:
+            return CheckedBatch(request, [], err, None)
+        finally:  # ``apply`` notes the RunStart again on the thread that applies the batch
+            forget_run_start_scan()
 
-        wait=False: None, with nothing applied, when another thread holds the lock or the
-        batch carries a RunStart (which may read the store), so that the event loop never
-        waits (the caller sends such a batch to ``ingest`` in a worker thread)."""
+    def apply(self, checked: CheckedBatch, peer: Peer, wait: bool = True
+              ) -> AppliedBatch | None:
+        """The in-memory half of ``ingest``: admit a checked batch, apply it and evaluate its
+        run, under the lock. The store writes and action calls this decided stay in the
+        run's outbox for ``AppliedBatch.answer``; when there are none the answer is ready at
+        once (``AppliedBatch.ready``).
+
+        wait=False: None, with nothing applied, when another thread holds the lock, so that
+        the event loop never waits for it (it tries again later). A batch that carries a
+        RunStart may read the store here: the event loop sends it to a worker thread."""
+        request = checked.request
+        if checked.error is not None:
+            return AppliedBatch(self, request, peer, (None, None), error=checked.error)
+        scanned = checked.scanned
+        remember_run_start(request, checked.start)
         entry: RunEntry | None = None
         closed: RunEntry | None = None
         try:
-            scanned = validate(request)
-            if not wait and run_start_of(request) is not None:
-                return None
             numbering = self._numbering_if_new(request)
             if not self._lock.acquire(blocking=wait):
                 return None
@@ -399,6 +416,22 @@ class Registry:
         return status_response(runs, actions, time.time())
 
 
+@dataclass(frozen=True)
+class CheckedBatch:
+    """A batch after validation: what its scan found event by event, or why it is refused."""
+
+    request: pb.StreamRequest
+    scanned: list[Scanned]
+    error: IngestError | None
+    #: The batch's first RunStart event, if any.
+    start: pb.Event | None
+
+    @property
+    def run_start(self) -> bool:
+        """It carries a RunStart: applying it may read the store (a new run's incidents)."""
+        return self.start is not None
+
+
 class AppliedBatch:
     """A batch applied in memory, and what is left to do before its answer: the writes and
     action calls it decided (its runs' outboxes), then the directives they produced."""
@@ -452,6 +485,7 @@ __all__ = [
     "MAX_RUN_ID_LENGTH",
     "RESUME_HOLD_STEPS",
     "AppliedBatch",
+    "CheckedBatch",
     "CheckpointSink",
     "IdentityRejected",
     "IngestError",

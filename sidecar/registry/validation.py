@@ -120,8 +120,14 @@ def run_start_event(request: pb.StreamRequest) -> pb.Event | None:
     return found
 
 
+def remember_run_start(request: pb.StreamRequest, event: pb.Event | None) -> None:
+    """Note the batch's first RunStart event, found by its scan, on the thread that applies
+    the batch (``Registry.apply``; the scan may have run on another thread)."""
+    _last_scan.request, _last_scan.event = request, event
+
+
 def forget_run_start_scan() -> None:
-    """End the scan's life with the batch (``Registry.ingest`` calls this when done), so a
+    """End the scan's life with the batch (the registry calls this when done), so a
     request object changed and sent again is scanned again."""
     _last_scan.request = _last_scan.event = None
 

@@ -1,11 +1,12 @@
 """Keep the sidecar's threads on one CPU (``deadweight serve --cpu``).
 
 The sidecar's work is Python, run one thread at a time under the interpreter lock. When its
-threads are spread over cores, every hand-off of a batch between the event loop and a worker
-thread moves the lock and the batch from one core's caches to another's. Measured with 50 runs
-streaming into a real sidecar, ingest cost about a third more CPU per record unpinned than
-with every thread on one CPU (62-65k against 94-100k records per CPU-second), and got through
-fewer records per second as well: one CPU is all that Python can use anyway.
+threads are spread over cores, the lock and the batches move between cores' caches (the event
+loop, gRPC's threads, the history writer, the tick). Measured with 50 runs streaming 256-step
+batches into a real sidecar, pinned ingest took 83,000-91,000 records per CPU-second against
+63,000-65,000 unpinned in the same runs; at the callback's own small batches, where the event
+loop answers nearly every batch itself, the difference was within the noise. One CPU is all
+that Python can use anyway.
 
 ``auto`` takes the CPU the sidecar runs on when it starts, where the scheduler placed it, so
 the sidecars of several pods on one node spread the way the scheduler spreads them. Pinning

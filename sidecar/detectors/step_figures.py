@@ -6,6 +6,7 @@ each leaves loss and grad_norm looking ordinary.
 
 from __future__ import annotations
 
+import functools
 import math
 
 from deadweight.sidecar.detectors.base import (
@@ -121,6 +122,7 @@ class OptimizerStepsSkipped(SpecDetector):
         )
 
 
+@functools.lru_cache(maxsize=256)  # a run names a few dtype texts, asked at every batch
 def _is_low_precision(dtype_text: str) -> bool:
     """Whether a group's dtype text ("bfloat16" or "bfloat16,float32") names bf16/fp16."""
     return any(d.strip() in LOW_PRECISION for d in dtype_text.split(","))
@@ -180,7 +182,7 @@ class LowPrecisionUpdate(SpecDetector):
         newest = next((p for p in reversed(steps) if p.module_elements), None)
         if newest is None:
             return None
-        held = dict(run.start.trainable_params_by_dtype) if run.start is not None else {}
+        held = run.start.trainable_params_by_dtype if run.start is not None else {}
         if held and not any(_is_low_precision(d) for d in held):
             # what the optimizer steps is fp32 (master copies): the small updates add up there
             return Verdict(False, step=newest.step)

@@ -114,10 +114,16 @@ def test_every_rank_of_the_run_is_signalled(
     killer: tuple[SidecarProcess, Path], tmp_path: Path
 ) -> None:
     sidecar, state = killer
-    ranks = [start_raw_client(sidecar.socket_path, "two-ranks", tmp_path / f"r{r}.log",
-                              attest=True, rank=r) for r in (0, 1)]
     store = Store(state)
+    # Rank 0 registers first. A lower rank that joins after a higher one already fired
+    # frozen_weights moves the run's combined steps to itself; the finding then resolves and
+    # fires again as a second incident. That is an open issue of its own, not this test's.
+    ranks = [start_raw_client(sidecar.socket_path, "two-ranks", tmp_path / "r0.log",
+                              attest=True, rank=0)]
     try:
+        wait_for(lambda: 0 in store.bindings("two-ranks"), 60, what="rank 0 registered")
+        ranks.append(start_raw_client(sidecar.socket_path, "two-ranks", tmp_path / "r1.log",
+                                      attest=True, rank=1))
         assert [p.wait(120) for p in ranks] == [-signal.SIGTERM, -signal.SIGTERM]
         wait_for(lambda: enforcement_outcome(store, "two-ranks") == "terminated", 30,
                  what="the escalation to close")

@@ -142,7 +142,7 @@ class Store:
         self.path: Path | None = opened.path
         #: Where a corrupt database was moved at start (None: it was sound or new).
         self.moved_aside: Path | None = opened.moved_aside
-        #: History rows per (run, kind), once counted (see _add_history).
+        #: History rows per (run, kind), once counted (see _insert_history).
         self._history_rows: dict[tuple[str, str], int] = {}
 
     @property
@@ -180,11 +180,6 @@ class Store:
                 self.write_failures += 1
                 log.error("state_write_failed", error=str(err), failures=self.write_failures)
                 raise StoreWriteFailed(str(err)) from err
-
-    def _write_many(self, sql: str, rows: Sequence[tuple[Any, ...]]) -> None:
-        """One statement over many rows, in one transaction (one commit, not one per row)."""
-        with self._transaction():
-            self._db.executemany(sql, rows)
 
     def _read(self, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
         with self._lock:
@@ -303,7 +298,8 @@ class Store:
     def add_history(self, run_id: str, kind: str, step: int, series: dict[str, float],
                     at: float) -> None:
         """Keep one step's figures of one kind ("step" or "log"); bounded per run and kind."""
-        self._add_history(run_id, kind, [(step, at, json.dumps(series, sort_keys=True))])
+        with self._transaction():
+            self._insert_history(run_id, kind, [(step, at, json.dumps(series, sort_keys=True))])
 
     def add_logs(self, run_id: str, logs: Sequence[LoggedFigures]) -> None:
         """Keep a batch's logs, (step, time, figures) each, in one transaction."""
@@ -371,11 +367,6 @@ class Store:
         if len(self._history_rows) >= _MAX_COUNTED_HISTORIES:
             self._history_rows.clear()  # bounded; counted again from SQL when next written
         self._history_rows[key] = count
-
-    def _add_history(self, run_id: str, kind: str,
-                     rows: Sequence[tuple[int, float, str | bytes]]) -> None:
-        with self._transaction():
-            self._insert_history(run_id, kind, rows)
 
     def _insert_history(self, run_id: str, kind: str,
                         rows: Sequence[tuple[int, float, str | bytes]]) -> None:

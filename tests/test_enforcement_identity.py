@@ -115,9 +115,9 @@ def test_every_rank_of_the_run_is_signalled(
 ) -> None:
     sidecar, state = killer
     store = Store(state)
-    # Rank 0 registers first. A lower rank that joins after a higher one already fired
-    # frozen_weights moves the run's combined steps to itself; the finding then resolves and
-    # fires again as a second incident. That is an open issue of its own, not this test's.
+    # Rank 0 registers first, so both ranks are known when the kill starts: this test is
+    # about signalling every rank. A lower rank joining after a higher one fired is
+    # tests/test_rank_join.py's.
     ranks = [start_raw_client(sidecar.socket_path, "two-ranks", tmp_path / "r0.log",
                               attest=True, rank=0)]
     try:

@@ -86,8 +86,11 @@ class EventApplier:
         Step reports, nearly every event of a busy run, are applied here without a handler
         call each; the other kinds go to their handler."""
         run = entry.state
-        if request.rank not in run.ranks and len(run.ranks) >= limits.MAX_RANKS_PER_RUN:
-            raise IngestError(f"run already has {limits.MAX_RANKS_PER_RUN} ranks")
+        if request.rank not in run.ranks:
+            if len(run.ranks) >= limits.MAX_RANKS_PER_RUN:
+                raise IngestError(f"run already has {limits.MAX_RANKS_PER_RUN} ranks")
+            if run.ranks:
+                entry.hold_firing()  # a joining rank can move the run's combined steps
         rank_id = request.rank
         rank = run.rank(rank_id)
         now = time.time()

@@ -31,7 +31,8 @@ from deadweight.sidecar.store import Store, StoredIncident, StoreWriteFailed
 log = structlog.get_logger("deadweight.registry")
 
 #: After a restart, a finding read back from the store stays firing until the detector
-#: confirms it or the run has reported this many optimizer steps since (windows restart empty).
+#: confirms it or the run has reported this many optimizer steps since (windows restart empty);
+#: likewise a firing finding when another rank joins the run (``RunEntry.hold_firing``).
 RESUME_HOLD_STEPS = 8
 
 
@@ -81,7 +82,7 @@ class FindingLifecycle:
                 if detector.id in entry.held and (
                     len(run.combined_steps()) < self.resume_hold_steps
                 ):
-                    continue  # read back after a restart: too few fresh steps to clear it
+                    continue  # restart or rank join: too few fresh steps to clear it
                 self.resolve(entry, finding, "recovered")
 
     def fire(self, entry: RunEntry, detector: Detector, verdict: Verdict) -> None:

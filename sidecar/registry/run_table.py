@@ -36,7 +36,8 @@ class RunEntry:
     delivered: dict[int, int] = field(default_factory=dict)
     #: rank -> the process the kernel named when that rank registered.
     identities: dict[int, ProcessIdentity] = field(default_factory=dict)
-    #: detectors whose firing finding was read back after a restart, not yet re-confirmed.
+    #: Detectors whose firing finding is not yet re-confirmed since it was read back after a
+    #: restart or since another rank joined the run (``hold_firing``).
     held: set[str] = field(default_factory=set)
     #: detector -> the highest incident number it ever had on this run id (store included).
     last_incident: dict[str, int] = field(default_factory=dict)
@@ -52,6 +53,16 @@ class RunEntry:
 
     def __post_init__(self) -> None:
         self.outbox = Outbox(self.state.run_id)
+
+    def hold_firing(self) -> None:
+        """Keep every firing finding firing until its detector confirms it or the run has
+        reported ``resume_hold_steps`` combined steps since.
+
+        Why: a rank that joins late can move the steps the detectors read. Unsharded, the
+        lowest rank stands for the run, so a rank 0 joining after rank 1 fired leaves a window
+        of a few fresh steps; sharded, only steps every rank reported count. Without the hold
+        the finding would resolve on that short window and fire again as a second incident."""
+        self.held.update(d for d, finding in self.findings.items() if finding.firing)
 
     def take_directives(self, rank: int) -> list[pb.Directive]:
         """The directives rank has not been handed yet."""

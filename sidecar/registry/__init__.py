@@ -9,6 +9,7 @@ run; the SQLite writes and action calls they cause are queued in the run's outbo
 after the lock is released. The jobs live in the modules beside this one:
 
 - ``validation``: what a batch must satisfy before it touches state;
+- ``batch``: one batch checked, applied in memory, then answered;
 - ``identity``: which process may report for which rank;
 - ``run_table``: the runs by id, admission, eviction and expiry;
 - ``events``: applying a batch (and the one place a run ends);
@@ -31,7 +32,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import structlog
@@ -43,6 +43,7 @@ from deadweight.sidecar.detectors.base import Detector, Policy
 from deadweight.sidecar.detectors.frozen import FrozenWeights
 from deadweight.sidecar.finding import ActionSink, Finding, LogOnlyActions
 from deadweight.sidecar.registry import restart
+from deadweight.sidecar.registry.batch import AppliedBatch, CheckedBatch
 from deadweight.sidecar.registry.events import CheckpointSink, EventApplier, end_run
 from deadweight.sidecar.registry.identity import IdentityGate, Peer
 from deadweight.sidecar.registry.incidents import RESUME_HOLD_STEPS, FindingLifecycle
@@ -52,9 +53,7 @@ from deadweight.sidecar.registry.validation import (
     MAX_RUN_ID_LENGTH,
     IdentityRejected,
     IngestError,
-    Scanned,
     forget_run_start_scan,
-    refusal_kind,
     remember_run_start,
     run_start_event,
     run_start_of,
@@ -414,70 +413,6 @@ class Registry:
         actions = {run.run_id: self.store.actions(run_id=run.run_id)[-MAX_STATUS_ACTIONS:]
                    for run, _ in runs}
         return status_response(runs, actions, time.time())
-
-
-@dataclass(frozen=True)
-class CheckedBatch:
-    """A batch after validation: what its scan found event by event, or why it is refused."""
-
-    request: pb.StreamRequest
-    scanned: list[Scanned]
-    error: IngestError | None
-    #: The batch's first RunStart event, if any.
-    start: pb.Event | None
-
-    @property
-    def run_start(self) -> bool:
-        """It carries a RunStart: applying it may read the store (a new run's incidents)."""
-        return self.start is not None
-
-
-class AppliedBatch:
-    """A batch applied in memory, and what is left to do before its answer: the writes and
-    action calls it decided (its runs' outboxes), then the directives they produced."""
-
-    def __init__(self, registry: Registry, request: pb.StreamRequest, peer: Peer,
-                 entries: tuple[RunEntry | None, RunEntry | None], ack: int = 0,
-                 error: IngestError | None = None) -> None:
-        self.registry = registry
-        self.request = request
-        self.peer = peer
-        #: The incarnation this batch closed, if any, and the batch's run.
-        self.entries = tuple(e for e in entries if e is not None)
-        self.ack = ack
-        self.error = error
-        #: The answer, when it was ready under the lock (nothing was left to write).
-        self.ready: pb.StreamResponse | None = None
-
-    @property
-    def pending(self) -> bool:
-        """Whether writes or action calls wait in the outboxes (they may touch the disk)."""
-        return self.error is not None or any(len(e.outbox) for e in self.entries)
-
-    def response(self, entry: RunEntry) -> pb.StreamResponse:
-        """The ack, this rank's directives and the run's firing findings (under the lock)."""
-        firing = sorted(d for d, f in entry.findings.items() if f.firing)
-        return pb.StreamResponse(ack_seq=self.ack,
-                                 directives=entry.take_directives(self.request.rank),
-                                 firing=firing)
-
-    def answer(self) -> pb.StreamResponse:
-        """Do what the outboxes hold (outside the lock), then answer."""
-        if self.ready is not None:
-            return self.ready
-        registry = self.registry
-        registry._flush(*self.entries)
-        err = self.error
-        if err is None:
-            with registry.lock:
-                return self.response(self.entries[-1])
-        if isinstance(err, IdentityRejected):
-            self.peer.rejected = str(err)
-        registry.refusals[refusal_kind(err)] += 1
-        registry.rejected_batches += 1
-        log.warning("batch_rejected", run_id=self.request.run_id[:MAX_RUN_ID_LENGTH],
-                    reason=str(err))
-        return pb.StreamResponse(error=str(err))
 
 
 __all__ = [

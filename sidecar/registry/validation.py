@@ -76,11 +76,11 @@ def scan(request: pb.StreamRequest) -> list[Scanned]:
     found: list[Scanned] = []
     append = found.append
     kinds = KIND_BY_NAME
+    step = EventKind.STEP.value
     small = limits.SMALL_STEP_BYTES
     start: pb.Event | None = None
     for event in request.events:  # an event's index is len(found): one entry per event
-        kind = kinds.get(event.WhichOneof("body"))
-        if kind is EventKind.STEP:
+        if event.HasField(step):  # a third of WhichOneof's cost, for most of the events
             report = event.step
             encoded: bytes = report.SerializeToString()
             if len(encoded) > small:
@@ -89,6 +89,7 @@ def scan(request: pb.StreamRequest) -> list[Scanned]:
                     raise IngestError(f"event {len(found)} (seq {event.seq}): {problem}")
             append(encoded)
             continue
+        kind = kinds.get(event.WhichOneof("body"))
         if kind is not None:
             problem = limits.event_problem(event, kind)
             if problem is not None:

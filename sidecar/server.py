@@ -14,6 +14,7 @@ import os
 import socket
 import stat
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,8 @@ from deadweight.sidecar.status import STATUS_MAX_BYTES, bounded
 log = structlog.get_logger("deadweight.server")
 
 TICK_SECONDS = 1.0
+#: How long the tick evaluates runs before it lets gRPC's threads run (``tick_in_turn``).
+TICK_TURN_SECONDS = 0.002
 #: How often a batch waiting on the event loop for the registry lock tries again.
 LOCK_POLL_SECONDS = 0.001
 
@@ -130,6 +133,34 @@ class MonitorServicer(pb_grpc.MonitorServiceServicer):  # type: ignore[misc]
     ) -> pb.StatusResponse:
         await self._authorize(context)
         return bounded(await asyncio.to_thread(self.registry.status, request.run_id))
+
+
+async def tick_in_turn(registry: Registry, now: float | None = None) -> None:
+    """``Registry.tick`` on the event loop, one run at a time, the streams ready meanwhile
+    served between two runs; the loop never waits on the lock (it tries again, as a batch
+    does), and the writes the tick decided are done in a worker thread.
+
+    Why: the tick in one go held the lock for every run's evaluation, and every stream
+    waited for all of it: with 1,000 runs of 256 steps, about 100 ms every second.
+
+    Yielding to the loop alone is not enough: gRPC's threads hand each message to the loop
+    and need the interpreter lock for it, which the loop's thread holds while it evaluates.
+    So after TICK_TURN_SECONDS of evaluation the tick waits for real (the lock is released
+    in the wait). Measured with 1,000 runs and a stream sending a batch every 5 ms: its
+    slowest answer 115-176 ms with yields alone, 11 ms with the waits."""
+    now = time.time() if now is None else now
+    while (entries := registry.tick_started(now, wait=False)) is None:
+        await asyncio.sleep(LOCK_POLL_SECONDS)
+    turn_ends = time.perf_counter() + TICK_TURN_SECONDS
+    for entry in entries:
+        while not registry.tick_run(entry, now, wait=False):
+            await asyncio.sleep(LOCK_POLL_SECONDS)
+        if time.perf_counter() < turn_ends:
+            await asyncio.sleep(0)  # the streams ready meanwhile go first
+        else:  # a real wait: it lets gRPC's threads take the interpreter lock
+            await asyncio.sleep(LOCK_POLL_SECONDS)
+            turn_ends = time.perf_counter() + TICK_TURN_SECONDS
+    await asyncio.to_thread(registry.flush, entries)
 
 
 class SocketInUse(OSError):
@@ -279,7 +310,7 @@ class SidecarServer:
         while True:
             await asyncio.sleep(TICK_SECONDS)
             try:
-                await asyncio.to_thread(self.registry.tick)
+                await tick_in_turn(self.registry)
                 await self._relisten_if_deleted()
             except Exception:
                 log.exception("tick_failed")

@@ -328,16 +328,46 @@ class Registry:
     # -- time ------------------------------------------------------------------------------
 
     def tick(self, now: float | None = None) -> None:
-        """Re-evaluate time-based verdicts and drop ended runs past their TTL."""
+        """Re-evaluate time-based verdicts and drop ended runs past their TTL, in one go (the
+        server ticks run by run: ``tick_started``, ``tick_run``, ``flush``)."""
         now = time.time() if now is None else now
-        with self._lock:
+        entries = self.tick_started(now)
+        assert entries is not None  # it waited for the lock
+        for entry in entries:
+            self.tick_run(entry, now)
+        self.flush(entries)
+
+    def tick_started(self, now: float, wait: bool = True) -> list[RunEntry] | None:
+        """The tick's start: forget ended runs past their TTL, end the silent ones; the runs
+        to evaluate (``tick_run``). None, with nothing done, when wait=False and another
+        thread holds the lock."""
+        if not self._lock.acquire(blocking=wait):
+            return None
+        try:
             self._table.expire_ended(now)
             for silent in self._table.silent(now, self.silent_run_seconds):
                 end_run(silent, self.store, "silent", now)
-            entries = list(self._table)
-            for entry in entries:
+            return list(self._table)
+        finally:
+            self._lock.release()
+
+    def tick_run(self, entry: RunEntry, now: float, wait: bool = True) -> bool:
+        """One run's part of the tick, under the lock for this run alone: are its processes
+        gone, and its detectors at ``now``. A run forgotten or superseded since the tick
+        started is left alone. False, with nothing done, when wait=False and another thread
+        holds the lock."""
+        if not self._lock.acquire(blocking=wait):
+            return False
+        try:
+            if self._table.get(entry.state.run_id) is entry:
                 self._check_exits(entry, now)
                 self._lifecycle.evaluate(entry, now)
+            return True
+        finally:
+            self._lock.release()
+
+    def flush(self, entries: Sequence[RunEntry]) -> None:
+        """Do the writes and action calls the tick queued for entries (outside the lock)."""
         self._flush(*entries)
 
     def _check_exits(self, entry: RunEntry, now: float) -> None:

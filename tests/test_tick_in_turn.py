@@ -1,0 +1,139 @@
+"""The server's periodic tick evaluates one run at a time on the event loop.
+
+A tick over every run under one lock hold kept each stream waiting for all of it: with 1,000
+runs of 256 steps, about 100 ms every second. ``tick_in_turn`` takes the lock for one run at a
+time, lets the streams ready meanwhile go first between two runs, waits for real now and then
+(gRPC's threads need the interpreter lock to hand a stream's message over), and never waits
+on the registry lock (it tries again, as a batch does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from deadweight.proto import pb
+from deadweight.sidecar import server
+from deadweight.sidecar.registry import Registry
+from deadweight.sidecar.server import tick_in_turn
+from deadweight.sidecar.state import RunState
+from tests.faults import Pipe
+from tests.inprocess_sidecar import InProcessSidecar
+from tests.realprocs import wait_for
+
+RUNS = 4
+
+
+class Runs:
+    """RUNS live runs in a registry, and their states, read without the lock (which a test
+    may hold in another thread)."""
+
+    def __init__(self) -> None:
+        self.registry = Registry()
+        for run in range(RUNS):
+            response = self.registry.ingest(pb.StreamRequest(run_id=f"run-{run}", rank=0, events=[
+                pb.Event(run_start=pb.RunStart(trainer="SFTTrainer")),
+                pb.Event(seq=1, step=pb.StepReport(step=1, learning_rate=1e-4,
+                                                   update_sq_sum=1e-6, watched_params=10,
+                                                   optimizer_params=10))]))
+            assert not response.error, response.error
+        self.states: list[RunState] = [run for run, _ in self.registry.runs()]
+        #: The tick's time: later than every evaluation at ingest, within the silent window.
+        self.now = time.time() + 1.0
+
+    def ticked(self) -> int:
+        """How many runs this tick has evaluated so far."""
+        return sum(run.evaluated_at == self.now for run in self.states)
+
+
+def test_streams_are_served_between_two_runs_of_a_tick() -> None:
+    runs = Runs()
+    seen: list[int] = []
+
+    async def main() -> None:
+        done = asyncio.Event()
+
+        async def observer() -> None:  # stands for the streams served meanwhile
+            while not done.is_set():
+                seen.append(runs.ticked())
+                await asyncio.sleep(0)
+
+        watching = asyncio.create_task(observer())
+        await asyncio.sleep(0)
+        await tick_in_turn(runs.registry, runs.now)
+        done.set()
+        await watching
+
+    asyncio.run(main())
+    assert runs.ticked() == RUNS
+    # in one go, the loop would only ever see none or all of the runs ticked
+    assert set(range(1, RUNS)) <= set(seen), seen
+
+
+def test_the_tick_waits_for_the_lock_without_stopping_the_loop() -> None:
+    runs = Runs()
+    held, release = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with runs.registry.lock:
+            held.set()
+            release.wait(30)
+
+    async def main() -> tuple[int, int]:
+        tick = asyncio.create_task(tick_in_turn(runs.registry, runs.now))
+        turns = 0
+        for _ in range(20):  # the loop keeps turning while the tick waits for the lock
+            await asyncio.sleep(0.005)
+            turns += 1
+        during = runs.ticked()
+        assert not tick.done()
+        release.set()
+        await asyncio.wait_for(tick, 30)
+        return turns, during
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    try:
+        assert held.wait(30)
+        turns, during = asyncio.run(main())
+    finally:
+        release.set()
+        thread.join()
+    assert (turns, during, runs.ticked()) == (20, 0, RUNS)
+
+
+def test_a_stream_is_answered_while_the_server_ticks_many_runs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server's own tick over a real socket: with a real wait after every run (turns of
+    0 s), a tick of 1,000 runs lasts over a second, and a batch sent during it is answered
+    before it ends. A tick in one go answers it only after its last run."""
+    monkeypatch.setattr(server, "TICK_TURN_SECONDS", 0.0)
+    registry = Registry(max_runs=1100, max_ranks=1100, allow_unattested=True)
+    for run in range(1000):
+        response = registry.ingest(pb.StreamRequest(run_id=f"many-{run}", rank=0, events=[
+            pb.Event(run_start=pb.RunStart(trainer="SFTTrainer"))]))
+        assert not response.error, response.error
+    states = [run for run, _ in registry.runs()]
+    sidecar = InProcessSidecar(tmp_path / "dw.sock", registry).start()
+    pipe = Pipe(sidecar.address, attest=False)
+    try:
+        assert not pipe.send(pb.StreamRequest(run_id="streaming", rank=0, events=[
+            pb.Event(run_start=pb.RunStart(trainer="SFTTrainer"))])).error
+
+        ingested = max(run.evaluated_at for run in states)
+
+        def ticked() -> int:  # runs the first tick has reached so far
+            return sum(run.evaluated_at > ingested for run in states)
+
+        wait_for(lambda: 0 < ticked() < 100, 30, what="the first tick under way", interval=0.001)
+        answer = pipe.send(pb.StreamRequest(run_id="streaming", rank=0, events=[
+            pb.Event(seq=1, step=pb.StepReport(step=1, learning_rate=1e-4))]))
+        assert answer.ack_seq == 1
+        assert ticked() < len(states), "answered only once the tick was over"
+    finally:
+        pipe.close()
+        sidecar.stop()

@@ -106,7 +106,7 @@ class MonitorServicer(pb_grpc.MonitorServiceServicer):  # type: ignore[misc]
         run stalls no other stream. A batch with a RunStart, which may read the store, is
         applied in a worker thread.
 
-        While another thread holds the registry lock (the tick, a scrape, a RunStart being
+        While another thread holds the registry lock (a scrape, a Status call, a RunStart being
         applied), the batch waits on the event loop, which goes on serving meanwhile, and
         is tried again every LOCK_POLL_SECONDS. Handing such batches to worker threads
         instead made them hold the lock in turn, so that nearly every batch of a busy

@@ -18,7 +18,7 @@ import json
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +29,7 @@ import structlog
 from deadweight.proto import pb
 from deadweight.sidecar import history
 from deadweight.sidecar.attestation import ProcessIdentity
+from deadweight.sidecar.history_tables import HistoryTables
 from deadweight.sidecar.state import CheckpointPoint
 from deadweight.sidecar.state_db import open_state_db
 
@@ -72,13 +73,6 @@ CREATE TABLE IF NOT EXISTS step_batches (
 
 #: How long the journal of an ended run is kept (pruned when the sidecar starts).
 RETENTION_SECONDS = 30 * 86400
-#: Steps (and log rows) of history kept per run; past it, every other older row is dropped,
-#: so a long run keeps its whole span at a coarser grain (the report's plots need no more).
-MAX_HISTORY_ROWS = 2000
-#: The history kind under which step counts are held in memory (rows of ``step_batches``).
-PACKED_STEPS = "steps"
-#: (run, kind) pairs whose history row count is held in memory.
-_MAX_COUNTED_HISTORIES = 10_000
 #: incidents.enforcement while an escalation (STOP, SIGTERM, SIGKILL) is still in progress.
 ENFORCEMENT_OPEN = "open"
 
@@ -142,8 +136,8 @@ class Store:
         self.path: Path | None = opened.path
         #: Where a corrupt database was moved at start (None: it was sound or new).
         self.moved_aside: Path | None = opened.moved_aside
-        #: History rows per (run, kind), once counted (see _insert_history).
-        self._history_rows: dict[tuple[str, str], int] = {}
+        #: The report's history tables (written inside this store's transactions).
+        self._history = HistoryTables(self._db)
 
     @property
     def persistent(self) -> bool:
@@ -299,7 +293,7 @@ class Store:
                     at: float) -> None:
         """Keep one step's figures of one kind ("step" or "log"); bounded per run and kind."""
         with self._transaction():
-            self._insert_history(run_id, kind, [(step, at, json.dumps(series, sort_keys=True))])
+            self._history.insert(run_id, kind, [(step, at, json.dumps(series, sort_keys=True))])
 
     def add_logs(self, run_id: str, logs: Sequence[LoggedFigures]) -> None:
         """Keep a batch's logs, (step, time, figures) each, in one transaction."""
@@ -307,8 +301,9 @@ class Store:
 
     def add_step_history(self, run_id: str, rows: Sequence[history.StoredStep]) -> None:
         """Keep a batch of steps (``history.encode_step``) as one row (``history.pack_steps``);
-        past MAX_HISTORY_ROWS steps of the run, every other older batch is dropped (a batch is
-        a few steps in a real run; the run's whole span stays, at a coarser grain)."""
+        past ``history_tables.MAX_HISTORY_ROWS`` steps of the run, every other older batch
+        is dropped (a batch is a few steps in a real run; the run's whole span stays, at a
+        coarser grain)."""
         self.write_history(steps=[(run_id, rows)])
 
     def write_history(self, steps: Sequence[tuple[str, Sequence[history.StoredStep]]] = (),
@@ -320,87 +315,17 @@ class Store:
         with self._transaction():
             for run_id, rows in steps:
                 if rows:
-                    self._insert_steps(run_id, rows)
+                    self._history.insert_steps(run_id, rows)
             for run_id, entries in logs:
                 if entries:
-                    self._insert_history(run_id, "log", [
+                    self._history.insert(run_id, "log", [
                         (step, at, json.dumps(series, sort_keys=True))
                         for step, at, series in entries])
 
-    def _insert_steps(self, run_id: str, rows: Sequence[history.StoredStep]) -> None:
-        """In a transaction: one packed row of steps, the run's oldest thinned past the cap."""
-        self._db.execute("INSERT OR REPLACE INTO step_batches VALUES (?, ?, ?, ?)",
-                         (run_id, rows[0][0], len(rows), history.pack_steps(rows)))
-        self._keep_bounded((run_id, PACKED_STEPS), len(rows), lambda: self._count_steps(run_id),
-                           lambda: self._db.execute(
-            "DELETE FROM step_batches WHERE rowid IN (SELECT rowid FROM (SELECT rowid, "
-            "row_number() OVER (ORDER BY first_step) AS n, COUNT(*) OVER () AS total "
-            "FROM step_batches WHERE run_id=?) WHERE n % 2 = 0 AND n < total)", (run_id,)))
-
-    def _count_steps(self, run_id: str) -> int:
-        (count,) = self._db.execute(
-            "SELECT COALESCE(SUM(steps), 0) FROM step_batches WHERE run_id=?",
-            (run_id,)).fetchone()
-        return int(count)
-
-    def _packed_steps(self, run_id: str) -> list[history.StoredStep]:
-        """A run's packed steps, by step (a step kept twice: the later batch's)."""
-        by_step: dict[int, history.StoredStep] = {}
-        for (packed,) in self._read("SELECT packed FROM step_batches WHERE run_id=? "
-                                    "ORDER BY first_step", (run_id,)):
-            try:
-                for stored in history.unpack_steps(packed):
-                    by_step[stored[0]] = stored
-            except ValueError as err:  # a damaged row: the steps before the damage are kept
-                log.warning("history_row_damaged", run_id=run_id, error=str(err))
-        return [by_step[step] for step in sorted(by_step)]
-
-    def _keep_bounded(self, key: tuple[str, str], added: int, counted: Callable[[], int],
-                      thin: Callable[[], object]) -> None:
-        """Count added rows (steps) for key, from SQL the first time; past MAX_HISTORY_ROWS,
-        thin (drop every other older row) and count again."""
-        count = self._history_rows.get(key)
-        count = counted() if count is None else count + added
-        if count > MAX_HISTORY_ROWS:
-            thin()
-            count = counted()
-        if len(self._history_rows) >= _MAX_COUNTED_HISTORIES:
-            self._history_rows.clear()  # bounded; counted again from SQL when next written
-        self._history_rows[key] = count
-
-    def _insert_history(self, run_id: str, kind: str,
-                        rows: Sequence[tuple[int, float, str | bytes]]) -> None:
-        """In a transaction: insert rows; past MAX_HISTORY_ROWS for the run and kind, drop
-        every other older row. The row count is kept in memory (counting in SQL at every
-        write grew with it)."""
-        self._db.executemany("INSERT OR REPLACE INTO history VALUES (?, ?, ?, ?, ?)",
-                             [(run_id, kind, step, at, series) for step, at, series in rows])
-        key = (run_id, kind)
-        self._keep_bounded(key, len(rows), lambda: self._count_history(key), lambda: (
-            self._db.execute(
-                "DELETE FROM history WHERE rowid IN (SELECT rowid FROM (SELECT rowid, "
-                "row_number() OVER (ORDER BY step) AS n, COUNT(*) OVER () AS total FROM "
-                "history WHERE run_id=? AND kind=?) WHERE n % 2 = 0 AND n < total)",
-                (run_id, kind))))
-
-    def _count_history(self, key: tuple[str, str]) -> int:
-        (count,) = self._db.execute(
-            "SELECT COUNT(*) FROM history WHERE run_id=? AND kind=?", key).fetchone()
-        return int(count)
-
     def history(self, run_id: str, kind: str) -> list[tuple[int, float, dict[str, float]]]:
-        """(step, time, figures) of a run's history of one kind ("step" or "log"), by step.
-
-        Steps are read from their batches (``step_batches``) and from the one-row-per-step
-        form a sidecar before packing wrote (a step in both: the packed one)."""
-        rows: dict[int, tuple[float, bytes | str]] = {
-            step: (at, series) for step, at, series in self._read(
-                "SELECT step, time, series FROM history WHERE run_id=? AND kind=? "
-                "ORDER BY step", (run_id, kind))}
-        if kind == "step":
-            rows.update((step, (at, kept)) for step, at, kept in self._packed_steps(run_id))
-        return [(step, at, history.stored_figures(at, series))
-                for step, (at, series) in sorted(rows.items())]
+        """(step, time, figures) of a run's history of one kind ("step" or "log"), by step."""
+        with self._lock:
+            return self._history.read(run_id, kind)
 
     def run(self, run_id: str) -> StoredRun | None:
         """One run by id, ended or not."""

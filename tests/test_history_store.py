@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from deadweight.proto import pb
-from deadweight.sidecar import store as store_module
+from deadweight.sidecar import history_tables
 from deadweight.sidecar.step_point import StepPoint
 from deadweight.sidecar.store import Store
 
@@ -23,7 +23,7 @@ def test_history_stays_bounded_over_restarts_and_keeps_its_whole_span(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     limit = 50
-    monkeypatch.setattr(store_module, "MAX_HISTORY_ROWS", limit)
+    monkeypatch.setattr(history_tables, "MAX_HISTORY_ROWS", limit)
     store = Store(tmp_path)
     for first in range(1, 301, 30):
         store.add_step_history("run", [_row(s) for s in range(first, first + 30)])

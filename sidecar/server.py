@@ -152,14 +152,18 @@ async def tick_in_turn(registry: Registry, now: float | None = None) -> None:
     while (entries := registry.tick_started(now, wait=False)) is None:
         await asyncio.sleep(LOCK_POLL_SECONDS)
     turn_ends = time.perf_counter() + TICK_TURN_SECONDS
-    for entry in entries:
-        while not registry.tick_run(entry, now, wait=False):
-            await asyncio.sleep(LOCK_POLL_SECONDS)
-        if time.perf_counter() < turn_ends:
-            await asyncio.sleep(0)  # the streams ready meanwhile go first
-        else:  # a real wait: it lets gRPC's threads take the interpreter lock
-            await asyncio.sleep(LOCK_POLL_SECONDS)
-            turn_ends = time.perf_counter() + TICK_TURN_SECONDS
+    try:
+        for entry in entries:
+            while not registry.tick_run(entry, now, wait=False):
+                await asyncio.sleep(LOCK_POLL_SECONDS)
+            if time.perf_counter() < turn_ends:
+                await asyncio.sleep(0)  # the streams ready meanwhile go first
+            else:  # a real wait: it lets gRPC's threads take the interpreter lock
+                await asyncio.sleep(LOCK_POLL_SECONDS)
+                turn_ends = time.perf_counter() + TICK_TURN_SECONDS
+    except asyncio.CancelledError:  # the sidecar is stopping: journal what was decided
+        registry.flush(entries)
+        raise
     await asyncio.to_thread(registry.flush, entries)
 
 

@@ -21,6 +21,7 @@ from deadweight.sidecar import server
 from deadweight.sidecar.registry import Registry
 from deadweight.sidecar.server import tick_in_turn
 from deadweight.sidecar.state import RunState
+from deadweight.sidecar.store import Store
 from tests.faults import Pipe
 from tests.inprocess_sidecar import InProcessSidecar
 from tests.realprocs import wait_for
@@ -32,8 +33,8 @@ class Runs:
     """RUNS live runs in a registry, and their states, read without the lock (which a test
     may hold in another thread)."""
 
-    def __init__(self) -> None:
-        self.registry = Registry()
+    def __init__(self, registry: Registry | None = None) -> None:
+        self.registry = registry or Registry()
         for run in range(RUNS):
             response = self.registry.ingest(pb.StreamRequest(run_id=f"run-{run}", rank=0, events=[
                 pb.Event(run_start=pb.RunStart(trainer="SFTTrainer")),
@@ -137,3 +138,26 @@ def test_a_stream_is_answered_while_the_server_ticks_many_runs(
     finally:
         pipe.close()
         sidecar.stop()
+
+
+def test_a_tick_cancelled_part_way_journals_what_it_decided(tmp_path: Path) -> None:
+    """The sidecar stopping mid-tick (its ticker task cancelled): the incidents the tick fired
+    for the runs it reached are journaled all the same, as the tick in a worker thread did."""
+    store = Store(tmp_path / "state")
+    runs = Runs(Registry(store=store))
+    runs.now += 1000.0  # past stalled_seconds (300 s) since the runs last reported
+
+    async def main() -> None:
+        tick = asyncio.create_task(tick_in_turn(runs.registry, runs.now))
+        while runs.ticked() == 0:
+            await asyncio.sleep(0)
+        tick.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await tick
+
+    asyncio.run(main())
+    reached = [run.run_id for run in runs.states if run.evaluated_at == runs.now]
+    assert 0 < len(reached) < RUNS, reached  # cancelled part way
+    for run in runs.states:  # (the rest of what fired did so at ingest)
+        stalled = "stalled" in {i.detector for i in store.incidents(run.run_id)}
+        assert stalled == (run.run_id in reached), run.run_id

@@ -161,7 +161,7 @@ async def tick_in_turn(registry: Registry, now: float | None = None) -> None:
             else:  # a real wait: it lets gRPC's threads take the interpreter lock
                 await asyncio.sleep(LOCK_POLL_SECONDS)
                 turn_ends = time.perf_counter() + TICK_TURN_SECONDS
-    except asyncio.CancelledError:  # the sidecar is stopping: journal what was decided
+    except BaseException:  # cancelled (the sidecar stopping) or failed: do what was decided
         registry.flush(entries)
         raise
     await asyncio.to_thread(registry.flush, entries)

@@ -19,12 +19,8 @@ from types import MappingProxyType
 
 from deadweight.proto import pb
 from deadweight.sidecar.checkpoint_inspector import CheckpointInspection
-from deadweight.sidecar.step_point import (
-    MAX_MODULE_KINDS_PER_STEP,
-    ModuleFigures,
-    StepGroups,
-    StepPoint,
-)
+from deadweight.sidecar.sharded_steps import ShardedSteps
+from deadweight.sidecar.step_point import StepPoint
 
 #: Optimizer steps kept per rank for windowed detectors.
 STEP_WINDOW = 256
@@ -117,6 +113,7 @@ class RunState:
     unordered_log_keys: set[str] = field(default_factory=set)
     _config: tuple[pb.RunStart, Mapping[str, float]] | None = field(
         default=None, repr=False, compare=False)
+    _sharded: ShardedSteps | None = field(default=None, repr=False, compare=False)
 
     # -- derived views ---------------------------------------------------------------------
 
@@ -161,41 +158,15 @@ class RunState:
         ordered = sorted(self.ranks)
         if self.start is None or not self.start.sharded or len(ordered) == 1:
             return list(self.ranks[ordered[0]].steps)
-        by_step: dict[int, list[StepPoint]] = {}
-        for r in ordered:
-            for point in self.ranks[r].steps:
-                by_step.setdefault(point.step, []).append(point)
-        combined = []
-        for step in sorted(by_step):
-            points = by_step[step]
-            if len(points) < len(ordered):
-                continue
-            first = points[0]
-            combined.append(
-                StepPoint(
-                    step=step,
-                    time=max(p.time for p in points),
-                    learning_rate=first.learning_rate,
-                    update_sq_sum=sum(p.update_sq_sum for p in points),
-                    param_sq_sum=sum(p.param_sq_sum for p in points),
-                    watched_tensors=sum(p.watched_tensors for p in points),
-                    watched_params=sum(p.watched_params for p in points),
-                    optimizer_params=sum(p.optimizer_params for p in points),
-                    unchanged_tensors=sum(p.unchanged_tensors for p in points),
-                    nonfinite_update_tensors=sum(p.nonfinite_update_tensors for p in points),
-                    grad_not_in_optimizer_tensors=sum(
-                        p.grad_not_in_optimizer_tensors for p in points
-                    ),
-                    grad_not_in_optimizer_params=sum(
-                        p.grad_not_in_optimizer_params for p in points
-                    ),
-                    sampled=any(p.sampled for p in points),
-                    skipped=any(p.skipped for p in points),
-                    adalora_allocated=first.adalora_allocated,
-                    groups=StepGroups(modules=_sum_module_elements(points)),
-                )
-            )
-        return combined
+        return list(self._sharded_steps(ordered))
+
+    def _sharded_steps(self, ordered: list[int]) -> deque[StepPoint]:
+        """The combined steps of a sharded run of several ranks, kept between asks (see
+        ``sharded_steps``; a new set of ranks starts them afresh)."""
+        kept = self._sharded
+        if kept is None or kept.ranks != tuple(ordered):
+            kept = self._sharded = ShardedSteps(tuple(ordered))
+        return kept.steps(self.ranks)
 
     def newest_combined_step(self) -> StepPoint | None:
         """``combined_steps()[-1]`` without building the list (asked for every step received):
@@ -205,7 +176,7 @@ class RunState:
         if self.start is None or not self.start.sharded or len(self.ranks) == 1:
             steps = self.ranks[min(self.ranks)].steps
             return steps[-1] if steps else None
-        combined = self.combined_steps()
+        combined = self._sharded_steps(sorted(self.ranks))
         return combined[-1] if combined else None
 
     def add_checkpoint(self, point: CheckpointPoint) -> None:
@@ -277,13 +248,3 @@ _NO_CONFIG: Mapping[str, float] = MappingProxyType({})
 
 def _logged_step(entry: tuple[int, float]) -> int:
     return entry[0]
-
-
-def _sum_module_elements(points: list[StepPoint]) -> tuple[ModuleFigures, ...]:
-    """Each module kind's element counts summed over the ranks' shards (dtype of the first)."""
-    summed: dict[str, tuple[str, int, int]] = {}
-    for point in points:
-        for kind, dtype, elements, unchanged in point.module_elements:
-            first, total, still = summed.get(kind, (dtype, 0, 0))
-            summed[kind] = (first, total + elements, still + unchanged)
-    return tuple((k, d, n, u) for k, (d, n, u) in summed.items())[:MAX_MODULE_KINDS_PER_STEP]

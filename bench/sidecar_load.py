@@ -425,6 +425,42 @@ def small_batches(batches: int) -> list[list[str]]:
     ]
 
 
+#: Ranks of the sharded run ``sharded_ingest`` streams (FSDP or ZeRO-3 on one node).
+SHARDED_RANKS = 8
+
+
+def sharded_ingest(steps: int) -> tuple[float, float]:
+    """(records/s wall, records/s per CPU-second) of one sharded run of SHARDED_RANKS ranks
+    on a fresh sidecar, each rank sending one step report a batch: every step received asks
+    for the run's combined steps, summed over the ranks' shards."""
+    def plan(rank: int) -> list[pb.StreamRequest]:
+        start = _run_start(0)
+        start.run_start.sharded = True
+        start.run_start.world_size = SHARDED_RANKS
+        requests = [pb.StreamRequest(run_id="bench-sharded", rank=rank, events=[start])]
+        for step in range(1, steps + 1):
+            event = to_event("step", _step_record(step))
+            event.seq = step
+            requests.append(pb.StreamRequest(run_id="bench-sharded", rank=rank,
+                                             events=[event]))
+        return requests
+
+    with tempfile.TemporaryDirectory() as tmp, SidecarProcess(Path(tmp)) as sidecar:
+        assert sidecar.process is not None
+        plans = [plan(rank) for rank in range(SHARDED_RANKS)]
+        threads = [threading.Thread(target=_stream, args=(sidecar.address, p, []))
+                   for p in plans]
+        cpu0, start = _cpu_seconds(sidecar.process.pid), time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        wall = time.perf_counter() - start
+        cpu = _cpu_seconds(sidecar.process.pid) - cpu0
+    records = SHARDED_RANKS * steps
+    return records / wall, records / max(cpu, 1e-9)
+
+
 #: Runs a sidecar holds at most by default (``serve --max-runs``): the tick evaluates each.
 TICKED_RUNS = 1000
 
@@ -592,6 +628,12 @@ def run(repeats: int, quick: bool) -> list[list[str]]:
                      f"reference (the sidecar's own work: {own:.1f} us of "
                      f"{1e6 / per_cpu:.1f} us a record)"])
         rows.extend(small_batches(160 if quick else 640))
+        sharded_wall, sharded_cpu = sharded_ingest(100 if quick else 400)
+        rows.append([f"ingest, one sharded run of {SHARDED_RANKS} ranks, one step report a "
+                     "batch", f"{sharded_wall:,.0f} rec/s wall",
+                     f"{sharded_cpu:,.0f} rec/s per CPU-s",
+                     "reference (built afresh at every ask, before: 178 rec/s per CPU-s over "
+                     "the first 60 steps, 48 ms a batch once the windows are full)"])
         times, size = scrape(sidecar, 20 if quick else 50)
         med = statistics.median(times)
         rows.append([f"/metrics with {RUNS} live runs ({size / 1024:.0f} KiB)", fmt_time(med),

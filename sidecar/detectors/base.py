@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left, bisect_right
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import ClassVar, Generic, Protocol, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import ClassVar, Generic, NamedTuple, Protocol, TypeVar
 
 from deadweight.proto import pb
 
@@ -24,15 +25,20 @@ from deadweight.sidecar.settings import DetectorSettings
 from deadweight.sidecar.state import RunState
 from deadweight.sidecar.step_point import StepPoint
 
+#: A verdict's evidence when it names none (shared: read-only).
+NO_EVIDENCE: Mapping[str, str] = MappingProxyType({})
 
-@dataclass(frozen=True)
-class Verdict:
-    """A detector's answer: firing or not, at which step, and the numbers behind it."""
+
+class Verdict(NamedTuple):
+    """A detector's answer: firing or not, at which step, and the numbers behind it.
+
+    A named tuple: every detector makes one at every batch of its run (a frozen dataclass
+    set its fields one by one and made an empty evidence dict each time)."""
 
     firing: bool
     step: int = 0
     summary: str = ""
-    evidence: dict[str, str] = field(default_factory=dict)
+    evidence: Mapping[str, str] = NO_EVIDENCE
 
 
 class Detector(Protocol):

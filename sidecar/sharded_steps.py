@@ -49,13 +49,13 @@ class ShardedSteps:
         it; copy it to keep it)."""
         self._extend(windows)
         combined = self._combined
-        floor = max((w.steps[0].step if w.steps else None for w in
-                     (windows[r] for r in self.ranks)), key=_none_last, default=None)
-        if floor is None:  # a rank with an empty window: no step is complete
+        oldest = [windows[r].steps[0].step if windows[r].steps else None for r in self.ranks]
+        if None in oldest:  # a rank with an empty window: no step is complete
             combined.clear()
-        else:
-            while combined and combined[0].step < floor:
-                combined.popleft()
+            return combined
+        floor = max(step for step in oldest if step is not None)
+        while combined and combined[0].step < floor:
+            combined.popleft()
         return combined
 
     def _extend(self, windows: Mapping[int, RankWindow]) -> None:
@@ -73,11 +73,6 @@ class ShardedSteps:
             newer.append(found)
         for step in sorted(set(newer[0]).intersection(*newer[1:])):
             self._combined.append(combine(step, [found[step] for found in newer]))
-
-
-def _none_last(step: int | None) -> float:
-    """Orders an empty window's None above every step (it empties the combined steps)."""
-    return float("inf") if step is None else step
 
 
 def combine(step: int, points: Sequence[StepPoint]) -> StepPoint:

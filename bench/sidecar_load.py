@@ -135,10 +135,11 @@ def transport_floor(batches: int, batch: int, logs: bool = False) -> tuple[float
             server.wait()
 
 
-def _ingest(address: str, pid: int, batches: int, batch: int, logs: bool = False
-            ) -> tuple[float, float, int]:
-    plans = [_requests(run, batches, batch, logs) for run in range(RUNS)]
-    acks: list[list[int]] = [[] for _ in range(RUNS)]
+def _streamed(address: str, pid: int, plans: list[list[pb.StreamRequest]], acked: int
+              ) -> tuple[float, float]:
+    """(wall seconds, the process pid's CPU seconds) to send every plan on a stream of its
+    own, all at once; each stream's last ack must be acked (its highest sequence number)."""
+    acks: list[list[int]] = [[] for _ in plans]
     threads = [threading.Thread(target=_stream, args=(address, plan, acks[i]))
                for i, plan in enumerate(plans)]
     cpu0 = _cpu_seconds(pid)
@@ -149,11 +150,18 @@ def _ingest(address: str, pid: int, batches: int, batch: int, logs: bool = False
         thread.join()
     wall = time.perf_counter() - start
     cpu = _cpu_seconds(pid) - cpu0
-    records = RUNS * batches * batch
     last = [a[-1] if a else -1 for a in acks]
-    if last != [batches * batch] * RUNS:
+    if last != [acked] * len(plans):
         raise RuntimeError(f"not every event was acknowledged: {last[:5]}...")
-    return records / wall, records / max(cpu, 1e-9), records
+    return wall, max(cpu, 1e-9)
+
+
+def _ingest(address: str, pid: int, batches: int, batch: int, logs: bool = False
+            ) -> tuple[float, float, int]:
+    plans = [_requests(run, batches, batch, logs) for run in range(RUNS)]
+    wall, cpu = _streamed(address, pid, plans, batches * batch)
+    records = RUNS * batches * batch
+    return records / wall, records / cpu, records
 
 
 def scrape(sidecar: SidecarProcess, repeats: int) -> tuple[list[float], int]:
@@ -447,18 +455,10 @@ def sharded_ingest(steps: int) -> tuple[float, float]:
 
     with tempfile.TemporaryDirectory() as tmp, SidecarProcess(Path(tmp)) as sidecar:
         assert sidecar.process is not None
-        plans = [plan(rank) for rank in range(SHARDED_RANKS)]
-        threads = [threading.Thread(target=_stream, args=(sidecar.address, p, []))
-                   for p in plans]
-        cpu0, start = _cpu_seconds(sidecar.process.pid), time.perf_counter()
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        wall = time.perf_counter() - start
-        cpu = _cpu_seconds(sidecar.process.pid) - cpu0
+        wall, cpu = _streamed(sidecar.address, sidecar.process.pid,
+                              [plan(rank) for rank in range(SHARDED_RANKS)], steps)
     records = SHARDED_RANKS * steps
-    return records / wall, records / max(cpu, 1e-9)
+    return records / wall, records / cpu
 
 
 #: Runs a sidecar holds at most by default (``serve --max-runs``): the tick evaluates each.

@@ -248,7 +248,8 @@ def _report(args: argparse.Namespace) -> int:
     store = Store(args.state_dir)
     try:
         page = report.render(report.load(store, args.run_id),
-                             frozen_ratio_floor=DetectorSettings().frozen_ratio_floor)
+                             frozen_ratio_floor=DetectorSettings().frozen_ratio_floor,
+                             runbook_url_pattern=args.runbook_url_pattern)
     except report.ReportUnavailable as err:
         print(f"deadweight report: {err}", file=sys.stderr)
         return 2
@@ -373,6 +374,11 @@ def build_parser(*more_commands: Callable[[Commands], None]) -> argparse.Argumen
                             help="the --state-dir of the sidecar that watched the run")
     report_cmd.add_argument("--out", default=None, metavar="FILE.html",
                             help="where to write it (default deadweight-RUN_ID.html)")
+    report_cmd.add_argument("--runbook-url-pattern",
+                            type=_url_pattern(alert_links.RUNBOOK_PLACEHOLDERS),
+                            default=alert_links.DEFAULT_RUNBOOK_URL_PATTERN, metavar="PATTERN",
+                            help="the runbook link under the root cause, as in serve "
+                            "(default %(default)s)")
     report_cmd.set_defaults(func=_report)
     for add in more_commands:
         add(commands)

@@ -5,33 +5,32 @@ can be made after the sidecar or the run is gone. Plots are drawn by matplotlib 
 the page needs no network and no script to view. matplotlib is the ``report`` extra, kept out
 of the sidecar image's required dependencies.
 
-Panels, top to bottom: the verdict; "did the weights move" (update L2 and the scale-free ratio
-with the frozen floor, beside loss and grad_norm: what a loss-only view shows); the RL panel
-when the run logged reward spread, KL, entropy or completion length; per-module movement; the
-verdict timeline with every action; the checkpoint hash chain.
+Top to bottom: the verdict, with the root cause, its fix in one sentence (the runbook's, by
+``runbook_pages.fix_sentence``) and the runbook link, so a reader knows in ten seconds what
+went wrong and what to change; "did the weights move" (update L2 and the scale-free ratio with
+the frozen floor, beside loss and grad_norm: what a loss-only view shows); the RL section only
+for an RL run, the preference section only when DPO's rewards were logged; per-module
+movement; the verdicts, root causes first, with every action; the checkpoint hash chain.
 """
 
 from __future__ import annotations
 
 import datetime
 import html
-import io
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from deadweight.sidecar import report_plots
+from deadweight.sidecar.alert_links import DEFAULT_RUNBOOK_URL_PATTERN, runbook_url
+from deadweight.sidecar.detectors import BY_ID
+from deadweight.sidecar.detectors.spec import root_causes_first
+from deadweight.sidecar.runbook_pages import fix_sentence
 from deadweight.sidecar.store import ActionRow, Store, StoredIncident, StoredRun
 
 if TYPE_CHECKING:
-    from matplotlib.axes import Axes
-
     from deadweight.sidecar.state import CheckpointPoint
-
-#: Keys of the RL panel, in the order they are drawn; a run that logged none gets no panel.
-RL_KEYS = ("reward_std", "frac_reward_zero_std", "kl", "entropy", "completions/mean_length",
-           "completions/clipped_ratio")
-#: Module kinds drawn in the per-module panel, largest movement first.
-MAX_MODULE_KINDS = 16
 
 
 class ReportUnavailable(RuntimeError):
@@ -65,143 +64,6 @@ def load(store: Store, run_id: str) -> RunRecord:
     )
 
 
-def _series(rows: Sequence[tuple[int, float, dict[str, float]]],
-            key: str) -> tuple[list[int], list[float]]:
-    xs, ys = [], []
-    for step, _, values in rows:
-        if key in values:
-            xs.append(step)
-            ys.append(values[key])
-    return xs, ys
-
-
-def _svg(figure: Any) -> str:
-    buffer = io.StringIO()
-    figure.savefig(buffer, format="svg", bbox_inches="tight")
-    import matplotlib.pyplot as plt
-
-    plt.close(figure)
-    text = buffer.getvalue()
-    return text[text.index("<svg"):]  # drop the XML prolog: the SVG sits inside HTML
-
-
-def _mark_verdicts(axes: Axes, incidents: Sequence[StoredIncident], label: bool) -> None:
-    for incident in incidents:
-        if incident.severity not in ("critical", "warning"):
-            continue
-        color = "#c62828" if incident.severity == "critical" else "#ef6c00"
-        axes.axvline(incident.step, color=color, linestyle="--", linewidth=1)
-        if label:
-            axes.annotate(incident.detector, (incident.step, 1.0),
-                          xycoords=("data", "axes fraction"), rotation=90, va="top",
-                          ha="right", fontsize=7, color=color)
-
-
-def _movement_plot(record: RunRecord, floor: float) -> str:
-    import matplotlib.pyplot as plt
-
-    figure, (moved, ratio, loss) = plt.subplots(1, 3, figsize=(13, 3.2))
-    xs, norms = _series(record.steps, "update_norm")
-    moved.plot(xs, norms, marker="o", markersize=3, color="#1565c0")
-    moved.set_title("update L2 per optimizer step", fontsize=10)
-    moved.set_xlabel("optimizer step", fontsize=8)
-    if norms and max(norms) == 0:
-        moved.text(0.5, 0.75, "0 on every step: nothing moved", transform=moved.transAxes,
-                   ha="center", color="#b71c1c", fontsize=10, fontweight="bold")
-    _mark_verdicts(moved, record.incidents, label=True)
-    rx, ratios = _series(record.steps, "update_ratio")
-    ratio.plot(rx, ratios, marker="s", markersize=3, color="#2e7d32", label="update / (lr·√n)")
-    ratio.axhline(floor, color="#c62828", linestyle=":", label=f"frozen floor {floor:g}")
-    ratio.set_title("scale-free update ratio", fontsize=10)
-    ratio.set_xlabel("optimizer step", fontsize=8)
-    ratio.legend(fontsize=7)
-    _mark_verdicts(ratio, record.incidents, label=False)
-    for key, color in (("loss", "#6a1b9a"), ("grad_norm", "#ef6c00")):
-        lx, ly = _series(record.logs, key)
-        if lx:
-            loss.plot(lx, ly, marker="o", markersize=3, color=color, label=key)
-    loss.set_xlabel("step", fontsize=8)
-    loss.set_title("what a loss-only view shows", fontsize=10)
-    loss.legend(fontsize=7)
-    return _svg(figure)
-
-
-def _rl_plot(record: RunRecord) -> str | None:
-    present = [k for k in RL_KEYS if _series(record.logs, k)[0]]
-    if not present:
-        return None
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(1, len(present), figsize=(2.9 * len(present), 2.6),
-                                squeeze=False)
-    for ax, key in zip(axes[0], present, strict=True):
-        xs, ys = _series(record.logs, key)
-        ax.plot(xs, ys, marker="o", markersize=3)
-        ax.set_title(key, fontsize=9)
-        ax.set_xlabel("step", fontsize=8)
-        _mark_verdicts(ax, record.incidents, label=False)
-    return _svg(figure)
-
-
-@dataclass(frozen=True)
-class ModuleMovement:
-    """How one module kind moved over the run."""
-
-    #: Update L2 summed over the run's steps.
-    update_norm: float
-    #: Fraction of its tensor-steps in which the whole tensor stayed byte-identical.
-    unchanged_tensors: float
-    #: Fraction of its element-steps that stayed identical (None: not measured, older data).
-    unchanged_elements: float | None
-
-
-_MODULE_FIELDS = ("update_norm", "unchanged", "tensors", "unchanged_elements", "elements")
-
-
-def module_movement(record: RunRecord) -> dict[str, ModuleMovement]:
-    """module kind -> how it moved, from the per-step history."""
-    sums: dict[str, dict[str, float]] = {}
-    for _, _, values in record.steps:
-        for key, value in values.items():
-            if not key.startswith("module/"):
-                continue
-            _, name, field = key.split("/", 2)
-            if field in _MODULE_FIELDS:
-                entry = sums.setdefault(name, dict.fromkeys(_MODULE_FIELDS, 0.0))
-                entry[field] += value
-    return {
-        name: ModuleMovement(
-            update_norm=entry["update_norm"],
-            unchanged_tensors=entry["unchanged"] / entry["tensors"] if entry["tensors"] else 0.0,
-            unchanged_elements=(entry["unchanged_elements"] / entry["elements"]
-                                if entry["elements"] else None),
-        )
-        for name, entry in sums.items()
-    }
-
-
-def _module_plot(record: RunRecord) -> str | None:
-    movement = module_movement(record)
-    if not movement:
-        return None
-    import matplotlib.pyplot as plt
-
-    ranked = sorted(movement.items(), key=lambda item: -item[1].update_norm)[:MAX_MODULE_KINDS]
-    names = [name for name, _ in ranked]
-    figure, (norm_ax, frozen_ax, element_ax) = plt.subplots(
-        1, 3, figsize=(14, 0.35 * len(names) + 1.2), sharey=True)
-    norm_ax.barh(names, [m.update_norm for _, m in ranked], color="#1565c0")
-    norm_ax.set_title("update L2 summed over the run, per module kind", fontsize=9)
-    norm_ax.invert_yaxis()
-    frozen_ax.barh(names, [m.unchanged_tensors for _, m in ranked], color="#c62828")
-    frozen_ax.set_xlim(0, 1)
-    frozen_ax.set_title("fraction of tensor-steps unchanged", fontsize=9)
-    element_ax.barh(names, [m.unchanged_elements or 0.0 for _, m in ranked], color="#ef6c00")
-    element_ax.set_xlim(0, 1)
-    element_ax.set_title("fraction of element-steps unchanged (precision loss)", fontsize=9)
-    return _svg(figure)
-
-
 def _when(at: float | None) -> str:
     if not at:
         return "—"
@@ -218,38 +80,146 @@ def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return f"<table><tr>{header}</tr>{cells}</table>"
 
 
-def headline(record: RunRecord) -> tuple[str, str]:
-    """(css class, sentence): the verdict a person reads first."""
-    critical = [i for i in record.incidents if i.severity == "critical"]
+
+_SEVERITY_RANK = {"critical": 0, "warning": 1, "info": 2}
+
+
+def ordered_verdicts(record: RunRecord) -> list[StoredIncident]:
+    """One incident per detector (its first), critical and warning ones only, root causes
+    first (``root_causes_first``), otherwise by severity and the step it fired at."""
+    first: dict[str, StoredIncident] = {}
+    for incident in sorted(record.incidents, key=lambda i: (i.fired_at, i.incident)):
+        if incident.severity in ("critical", "warning"):
+            first.setdefault(incident.detector, incident)
+    base = sorted(first.values(), key=lambda i: (_SEVERITY_RANK.get(i.severity, 3), i.step))
+    return [first[d] for d in root_causes_first([i.detector for i in base])]
+
+
+def verdict_state(incident: StoredIncident, run: StoredRun) -> str:
+    """firing / firing at end / resolved at TIME: "resolved" only when the condition cleared
+    while the run was live; a verdict closed by the run's end itself is "firing at end"."""
+    if incident.resolved_at is None or (run.ended and incident.resolved_at >= run.ended_at):
+        return "firing at end" if run.ended else "firing"
+    return f"resolved {_when(incident.resolved_at)}"
+
+
+@dataclass(frozen=True)
+class Headline:
+    """What a reader takes in first: the verdict, its root cause, the fix and where to read."""
+
+    css: str
+    title: str
+    root: StoredIncident | None
+    fix: str
+    runbook_url: str
+    others: list[StoredIncident]
+
+
+def headline(record: RunRecord, runbook_url_pattern: str = DEFAULT_RUNBOOK_URL_PATTERN
+             ) -> Headline:
+    verdicts = ordered_verdicts(record)
     stopped = [a for a in record.actions if a.action in ("stop", "sigterm", "sigkill")
                and a.result in ("sent", "delivered", "ok", "signalled")]
-    if critical:
-        names = ", ".join(sorted({i.detector for i in critical}))
-        first = min(critical, key=lambda i: i.step)
-        text = f"NOT LEARNING: {names} (first at step {first.step})"
+    if not verdicts:
+        norms = [values["update_norm"] for _, _, values in record.steps
+                 if "update_norm" in values]
+        moved = sum(1 for n in norms if n > 0)
+        return Headline("good", f"HEALTHY: the weights moved at {moved} of {len(norms)} "
+                        "optimizer steps; no critical or warning verdict", None, "", "", [])
+    root = verdicts[0]
+    if any(v.severity == "critical" for v in verdicts):
+        css, title = "bad", f"NOT LEARNING: root cause {root.detector} (step {root.step})"
         if stopped:
-            text += f"; run stopped by deadweight ({stopped[0].action} for {stopped[0].detector})"
-        return "bad", text
-    warnings = [i for i in record.incidents if i.severity == "warning"]
-    if warnings:
-        return "warn", "warnings: " + ", ".join(sorted({i.detector for i in warnings}))
-    return "good", "healthy: no critical or warning verdict"
+            title += f"; run stopped by deadweight ({stopped[0].action})"
+    else:
+        css, title = "warn", f"WARNING: {root.detector} (step {root.step})"
+    return Headline(css, title, root, fix_sentence(root.detector),
+                    runbook_url(runbook_url_pattern, root.detector), verdicts[1:])
+
+
+_CODE = re.compile(r"`([^`]+)`")
+
+
+def _inline(text: str) -> str:
+    """Escaped text with Markdown `code` spans as <code>."""
+    return _CODE.sub(r"<code>\1</code>", html.escape(text, quote=False))
+
+
+def _banner(top: Headline, run: StoredRun) -> str:
+    parts = [f"<section class='verdict {top.css}'>",
+             f"<p class=title>{html.escape(top.title)}</p>"]
+    root = top.root
+    if root is not None:
+        meaning = BY_ID[root.detector].spec.meaning if root.detector in BY_ID else ""
+        parts.append(f"<p class=root-cause><b>{html.escape(root.detector)}</b> "
+                     f"({html.escape(root.severity)}, {html.escape(verdict_state(root, run))})"
+                     f": {html.escape(meaning or root.summary)}</p>")
+        if meaning:
+            parts.append(f"<p class=evidence>Evidence: {html.escape(root.summary)}</p>")
+        if top.fix:
+            parts.append(f"<p class=fix><b>Fix:</b> {_inline(top.fix)}</p>")
+        url = html.escape(top.runbook_url)
+        parts.append(f"<p class=runbook><b>Runbook:</b> <a href=\"{url}\">{url}</a></p>")
+    if top.others:
+        listed = ", ".join(f"{html.escape(i.detector)} (step {i.step})" for i in top.others)
+        parts.append(f"<p class=others>Also fired, in cause order: {listed}</p>")
+    parts.append("</section>")
+    return "\n".join(parts)
+
+
+def _verdict_caption(verdicts: Sequence[StoredIncident]) -> str:
+    """The names of the dashed lines on the plots (kept off the axes, where they overlap)."""
+    if not verdicts:
+        return "<p class=caption>No verdict fired.</p>"
+    by_step: dict[int, list[str]] = {}
+    for i in sorted(verdicts, key=lambda i: i.step):
+        by_step.setdefault(i.step, []).append(i.detector)
+    marks = " · ".join(f"step {s}: {', '.join(names)}" for s, names in by_step.items())
+    return (f"<p class=caption>Dashed lines mark verdicts (<span class=crit>red</span> "
+            f"critical, <span class=warnc>orange</span> warning): {html.escape(marks)}</p>")
+
+
+def module_movement(record: RunRecord) -> dict[str, report_plots.ModuleMovement]:
+    """module kind -> how it moved, from the per-step history."""
+    return report_plots.module_movement(record.steps)
+
+
+def _module_note(movement: dict[str, report_plots.ModuleMovement]) -> str:
+    frozen = sorted(name for name, m in movement.items() if m.not_moving)
+    if frozen and len(frozen) == len(movement):
+        return ("<p class='caption crit'>Not moving: every module kind stayed byte-identical "
+                "at every optimizer step.</p>")
+    if frozen:
+        return (f"<p class='caption crit'>Not moving: {html.escape(', '.join(frozen))} stayed "
+                "byte-identical at every optimizer step; the others moved.</p>")
+    return "<p class=caption>Every module kind moved.</p>"
 
 
 STYLE = """
 body{font-family:system-ui,sans-serif;margin:24px;color:#212121;max-width:1200px}
 h1{font-size:20px;margin-bottom:4px} h2{font-size:16px;margin-top:28px}
-.verdict{padding:12px 16px;border-radius:6px;font-size:18px;font-weight:600}
+.verdict{padding:12px 18px;border-radius:6px;font-size:15px;line-height:1.45}
+.verdict p{margin:6px 0}.verdict .title{font-size:20px;font-weight:700}
+.verdict code{background:rgba(255,255,255,.7);padding:0 .25em;border-radius:3px}
 .bad{background:#ffebee;color:#b71c1c}.warn{background:#fff3e0;color:#e65100}
-.good{background:#e8f5e9;color:#1b5e20}
+.good{background:#e8f5e9;color:#1b5e20}.verdict .fix{font-size:17px;color:#212121}
+.verdict a{color:#0d47a1}.others,.evidence{color:#424242;font-size:13px}
+.caption{color:#616161;font-size:13px;margin:2px 0 8px}.crit{color:#c62828}
+.warnc{color:#ef6c00}
 table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ddd;padding:4px 8px;
-text-align:left;vertical-align:top}th{background:#f5f5f5}.quiet{color:#757575}
+text-align:left;vertical-align:top}th{background:#f5f5f5}td:nth-child(-n+6){white-space:nowrap}.quiet{color:#757575}
 .meta{color:#616161;font-size:13px}svg{max-width:100%;height:auto}
 """
 
 
-def render(record: RunRecord, frozen_ratio_floor: float = 0.01) -> str:
-    """The whole page as one HTML string (inline SVG and CSS, no script, no network)."""
+def render(record: RunRecord, frozen_ratio_floor: float = 0.01,
+           runbook_url_pattern: str = DEFAULT_RUNBOOK_URL_PATTERN) -> str:
+    """The whole page as one HTML string (inline SVG and CSS, no script, nothing fetched).
+
+    Top to bottom: the verdict with its root cause, fix and runbook link; did the weights
+    move; the RL or preference signals when the run logged them; per-module movement; the
+    verdicts, root causes first; the actions; the checkpoint hash chain.
+    """
     try:
         import matplotlib
 
@@ -258,31 +228,46 @@ def render(record: RunRecord, frozen_ratio_floor: float = 0.01) -> str:
         raise ReportUnavailable(
             "the report needs matplotlib: pip install 'deadweight[report]'") from err
     run = record.run
-    css, sentence = headline(record)
+    top = headline(record, runbook_url_pattern)
+    verdicts = ordered_verdicts(record)
     state = (f"ended ({run.end_reason}) at {_when(run.ended_at)}" if run.ended else "running")
     last_step = record.steps[-1][0] if record.steps else 0
     parts = [
-        "<!doctype html><html><head><meta charset=utf-8>",
+        "<!doctype html><html lang=en><head><meta charset=utf-8>",
         f"<title>deadweight report: {html.escape(run.run_id)}</title>",
         f"<style>{STYLE}</style></head><body>",
         f"<h1>deadweight report: {html.escape(run.run_id)}</h1>",
         f"<p class=meta>trainer {html.escape(run.trainer or '?')} · {html.escape(state)} · "
         f"{len(record.steps)} optimizer steps recorded (last {last_step}) · "
         f"{len(record.checkpoints)} checkpoints</p>",
-        f"<p class='verdict {css}'>{html.escape(sentence)}</p>",
-        "<h2>Did the weights move?</h2>", _movement_plot(record, frozen_ratio_floor),
+        _banner(top, run),
+        "<h2>Did the weights move?</h2>",
+        report_plots.movement(record.steps, record.logs, verdicts, frozen_ratio_floor),
+        _verdict_caption(verdicts),
     ]
-    rl = _rl_plot(record)
+    rl = report_plots.small_multiples(
+        record.logs, report_plots.rl_keys(record.logs, run.trainer), verdicts)
     if rl is not None:
-        parts += ["<h2>Reinforcement learning signals</h2>", rl]
-    modules = _module_plot(record)
+        parts += ["<h2 id=rl>Reinforcement learning signals</h2>", rl]
+    preference = report_plots.small_multiples(
+        record.logs, [k for k in report_plots.PREFERENCE_KEYS
+                      if report_plots.series(record.logs, k)[0]], verdicts)
+    if preference is not None:
+        parts += ["<h2 id=preference>Preference signals (DPO implicit rewards)</h2>", preference]
+    movement = module_movement(record)
+    modules = report_plots.modules(movement)
     if modules is not None:
-        parts += ["<h2>Per-module movement</h2>", modules]
+        parts += ["<h2>Per-module movement</h2>", _module_note(movement), modules]
+    shown = {i.detector for i in verdicts}
+    table_order = verdicts + sorted((i for i in record.incidents if i.detector not in shown),
+                                    key=lambda i: i.step)
+    rank = {i.detector: n for n, i in enumerate(table_order)}
+    every = sorted(record.incidents, key=lambda i: (rank.get(i.detector, len(rank)), i.incident))
     parts += [
-        "<h2>Verdicts</h2>",
-        _table(("detector", "severity", "policy", "step", "fired", "resolved", "summary"), [
+        "<h2>Verdicts (root causes first)</h2>",
+        _table(("detector", "severity", "policy", "step", "fired", "state", "summary"), [
             (i.detector, i.severity, i.policy, str(i.step), _when(i.fired_at),
-             _when(i.resolved_at), i.summary) for i in record.incidents]),
+             verdict_state(i, run), i.summary) for i in every]),
         "<h2>Actions</h2>",
         _table(("time", "detector", "action", "result", "rank", "pid"), [
             (_when(a.time), f"{a.detector}#{a.incident}", a.action + (" (dry run)" if a.dry_run

@@ -62,3 +62,39 @@ def page(path: str) -> bytes | None:
     """The HTML page for /runbooks/<path> (``<detector>`` or ``<detector>.md``), or None."""
     name = _name(path)
     return None if name is None else _render(name)
+
+
+_FIX_HEADING = "## How to fix"
+_LINK = re.compile(r"\[([^\]]+)\]\([^)]*\)")
+
+
+@functools.cache
+def fix_sentence(detector: str) -> str:
+    """The fix of one detector in one sentence: the first step of its runbook's "How to fix"
+    section (Markdown links reduced to their text, backticks kept).
+
+    The one source of the fix wording wherever a verdict is told (report, console, pages), so
+    it cannot drift from the runbook on-call reads. '' for a detector without a runbook.
+    """
+    if detector not in names() or detector == INDEX:
+        return ""
+    text = _COMMENT.sub("", (_folder() / f"{detector}.md").read_text(encoding="utf-8"))
+    _, found, section = text.partition(_FIX_HEADING + "\n")
+    if not found:
+        return ""
+    section = section.split("\n## ", 1)[0]
+    items: list[list[str]] = []
+    for line in section.splitlines():
+        stripped = line.strip()
+        if line.startswith("- "):
+            items.append([stripped[2:]])
+        elif items and stripped and line.startswith("  "):
+            items[-1].append(stripped)
+        elif items and not stripped:
+            continue
+        elif items:
+            break
+    first = " ".join(items[0]) if items else " ".join(
+        section.strip().split("\n\n", 1)[0].split())
+    sentence = _LINK.sub(r"\1", first).strip()
+    return sentence if sentence.endswith(".") else sentence + "."

@@ -8,6 +8,7 @@ README's detector table, and the annotations of the pages the sidecar pushes its
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -96,3 +97,59 @@ class DetectorSpec:
 #: Root causes of "nothing learns": while one fires for a run, its symptoms (zero reward
 #: spread, unchanged checkpoints, ...) would only page twice for the same fault.
 ROOT_CAUSES = ("frozen_weights", "empty_optimizer")
+
+#: cause -> the verdicts it brings about in the same run. Wherever verdicts are listed, a
+#: cause comes before its symptoms (``root_causes_first``), so a reader meets the fault first
+#: and its consequences after. Kept acyclic (a test checks it); ids absent here keep their
+#: place among themselves.
+CAUSE_SYMPTOMS: dict[str, tuple[str, ...]] = {
+    "empty_optimizer": ("grad_not_in_optimizer", "frozen_weights", "zero_gradient",
+                        "decay_only_update", "kl_stuck_zero", "checkpoint_unchanged",
+                        "adapter_never_trained"),
+    "inactive_adapter": ("grad_not_in_optimizer", "frozen_weights", "checkpoint_unchanged",
+                         "adapter_never_trained"),
+    "lora_lr_too_low": ("frozen_weights", "checkpoint_unchanged", "adapter_never_trained"),
+    "zero_reward_variance": ("zero_gradient", "decay_only_update", "frozen_weights",
+                             "kl_stuck_zero", "checkpoint_unchanged", "adapter_never_trained"),
+    "zero_gradient": ("decay_only_update", "checkpoint_unchanged", "adapter_never_trained"),
+    "grad_not_in_optimizer": ("frozen_weights", "kl_stuck_zero", "checkpoint_unchanged",
+                              "adapter_never_trained"),
+    "frozen_weights": ("kl_stuck_zero", "checkpoint_unchanged", "adapter_never_trained"),
+    "no_kl_anchor": ("entropy_collapse", "completion_length_collapse"),
+    "embedding_resized": ("adapter_bloat",),
+    "stop_token_untrained": ("completions_truncated",),
+}
+
+
+def _causes_of() -> dict[str, frozenset[str]]:
+    """symptom -> every cause upstream of it (the table's transitive closure)."""
+    upstream: dict[str, set[str]] = {}
+    for cause, symptoms in CAUSE_SYMPTOMS.items():
+        for symptom in symptoms:
+            upstream.setdefault(symptom, set()).add(cause)
+    changed = True
+    while changed:
+        changed = False
+        for causes in upstream.values():
+            wider = set().union(*(upstream.get(c, set()) for c in causes)) - causes
+            if wider:
+                causes |= wider
+                changed = True
+    return {symptom: frozenset(causes) for symptom, causes in upstream.items()}
+
+
+_UPSTREAM = _causes_of()
+
+
+def root_causes_first(detector_ids: Sequence[str]) -> list[str]:
+    """The ids reordered so that every cause precedes its symptoms (``CAUSE_SYMPTOMS``);
+    otherwise the given order is kept, and each id appears once."""
+    remaining = list(dict.fromkeys(detector_ids))
+    ordered: list[str] = []
+    while remaining:
+        left = set(remaining)
+        pick = next((d for d in remaining if not _UPSTREAM.get(d, frozenset()) & left),
+                    remaining[0])  # a cycle cannot happen with an acyclic table
+        ordered.append(pick)
+        remaining.remove(pick)
+    return ordered

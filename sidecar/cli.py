@@ -1,4 +1,4 @@
-"""The sidecar's commands: serve, status, inspect.
+"""The sidecar's commands: serve, status, inspect, report, runs.
 
 ``deadweight demo`` is added by the top-level entry point (``deadweight.cli``): the sidecar
 never imports the demo, so an install without it (the sidecar image) still has every command
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deadweight import __version__
-from deadweight.sidecar import alert_links
+from deadweight.sidecar import alert_links, cli_runs
 from deadweight.sidecar.detectors import BY_ID
 from deadweight.sidecar.detectors.base import Policy
 
@@ -189,7 +189,12 @@ def _status(args: argparse.Namespace) -> int:
         print(f"deadweight: cannot reach the sidecar at {args.address}: {err.code().name}",
               file=sys.stderr)
         return 2
-    print(status.render(response))
+    if args.json:
+        from deadweight.sidecar import status_json
+
+        print(status_json.dumps(response))
+    else:
+        print(status.render(response))
     return 0
 
 
@@ -355,7 +360,11 @@ def build_parser(*more_commands: Callable[[Commands], None]) -> argparse.Argumen
                             help="bearer token (a TCP sidecar requires one)")
     status_cmd.add_argument("--tls-ca", default=None, metavar="FILE",
                             help="PEM CA that signed a TCP sidecar's certificate")
+    status_cmd.add_argument("--json", action="store_true",
+                            help="one JSON document with stable keys (schema "
+                            "deadweight.status/v1, listed in the README)")
     status_cmd.set_defaults(func=_status)
+    cli_runs.add_runs(commands, f"unix://{DEFAULT_SOCKET}")
 
     inspect = commands.add_parser(
         "inspect", help="audit checkpoint folders or adapter files offline (exit 1 on findings)")

@@ -22,10 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from deadweight.sidecar import report_plots
+from deadweight.sidecar import report_plots, verdict_order
 from deadweight.sidecar.alert_links import DEFAULT_RUNBOOK_URL_PATTERN, runbook_url
 from deadweight.sidecar.detectors import BY_ID
-from deadweight.sidecar.detectors.spec import root_causes_first
 from deadweight.sidecar.runbook_pages import fix_sentence
 from deadweight.sidecar.store import ActionRow, Store, StoredIncident, StoredRun
 
@@ -81,26 +80,15 @@ def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 
-_SEVERITY_RANK = {"critical": 0, "warning": 1, "info": 2}
-
-
 def ordered_verdicts(record: RunRecord) -> list[StoredIncident]:
-    """One incident per detector (its first), critical and warning ones only, root causes
-    first (``root_causes_first``), otherwise by severity and the step it fired at."""
-    first: dict[str, StoredIncident] = {}
-    for incident in sorted(record.incidents, key=lambda i: (i.fired_at, i.incident)):
-        if incident.severity in ("critical", "warning"):
-            first.setdefault(incident.detector, incident)
-    base = sorted(first.values(), key=lambda i: (_SEVERITY_RANK.get(i.severity, 3), i.step))
-    return [first[d] for d in root_causes_first([i.detector for i in base])]
+    """One incident per detector, critical and warning ones, root causes first."""
+    return verdict_order.first_per_detector(record.incidents)
 
 
 def verdict_state(incident: StoredIncident, run: StoredRun) -> str:
-    """firing / firing at end / resolved at TIME: "resolved" only when the condition cleared
-    while the run was live; a verdict closed by the run's end itself is "firing at end"."""
-    if incident.resolved_at is None or (run.ended and incident.resolved_at >= run.ended_at):
-        return "firing at end" if run.ended else "firing"
-    return f"resolved {_when(incident.resolved_at)}"
+    """firing / firing at end / resolved at TIME (``verdict_order.state``)."""
+    said = verdict_order.state(incident, run)
+    return f"{said} {_when(incident.resolved_at)}" if said == verdict_order.RESOLVED else said
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,12 @@ MAX_MODULE_KINDS = 16
 CRITICAL_COLOR, WARNING_COLOR = "#c62828", "#ef6c00"
 
 
+def _formatter() -> Any:
+    from matplotlib.ticker import FuncFormatter
+
+    return FuncFormatter(_scientific)
+
+
 def series(rows: Rows, key: str) -> tuple[list[int], list[float]]:
     xs, ys = [], []
     for step, _, values in rows:
@@ -80,7 +86,8 @@ def _from_zero(axes: Axes, values: Sequence[float], empty_note: str,
     top = max((v for v in values if v == v), default=0.0)  # NaN left out
     if top > 0:
         axes.set_ylim(0, top * 1.15)
-        axes.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4))
+        if top < 1e-2:  # each tick says its own scale (an offset label above is missed)
+            axes.yaxis.set_major_formatter(_formatter())
     else:
         axes.set_ylim(0, 1)
         axes.set_yticks([0])
@@ -88,6 +95,10 @@ def _from_zero(axes: Axes, values: Sequence[float], empty_note: str,
             axes.text(0.5, 0.55, empty_note, transform=axes.transAxes, ha="center",
                       color="#b71c1c" if alarming else "#616161", fontsize=10,
                       fontweight="bold" if alarming else "normal")
+
+
+def _scientific(value: float, _: int) -> str:
+    return "0" if value == 0 else f"{value:.1e}"
 
 
 def mark_verdicts(axes: Axes, incidents: Sequence[StoredIncident]) -> None:
@@ -115,13 +126,26 @@ def movement(steps: Rows, logs: Rows, incidents: Sequence[StoredIncident],
     ratio.set_ylim(0, top * 1.15)
     ratio.legend(fontsize=7, loc="upper right")
     mark_verdicts(ratio, incidents)
-    for key, color in (("loss", "#6a1b9a"), ("grad_norm", "#ef6c00")):
-        lx, ly = series(logs, key)
-        if lx:
-            loss.plot(lx, ly, marker="o", markersize=3, color=color, label=key)
     _style(loss, "what a loss-only view shows", "step")
-    if loss.get_legend_handles_labels()[0]:
-        loss.legend(fontsize=7, loc="best")
+    # loss and grad_norm on their own axes (left and right): on one, a loss of 5 flattens a
+    # grad_norm of 0.4 and neither shows that it moves.
+    lines = []
+    lx, ly = series(logs, "loss")
+    if lx:
+        lines += loss.plot(lx, ly, marker="o", markersize=3, color="#6a1b9a")
+        loss.set_ylabel("loss", fontsize=8, color="#6a1b9a")
+    gx, gy = series(logs, "grad_norm")
+    if gx:
+        grad = loss.twinx()
+        lines += grad.plot(gx, gy, marker="s", markersize=3, color="#ef6c00")
+        grad.set_ylabel("grad_norm", fontsize=8, color="#ef6c00")
+        grad.tick_params(labelsize=8)
+        grad.locator_params(axis="y", nbins=5)
+        top = max((g for g in gy if g == g), default=0.0)
+        grad.set_ylim(0, top * 1.15 if top > 0 else 1)  # a norm: never below 0
+    if len(lines) == 2:  # the axis labels, in the lines' colours, say which is which
+        loss.set_title("what a loss-only view shows:\nloss (left axis), grad_norm (right)",
+                       fontsize=10)
     return _svg(figure)
 
 

@@ -167,4 +167,15 @@ def test_report_pages_for_frozen_and_healthy_runs(tiny: tuple[Path, Path],
     if os.environ.get("DEADWEIGHT_WRITE_DOCS") == "1":
         IMAGES.mkdir(exist_ok=True)
         for name, run_id in DOC_SHOTS.items():
-            shutil.copy(shots[run_id], IMAGES / name)
+            _trimmed(shots[run_id], IMAGES / name)
+
+
+def _trimmed(png: Path, out: Path, margin: int = 24) -> None:
+    """The screenshot without the blank window below the page's end (for the README)."""
+    from PIL import Image, ImageChops
+
+    with Image.open(png) as image:
+        rgb = image.convert("RGB")
+        box = ImageChops.difference(rgb, Image.new("RGB", rgb.size, "white")).getbbox()
+        bottom = rgb.height if box is None else min(rgb.height, box[3] + margin)
+        rgb.crop((0, 0, rgb.width, bottom)).save(out, optimize=True)

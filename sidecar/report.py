@@ -52,7 +52,8 @@ def load(store: Store, run_id: str) -> RunRecord:
     run = store.run(run_id)
     if run is None:
         known = ", ".join(r.run_id for r in store.runs()[-10:]) or "none"
-        raise ReportUnavailable(f"no run {run_id!r} in the state database (recent: {known})")
+        raise ReportUnavailable(f"no run {run_id!r} in the state database (recent: {known}; "
+                                "every run: deadweight runs --state-dir DIR)")
     return RunRecord(
         run=run,
         steps=store.history(run_id, "step"),

@@ -43,3 +43,20 @@ def test_root_causes_first() -> None:
                               "stalled"]) == ["stalled", "zero_reward_variance", "kl_stuck_zero"]
     assert root_causes_first([]) == []
     assert root_causes_first(["nonfinite_loss", "stalled"]) == ["nonfinite_loss", "stalled"]
+
+
+def test_a_verdict_closed_by_the_run_end_reads_firing_at_end() -> None:
+    from deadweight.sidecar import verdict_order
+    from deadweight.sidecar.store import StoredIncident, StoredRun
+
+    def incident(resolved_at: float | None) -> StoredIncident:
+        return StoredIncident("r", "frozen_weights", 1, "critical", "page", 3, "s", {}, 100.0,
+                              resolved_at, "none")
+
+    live = StoredRun("r", "SFTTrainer", None, 90.0, False, "", 0.0)
+    ended = StoredRun("r", "SFTTrainer", None, 90.0, True, "completed", 200.0)
+    assert verdict_order.state(incident(None), live) == "firing"
+    assert verdict_order.state(incident(150.0), live) == "resolved"
+    assert verdict_order.state(incident(150.0), ended) == "resolved"  # cleared while live
+    assert verdict_order.state(incident(200.0), ended) == "firing at end"  # closed by the end
+    assert verdict_order.state(incident(None), ended) == "firing at end"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from deadweight.proto import monitor_stub, pb
 from deadweight.proto.transport import bearer_metadata, grpc_target, open_channel
+from deadweight.sidecar.detectors.spec import root_causes_first
 
 #: Largest Status answer the sidecar sends and ``deadweight status`` accepts.
 STATUS_MAX_BYTES = 16 * 1024 * 1024
@@ -96,7 +97,9 @@ def render(status: pb.StatusResponse) -> str:
         return "no runs"
     lines = [f"{'RUN':<32} {'TRAINER':<14} {'RANKS':<6} {'STEP':>6} {'SEEN':>7}  STATE"]
     for run in sorted(status.runs, key=lambda r: r.run_id):
-        firing = [f for f in run.findings if f.firing]
+        by_id = {f.detector: f for f in run.findings}
+        findings = [by_id[d] for d in root_causes_first(list(by_id))]  # causes lead
+        firing = [f for f in findings if f.firing]
         state = run_state(run)
         if firing:
             state += "; FIRING " + ",".join(f.detector for f in firing)
@@ -106,7 +109,7 @@ def render(status: pb.StatusResponse) -> str:
         )
         if run.wrapper:
             lines.append(f"  wrapper {run.wrapper}" + (", sharded" if run.sharded else ""))
-        for f in run.findings:
+        for f in findings:
             mark = "FIRING  " if f.firing else "resolved"
             lines.append(f"  {mark} {f.detector} [{f.severity}, policy {f.policy}] "
                          f"fired at step {f.step}: {f.summary}")

@@ -74,6 +74,11 @@ def test_runs_and_status_json_live_and_from_a_copied_state_db(tiny: tuple[Path, 
         assert frozen[0] == "empty_optimizer" and "frozen_weights" in frozen
         assert frozen.index("frozen_weights") < frozen.index("checkpoint_unchanged")
         assert not _detectors(runs[HEALTHY]["findings"])
+        # The text form lists them in the same order: the cause first.
+        text = _deadweight("status", "--address", sc.address)
+        assert text.returncode == 0, text.stderr
+        assert (text.stdout.index(" empty_optimizer [") < text.stdout.index(" frozen_weights [")
+                < text.stdout.index(" checkpoint_unchanged ["))
 
         live = _json("runs", "--address", sc.address, "--json")
         assert live["schema"] == runs_listing.SCHEMA and live["source"] == "sidecar"

@@ -1,6 +1,6 @@
 """``deadweight report``: frozen and healthy runs' pages, rendered by a real browser.
 
-The runs are real GRPO and SFT trainings watched by a real sidecar with a state dir; the
+The runs are real GRPO, SFT and DPO trainings watched by a real sidecar with a state dir; the
 sidecar is gone before the reports are made (they read the state database only). Headless
 Chromium renders each page to PNG, and the picture must hold a drawing, not a blank page. The
 page's top must tell, in this order, the root cause, its fix and the runbook link (one that
@@ -30,7 +30,8 @@ CHROMIUM_FLAGS = (
 )
 #: The runs of the test: (run id, trainer, adapter loaded trainable).
 RUNS = (("grpo-frozen", "grpo", False), ("grpo-healthy", "grpo", True),
-        ("sft-frozen", "sft", False), ("sft-healthy", "sft", True))
+        ("sft-frozen", "sft", False), ("sft-healthy", "sft", True),
+        ("dpo-healthy", "dpo", True))
 #: The screenshots the README shows: file name under docs/images -> run id.
 DOC_SHOTS = {"report-frozen.png": "grpo-frozen", "report-healthy.png": "sft-healthy"}
 
@@ -48,6 +49,8 @@ def _train(tiny: tuple[Path, Path], sidecar: SidecarProcess, run_id: str, out: P
         # one does (otherwise completions_truncated is right to warn).
         runs.grpo_trainer(model, model_dir, out, [callback], steps=8, save_steps=4,
                           **runs.terminating(model_dir)).train()
+    elif trainer == "dpo":
+        runs.dpo_trainer(model, model_dir, out, [callback], steps=8, save_steps=4).train()
     else:
         runs.sft_trainer(model, model_dir, out, [callback], steps=8, save_steps=4).train()
 
@@ -133,7 +136,7 @@ def test_report_pages_for_frozen_and_healthy_runs(tiny: tuple[Path, Path],
         assert "Not moving: every module kind stayed byte-identical" in pages[run_id]
         assert "precision" not in pages[run_id]
         assert "0 at every step: not moving" in pages[run_id]
-    for run_id in ("grpo-healthy", "sft-healthy"):
+    for run_id in ("grpo-healthy", "sft-healthy", "dpo-healthy"):
         top = _top(pages[run_id])
         assert "HEALTHY: the weights moved at 8 of 8 optimizer steps" in top
         assert "class=fix" not in top and "identical bytes" not in pages[run_id]
@@ -142,6 +145,9 @@ def test_report_pages_for_frozen_and_healthy_runs(tiny: tuple[Path, Path],
     assert "id=rl>" in pages["grpo-frozen"] and "id=rl>" in pages["grpo-healthy"]
     assert "id=rl>" not in pages["sft-frozen"] and "id=rl>" not in pages["sft-healthy"]
     assert "Reinforcement learning" not in pages["sft-healthy"]
+    # DPO's implicit rewards get their own section, and only DPO gets it.
+    assert "id=preference>" in pages["dpo-healthy"] and "id=rl>" not in pages["dpo-healthy"]
+    assert not any("id=preference>" in pages[r] for r, _, _ in RUNS if r != "dpo-healthy")
 
     # The per-module figures: the frozen adapter never moved, element for element; the
     # healthy one moved everywhere (GRPO's frozen "ref" copy of the adapter is not counted).

@@ -80,7 +80,6 @@ def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return f"<table><tr>{header}</tr>{cells}</table>"
 
 
-
 def ordered_verdicts(record: RunRecord) -> list[StoredIncident]:
     """One incident per detector, critical and warning ones, root causes first."""
     return verdict_order.first_per_detector(record.incidents)
@@ -113,13 +112,17 @@ def headline(record: RunRecord, runbook_url_pattern: str = DEFAULT_RUNBOOK_URL_P
         norms = [values["update_norm"] for _, _, values in record.steps
                  if "update_norm" in values]
         moved = sum(1 for n in norms if n > 0)
+        if not norms:  # unjudged is not healthy
+            return Headline("warn", "NO OPTIMIZER STEP RECORDED: nothing to judge the weights "
+                            "by; no verdict fired", None, "", "", [])
         return Headline("good", f"HEALTHY: the weights moved at {moved} of {len(norms)} "
                         "optimizer steps; no critical or warning verdict", None, "", "", [])
     root = verdicts[0]
     if any(v.severity == "critical" for v in verdicts):
         css, title = "bad", f"NOT LEARNING: root cause {root.detector} (step {root.step})"
         if stopped:
-            title += f"; run stopped by deadweight ({stopped[0].action})"
+            title += (f"; deadweight stopped the run ({stopped[0].action} for "
+                      f"{stopped[0].detector})")
     else:
         css, title = "warn", f"WARNING: {root.detector} (step {root.step})"
     return Headline(css, title, root, fix_sentence(root.detector),

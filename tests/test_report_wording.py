@@ -60,3 +60,17 @@ def test_a_verdict_closed_by_the_run_end_reads_firing_at_end() -> None:
     assert verdict_order.state(incident(150.0), ended) == "resolved"  # cleared while live
     assert verdict_order.state(incident(200.0), ended) == "firing at end"  # closed by the end
     assert verdict_order.state(incident(None), ended) == "firing at end"
+
+
+def test_a_run_without_a_step_is_not_called_healthy() -> None:
+    from deadweight.sidecar import report
+    from deadweight.sidecar.store import StoredRun
+
+    run = StoredRun("r", "SFTTrainer", None, 90.0, True, "completed", 95.0)
+    empty = report.RunRecord(run=run, steps=[], logs=[], incidents=[], actions=[],
+                             checkpoints=[])
+    top = report.headline(empty)
+    assert top.css == "warn" and "NO OPTIMIZER STEP RECORDED" in top.title
+    moved = report.RunRecord(run=run, steps=[(1, 91.0, {"update_norm": 1e-3})], logs=[],
+                             incidents=[], actions=[], checkpoints=[])
+    assert report.headline(moved).title.startswith("HEALTHY: the weights moved at 1 of 1")

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from deadweight.sidecar import report_plots, verdict_order
+from deadweight.sidecar import report_plots, runbook_pages, verdict_order
 from deadweight.sidecar.alert_links import DEFAULT_RUNBOOK_URL_PATTERN, runbook_url
 from deadweight.sidecar.detectors import BY_ID
 from deadweight.sidecar.runbook_pages import fix_sentence
@@ -151,7 +151,8 @@ def _banner(top: Headline, run: StoredRun) -> str:
         if top.fix:
             parts.append(f"<p class=fix><b>Fix:</b> {_inline(top.fix)}</p>")
         url = html.escape(top.runbook_url)
-        parts.append(f"<p class=runbook><b>Runbook:</b> <a href=\"{url}\">{url}</a></p>")
+        parts.append(f"<p class=runbook><b>Runbook:</b> <a href=\"{url}\">{url}</a> "
+                     "(also <a href=\"#runbook\">at the end of this page</a>)</p>")
     if top.others:
         listed = ", ".join(f"{html.escape(i.detector)} (step {i.step})" for i in top.others)
         parts.append(f"<p class=others>Also fired, in cause order: {listed}</p>")
@@ -201,6 +202,8 @@ h1{font-size:20px;margin-bottom:4px} h2{font-size:16px;margin-top:28px}
 table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ddd;padding:4px 8px;
 text-align:left;vertical-align:top}th{background:#f5f5f5}td:nth-child(-n+6){white-space:nowrap}.quiet{color:#757575}
 .meta{color:#616161;font-size:13px}svg{max-width:100%;height:auto}
+.runbook-text{font-size:14px;line-height:1.5;max-width:52rem}.runbook-text h1{font-size:16px}
+.runbook-text h2{font-size:14px}.runbook-text code{background:#f3f3f3;padding:0 .2em}
 """
 
 
@@ -268,9 +271,23 @@ def render(record: RunRecord, frozen_ratio_floor: float = 0.01,
             for a in record.actions]),
         "<h2>Checkpoint hash chain</h2>",
         _table(("step", "path", "adapter digest", "bytes", "same as"), _chain(record)),
-        "</body></html>",
     ]
+    if top.root is not None:
+        parts += [f"<h2 id=runbook>Runbook of the root cause: {html.escape(top.root.detector)}"
+                  "</h2>", _embedded_runbook(top.root.detector, runbook_url_pattern)]
+    parts.append("</body></html>")
     return "\n".join(parts)
+
+
+_RUNBOOK_LINK = re.compile(r'href="([a-z0-9_]+)\.md"')
+
+
+def _embedded_runbook(detector: str, pattern: str) -> str:
+    """The root cause's runbook inside the page (the page is read where no link may open);
+    its links to sibling runbooks point where the runbook link does."""
+    fragment = runbook_pages.body(detector)
+    return "<div class=runbook-text>" + _RUNBOOK_LINK.sub(
+        lambda m: f'href="{html.escape(runbook_url(pattern, m.group(1)))}"', fragment) + "</div>"
 
 
 def _chain(record: RunRecord) -> list[tuple[str, str, str, str, str]]:

@@ -46,15 +46,27 @@ def _name(path: str) -> str | None:
     return match.group(1)
 
 
+def _markdown(name: str) -> str:
+    return _COMMENT.sub("", (_folder() / f"{name}.md").read_text(encoding="utf-8"))
+
+
+def body(name: str) -> str:
+    """One shipped runbook as an HTML fragment (raw HTML in it stays off), '' if unknown.
+
+    The report embeds it, so the runbook reads where no link opens."""
+    if name not in names():
+        return ""
+    return str(MarkdownIt("commonmark", {"html": False}).enable("table").render(_markdown(name)))
+
+
 @functools.cache
 def _render(name: str) -> bytes:
-    text = _COMMENT.sub("", (_folder() / f"{name}.md").read_text(encoding="utf-8"))
+    text = _markdown(name)
     heading = next((line[2:] for line in text.splitlines() if line.startswith("# ")), name)
-    renderer = MarkdownIt("commonmark", {"html": False}).enable("table")
     return (
         "<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
         f"<title>{html.escape(heading)}</title><style>{_STYLE}</style></head>\n<body>\n"
-        f"{renderer.render(text)}</body></html>\n"
+        f"{body(name)}</body></html>\n"
     ).encode()
 
 
@@ -78,8 +90,7 @@ def fix_sentence(detector: str) -> str:
     """
     if detector not in names() or detector == INDEX:
         return ""
-    text = _COMMENT.sub("", (_folder() / f"{detector}.md").read_text(encoding="utf-8"))
-    _, found, section = text.partition(_FIX_HEADING + "\n")
+    _, found, section = _markdown(detector).partition(_FIX_HEADING + "\n")
     if not found:
         return ""
     section = section.split("\n## ", 1)[0]

@@ -120,6 +120,10 @@ def test_report_pages_for_frozen_and_healthy_runs(tiny: tuple[Path, Path],
             f'<p class=runbook><b>Runbook:</b> <a href="{link}">')
         assert cause < fix < runbook
         assert "is_trainable=True" in top[fix:runbook]
+        # The runbook itself is in the page too, for where the link does not open.
+        assert '<a href="#runbook">' in top[runbook:]
+        embedded = pages[run_id][pages[run_id].index("<h2 id=runbook>"):]
+        assert "empty_optimizer" in embedded and "<h2>How to fix</h2>" in embedded
         # The symptoms come after their cause, in the banner and in the verdict table.
         _, frozen, unchanged = _positions(top[runbook:], "<p class=others>", "frozen_weights",
                                           "checkpoint_unchanged")
@@ -141,6 +145,7 @@ def test_report_pages_for_frozen_and_healthy_runs(tiny: tuple[Path, Path],
         assert "HEALTHY: the weights moved at 8 of 8 optimizer steps" in top
         assert "class=fix" not in top and "identical bytes" not in pages[run_id]
         assert "Every module kind moved" in pages[run_id]
+        assert "id=runbook>" not in pages[run_id]
     # Sections only for the signals a run has: RL for GRPO, none for SFT.
     assert "id=rl>" in pages["grpo-frozen"] and "id=rl>" in pages["grpo-healthy"]
     assert "id=rl>" not in pages["sft-frozen"] and "id=rl>" not in pages["sft-healthy"]

@@ -73,7 +73,7 @@ def fetch_signed(address: str, run_id: str, token: str | None, tls_root: bytes |
         adapter=pb.AdapterDigest(combined=adapter.combined, tensors=adapter.tensors,
                                  bytes=adapter.bytes))
     try:
-        signed: pb.SignedSummary = _call(address, token, tls_root, timeout, "SignSummary",
+        signed: pb.SignSummaryResponse = _call(address, token, tls_root, timeout, "SignSummary",
                                          request)
     except grpc.RpcError as err:
         return None, None, _why(err, "for the signed summary")

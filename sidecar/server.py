@@ -140,7 +140,7 @@ class MonitorServicer(pb_grpc.MonitorServiceServicer):  # type: ignore[misc]
 
     async def SignSummary(
         self, request: pb.SignSummaryRequest, context: grpc.aio.ServicerContext
-    ) -> pb.SignedSummary:
+    ) -> pb.SignSummaryResponse:
         await self._authorize(context)
         signer = self.signer
         if signer is None:

@@ -100,7 +100,7 @@ def _asker(registry: Registry, request: pb.SignSummaryRequest) -> ProcessIdentit
 
 
 def signed_summary(registry: Registry, signer: SummarySigner, request: pb.SignSummaryRequest,
-                   from_unix: bool, now: float | None = None) -> pb.SignedSummary:
+                   from_unix: bool, now: float | None = None) -> pb.SignSummaryResponse:
     """The signed summary for the run's own process; raises SummaryRefused otherwise."""
     _check(request, from_unix)
     identity = _asker(registry, request)
@@ -122,4 +122,4 @@ def signed_summary(registry: Registry, signer: SummarySigner, request: pb.SignSu
                for a in registry.store.actions(run_id=request.run_id)[-MAX_ACTIONS:]]
     body = run_summary.canonical(compose(run, findings, actions, request.adapter,
                                          time.time() if now is None else now))
-    return pb.SignedSummary(body=body, signature=signer.sign(body), key_id=signer.key_id)
+    return pb.SignSummaryResponse(body=body, signature=signer.sign(body), key_id=signer.key_id)

@@ -464,7 +464,7 @@ class SignSummaryRequest(_message.Message):
     step: int
     def __init__(self, run_id: _Optional[str] = ..., attestation: _Optional[str] = ..., adapter: _Optional[_Union[AdapterDigest, _Mapping]] = ..., step: _Optional[int] = ...) -> None: ...
 
-class SignedSummary(_message.Message):
+class SignSummaryResponse(_message.Message):
     __slots__ = ("body", "signature", "key_id")
     BODY_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]

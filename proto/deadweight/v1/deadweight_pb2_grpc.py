@@ -48,7 +48,7 @@ class MonitorServiceStub:
         self.SignSummary = channel.unary_unary(
                 '/deadweight.v1.MonitorService/SignSummary',
                 request_serializer=deadweight_dot_v1_dot_deadweight__pb2.SignSummaryRequest.SerializeToString,
-                response_deserializer=deadweight_dot_v1_dot_deadweight__pb2.SignedSummary.FromString,
+                response_deserializer=deadweight_dot_v1_dot_deadweight__pb2.SignSummaryResponse.FromString,
                 _registered_method=True)
 
 
@@ -95,7 +95,7 @@ def add_MonitorServiceServicer_to_server(servicer, server):
             'SignSummary': grpc.unary_unary_rpc_method_handler(
                     servicer.SignSummary,
                     request_deserializer=deadweight_dot_v1_dot_deadweight__pb2.SignSummaryRequest.FromString,
-                    response_serializer=deadweight_dot_v1_dot_deadweight__pb2.SignedSummary.SerializeToString,
+                    response_serializer=deadweight_dot_v1_dot_deadweight__pb2.SignSummaryResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -179,7 +179,7 @@ class MonitorService:
             target,
             '/deadweight.v1.MonitorService/SignSummary',
             deadweight_dot_v1_dot_deadweight__pb2.SignSummaryRequest.SerializeToString,
-            deadweight_dot_v1_dot_deadweight__pb2.SignedSummary.FromString,
+            deadweight_dot_v1_dot_deadweight__pb2.SignSummaryResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -105,8 +105,9 @@ class Sidecar:
             self.watcher = CheckpointWatcher(registry, config.checkpoint_settle_seconds,
                                              roots=config.watch_roots)
             if not config.watch_roots:
-                log.warning("checkpoint_paths_refused", reason="no --watch-root given: no "
-                            "client-named checkpoint folder is read")
+                log.info("checkpoint_paths_owned", note="no --watch-root given: a run's "
+                         "checkpoints are read when their folder and files belong to the "
+                         "run's attested uid")
         self.attestation: AttestationServer | None = None
         if config.socket_path and registry.attestor is not None:
             self.attestation = AttestationServer(attest_path(config.socket_path),

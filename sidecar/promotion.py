@@ -18,6 +18,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from deadweight.proto import run_summary
 from deadweight.sidecar.checkpoint_inspector import CheckpointInspection
+from deadweight.sidecar.detectors import BY_ID
 from deadweight.sidecar.detectors.base import Verdict
 from deadweight.sidecar.summary_signing import verifies
 from deadweight.sidecar.verdict_order import root_causes_first
@@ -132,6 +133,11 @@ def _stopped(summary: run_summary.RunSummary) -> list[Finding]:
             "run_id": summary.run_id, "end_reason": summary.end_reason or "n/a"}))]
 
 
+def _runbook(detector: str) -> str:
+    known = BY_ID.get(detector)
+    return f"alerts/runbooks/{known.spec.runbook}" if known is not None else "n/a"
+
+
 def _verdicts(summary: run_summary.RunSummary) -> list[Finding]:
     found: list[Finding] = []
     ordered = root_causes_first(summary.verdicts, lambda v: (v.detector, v.severity, v.step))
@@ -143,7 +149,7 @@ def _verdicts(summary: run_summary.RunSummary) -> list[Finding]:
             summary=(f"{verdict.detector} ({state}, {verdict.severity}, step {verdict.step}): "
                      f"{verdict.summary}"),
             evidence={"run_id": summary.run_id, "detector": verdict.detector,
-                      "state": state})))
+                      "state": state, "runbook": _runbook(verdict.detector)})))
     return found
 
 
@@ -169,10 +175,17 @@ def check(inspection: CheckpointInspection, summary_path: Path | None,
     if read.signature is not None and not options.trusted:
         notes.append(f"summary signed by key {read.signature.key_id}; signature not checked "
                      "(no --trust-key)")
-    if not summary.ended:
+    signature = _signature(read, options)
+    if read.signature is not None and read.signature.key_id in options.trusted and not signature:
+        notes.append(f"summary of run {summary.run_id}: signature verified (trusted key "
+                     f"{read.signature.key_id})")
+    if summary.ended:
+        notes.append(f"run {summary.run_id} ended ({summary.end_reason or 'n/a'}) at step "
+                     f"{summary.step}; {len(summary.verdicts)} verdict(s)")
+    else:
         notes.append(f"summary taken while run {summary.run_id} was live (step "
                      f"{summary.step}): later verdicts are not in it")
-    found = [*_signature(read, options), *_changed(inspection, summary), *_stopped(summary),
+    found = [*signature, *_changed(inspection, summary), *_stopped(summary),
              *_verdicts(summary)]
     if summary.sidecar != "answered":
         found.append((NO_VERDICTS, "warning", Verdict(

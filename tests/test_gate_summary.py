@@ -289,3 +289,18 @@ def test_the_summary_up_the_folders_is_found(
     assert result.returncode == 1, result.stdout
     assert f"run summary from {out / SUMMARY}" in result.stdout
     assert "empty_optimizer (firing at end" in result.stdout
+
+
+def test_the_signing_key_survives_a_restart_and_a_readable_one_is_refused(
+    tmp_path: Path
+) -> None:
+    state = tmp_path / "state"
+    args = ["--state-dir", str(state)]
+    with SidecarProcess(tmp_path / "one", extra_args=args):
+        first = (state / "summary-signing.pub").read_bytes()
+    with SidecarProcess(tmp_path / "two", extra_args=args):
+        assert (state / "summary-signing.pub").read_bytes() == first  # the same key
+    (state / "summary-signing.key").chmod(0o644)
+    refused = SidecarProcess(tmp_path / "three", extra_args=args)
+    with pytest.raises(RuntimeError, match="group or others may read the signing key"):
+        refused.start()

@@ -311,10 +311,10 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
         for folder, adapter in folders:
             self._summary_at(folder, adapter)
 
-    def _summary_beside(self, folder: Path) -> None:
+    def _summary_beside(self, folder: Path, model: Any) -> None:
         """After any save of the adapter (the wrapped ``save_pretrained``): its summary."""
-        if self.run_id and self._model is not None and not self._disabled:
-            self._summary_at(folder, digest.digest_adapter(self._model))
+        if self.run_id and not self._disabled:
+            self._summary_at(folder, digest.digest_adapter(model))
 
     def _summary_at(self, folder: Path, adapter: digest.AdapterDigest) -> None:
         promotion.write_beside(folder, adapter, str(self.run_id), self._step, self.address,

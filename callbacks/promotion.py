@@ -17,9 +17,9 @@ a gate can tell "no verdict" from "no problem". Asking takes at most ``timeout``
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,9 +38,6 @@ from deadweight.proto.transport import (
 )
 
 log = logging.getLogger("deadweight")
-
-#: The attribute that marks our wrapper of ``save_pretrained`` (and holds what it calls).
-_MARK = "__deadweight_summary__"
 
 
 
@@ -112,6 +109,10 @@ def unsigned_summary(run_id: str, step: int, adapter: AdapterDigest,
                       ended=False if status is None else status.ended)
 
 
+#: Runs already warned about an unsigned summary.
+_WARNED_UNSIGNED: set[str] = set()
+
+
 def write_beside(folder: Path, adapter: AdapterDigest, run_id: str, step: int, address: str,
                  token: str | None, tls_root: bytes | None, timeout: float) -> Path | None:
     """The run's summary beside the adapter in folder, signed when the sidecar signs it.
@@ -123,9 +124,13 @@ def write_beside(folder: Path, adapter: AdapterDigest, run_id: str, step: int, a
     if body is None:
         status, sidecar = fetch_verdicts(address, run_id, token, tls_root, timeout)
         body = unsigned_summary(run_id, step, adapter, status, sidecar).body()
-        log.warning("deadweight: the summary beside %s is not signed by the sidecar (%s); "
-                    "a gate that requires signed summaries will refuse this adapter",
-                    folder, why)
+        # Said once per run, and only when the sidecar answers otherwise: an unreachable one
+        # has been warned about already, and the unsigned summary says so itself.
+        answered = sidecar == "answered" and run_id not in _WARNED_UNSIGNED
+        level = logging.WARNING if answered else logging.DEBUG
+        _WARNED_UNSIGNED.add(run_id)
+        log.log(level, "deadweight: the summary beside %s is not signed by the sidecar (%s); "
+                "a gate that requires signed summaries will refuse this adapter", folder, why)
     try:
         return run_summary.write(folder, body, signature, unsigned_because=why)
     except OSError as err:
@@ -133,37 +138,68 @@ def write_beside(folder: Path, adapter: AdapterDigest, run_id: str, step: int, a
         return None
 
 
+#: model -> (the summary writer, the save_pretrained it replaced on the instance, if any).
+#: Kept here, not on the model, so that a copy of the model does not write this run's summary.
+_WRITERS: weakref.WeakKeyDictionary[Any, tuple[SummaryOnSave, Any]] = (
+    weakref.WeakKeyDictionary())
+
+
+class _SavingMethod:
+    """``save_pretrained`` on one model's instance: the model's own save, then the run summary
+    beside what it wrote. It holds the model weakly and survives what happens to models: a
+    deep copy gets one bound to the copy (which saves plainly: no writer is registered for
+    it), and pickling the model keeps working (no closure, no lookup by name)."""
+
+    def __init__(self, model: Any) -> None:
+        self._model = weakref.ref(model)
+
+    def __call__(self, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
+        model = self._model()
+        if model is None:
+            raise ReferenceError("the model this save_pretrained belonged to is gone")
+        writer, original = _WRITERS.get(model, (None, None))
+        if original is not None:
+            result = original(save_directory, *args, **kwargs)
+        else:
+            result = type(model).save_pretrained(model, save_directory, *args, **kwargs)
+        if writer is not None and kwargs.get("is_main_process", True):
+            try:
+                writer.write(Path(save_directory), model)
+            except Exception:  # the save itself succeeded: never fail it for us
+                log.warning("deadweight: writing the run summary into %s failed",
+                            save_directory, exc_info=True)
+        return result
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return _SavingMethod, (self._model(),)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _SavingMethod:
+        model = self._model()
+        return _SavingMethod(memo.get(id(model), model))
+
+
 class SummaryOnSave:
     """Wraps ``model.save_pretrained`` on the instance: after every save of the adapter (a
-    checkpoint, ``trainer.save_model(dir)``, a direct call), ``write(dir)`` runs.
+    checkpoint, ``trainer.save_model(dir)``, a direct call), ``write(dir, model)`` runs.
 
-    Installed again on the same model (a second run with a new callback), the wrapper is
+    Installed again on the same model (a second run with a new callback), the writer is
     replaced, not stacked, so a save writes one summary, the newest run's.
     """
 
-    def __init__(self, write: Callable[[Path], None]) -> None:
+    def __init__(self, write: Callable[[Path, Any], None]) -> None:
         self.write = write
 
     def install(self, model: Any) -> bool:
-        current = getattr(model, "save_pretrained", None)
-        if not callable(current):
+        if not callable(getattr(model, "save_pretrained", None)):
             return False
-        original = getattr(current, _MARK, (None, current))[1]
-
-        @functools.wraps(original)
-        def save_pretrained(save_directory: Any, *args: Any, **kwargs: Any) -> Any:
-            result = original(save_directory, *args, **kwargs)
-            if kwargs.get("is_main_process", True):
-                try:
-                    self.write(Path(save_directory))
-                except Exception:  # the save itself succeeded: never fail it for us
-                    log.warning("deadweight: writing the run summary into %s failed",
-                                save_directory, exc_info=True)
-            return result
-
-        setattr(save_pretrained, _MARK, (self, original))
         try:
-            object.__setattr__(model, "save_pretrained", save_pretrained)
-        except (AttributeError, TypeError):
+            previous = _WRITERS.get(model)
+            own = vars(model).get("save_pretrained")
+            if isinstance(own, _SavingMethod):
+                own = None  # ours, on a copy of a model that had it: never chain to ourselves
+            # Someone else's override on the instance stays in the chain.
+            _WRITERS[model] = (self, previous[1] if previous is not None else own)
+            object.__setattr__(model, "save_pretrained", _SavingMethod(model))
+        except (AttributeError, TypeError):  # no instance dict, not weak-referenceable
             return False
         return True

@@ -227,7 +227,8 @@ class CheckpointWatcher:
             return ("the run did not attest, so no uid vouches for its folders, and no "
                     "--watch-root is configured to allow them")
         try:
-            entries = [path, *(sorted(path.iterdir()) if files else [])]
+            listed = files and path.is_dir() and not path.is_symlink()
+            entries = [path, *(sorted(path.iterdir()) if listed else [])]
             for entry in entries:
                 owner = entry.lstat().st_uid
                 if owner not in owners:

@@ -304,3 +304,82 @@ def test_the_signing_key_survives_a_restart_and_a_readable_one_is_refused(
     refused = SidecarProcess(tmp_path / "three", extra_args=args)
     with pytest.raises(RuntimeError, match="group or others may read the signing key"):
         refused.start()
+
+
+def _raw_loop(model_dir: Path, adapter_dir: Path, sidecar: SidecarProcess, run_id: str,
+              out: Path, frozen: bool) -> Path:
+    """A raw PyTorch loop under ``deadweight.watch``; the adapter saved after the loop."""
+    import torch
+    from transformers import AutoTokenizer
+
+    import deadweight
+    from deadweight.demo import runs
+
+    model = runs.load_adapter(model_dir, adapter_dir, trainable=True)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    # The frozen twin's optimizer holds none of the model's parameters: nothing ever moves.
+    params = [torch.nn.Parameter(torch.zeros(1))] if frozen else trained
+    optimizer = torch.optim.AdamW(params, lr=2e-3)
+    batch = AutoTokenizer.from_pretrained(model_dir)(["a tiny line to learn"] * 2,
+                                                     return_tensors="pt")
+    with deadweight.watch(model, optimizer, run_id=run_id, address=sidecar.address,
+                          output_dir=str(out)) as monitor:
+        for step in range(1, 7):
+            loss = model(**batch, labels=batch["input_ids"]).loss
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(trained, 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+            monitor.log(step, loss=loss, grad_norm=norm, learning_rate=2e-3)
+    model.save_pretrained(out / "final")  # after the loop, the way scripts end
+    return out / "final"
+
+
+@pytest.mark.parametrize("frozen", [True, False])
+def test_a_raw_loop_adapter_saved_after_the_loop_carries_its_summary(
+    frozen: bool, tiny: tuple[Path, Path], signing: tuple[SidecarProcess, Path], tmp_path: Path
+) -> None:
+    sidecar, key = signing
+    model_dir, adapter_dir = tiny
+    final = _raw_loop(model_dir, adapter_dir, sidecar, f"gate-raw-{frozen}", tmp_path / "out",
+                      frozen)
+    assert json.loads((final / SUMMARY).read_text())["signature"] is not None
+    result = inspect(final, *strict(key))
+    if frozen:
+        assert result.returncode == 1, result.stdout
+        assert "frozen_weights (firing at end" in result.stdout
+    else:
+        assert result.returncode == 0, result.stdout
+
+
+def test_the_save_wrapper_writes_once_keeps_the_model_picklable_and_spares_copies(
+    tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    import copy
+    import pickle
+
+    import torch
+    from safetensors.torch import load_file
+
+    from deadweight.callbacks.promotion import SummaryOnSave
+    from deadweight.demo import runs
+
+    model_dir, adapter_dir = tiny
+    model = runs.load_adapter(model_dir, adapter_dir, trainable=True)
+    written: list[tuple[Path, Any]] = []
+    for _ in range(2):  # a second run's callback on the same model replaces, never stacks
+        SummaryOnSave(lambda folder, saved: written.append((folder, saved))).install(model)
+    model.save_pretrained(tmp_path / "a")
+    assert [(f, m is model) for f, m in written] == [(tmp_path / "a", True)]
+
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, param in twin.named_parameters():
+            if "lora_B" in name:
+                param.add_(1.0)
+    twin.save_pretrained(tmp_path / "b")  # the copy's own weights, and no summary of ours
+    assert len(written) == 1
+    a = load_file(tmp_path / "a" / "adapter_model.safetensors")
+    b = load_file(tmp_path / "b" / "adapter_model.safetensors")
+    assert any(not torch.equal(a[k], b[k]) for k in a)
+    assert pickle.loads(pickle.dumps(model)) is not None  # no closure on the instance

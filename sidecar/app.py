@@ -15,6 +15,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -42,9 +43,11 @@ from deadweight.sidecar.server import (
 )
 from deadweight.sidecar.settings import DetectorSettings
 from deadweight.sidecar.store import Store
-from deadweight.sidecar.summary_signing import BadKey, KeyUnsafe, SummarySigner
 
 log = structlog.get_logger("deadweight.app")
+
+if TYPE_CHECKING:
+    from deadweight.sidecar.summary_signing import SummarySigner
 
 
 @dataclass
@@ -191,6 +194,12 @@ class Sidecar:
         elif self.config.socket_path:
             folder, persistent = Path(self.config.socket_path).parent, False
         else:
+            return
+        try:
+            from deadweight.sidecar.summary_signing import BadKey, KeyUnsafe, SummarySigner
+        except ImportError as err:  # a broken install: watch runs, sign nothing, say so
+            log.error("summary_signing_off", error=str(err), note="the cryptography package "
+                      "is missing: run summaries are written unsigned")
             return
         try:
             self.signer = SummarySigner.in_folder(folder, persistent)

@@ -224,13 +224,19 @@ def _settings(pairs: list[tuple[str, float]] | None) -> DetectorSettings:
 def _gate_options(args: argparse.Namespace) -> GateOptions:
     """The gate's trust and strictness from the inspect flags (raises BadKey, OSError)."""
     from deadweight.sidecar.promotion import GateOptions
-    from deadweight.sidecar.summary_signing import key_id, load_public
 
-    keys = [load_public(Path(p)) for p in args.trust_key or []]
+    keys = []
+    if args.trust_key:
+        try:
+            from deadweight.sidecar.summary_signing import key_id, load_public
+        except ImportError as err:
+            raise ValueError(f"--trust-key needs the cryptography package ({err})") from err
+        keys = [load_public(Path(p)) for p in args.trust_key]
     if args.require_signed and not keys:
         raise ValueError("--require-signed needs --trust-key FILE (the sidecar's "
                          "summary-signing.pub)")
-    return GateOptions(trusted={key_id(k): k for k in keys}, require_signed=args.require_signed,
+    return GateOptions(trusted={key_id(k): k for k in keys} if keys else {},
+                       require_signed=args.require_signed,
                        require_summary=args.require_summary, fail_on=args.fail_on)
 
 

@@ -13,15 +13,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from typing import TYPE_CHECKING
 
 from deadweight.proto import run_summary
 from deadweight.sidecar.checkpoint_inspector import CheckpointInspection
 from deadweight.sidecar.detectors import BY_ID
 from deadweight.sidecar.detectors.base import Verdict
-from deadweight.sidecar.summary_signing import verifies
 from deadweight.sidecar.verdict_order import root_causes_first
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 #: Gate outcomes as (id, severity) in the audit's findings; not detectors of a live run.
 CHANGED = "adapter_not_what_the_run_produced"
@@ -87,6 +88,7 @@ def _signature(read: run_summary.SummaryFile, options: GateOptions) -> list[Find
             "anyone could have written it", evidence={"run_id": run_id}))]
     if not options.trusted:
         return []  # nothing to check it with: said in a note
+    from deadweight.sidecar.summary_signing import verifies  # keys given: it is installed
     key = options.trusted.get(read.signature.key_id)
     if key is None:
         return [(UNTRUSTED, _required(options.require_signed), Verdict(

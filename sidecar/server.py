@@ -18,6 +18,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import structlog
@@ -29,7 +30,9 @@ from deadweight.sidecar.registry import CheckedBatch, Peer, Registry
 from deadweight.sidecar.socket_access import grant, secure_folder
 from deadweight.sidecar.status import STATUS_MAX_BYTES, bounded
 from deadweight.sidecar.summary_service import SummaryRefused, signed_summary
-from deadweight.sidecar.summary_signing import SummarySigner
+
+if TYPE_CHECKING:
+    from deadweight.sidecar.summary_signing import SummarySigner
 
 log = structlog.get_logger("deadweight.server")
 

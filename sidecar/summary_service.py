@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 from deadweight.proto import pb, run_summary
 from deadweight.sidecar.finding import Finding
-from deadweight.sidecar.summary_signing import SummarySigner
 from deadweight.sidecar.verdict_order import root_causes_first
 
 if TYPE_CHECKING:
     from deadweight.sidecar.attestation import ProcessIdentity
     from deadweight.sidecar.registry import Registry
+    from deadweight.sidecar.summary_signing import SummarySigner
 
 #: Tensors a summary may carry (an adapter has hundreds; a request with millions is refused).
 MAX_TENSORS = 100_000

@@ -93,10 +93,16 @@ def _copy_adapter(source: Path, target: Path, with_summary: bool = True) -> Path
 def test_day2_frozen_resume_fails_the_gate_and_its_healthy_twin_passes(
     day2: dict[str, Path], signing: tuple[SidecarProcess, Path]
 ) -> None:
-    _, key = signing
+    sidecar, key = signing
     document = json.loads((day2["frozen"] / SUMMARY).read_text())
     assert document["signature"]["algorithm"] == "ed25519"  # beside save_model's adapter
     assert document["summary"]["ended"] is True
+    # The verdicts are the sidecar's own, every one of them, root cause first.
+    status = sidecar.run_status("gate-day2-frozen")
+    assert status is not None
+    listed = [v["detector"] for v in document["summary"]["verdicts"]]
+    assert sorted(listed) == sorted(f.detector for f in status.findings)
+    assert listed[:2] == ["empty_optimizer", "frozen_weights"]
 
     frozen = inspect(day2["frozen"], *strict(key))
     assert frozen.returncode == 1, frozen.stdout + frozen.stderr

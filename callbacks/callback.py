@@ -16,7 +16,10 @@ hook                       what it reports
                            per-adapter and per-module-kind sums, the learning rate
 ``on_log``                 every numeric key the trainer logged (bounded)
 ``on_save``                the checkpoint path and the digest of the adapter in memory
-``on_train_end``           the run end
+``on_train_end``           the run end; the run summary into the output folder and the
+                           last checkpoint
+(every adapter save)       the run summary beside it, ``trainer.save_model(dir)`` after
+                           training included (``promotion.SummaryOnSave``)
 =========================  ===============================================================
 
 Settings come from arguments or ``DEADWEIGHT_ADDRESS``, ``DEADWEIGHT_RUN_ID``,
@@ -132,6 +135,8 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
         self._loss_scale: float | None = None
         self._trainer_logs = False
         self._last_checkpoint: tuple[Path, digest.AdapterDigest] | None = None
+        #: The trainer's latest global step (written into summaries of later saves).
+        self._step = 0
 
     # -- the settings and state of the core, under the names users and tests read -------------
 
@@ -191,6 +196,8 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
         # walks the adapter configs, work other runs need not repeat each step.
         self._adalora = preflight.adalora_allocated(model) is not None
         self._trainer_logs = trainer_logs.run_first(self)  # loggers then see our keys
+        if int(getattr(args, "process_index", 0)) == 0 and model is not None:
+            promotion.SummaryOnSave(self._summary_beside).install(model)
         self._run.start(
             model,
             optimizer,
@@ -233,6 +240,7 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
     def on_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
+        self._step = state.global_step + 1
         self._run.after_step(
             state.global_step + 1,  # global_step advances after this hook
             optimizer_step_skipped=_step_skipped(kw.get("optimizer"), self._loss_scale),
@@ -294,14 +302,24 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
             self._write_summary(Path(args.output_dir or "."), state.global_step, model)
 
     def _write_summary(self, output_dir: Path, step: int, model: Any) -> None:
-        """The promotion gate's record, beside the final adapter and in the last checkpoint."""
+        """The promotion gate's record with the run's final verdicts, in the output folder
+        and the last checkpoint (a later ``save_model`` writes its own, ``_summary_beside``)."""
+        self._step = step
         folders = [(output_dir, digest.digest_adapter(model))]
         if self._last_checkpoint is not None:
             folders.append(self._last_checkpoint)
-        status, sidecar = promotion.fetch_verdicts(
-            self.address, str(self.run_id), self._run.token, self._run.tls_root(),
-            timeout=SUMMARY_TIMEOUT_SECONDS)
-        promotion.write(folders, str(self.run_id), step, status, sidecar)
+        for folder, adapter in folders:
+            self._summary_at(folder, adapter)
+
+    def _summary_beside(self, folder: Path, model: Any) -> None:
+        """After any save of the adapter (the wrapped ``save_pretrained``): its summary."""
+        if self.run_id and not self._disabled:
+            self._summary_at(folder, digest.digest_adapter(model))
+
+    def _summary_at(self, folder: Path, adapter: digest.AdapterDigest) -> None:
+        promotion.write_beside(folder, adapter, str(self.run_id), self._step, self.address,
+                               self._run.token, self._run.tls_root(),
+                               timeout=SUMMARY_TIMEOUT_SECONDS)
 
     def _disable(self, hook: str) -> None:
         """Log our failure once and stop monitoring this run; training goes on."""

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from deadweight.callbacks import layout, preflight
+from deadweight.callbacks import digest, layout, preflight, promotion
 from deadweight.callbacks.probe import (
     DeadweightAbort,
     RunProbe,
@@ -50,6 +50,9 @@ from deadweight.callbacks.stream_client import ClientSettings, StreamClient
 from deadweight.proto import pb
 
 log = logging.getLogger("deadweight")
+
+#: Longest wait for the sidecar's signed run summary at a save.
+SUMMARY_TIMEOUT_SECONDS = 1.0
 
 
 def _scalar(value: Any) -> Any:
@@ -90,6 +93,7 @@ class Monitor:
         self._disabled = False
         self._closed = False
         self._undo: list[Callable[[], None]] = []
+        self._rank = 0
         rank, world = rank_and_world()
         folder = str(output_dir) if output_dir is not None else ""
         name = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] else "run"
@@ -123,8 +127,21 @@ class Monitor:
 
     @shielded
     def checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Report a checkpoint the loop wrote (after its files are on disk)."""
+        """Report a checkpoint the loop wrote (after its files are on disk); the run summary
+        goes beside it (a ``save_pretrained`` of the model writes its own as well)."""
         self._run.checkpoint(self.step, path, layout.unwrap_model(self.model))
+        folder = Path(path)
+        self._summary_beside(folder if folder.is_dir() else folder.parent,
+                             layout.unwrap_model(self.model))
+
+    def _summary_beside(self, folder: Path, model: Any) -> None:
+        """The run's signed summary beside an adapter the loop saved (rank 0; also after
+        ``close``: a loop saves its final adapter after the loop)."""
+        if self._disabled or self._rank != 0:
+            return
+        promotion.write_beside(folder, digest.digest_adapter(model),
+                               self.run_id, self.step, self._run.address, self._run.token,
+                               self._run.tls_root(), timeout=SUMMARY_TIMEOUT_SECONDS)
 
     def close(self, reason: str = "completed") -> None:
         """Remove the hooks, report the run end and flush (at most 2 s); idempotent."""
@@ -154,6 +171,9 @@ class Monitor:
     def _start(self, rank: int, world: int, output_dir: str, trainer: str,
                config: dict[str, float]) -> None:
         model = layout.unwrap_model(self.model)
+        self._rank = rank
+        if rank == 0:  # any save_pretrained of the adapter, in the loop or after it
+            promotion.SummaryOnSave(self._summary_beside).install(model)
         self._run.start(
             self.model,
             self.optimizer,

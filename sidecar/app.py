@@ -15,6 +15,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -44,6 +45,9 @@ from deadweight.sidecar.settings import DetectorSettings
 from deadweight.sidecar.store import Store
 
 log = structlog.get_logger("deadweight.app")
+
+if TYPE_CHECKING:
+    from deadweight.sidecar.summary_signing import SummarySigner
 
 
 @dataclass
@@ -86,9 +90,12 @@ class Sidecar:
 
     def __init__(self, registry: Registry, actions: Actions | None, config: ServerConfig,
                  enforcer: Enforcer | None = None, pager: AlertmanagerPusher | None = None,
-                 store: Store | None = None, history_queue: HistoryQueue | None = None
-                 ) -> None:
+                 store: Store | None = None, history_queue: HistoryQueue | None = None,
+                 state_dir: str | None = None) -> None:
         self.registry = registry
+        #: Where the summary signing key is kept (None: a key for this process only).
+        self.state_dir = state_dir
+        self.signer: SummarySigner | None = None
         #: Commits the runs' step and log history behind ingest (the registry queues it).
         self.history_queue = history_queue
         self.actions = actions
@@ -101,8 +108,9 @@ class Sidecar:
             self.watcher = CheckpointWatcher(registry, config.checkpoint_settle_seconds,
                                              roots=config.watch_roots)
             if not config.watch_roots:
-                log.warning("checkpoint_paths_refused", reason="no --watch-root given: no "
-                            "client-named checkpoint folder is read")
+                log.info("checkpoint_paths_owned", note="no --watch-root given: a run's "
+                         "checkpoints are read when their folder and files belong to the "
+                         "run's attested uid")
         self.attestation: AttestationServer | None = None
         if config.socket_path and registry.attestor is not None:
             self.attestation = AttestationServer(attest_path(config.socket_path),
@@ -159,6 +167,7 @@ class Sidecar:
             except OSError as err:
                 raise StartupError(f"cannot create the socket folder {folder}: "
                                    f"{err.strerror or err}") from err
+        self._start_signer()
         if self.attestation is not None:
             try:
                 self.attestation.start()
@@ -176,6 +185,28 @@ class Sidecar:
             where = self.config.listen or self.config.socket_path
             raise StartupError(f"cannot serve gRPC on {where}: {err}") from err
         self._running.append(self.server.stop)
+
+    def _start_signer(self) -> None:
+        """The key that signs run summaries: the state dir's, else one for this process with
+        its public half beside the socket (no unix socket, no attestation: nothing to sign)."""
+        if self.state_dir:
+            folder, persistent = Path(self.state_dir), True
+        elif self.config.socket_path:
+            folder, persistent = Path(self.config.socket_path).parent, False
+        else:
+            return
+        try:
+            from deadweight.sidecar.summary_signing import BadKey, KeyUnsafe, SummarySigner
+        except ImportError as err:  # a broken install: watch runs, sign nothing, say so
+            log.error("summary_signing_off", error=str(err), note="the cryptography package "
+                      "is missing: run summaries are written unsigned")
+            return
+        try:
+            self.signer = SummarySigner.in_folder(folder, persistent)
+        except (KeyUnsafe, BadKey, OSError) as err:
+            raise StartupError(f"cannot load the summary signing key in {folder}: {err}"
+                               ) from err
+        self.server.signer = self.signer
 
     def stop(self) -> None:
         """Stop serving, newest part first (the process state is closed by ``close``)."""
@@ -224,4 +255,4 @@ def build(config: SidecarConfig) -> Sidecar:
     enforcer = Enforcer(registry, store, actions, stop_grace_seconds=config.stop_grace_seconds,
                         kill_grace_seconds=config.kill_grace_seconds)
     return Sidecar(registry, actions, config.server, enforcer=enforcer, pager=pager,
-                   store=store, history_queue=history_queue)
+                   store=store, history_queue=history_queue, state_dir=config.state_dir)

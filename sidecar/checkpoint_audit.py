@@ -3,7 +3,9 @@
 The paths are audited in the order given (``checkpoint-<step>`` folders by step, so a shell
 glob's ``checkpoint-10`` before ``checkpoint-2`` does not matter): each one
 is compared with the one before it and, with ``--initial``, with the adapter the run started
-from. The same detector classes as the live sidecar decide, so a gate and a page agree.
+from. The same detector classes as the live sidecar decide, so a gate and a page agree. The
+run summary beside each adapter (or up the folders) adds what the run knew: every verdict,
+the end, the signature (``promotion``).
 """
 
 from __future__ import annotations
@@ -31,12 +33,22 @@ class AuditResult:
     findings: list[tuple[str, str, Verdict]]
     #: False when the paths are not all ``checkpoint-<step>`` folders: steps are positions.
     real_steps: bool = True
+    #: What the reader should know that is no finding (where the summary came from, ...).
+    notes: tuple[str, ...] = ()
+    #: The least severe run verdict that fails the gate (``--fail-on``).
+    fail_on: str = "critical"
+
+    @property
+    def failed(self) -> bool:
+        return any(promotion.fatal(d, s, self.fail_on) for d, s, _ in self.findings)
 
 
 def audit(paths: list[Path], initial: Path | None = None,
-          settings: DetectorSettings | None = None) -> list[AuditResult]:
+          settings: DetectorSettings | None = None,
+          gate: promotion.GateOptions | None = None) -> list[AuditResult]:
     """Inspect every path and run the checkpoint detectors on it (raises NotACheckpoint)."""
     settings = settings or DetectorSettings()
+    gate = gate or promotion.GateOptions()
     matches = [CHECKPOINT_DIR.match(p.name) for p in paths]
     real_steps = all(matches)
     # checkpoint-<step> folders are labelled with their own steps; other paths by position.
@@ -63,10 +75,9 @@ def audit(paths: list[Path], initial: Path | None = None,
             verdict = detector.evaluate(run, settings)
             if verdict is not None and verdict.firing:
                 fired.append((detector.id, detector.severity.value, verdict))
-        summary = promotion.summary_for(Path(inspection.path))
-        if summary is not None:
-            fired += promotion.check(inspection, summary)
-        results.append(AuditResult(inspection, fired, real_steps))
+        checked = promotion.check(inspection, promotion.summary_for(Path(inspection.path)), gate)
+        results.append(AuditResult(inspection, fired + checked.findings, real_steps,
+                                   tuple(checked.notes), gate.fail_on))
     return results
 
 
@@ -81,13 +92,17 @@ def render(results: list[AuditResult]) -> str:
         what = (f"{ins.weights_file}, {len(ins.tensor_digests)} tensors, {ins.tensor_bytes} "
                 f"bytes, digest {ins.adapter_digest[:16]}" if ins.weights_file
                 else "no safetensors weights")
-        status = "FAIL" if result.findings else "ok"
+        status = "FAIL" if result.failed else "WARN" if result.findings else "ok"
         lines.append(f"{status:4}  {ins.path}  ({what})")
+        for note in result.notes:
+            lines.append(f"      note: {note}")
         for detector, severity, verdict in result.findings:
             lines.append(f"      {detector} [{severity}]: {verdict.summary}")
             evidence = ", ".join(f"{k}={v}" for k, v in sorted(verdict.evidence.items())
                                  if k not in {"checkpoint", "step"})
             lines.append(f"        evidence: {evidence}")
-    failed = sum(1 for r in results if r.findings)
-    lines.append(f"{len(results)} checkpoint(s) inspected, {failed} with findings")
+    found = sum(1 for r in results if r.findings)
+    failed = sum(1 for r in results if r.failed)
+    lines.append(f"{len(results)} checkpoint(s) inspected, {found} with findings, {failed} "
+                 "failing the gate")
     return "\n".join(lines)

@@ -6,13 +6,15 @@ and modification times for ``settle_seconds``. watchdog events make the watcher 
 once; a periodic scan of the watched folders covers missed events and folders that did not
 exist yet when the run registered (the Trainer creates ``output_dir`` at its first save).
 
-Every path comes from a client, so none is trusted: a folder is watched and read only while
-its resolved path lies under one of the operator's ``--watch-root`` folders (no root: nothing
-is read), and a checkpoint folder of an attested run must belong to the run's uid (another
-uid cannot make the sidecar read a folder its own uid could not). Refusals reach the sink as
-findings. One watchdog observer serves every run; each scheduled folder costs it one kernel
-watch thread, so at most ``max_watches`` folders get one (the others are polled by the scan),
-and a run may name at most ``max_folders_per_run`` folders.
+Every path comes from a client, so none is trusted: a checkpoint is read only when its folder
+and every file in it belong to the uid the kernel named for the run (the run's process could
+read them anyway, so the sidecar reads nothing on its behalf that its own uid could not
+write), and, where the operator gave ``--watch-root`` folders, only while its resolved path
+lies under one of them. A run that did not attest has no uid to check: its checkpoints are
+read only under a ``--watch-root``. Refusals reach the sink as findings. One watchdog
+observer serves every run; each scheduled folder costs it one kernel watch thread, so at
+most ``max_watches`` folders get one (the others are polled by the scan), and a run may name
+at most ``max_folders_per_run`` folders.
 """
 
 from __future__ import annotations
@@ -76,6 +78,10 @@ class _Watched:
     run_id: str
     folder: Path
     owner_uid: int | None = None
+    #: The folder exists and belongs to the run's uid (checked once it exists).
+    owner_checked: bool = False
+    #: Its refusal was reported (once).
+    refused: bool = False
     watch: ObservedWatch | None = None
     seen: dict[str, tuple[tuple[str, int, int], ...]] = field(default_factory=dict)
 
@@ -126,7 +132,7 @@ class CheckpointWatcher:
                  max_watches: int = MAX_WATCHES,
                  max_folders_per_run: int = MAX_FOLDERS_PER_RUN) -> None:
         self.sink = sink
-        #: Resolved allowed roots; empty: every client-named path is refused.
+        #: Resolved allowed roots; empty: no restriction beyond the run's own uid.
         self.roots = tuple(Path(os.path.realpath(r)) for r in roots)
         self.max_watches = max_watches
         self.max_folders_per_run = max_folders_per_run
@@ -200,25 +206,36 @@ class CheckpointWatcher:
     def _outside(self, path: Path) -> str | None:
         """Why path may not be read (outside every root), or None."""
         if not self.roots:
-            return "no --watch-root is configured: the sidecar reads no client-named path"
+            return None  # the run's own uid (``_foreign``) is the restriction
         if not under_roots(path, self.roots):
             return ("outside the allowed roots "
                     f"({', '.join(str(r) for r in self.roots)})")
         return None
 
-    def _foreign(self, pending: _Pending) -> str | None:
-        """Why a checkpoint folder is not the run's own: owned by another uid than the one
-        the kernel named for the run (a root client, or an unattested one, is not checked)."""
-        owners = {w.owner_uid for w in self._watched.values()
-                  if w.run_id == pending.run_id and w.owner_uid not in (None, 0)}
+    def _run_uids(self, run_id: str) -> set[int]:
+        return {w.owner_uid for w in self._watched.values()
+                if w.run_id == run_id and w.owner_uid is not None}
+
+    def _foreign(self, run_id: str, path: Path, files: bool = True) -> str | None:
+        """Why a folder (and, with files, every entry in it) is not the run's own: owned by
+        another uid than the one the kernel named for the run. A run that did not attest is
+        read only under a --watch-root (the operator's word for those folders)."""
+        owners = self._run_uids(run_id)
         if not owners:
-            return None
+            if self.roots:
+                return None
+            return ("the run did not attest, so no uid vouches for its folders, and no "
+                    "--watch-root is configured to allow them")
         try:
-            owner = pending.path.lstat().st_uid
+            listed = files and path.is_dir() and not path.is_symlink()
+            entries = [path, *(sorted(path.iterdir()) if listed else [])]
+            for entry in entries:
+                owner = entry.lstat().st_uid
+                if owner not in owners:
+                    what = "" if entry == path else f"{entry.name} in it is "
+                    return f"{what}owned by uid {owner}, not by the run's uid {min(owners)}"
         except OSError:
-            return None  # gone: the inspector reports it
-        if owner not in owners:
-            return f"owned by uid {owner}, not by the run's uid {min(owners)}"
+            return None  # gone or unreadable: the inspector reports it
         return None
 
     def _drain(self) -> None:
@@ -269,6 +286,14 @@ class CheckpointWatcher:
             folder = watched.folder
             if self._outside(folder) is not None:  # a symlink swapped in since registration
                 continue
+            if folder.is_dir() and not watched.owner_checked:
+                foreign = self._foreign(watched.run_id, folder, files=False)
+                if foreign is not None:  # not listed, not watched: another uid's folder
+                    if not watched.refused:
+                        watched.refused = True
+                        self._refuse(watched.run_id, folder, foreign)
+                    continue
+                watched.owner_checked = True
             if watched.watch is None and folder.is_dir() and watches < self.max_watches:
                 try:  # not recursive: new checkpoint folders wake us, their files are polled
                     watched.watch = self._observer.schedule(self._handler, str(folder),
@@ -312,7 +337,7 @@ class CheckpointWatcher:
         if outside is not None:
             self._refuse(pending.run_id, pending.path, outside)
             return
-        foreign = self._foreign(pending)
+        foreign = self._foreign(pending.run_id, pending.path)
         if foreign is not None:
             self._refuse(pending.run_id, pending.path, foreign)
             return

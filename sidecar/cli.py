@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from typing import TypeAlias
 
     from deadweight.sidecar.app import SidecarConfig
+    from deadweight.sidecar.promotion import GateOptions
     from deadweight.sidecar.server import ServerConfig
     from deadweight.sidecar.settings import DetectorSettings
 
@@ -225,19 +226,39 @@ def _settings(pairs: list[tuple[str, float]] | None) -> DetectorSettings:
     return dataclasses.replace(defaults, **values)
 
 
+def _gate_options(args: argparse.Namespace) -> GateOptions:
+    """The gate's trust and strictness from the inspect flags (raises BadKey, OSError)."""
+    from deadweight.sidecar.promotion import GateOptions
+
+    keys = []
+    if args.trust_key:
+        try:
+            from deadweight.sidecar.summary_signing import key_id, load_public
+        except ImportError as err:
+            raise ValueError(f"--trust-key needs the cryptography package ({err})") from err
+        keys = [load_public(Path(p)) for p in args.trust_key]
+    if args.require_signed and not keys:
+        raise ValueError("--require-signed needs --trust-key FILE (the sidecar's "
+                         "summary-signing.pub)")
+    return GateOptions(trusted={key_id(k): k for k in keys} if keys else {},
+                       require_signed=args.require_signed,
+                       require_summary=args.require_summary, fail_on=args.fail_on)
+
+
 def _inspect(args: argparse.Namespace) -> int:
     from deadweight.sidecar.checkpoint_audit import audit, render
     from deadweight.sidecar.checkpoint_inspector import NotACheckpoint
 
     try:
+        gate = _gate_options(args)
         results = audit([Path(p) for p in args.paths],
                         initial=Path(args.initial) if args.initial else None,
-                        settings=_settings(args.setting))
-    except NotACheckpoint as err:
+                        settings=_settings(args.setting), gate=gate)
+    except (NotACheckpoint, ValueError, OSError) as err:
         print(f"deadweight inspect: {err}", file=sys.stderr)
         return 2
     print(render(results))
-    return 1 if any(r.findings for r in results) else 0
+    return 1 if any(r.failed for r in results) else 0
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -374,6 +395,18 @@ def build_parser(*more_commands: Callable[[Commands], None]) -> argparse.Argumen
                          help="the adapter the run started from: flag checkpoints equal to it")
     inspect.add_argument("--setting", action="append", type=_setting, metavar="NAME=VALUE",
                          help="override a detector threshold (e.g. adapter_bloat_ratio=2)")
+    inspect.add_argument("--trust-key", action="append", default=None, metavar="FILE",
+                         help="a sidecar's public key (summary-signing.pub in its state dir, "
+                         "named in its start log): verify the run summaries' signatures "
+                         "(repeatable)")
+    inspect.add_argument("--require-signed", action="store_true",
+                         help="fail an adapter whose summary is unsigned or signed by an "
+                         "untrusted key (needs --trust-key)")
+    inspect.add_argument("--require-summary", action="store_true",
+                         help="fail an adapter with no run summary beside it or up the folders")
+    inspect.add_argument("--fail-on", choices=("critical", "warning"), default="critical",
+                         help="the least severe run verdict that fails the gate (default "
+                         "%(default)s; findings on the adapter's own files always fail)")
     inspect.set_defaults(func=_inspect)
 
     report_cmd = commands.add_parser(

@@ -18,6 +18,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import structlog
@@ -28,6 +29,10 @@ from deadweight.proto.transport import bearer_matches
 from deadweight.sidecar.registry import CheckedBatch, Peer, Registry
 from deadweight.sidecar.socket_access import grant, secure_folder
 from deadweight.sidecar.status import STATUS_MAX_BYTES, bounded
+from deadweight.sidecar.summary_service import SummaryRefused, signed_summary
+
+if TYPE_CHECKING:
+    from deadweight.sidecar.summary_signing import SummarySigner
 
 log = structlog.get_logger("deadweight.server")
 
@@ -71,9 +76,11 @@ class ServerConfig:
 class MonitorServicer(pb_grpc.MonitorServiceServicer):  # type: ignore[misc]
     """Feeds each stream's batches to the registry and answers with acks and directives."""
 
-    def __init__(self, registry: Registry, token: str | None = None) -> None:
+    def __init__(self, registry: Registry, token: str | None = None,
+                 signer: SummarySigner | None = None) -> None:
         self.registry = registry
         self.token = token
+        self.signer = signer
 
     async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
         """TCP callers present the bearer token; the unix socket is guarded by its mode."""
@@ -133,6 +140,22 @@ class MonitorServicer(pb_grpc.MonitorServiceServicer):  # type: ignore[misc]
     ) -> pb.StatusResponse:
         await self._authorize(context)
         return bounded(await asyncio.to_thread(self.registry.status, request.run_id))
+
+    async def SignSummary(
+        self, request: pb.SignSummaryRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SignSummaryResponse:
+        await self._authorize(context)
+        signer = self.signer
+        if signer is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this sidecar signs no summary")
+            raise AssertionError("abort raises")
+        try:
+            return await asyncio.to_thread(signed_summary, self.registry, signer, request,
+                                           context.peer().startswith("unix:"))
+        except SummaryRefused as refused:
+            log.warning("summary_refused", run_id=request.run_id[:256], reason=str(refused))
+            await context.abort(getattr(grpc.StatusCode, refused.code), str(refused))
+            raise  # abort raises; this line is for the type checker
 
 
 async def tick_in_turn(registry: Registry, now: float | None = None) -> None:
@@ -244,9 +267,11 @@ def check_transport(config: ServerConfig) -> None:
 class SidecarServer:
     """The gRPC server and the periodic tick, on one event loop in a background thread."""
 
-    def __init__(self, registry: Registry, config: ServerConfig) -> None:
+    def __init__(self, registry: Registry, config: ServerConfig,
+                 signer: SummarySigner | None = None) -> None:
         self.registry = registry
         self.config = config
+        self.signer = signer
         self.grpc_port: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -279,7 +304,8 @@ class SidecarServer:
 
     def _new_server(self) -> grpc.aio.Server:
         server = grpc.aio.server(options=self.config.grpc_options)
-        add_monitor_servicer(MonitorServicer(self.registry, self.config.token), server)
+        add_monitor_servicer(MonitorServicer(self.registry, self.config.token, self.signer),
+                             server)
         return server
 
     async def _serve(self) -> None:

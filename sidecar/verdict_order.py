@@ -1,17 +1,20 @@
 """How verdicts are listed to a person: root causes first, and in words that do not mislead.
 
-The report and ``deadweight runs`` read incidents from the state database; both order and name
-them here, so the two never disagree. A verdict closed only because its run ended reads
-"firing at end": "resolved" is kept for a condition that cleared while the run was live.
+The report and ``deadweight runs`` read incidents from the state database, the summary and the
+gate read verdicts; all order and name them here, so they never disagree. A verdict closed
+only because its run ended reads "firing at end": "resolved" is kept for a condition that
+cleared while the run was live.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
 
 from deadweight.sidecar.detectors.spec import root_causes_first
 from deadweight.sidecar.store import StoredIncident, StoredRun
 
+T = TypeVar("T")
 SEVERITY_RANK = {"critical": 0, "warning": 1, "info": 2}
 FIRING, FIRING_AT_END, RESOLVED = "firing", "firing at end", "resolved"
 
@@ -44,3 +47,11 @@ def state(incident: StoredIncident, run: StoredRun) -> str:
     if incident.resolved_at is None or (run.ended and incident.resolved_at >= run.ended_at):
         return FIRING_AT_END if run.ended else FIRING
     return RESOLVED
+
+
+def causes_first(items: Iterable[T], key: Callable[[T], tuple[str, str, int]]) -> list[T]:
+    """items (verdicts of any shape) root causes first, then by severity and the step they
+    fired at; key(item) is (detector, severity, step)."""
+    keyed = sorted(items, key=lambda item: (SEVERITY_RANK.get(key(item)[1], 3), key(item)[2]))
+    place = {d: n for n, d in enumerate(root_causes_first([key(i)[0] for i in keyed]))}
+    return sorted(keyed, key=lambda item: place[key(item)[0]])

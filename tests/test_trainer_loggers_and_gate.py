@@ -66,7 +66,7 @@ def test_loggers_show_the_verdict_and_the_gate_rejects_the_frozen_adapter(
     assert set(healthy["train/deadweight/findings"]) == {0.0}
     assert not [tag for tag in healthy if "deadweight/firing/" in tag]
 
-    summary = json.loads((frozen_out / "deadweight-summary.json").read_text())
+    summary = json.loads((frozen_out / "deadweight-summary.json").read_text())["summary"]
     assert summary["sidecar"] == "answered"
     assert "frozen_weights" in {v["detector"] for v in summary["verdicts"]}
     assert (frozen_out / "checkpoint-10" / "deadweight-summary.json").is_file()

@@ -175,20 +175,76 @@ def test_paths_outside_the_watch_roots_are_refused(
     assert refused >= 3
 
 
-def test_without_a_watch_root_no_client_path_is_read(tmp_path: Path) -> None:
+def test_without_a_watch_root_the_runs_own_checkpoints_are_read(tmp_path: Path) -> None:
+    """The quiet safe default: no --watch-root, a folder of the run's own uid is read."""
     out = tmp_path / "out"
     with SidecarProcess(tmp_path / "sidecar", watch_roots=[]) as process:
         pipe = Pipe(process.address)
         try:
-            watched = Watched(process, pipe, "no-roots", out)
+            watched = Watched(process, pipe, "no-roots-own", out)
             folder = adapter(out / "checkpoint-1")
             watched.report(folder)
-            line = watched.wait_line(folder, "checkpoint_refused")
-            assert "no --watch-root" in line["reason"]
-            startup = process.log_path.read_text()
-            assert "checkpoint_paths_refused" in startup
+            watched.wait_line(folder, "checkpoint_inspected")
+            assert not [x for x in watched.lines(out) if x["event"] == "checkpoint_refused"]
+            status = process.run_status("no-roots-own")
+            assert status is not None
+            assert "checkpoint_refused" not in {f.detector for f in status.findings}
         finally:
             pipe.close()
+
+
+OTHER_UID = 23101
+
+
+def _as_other_uid(*command: str) -> None:
+    """Run command as a real second uid (no supplementary groups), the way another user would."""
+    subprocess.run(["setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}",
+                    "--clear-groups", *command], check=True, timeout=60)
+
+
+def test_without_a_watch_root_another_uids_checkpoint_is_not_read() -> None:
+    """A folder, or a file in the run's folder, written by another uid is refused: observed,
+    not paged (the run names its own paths; a page would be on-call's noise at its will)."""
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="deadweight-uid-"))
+    try:
+        base.chmod(0o755)  # the other uid may enter (pytest's own temp folder is 0700)
+        source = adapter(base / "source")
+        for entry in [source, *source.iterdir()]:
+            entry.chmod(0o755 if entry.is_dir() else 0o644)
+        out = base / "out"
+        with SidecarProcess(base / "sidecar", watch_roots=[]) as process:
+            pipe = Pipe(process.address)
+            try:
+                watched = Watched(process, pipe, "no-roots-foreign", out)
+                out.chmod(0o777)  # the run's (root's) folder, writable by the other uid
+                foreign = out / "checkpoint-1"
+                _as_other_uid("cp", "-r", str(source), str(foreign))
+                assert foreign.stat().st_uid == OTHER_UID
+                watched.report(foreign)
+                line = watched.wait_line(foreign, "checkpoint_refused")
+                assert f"owned by uid {OTHER_UID}, not by the run's uid 0" in line["reason"]
+
+                mixed = out / "checkpoint-2"  # the run's folder, another uid's weights file
+                mixed.mkdir()
+                mixed.chmod(0o777)
+                _as_other_uid("cp", str(source / "adapter_model.safetensors"), str(mixed))
+                watched.report(mixed)
+                line = watched.wait_line(mixed, "checkpoint_refused")
+                assert "adapter_model.safetensors in it is owned by uid" in line["reason"]
+                assert not [x for x in watched.lines(out) if x["event"] == "checkpoint_inspected"]
+
+                watched.still_works()  # the run's own checkpoint after both: read
+                status = process.run_status("no-roots-foreign")
+                assert status is not None
+                refused = next(f for f in status.findings if f.detector == "checkpoint_refused")
+                assert refused.policy == "observe"
+                assert not [a for a in status.actions if a.detector == "checkpoint_refused"]
+            finally:
+                pipe.close()
+    finally:
+        subprocess.run(["rm", "-rf", str(base)], check=False, timeout=60)
 
 
 def test_thousands_of_output_folders_cost_a_bounded_number_of_threads(

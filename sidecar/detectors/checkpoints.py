@@ -12,6 +12,7 @@ from deadweight.sidecar.detectors.spec import (
     ROOT_CAUSES,
     DetectorSpec,
     Evidence,
+    Policy,
     Severity,
     Threshold,
 )
@@ -272,13 +273,18 @@ class CheckpointRefused(SpecDetector):
     spec = DetectorSpec(
         id="checkpoint_refused",
         severity=Severity.WARNING,
+        # Observed, not paged: the run's own uid names the paths, so a page on every
+        # refusal would let any trainer page on-call at will.
+        policy=Policy.OBSERVE,
         scope="artifact",
         summary="Run {run_id} named checkpoints the sidecar refused to read",
-        meaning="a checkpoint folder the run named lies outside the allowed --watch-root "
-        "folders, belongs to another uid, exceeds a header cap or is not a regular file: its "
-        "checkpoints were not audited",
-        fires_when="a client-named checkpoint path was refused (outside `--watch-root`, owned "
-        "by another uid than the run's, header or tensor count over its cap, a FIFO or symlink)",
+        meaning="a checkpoint folder the run named belongs to another uid than the run's, lies "
+        "outside the allowed --watch-root folders, exceeds a header cap or is not a regular "
+        "file: its checkpoints were not audited",
+        fires_when="a client-named checkpoint path was refused (its folder or a file in it "
+        "owned by another uid than the run's attested one, an unattested run without "
+        "`--watch-root`, outside `--watch-root`, header or tensor count over its cap, a FIFO "
+        "or symlink)",
         cadence="every refused path",
         evidence=(Evidence("checkpoints_total"),),
     )

@@ -291,8 +291,9 @@ class Registry:
             self._events.watcher = watcher
             for entry in self._table:
                 folder = EventApplier.watched(entry.state)
-                if folder:
-                    watcher.watch(entry.state.run_id, folder)
+                if folder:  # restored runs keep their attested uid (checkpoints are its own)
+                    uids = [i.uid for i in entry.identities.values()]
+                    watcher.watch(entry.state.run_id, folder, owner_uid=min(uids, default=None))
 
     def record_refusal(self, run_id: str, path: str, reason: str) -> bool:
         """A checkpoint path of the run was not read (the watcher's refusal): a finding."""

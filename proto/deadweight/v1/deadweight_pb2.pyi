@@ -451,3 +451,25 @@ class Finding(_message.Message):
     evidence: _containers.ScalarMap[str, str]
     policy: str
     def __init__(self, detector: _Optional[str] = ..., severity: _Optional[str] = ..., firing: _Optional[bool] = ..., step: _Optional[int] = ..., summary: _Optional[str] = ..., evidence: _Optional[_Mapping[str, str]] = ..., policy: _Optional[str] = ...) -> None: ...
+
+class SignSummaryRequest(_message.Message):
+    __slots__ = ("run_id", "attestation", "adapter", "step")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTESTATION_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    attestation: str
+    adapter: AdapterDigest
+    step: int
+    def __init__(self, run_id: _Optional[str] = ..., attestation: _Optional[str] = ..., adapter: _Optional[_Union[AdapterDigest, _Mapping]] = ..., step: _Optional[int] = ...) -> None: ...
+
+class SignSummaryResponse(_message.Message):
+    __slots__ = ("body", "signature", "key_id")
+    BODY_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    body: bytes
+    signature: bytes
+    key_id: str
+    def __init__(self, body: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., key_id: _Optional[str] = ...) -> None: ...

@@ -45,6 +45,11 @@ class MonitorServiceStub:
                 request_serializer=deadweight_dot_v1_dot_deadweight__pb2.StatusRequest.SerializeToString,
                 response_deserializer=deadweight_dot_v1_dot_deadweight__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.SignSummary = channel.unary_unary(
+                '/deadweight.v1.MonitorService/SignSummary',
+                request_serializer=deadweight_dot_v1_dot_deadweight__pb2.SignSummaryRequest.SerializeToString,
+                response_deserializer=deadweight_dot_v1_dot_deadweight__pb2.SignSummaryResponse.FromString,
+                _registered_method=True)
 
 
 class MonitorServiceServicer:
@@ -65,6 +70,15 @@ class MonitorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SignSummary(self, request, context):
+        """SignSummary answers a run's own process with the run summary a promotion gate checks
+        (`deadweight-summary.json`): the verdicts, actions and end reason from the sidecar's own
+        state, the adapter digest the process is about to write beside, signed by the sidecar.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MonitorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +91,11 @@ def add_MonitorServiceServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=deadweight_dot_v1_dot_deadweight__pb2.StatusRequest.FromString,
                     response_serializer=deadweight_dot_v1_dot_deadweight__pb2.StatusResponse.SerializeToString,
+            ),
+            'SignSummary': grpc.unary_unary_rpc_method_handler(
+                    servicer.SignSummary,
+                    request_deserializer=deadweight_dot_v1_dot_deadweight__pb2.SignSummaryRequest.FromString,
+                    response_serializer=deadweight_dot_v1_dot_deadweight__pb2.SignSummaryResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -134,6 +153,33 @@ class MonitorService:
             '/deadweight.v1.MonitorService/Status',
             deadweight_dot_v1_dot_deadweight__pb2.StatusRequest.SerializeToString,
             deadweight_dot_v1_dot_deadweight__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SignSummary(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deadweight.v1.MonitorService/SignSummary',
+            deadweight_dot_v1_dot_deadweight__pb2.SignSummaryRequest.SerializeToString,
+            deadweight_dot_v1_dot_deadweight__pb2.SignSummaryResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -8,6 +8,7 @@ README's detector table, and the annotations of the pages the sidecar pushes its
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -62,8 +63,10 @@ class DetectorSpec:
     """Identity, wording, thresholds and evidence of one detector.
 
     ``summary`` is a one-line page title with a ``{run_id}`` placeholder; ``meaning`` says in
-    one sentence what went wrong (alert description, runbook index); ``fires_when`` is the
-    README's Markdown cell; ``cadence`` fills the threshold cell when there is no threshold.
+    one sentence what went wrong (alert description, runbook index); ``fix`` says in one
+    sentence what to change (the runbook's "How to fix" in short: the trainer's console line and
+    the runbook index); ``fires_when`` is the README's Markdown cell; ``cadence`` fills the
+    threshold cell when there is no threshold.
     """
 
     id: str
@@ -72,6 +75,7 @@ class DetectorSpec:
     meaning: str
     fires_when: str
     evidence: tuple[Evidence, ...]
+    fix: str
     policy: Policy = Policy.PAGE
     latching: bool = False
     scope: Scope = "run"
@@ -96,3 +100,38 @@ class DetectorSpec:
 #: Root causes of "nothing learns": while one fires for a run, its symptoms (zero reward
 #: spread, unchanged checkpoints, ...) would only page twice for the same fault.
 ROOT_CAUSES = ("frozen_weights", "empty_optimizer")
+
+
+#: Every detector in the order a person should read its verdicts: a cause before the symptoms
+#: it produces (what was set up wrong before step 1, then what the steps show, the frozen
+#: weights, their symptoms, and last what the run wrote). Consistent with ``inhibited_by``: a
+#: root cause comes before every detector it inhibits. Console, status, report, summary and
+#: inspect all list verdicts through ``root_causes_first``.
+CAUSES_FIRST: tuple[str, ...] = (
+    # set up wrong at train begin
+    "empty_optimizer", "resume_lost_adapter", "inactive_adapter", "partial_target_modules",
+    "lora_lr_too_low", "embedding_resized", "unsaved_head", "stop_token_untrained",
+    "dataset_shrunk", "adalora_not_allocated", "sharding_fallback", "kl_missing", "no_kl_anchor",
+    # what the steps show that stops learning
+    "nonfinite_loss", "optimizer_steps_skipped", "zero_gradient", "low_precision_update",
+    "stalled",
+    # the headline verdict, then its symptoms
+    "frozen_weights", "grad_not_in_optimizer", "zero_reward_variance", "decay_only_update",
+    "kl_stuck_zero", "entropy_collapse", "completion_length_collapse", "completions_truncated",
+    "dpo_likelihood_collapse",
+    # what the run wrote
+    "checkpoint_unchanged", "adapter_never_trained", "empty_adapter", "adapter_bloat",
+    "pickle_checkpoint", "checkpoint_refused",
+)
+_CAUSE_RANK = {detector: rank for rank, detector in enumerate(CAUSES_FIRST)}
+
+
+def cause_rank(detector_id: str) -> int:
+    """Where a detector's verdict goes in a list (lower first); unknown ids go last."""
+    return _CAUSE_RANK.get(detector_id, len(_CAUSE_RANK))
+
+
+def root_causes_first(detector_ids: Iterable[str]) -> list[str]:
+    """The ids once each, root causes before their symptoms (``CAUSES_FIRST``); ids it does
+    not know keep their given order after the known ones."""
+    return sorted(dict.fromkeys(detector_ids), key=cause_rank)

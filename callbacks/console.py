@@ -8,13 +8,16 @@ names the root cause, not just the detector that triggered it. At train end a sh
 root causes first.
 
 Lines go out at WARNING (ERROR for critical verdicts): the level a trainer's console shows by
-default, so a verdict is never hidden behind the INFO lines the framework keeps quiet.
+default, so a verdict is never hidden behind the INFO lines the framework keeps quiet. Progress
+bars on the terminal are cleared around each line and redrawn after it, so a line never ends
+up glued to the end of a bar.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 from deadweight.proto import pb
 
@@ -22,6 +25,21 @@ from deadweight.proto import pb
 MAX_VERDICT_LINES = 20
 
 _LEVELS = {"critical": logging.ERROR}
+
+
+@contextmanager
+def _bars_aside() -> Iterator[None]:
+    """Clear the live progress bars (tqdm, the Trainer's) while a line is written."""
+    try:
+        from tqdm import tqdm  # type: ignore[import-untyped]
+    except ImportError:
+        yield
+        return
+    if not getattr(tqdm, "_instances", None):
+        yield
+        return
+    with tqdm.external_write_mode():
+        yield
 
 
 def report_hint(run_id: str) -> str:
@@ -60,6 +78,12 @@ class Console:
         #: The root cause's detector id, when a STOP came.
         self.stop_root: str | None = None
 
+    def _emit(self, level: int, message: str, *args: object) -> None:
+        if not self.logger.isEnabledFor(level):
+            return
+        with _bars_aside():
+            self.logger.log(level, message, *args)
+
     # -- train begin -----------------------------------------------------------------------
 
     def begin(self, monitored: bool, waited: float) -> None:
@@ -67,16 +91,15 @@ class Console:
         self.monitored = monitored
         if monitored:
             if self.speaks:
-                self.logger.warning(
-                    "deadweight: run %s reports to the sidecar at %s; open its report with: %s",
-                    self.run_id, self.address, report_hint(self.run_id))
+                self._emit(logging.WARNING, "deadweight: run %s reports to the sidecar at %s; "
+                           "open its report with: %s", self.run_id, self.address,
+                           report_hint(self.run_id))
             return
         why = ("no sidecar socket at that path" if waited == 0.0
                else f"no answer within {waited:g}s")
-        self.logger.warning(
-            "deadweight: no sidecar answers at %s (%s): run %s is NOT monitored; no verdict "
-            "will be given unless a sidecar comes up while it trains", self.address, why,
-            self.run_id)
+        self._emit(logging.WARNING, "deadweight: no sidecar answers at %s (%s): run %s is NOT "
+                   "monitored; no verdict will be given unless a sidecar comes up while it "
+                   "trains", self.address, why, self.run_id)
 
     def reconnected(self) -> None:
         """A sidecar answered after the begin line said none did (the stream client says so
@@ -96,8 +119,8 @@ class Console:
                 continue
             if self.printed < self.max_lines:
                 self.printed += 1
-                self.logger.log(_LEVELS.get(notice.severity, logging.WARNING), "%s",
-                                verdict_line(notice))
+                self._emit(_LEVELS.get(notice.severity, logging.WARNING), "%s",
+                           verdict_line(notice))
             else:
                 self.held += 1
 
@@ -128,8 +151,8 @@ class Console:
             mark += f" (stop triggered by {directive.detector})"
         self.stopped_by, self.stop_root = mark, root
         fix = f" Fix: {notice.fix.rstrip('.')}." if notice is not None and notice.fix else ""
-        self.logger.error("deadweight STOPPED run %s (%s), root cause %s.%s Report: %s",
-                          self.run_id, how, mark, fix, report_hint(self.run_id))
+        self._emit(logging.ERROR, "deadweight STOPPED run %s (%s), root cause %s.%s Report: %s",
+                   self.run_id, how, mark, fix, report_hint(self.run_id))
         return mark
 
     # -- train end ---------------------------------------------------------------------------
@@ -139,17 +162,16 @@ class Console:
         if not self.speaks:
             return
         if not self.monitored:
-            self.logger.warning("deadweight: run %s ended (%s) at step %d NOT monitored: no "
-                                "verdict was given on it", self.run_id, reason, step)
+            self._emit(logging.WARNING, "deadweight: run %s ended (%s) at step %d NOT "
+                       "monitored: no verdict was given on it", self.run_id, reason, step)
             return
         verdicts = self.ordered()
         if self.held:
-            self.logger.warning("deadweight: %d more verdict lines were not printed (at most "
-                                "%d a run)", self.held, self.max_lines)
+            self._emit(logging.WARNING, "deadweight: %d more verdict lines were not printed "
+                       "(at most %d a run)", self.held, self.max_lines)
         if not verdicts:
-            self.logger.warning("deadweight: run %s ended (%s) at step %d; no verdict; "
-                                "report: %s", self.run_id, reason, step,
-                                report_hint(self.run_id))
+            self._emit(logging.WARNING, "deadweight: run %s ended (%s) at step %d; no verdict; "
+                       "report: %s", self.run_id, reason, step, report_hint(self.run_id))
             return
         now = set(firing)
         listed = ", ".join(
@@ -157,6 +179,6 @@ class Console:
             f"{', firing at end' if n.detector in now else ''})" for n in verdicts)
         stopped = f"; STOPPED by deadweight, root cause {self.stop_root}" if (
             self.stop_root) else ""
-        self.logger.error("deadweight: run %s ended (%s) at step %d with %d verdict(s), root "
-                          "cause first: %s%s; report: %s", self.run_id, reason, step,
-                          len(verdicts), listed, stopped, report_hint(self.run_id))
+        self._emit(logging.ERROR, "deadweight: run %s ended (%s) at step %d with %d "
+                   "verdict(s), root cause first: %s%s; report: %s", self.run_id, reason, step,
+                   len(verdicts), listed, stopped, report_hint(self.run_id))

@@ -237,3 +237,22 @@ def test_the_sidecar_sends_each_incident_once_a_stream_and_again_after_a_reconne
     reconnected = _send(registry, _start(optimizer_tensors=0, optimizer_params=0))
     assert sorted(n.detector for n in reconnected.verdicts) == sorted(
         n.detector for n in first.verdicts) == ["empty_optimizer", "no_kl_anchor"]
+
+
+def test_a_console_line_is_never_glued_to_a_live_progress_bar(
+    capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tqdm import tqdm
+
+    logger = logging.getLogger("deadweight.test-bars")
+    logger.addHandler(logging.StreamHandler())  # the stderr the bar draws on
+    logger.propagate = False
+    bar = tqdm(total=8, file=sys.stderr, mininterval=0)
+    bar.update(3)
+    Console(logger, "r", "unix:///s").notices([_notice("frozen_weights")])
+    bar.update(1)
+    bar.close()
+    err = capsys.readouterr().err
+    before = err[:err.index("deadweight CRITICAL frozen_weights")]
+    # the bar was wiped (carriage return, blanks, carriage return) before the line was written
+    assert re.search(r"it/s\]\r +\r$", before), repr(before[-80:])

@@ -105,7 +105,10 @@ ROOT_CAUSES = ("frozen_weights", "empty_optimizer")
 #: Every detector in the order a person should read its verdicts: a cause before the symptoms
 #: it produces (what was set up wrong before step 1, then what the steps show, the frozen
 #: weights, their symptoms, and last what the run wrote). Consistent with ``inhibited_by``: a
-#: root cause comes before every detector it inhibits. Console, status, report, summary and
+#: root cause comes before every detector it inhibits, with one exception: gradients that no
+#: optimizer applies are why weights stay frozen (the optimizer got the wrong parameters, or
+#: ``requires_grad`` came back after it was built), so ``grad_not_in_optimizer`` reads before
+#: ``frozen_weights`` though its page waits for it. Console, status, report, summary and
 #: inspect all list verdicts through ``root_causes_first``.
 CAUSES_FIRST: tuple[str, ...] = (
     # set up wrong at train begin
@@ -116,7 +119,7 @@ CAUSES_FIRST: tuple[str, ...] = (
     "nonfinite_loss", "optimizer_steps_skipped", "zero_gradient", "low_precision_update",
     "stalled",
     # the headline verdict, then its symptoms
-    "frozen_weights", "grad_not_in_optimizer", "zero_reward_variance", "decay_only_update",
+    "grad_not_in_optimizer", "frozen_weights", "zero_reward_variance", "decay_only_update",
     "kl_stuck_zero", "entropy_collapse", "completion_length_collapse", "completions_truncated",
     "dpo_likelihood_collapse",
     # what the run wrote

@@ -151,6 +151,8 @@ class Console:
             mark += f" (stop triggered by {directive.detector})"
         self.stopped_by, self.stop_root = mark, root
         fix = f" Fix: {notice.fix.rstrip('.')}." if notice is not None and notice.fix else ""
+        if not self.speaks:  # rank 0 says it for the run
+            return mark
         self._emit(logging.ERROR, "deadweight STOPPED run %s (%s), root cause %s.%s Report: %s",
                    self.run_id, how, mark, fix, report_hint(self.run_id))
         return mark

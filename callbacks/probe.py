@@ -234,7 +234,7 @@ class RunProbe:
                 f"deadweight: no sidecar answered at {self.address} within "
                 f"{self.start_timeout_seconds}s and require_sidecar=True"
             )
-        else:
+        elif not self.client.connects:
             self.client.unreachable_told = True  # said now, on the console, not at train end
         self.console.begin(connected, wait)
 

@@ -418,9 +418,11 @@ class StreamClient:
             responses = stub.Stream(self._requests(), metadata=self._metadata)
             self._connected.set()
             self.connects += 1
-            if self._warned:
-                log.warning("deadweight: sidecar at %s reachable again", self.address)
+            if self._warned or self.unreachable_told:
+                log.warning("deadweight: sidecar at %s reachable again; run %s is monitored "
+                            "from here on", self.address, self.run_id)
                 self._warned = False
+                self.unreachable_told = False  # a later outage is warned again
             for response in responses:
                 self._on_response(response)
         finally:

@@ -256,3 +256,50 @@ def test_a_console_line_is_never_glued_to_a_live_progress_bar(
     before = err[:err.index("deadweight CRITICAL frozen_weights")]
     # the bar was wiped (carriage return, blanks, carriage return) before the line was written
     assert re.search(r"it/s\]\r +\r$", before), repr(before[-80:])
+
+
+def test_a_sidecar_that_comes_up_later_judges_the_run_from_then_on(
+    tmp_path: Path, deadweight_log: io.StringIO
+) -> None:
+    """Not monitored at start, said at once; the sidecar starts while the loop trains: the
+    console says the run is monitored from then on, and the end summary is no longer
+    "NOT monitored"."""
+    import deadweight
+    from deadweight.callbacks.stream_client import ClientSettings
+    from tests.inprocess_sidecar import InProcessSidecar
+    from tests.realprocs import wait_for
+
+    socket_path = tmp_path / "late.sock"
+    model = raw_loop_worker._net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=raw_loop_worker.LR)
+    settings = ClientSettings(backoff_initial_seconds=0.05, backoff_max_seconds=0.2,
+                              connect_timeout_seconds=0.5)
+    late = None
+    try:
+        with deadweight.watch(model, optimizer, run_id="late-sidecar",
+                              address=f"unix://{socket_path}", settings=settings) as monitor:
+            assert "run late-sidecar is NOT monitored" in deadweight_log.getvalue()
+            late = InProcessSidecar(socket_path).start()
+            step = 0
+            client = monitor.client
+            assert client is not None
+
+            def one_step() -> bool:
+                nonlocal step
+                step += 1
+                optimizer.zero_grad()
+                model(torch.randn(4, 8)).pow(2).mean().backward()
+                optimizer.step()
+                monitor.log(step, loss=1.0)
+                return client.connects > 0
+
+            wait_for(one_step, 20, what="the late sidecar's first answer")
+        said = deadweight_log.getvalue()
+        assert "reachable again; run late-sidecar is monitored from here on" in said, said
+        assert "unreachable" not in said
+        assert "deadweight: run late-sidecar ended (completed)" in said
+        assert "NOT monitored: no verdict" not in said
+        assert late.seen("late-sidecar").ended
+    finally:
+        if late is not None:
+            late.stop()

@@ -71,22 +71,24 @@ def runbook_index() -> str:
         "Edit a runbook here, or a detector's `spec`, then regenerate the rules, their tests,",
         f"the Alertmanager example, this index and the packaged copy with `{COMMAND}`.",
         "",
-        "| alert | severity | resolves | runbook | what it means |",
-        "|---|---|---|---|---|",
+        "| alert | severity | resolves | runbook | what it means | the fix |",
+        "|---|---|---|---|---|---|",
     ]
     for d in SPECS:
         resolves = ("when the run ends or recovers" if d.scope == "run"
                     else "when the finished run expires")
         lines.append(f"| {alert_name(d.id)} | {d.severity.value} | {resolves} | "
-                     f"[{d.runbook}]({d.runbook}) | {d.meaning} |")
+                     f"[{d.runbook}]({d.runbook}) | {d.meaning} | {d.fix} |")
     about = {SIDECAR_DOWN: ("when scraped again",
-                            "the sidecar is down or no scrape target matches"),
+                            "the sidecar is down or no scrape target matches",
+                            "restart `deadweight serve`; runs keep training and reconnect"),
              RUN_STALE: ("when steps resume or the run ends",
-                         "an active run made no optimizer step for too long")}
+                         "an active run made no optimizer step for too long",
+                         "find the hung rank or generation, or raise `--stale-seconds`")}
     for alert in MONITORING:
-        resolves, meaning = about[alert]
+        resolves, meaning, fix = about[alert]
         lines.append(f"| {alert.name} | critical | {resolves} | "
-                     f"[{alert.runbook}.md]({alert.runbook}.md) | {meaning} |")
+                     f"[{alert.runbook}.md]({alert.runbook}.md) | {meaning} | {fix} |")
     return "\n".join(lines) + "\n"
 
 

@@ -25,7 +25,10 @@ hook                       what it reports
 Settings come from arguments or ``DEADWEIGHT_ADDRESS``, ``DEADWEIGHT_RUN_ID``,
 ``DEADWEIGHT_TOKEN`` and ``DEADWEIGHT_TLS_CA`` (the CA file for a TCP sidecar). The callback
 decides nothing: the sidecar does, and may answer with a STOP (training ends gracefully) or
-ABORT (raised at the next hook) directive.
+ABORT (raised at the next hook) directive. After a STOP, ``callback.stopped_by_deadweight``
+holds the root cause and reason (None otherwise), and ``trainer.state.log_history`` has an
+entry with ``deadweight/stopped_by`` (the root cause's detector id) and
+``deadweight/stop_reason``.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.utils import logging as hf_logging
 
 from deadweight.callbacks import (
     dataset_rows,
@@ -66,6 +70,8 @@ from deadweight.callbacks.update_probe import UpdateProbe
 from deadweight.proto import pb
 
 log = logging.getLogger("deadweight")
+#: The trainer's console lines go through transformers' logging (its verbosity applies).
+console_log = hf_logging.get_logger("transformers.deadweight")
 
 T = TypeVar("T")
 
@@ -125,7 +131,10 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
     ) -> None:
         self._run = RunProbe(address, run_id, token, tls_ca=tls_ca, settings=settings,
                              require_sidecar=require_sidecar,
-                             start_timeout_seconds=start_timeout_seconds)
+                             start_timeout_seconds=start_timeout_seconds,
+                             console_logger=console_log)
+        #: Why deadweight stopped this run (its root cause first), None unless it did.
+        self.stopped_by_deadweight: str | None = None
         self._abort: str | None = None
         self._agreement: StopAgreement | None = None
         self._stop_proposed = False
@@ -216,12 +225,12 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
             resume=_optional_fact(resume.check, output_dir, int(state.global_step or 0)),
             dataset_rows=_optional_fact(dataset_rows.count, train_dataloader),
         )
-        self._apply_directives(control)
+        self._apply_directives(control, state)
 
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
-        self._directives(control)
+        self._directives(control, state)
 
     @shielded
     def on_pre_optimizer_step(
@@ -251,7 +260,7 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
-        self._directives(control)
+        self._directives(control, state)
         if self._agreement is not None and self._agreement.step_end(self._stop_proposed):
             control.should_training_stop = True  # every rank, after this same step
 
@@ -269,7 +278,7 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
         self._run.log(state.global_step, logs)
         if self._trainer_logs:
             logs.update(self._run.logger_keys())  # after sending: the sidecar has its own
-        self._apply_directives(control)
+        self._apply_directives(control, state)
 
     @shielded
     def on_save(
@@ -321,6 +330,18 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
                                self._run.token, self._run.tls_root(),
                                timeout=SUMMARY_TIMEOUT_SECONDS)
 
+    def _mark_stopped(self, directive: pb.Directive, state: TrainerState, how: str) -> None:
+        """Say the STOP once (root cause first) and leave the mark a script can read."""
+        if self.stopped_by_deadweight is not None:
+            return
+        self.stopped_by_deadweight = self._run.stopped(directive, how)
+        root = self._run.console.stop_root if self._run.console is not None else None
+        state.log_history.append({
+            "deadweight/stopped_by": root or directive.detector,
+            "deadweight/stop_reason": self.stopped_by_deadweight,
+            "step": state.global_step,
+        })
+
     def _disable(self, hook: str) -> None:
         """Log our failure once and stop monitoring this run; training goes on."""
         self._disabled = True
@@ -331,23 +352,23 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
     # -- directives --------------------------------------------------------------------------
 
     @shielded
-    def _directives(self, control: TrainerControl) -> None:
-        self._apply_directives(control)
+    def _directives(self, control: TrainerControl, state: TrainerState) -> None:
+        self._apply_directives(control, state)
 
-    def _apply_directives(self, control: TrainerControl) -> None:
+    def _apply_directives(self, control: TrainerControl, state: TrainerState) -> None:
         """STOP ends training gracefully; ABORT raises inside the training loop."""
         if self._abort is not None:
             raise DeadweightAbort(self._abort)
         for directive in self._run.directives():
             reason = f"deadweight {directive.detector}: {directive.reason}"
-            if directive.action == pb.Directive.ACTION_STOP and self._agreement is not None:
-                if not self._stop_proposed:  # ranks see it a step apart: agree on one step
-                    log.warning("%s; stopping training on every rank", reason)
-                self._stop_proposed = True
-            elif directive.action == pb.Directive.ACTION_STOP:
-                if not control.should_training_stop:
-                    log.warning("%s; stopping training", reason)
-                control.should_training_stop = True
+            if directive.action == pb.Directive.ACTION_STOP:
+                every_rank = self._agreement is not None
+                self._mark_stopped(directive, state, "stopping training on every rank at the "
+                                   "same step" if every_rank else "stopping training")
+                if every_rank:  # ranks see it a step apart: agree on one step
+                    self._stop_proposed = True
+                else:
+                    control.should_training_stop = True
             elif directive.action == pb.Directive.ACTION_ABORT:
                 self._abort = reason
                 raise DeadweightAbort(reason)

@@ -8,7 +8,8 @@ At train start it hands the module and its (first) optimizer to ``deadweight.wat
 membership and every optimizer step are measured by the same hooks as in a raw loop. It adds
 what only Lightning knows: the loss of each batch, the gradient norm just before the step (a
 frozen run with flowing gradients is the headline failure), and the checkpoints Lightning
-saves. A STOP directive sets ``trainer.should_stop``; ABORT raises from the optimizer step.
+saves. A STOP directive sets ``trainer.should_stop`` (and ``callback.stopped_by_deadweight``
+holds its root cause and reason); ABORT raises from the optimizer step.
 """
 
 from __future__ import annotations
@@ -52,6 +53,11 @@ class DeadweightLightningCallback(Callback):  # type: ignore[misc]
         self.start_timeout_seconds = start_timeout_seconds
         self.monitor: Monitor | None = None
         self._grad_norm = 0.0
+
+    @property
+    def stopped_by_deadweight(self) -> str | None:
+        """Why deadweight stopped this run (its root cause first), None unless it did."""
+        return self.monitor.stopped_by_deadweight if self.monitor is not None else None
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         optimizers = list(getattr(trainer, "optimizers", []) or [])

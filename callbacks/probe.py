@@ -24,6 +24,7 @@ from typing import Any, Protocol, TypeVar
 
 from deadweight.callbacks import digest, membership, trainer_logs
 from deadweight.callbacks import layout as layouts
+from deadweight.callbacks.console import Console
 from deadweight.callbacks.heads import HeadFacts
 from deadweight.callbacks.preflight import PreflightFacts
 from deadweight.callbacks.preflight import versions as preflight_versions
@@ -150,6 +151,7 @@ class RunProbe:
         settings: ClientSettings | None = None,
         require_sidecar: bool = False,
         start_timeout_seconds: float = 1.0,
+        console_logger: logging.Logger | None = None,
     ) -> None:
         self.address = address or os.environ.get("DEADWEIGHT_ADDRESS") or DEFAULT_ADDRESS
         self.tls_ca = tls_ca or os.environ.get("DEADWEIGHT_TLS_CA") or None
@@ -168,6 +170,9 @@ class RunProbe:
         self._recent: list[tuple[float, PendingStats]] = []
         #: Detectors that fired during this run, for the trainer-log keys.
         self._ever_fired: set[str] = set()
+        #: Where the trainer's console lines go (the framework's logger); set up at start.
+        self.console_logger = console_logger or log
+        self.console: Console | None = None
 
     def start(
         self,
@@ -217,9 +222,11 @@ class RunProbe:
         )
         self.client = StreamClient(self.address, run_id, rank, to_event, token=self.token,
                                    settings=self.settings, tls_ca=self.tls_ca)
+        self.console = Console(self.console_logger, run_id, self.address, speaks=rank == 0)
         self.client.start(record)
         wait = self.start_timeout_seconds if may_be_listening(self.address) else 0.0
-        if self.client.wait_connected(wait):
+        connected = self.client.wait_connected(wait)
+        if connected:
             self.client.wait_registered(self.start_timeout_seconds)
         elif self.require_sidecar:
             self.client.close(timeout=0.0)
@@ -227,6 +234,9 @@ class RunProbe:
                 f"deadweight: no sidecar answered at {self.address} within "
                 f"{self.start_timeout_seconds}s and require_sidecar=True"
             )
+        elif not self.client.connects:
+            self.client.unreachable_told = True  # said now, on the console, not at train end
+        self.console.begin(connected, wait)
 
     def before_step(self, learning_rate: float) -> None:
         """Snapshot the watched tensors (at the optimizer's pre-step)."""
@@ -278,7 +288,8 @@ class RunProbe:
                     stats.unchanged_tensors, stats.watched_tensors))
                 break
         if self.client is not None:
-            keys.update(trainer_logs.verdict_keys(self.client.firing, self._ever_fired))
+            keys.update(trainer_logs.verdict_keys(self.client.firing, self._ever_fired,
+                                                  monitored=self.client.connected))
         return keys
 
     def log(self, step: int, values: dict[str, Any]) -> None:
@@ -296,9 +307,14 @@ class RunProbe:
         The client stays readable afterwards (its counters tell what was sent and dropped).
         """
         self._release_update()
-        if self.client is not None:
-            self.client.submit_now(EventKind.RUN_END, RunEndRecord(step, reason))
-            self.client.close(timeout=timeout)
+        client = self.client
+        if client is not None:
+            live_firing = client.firing  # run verdicts resolve once the sidecar has the end
+            client.submit_now(EventKind.RUN_END, RunEndRecord(step, reason))
+            client.close(timeout=timeout)
+            self._tell()
+            if self.console is not None:
+                self.console.end(step, reason, (*live_firing, *client.firing))
 
     def _release_update(self) -> None:
         update, self.update = self.update, None
@@ -306,7 +322,29 @@ class RunProbe:
             update.close()
 
     def directives(self) -> list[pb.Directive]:
-        return self.client.take_directives() if self.client is not None else []
+        """The sidecar's new directives, once the verdicts it sent are on the console."""
+        if self.client is None:
+            return []
+        self._tell()
+        return self.client.take_directives()
+
+    def _tell(self) -> None:
+        """Print the verdicts the sidecar sent since the last look (training thread)."""
+        client, console = self.client, self.console
+        if client is None or console is None:
+            return
+        notices = client.take_notices()
+        if notices:
+            console.notices(notices)
+        if not console.monitored and client.connects:
+            console.reconnected()
+
+    def stopped(self, directive: pb.Directive, how: str) -> str:
+        """Say a STOP on the console, naming the root cause; returns the mark a script reads."""
+        firing = self.client.firing if self.client is not None else ()
+        if self.console is None:
+            return f"{directive.detector}: {directive.reason}"
+        return self.console.stopped(directive, firing, how)
 
     def shut_off(self) -> None:
         """Stop measuring and sending at once (after a failure of ours)."""

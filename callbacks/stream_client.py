@@ -107,6 +107,9 @@ def _fetch_attestation_once(socket_path: str, timeout: float) -> str | None:
     return nonce if status == "OK" and nonce else None
 
 
+#: Longest wait at close for a fully acknowledged stream to end by itself.
+_STREAM_END_GRACE_SECONDS = 1.0
+
 #: Longest wait for grpc's connectivity poller to notice nobody watches the channel any more
 #: (it checks every 0.2 s).
 _POLLER_GRACE_SECONDS = 0.5
@@ -134,10 +137,10 @@ class StreamClient:
     __slots__ = (
         "__dict__", "_attest_warned", "_attestation", "_channel", "_closing", "_connected",
         "_directives", "_evicted", "_inflight", "_inflight_dropped", "_last_taken", "_lock",
-        "_marks", "_metadata", "_pending_resend", "_queue", "_ready", "_rejections",
+        "_marks", "_metadata", "_notices", "_pending_resend", "_queue", "_ready", "_rejections",
         "_reported_dropped", "_run_start", "_seq", "_start_acked", "_stop", "_thread",
         "_tls_root", "_to_event", "_wake", "_warned", "address", "connects", "firing",
-        "last_step", "rank", "run_id", "sent", "settings", "submitted",
+        "last_step", "rank", "run_id", "sent", "settings", "submitted", "unreachable_told",
     )
 
     def __init__(
@@ -169,6 +172,8 @@ class StreamClient:
         self._inflight_dropped = 0
         self._inflight: deque[pb.Event] = deque()
         self._directives: deque[pb.Directive] = deque()
+        #: The words of verdicts the sidecar told this stream, for the trainer's console.
+        self._notices: deque[pb.VerdictNotice] = deque(maxlen=1024)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._connected = threading.Event()
@@ -179,6 +184,9 @@ class StreamClient:
         self.last_step = 0
         self._seq = 0
         self._warned = False
+        #: Set when the trainer's console already said that no sidecar answers: the sender
+        #: then adds no warning of its own (it still says when the sidecar comes back).
+        self.unreachable_told = False
         self._closing = False
         self._channel: grpc.Channel | None = None
         #: Detectors firing on this run, as of the sidecar's latest answer.
@@ -230,6 +238,20 @@ class StreamClient:
             taken.append(self._directives.popleft())
         return taken
 
+    def take_notices(self) -> list[pb.VerdictNotice]:
+        """Verdict notices received since the last call."""
+        if not self._notices:
+            return []
+        taken: list[pb.VerdictNotice] = []
+        while self._notices:
+            taken.append(self._notices.popleft())
+        return taken
+
+    @property
+    def connected(self) -> bool:
+        """Whether a stream to the sidecar is open now."""
+        return self._connected.is_set()
+
     def wait_registered(self, timeout: float) -> bool:
         """Wait until the sidecar acknowledged the run start (for directives at train begin)."""
         return self._start_acked.wait(timeout)
@@ -257,6 +279,12 @@ class StreamClient:
         if left and self.connects:
             log.warning("deadweight: %d events not delivered to the sidecar at %s at close",
                         left, self.address)
+        elif self._connected.is_set():
+            # Everything is acknowledged: the request stream ends by itself (nothing left,
+            # closing) and the sidecar then ends its answers. Closing the channel before that
+            # cancels a stream that delivered everything (a false CANCELLED warning).
+            self._thread.join(min(_STREAM_END_GRACE_SECONDS,
+                                  max(0.0, deadline - time.monotonic())))
         self._stop.set()
         self._wake.set()
         ready = self._ready
@@ -343,7 +371,8 @@ class StreamClient:
                     self._warn_unreachable("no answer before the run ended")
             except grpc.RpcError as err:
                 code = err.code() if hasattr(err, "code") else None
-                self._warn_unreachable(str(code))
+                if not (self._stop.is_set() and code == grpc.StatusCode.CANCELLED):
+                    self._warn_unreachable(str(code))  # not close() ending the stream
             except Exception:  # a bug here must never reach the training job
                 log.exception("deadweight: sender failed; retrying")
             finally:
@@ -359,6 +388,8 @@ class StreamClient:
     def _warn_unreachable(self, why: str) -> None:
         if not self._warned:
             self._warned = True
+            if self.unreachable_told:
+                return
             log.warning(
                 "deadweight: sidecar at %s unreachable (%s); training continues unmonitored, "
                 "reports are queued (%d max) and sent when it answers",
@@ -387,9 +418,11 @@ class StreamClient:
             responses = stub.Stream(self._requests(), metadata=self._metadata)
             self._connected.set()
             self.connects += 1
-            if self._warned:
-                log.warning("deadweight: sidecar at %s reachable again", self.address)
+            if self._warned or self.unreachable_told:
+                log.warning("deadweight: sidecar at %s reachable again; run %s is monitored "
+                            "from here on", self.address, self.run_id)
                 self._warned = False
+                self.unreachable_told = False  # a later outage is warned again
             for response in responses:
                 self._on_response(response)
         finally:
@@ -419,6 +452,7 @@ class StreamClient:
                 self._inflight.popleft()
         self._start_acked.set()
         self._directives.extend(response.directives)
+        self._notices.extend(response.verdicts)
         if not rejected:
             self.firing = tuple(response.firing)
 

@@ -12,6 +12,9 @@ key                                       value
 ``deadweight/update_norm``                L2 of the last optimizer step's weight update
 ``deadweight/update_ratio``               scale-free update, L2 / (lr * sqrt(n)); 0 = frozen
 ``deadweight/unchanged_fraction``         share of watched tensors the step left unchanged
+``deadweight/monitored``                  1 while a sidecar judges the run, 0 when none
+                                          answers (then no ``findings`` key: not judged is
+                                          not healthy)
 ``deadweight/findings``                   number of detectors firing on this run now
 ``deadweight/firing/<detector>``          1 while that detector fires (0 once it resolved)
 ========================================  ==================================================
@@ -65,15 +68,20 @@ def step_keys(update_sq_sum: float, learning_rate: float, params: int,
     return keys
 
 
-def verdict_keys(firing: Iterable[str], ever_fired: set[str]) -> dict[str, float]:
-    """``deadweight/findings`` and one key per detector that fired during the run.
+def verdict_keys(firing: Iterable[str], ever_fired: set[str],
+                 monitored: bool = True) -> dict[str, float]:
+    """``deadweight/monitored``, ``deadweight/findings`` and one key per detector that fired.
 
     A detector that resolved keeps its key at 0, so a logger's chart shows when it stopped.
-    ``ever_fired`` is updated in place.
+    Without a sidecar answering there is no verdict to count: ``monitored`` is 0 and no
+    ``findings`` key says 0 (a chart would read it as "judged healthy"). ``ever_fired`` is
+    updated in place.
     """
+    if not monitored:
+        return {PREFIX + "monitored": 0.0}
     now = set(firing)
     ever_fired |= now
-    keys = {PREFIX + "findings": float(len(now))}
+    keys = {PREFIX + "monitored": 1.0, PREFIX + "findings": float(len(now))}
     for detector in sorted(ever_fired):
         keys[f"{PREFIX}firing/{detector}"] = 1.0 if detector in now else 0.0
     return keys

@@ -19,7 +19,10 @@ optimizers) get their ``step`` wrapped on the instance instead; ``close`` restor
 
 Same guarantees as the callback: nothing blocks or raises into the loop except ABORT from the
 sidecar (raised from ``optimizer.step()``) and ``require_sidecar=True`` at start. STOP sets
-``monitor.should_stop``; on a multi-rank run every rank sees it after the same step.
+``monitor.should_stop``; on a multi-rank run every rank sees it after the same step;
+``monitor.stopped_by_deadweight`` then holds the root cause and reason (None otherwise).
+The console lines (run id at start, each verdict, the summary at close) go through Python's
+``logging`` under the ``deadweight`` logger.
 """
 
 from __future__ import annotations
@@ -85,6 +88,8 @@ class Monitor:
         self.optimizer = optimizer
         self.step = 0
         self.should_stop = False
+        #: Why deadweight stopped this run (its root cause first), None unless it did.
+        self.stopped_by_deadweight: str | None = None
         self._run = RunProbe(address, run_id, token, tls_ca=tls_ca, settings=settings,
                              require_sidecar=require_sidecar,
                              start_timeout_seconds=start_timeout_seconds)
@@ -249,8 +254,9 @@ class Monitor:
         for directive in self._run.directives():
             reason = f"deadweight {directive.detector}: {directive.reason}"
             if directive.action == pb.Directive.ACTION_STOP:
-                if not (self._stop_proposed or self.should_stop):
-                    log.warning("%s; monitor.should_stop is set", reason)
+                if self.stopped_by_deadweight is None:
+                    self.stopped_by_deadweight = self._run.stopped(
+                        directive, "monitor.should_stop is set")
                 if self._agreement is not None:
                     self._stop_proposed = True
                 else:

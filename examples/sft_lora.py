@@ -6,7 +6,8 @@
 
 Start a sidecar first (``deadweight serve --socket /tmp/dw.sock``) and point the callback at it
 with ``DEADWEIGHT_ADDRESS=unix:///tmp/dw.sock``; without one, training runs and the callback
-warns once. The only deadweight line is ``callbacks=[DeadweightCallback()]``.
+says at train begin that the run is NOT monitored. The only deadweight line is
+``callbacks=[DeadweightCallback()]``.
 """
 
 from __future__ import annotations

@@ -227,6 +227,15 @@ class Sidecar:
             self.store.close()
 
 
+def _console_runbooks(config: SidecarConfig) -> str:
+    """The runbook links the trainer's console prints: the configured pattern, or with the
+    default pattern, this sidecar's own /runbooks/ pages on the address it really serves."""
+    served = config.server.metrics_address
+    if config.runbook_url_pattern != DEFAULT_RUNBOOK_URL_PATTERN or not served:
+        return config.runbook_url_pattern
+    return f"http://{served}/runbooks/{{detector}}"
+
+
 def build(config: SidecarConfig) -> Sidecar:
     """Every part of a sidecar, in dependency order, from its configuration."""
     store = Store(config.state_dir)
@@ -251,7 +260,8 @@ def build(config: SidecarConfig) -> Sidecar:
                         allow_unattested=config.allow_unattested,
                         silent_run_seconds=config.silent_run_seconds,
                         trainer_uids=config.trainer_uids, max_ranks=config.max_ranks,
-                        history_queue=history_queue)
+                        history_queue=history_queue,
+                        runbook_url_pattern=_console_runbooks(config))
     enforcer = Enforcer(registry, store, actions, stop_grace_seconds=config.stop_grace_seconds,
                         kill_grace_seconds=config.kill_grace_seconds)
     return Sidecar(registry, actions, config.server, enforcer=enforcer, pager=pager,

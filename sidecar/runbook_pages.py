@@ -76,36 +76,17 @@ def page(path: str) -> bytes | None:
     return None if name is None else _render(name)
 
 
-_FIX_HEADING = "## How to fix"
-_LINK = re.compile(r"\[([^\]]+)\]\([^)]*\)")
 
 
-@functools.cache
 def fix_sentence(detector: str) -> str:
-    """The fix of one detector in one sentence: the first step of its runbook's "How to fix"
-    section (Markdown links reduced to their text, backticks kept).
+    """The fix of one detector as a sentence: its spec's ``fix`` (the one source of the fix
+    wording wherever a verdict is told: console, report, pages, runbook index), capitalised and
+    closed. '' for an id that is no detector."""
+    from deadweight.sidecar.detectors import BY_ID
 
-    The one source of the fix wording wherever a verdict is told (report, console, pages), so
-    it cannot drift from the runbook on-call reads. '' for a detector without a runbook.
-    """
-    if detector not in names() or detector == INDEX:
+    found = BY_ID.get(detector)
+    if found is None:
         return ""
-    _, found, section = _markdown(detector).partition(_FIX_HEADING + "\n")
-    if not found:
-        return ""
-    section = section.split("\n## ", 1)[0]
-    items: list[list[str]] = []
-    for line in section.splitlines():
-        stripped = line.strip()
-        if line.startswith("- "):
-            items.append([stripped[2:]])
-        elif items and stripped and line.startswith("  "):
-            items[-1].append(stripped)
-        elif items and not stripped:
-            continue
-        elif items:
-            break
-    first = " ".join(items[0]) if items else " ".join(
-        section.strip().split("\n\n", 1)[0].split())
-    sentence = _LINK.sub(r"\1", first).strip()
-    return sentence if sentence.endswith(".") else sentence + "."
+    fix = found.spec.fix.strip()
+    fix = fix[:1].upper() + fix[1:]
+    return fix if fix.endswith(".") else fix + "."

@@ -168,6 +168,7 @@ class _Throwaway(SpecDetector):
         id="throwaway_probe", severity=Severity.WARNING,
         summary="Run {run_id} trips the throwaway probe",
         meaning="the throwaway probe saw its own reflection",
+        fix="look away from the mirror",
         fires_when="never in production", cadence="at once",
         thresholds=(Threshold("frozen_steps", "optimizer steps", "borrowed"),),
         evidence=(Evidence("update_norm", 0), Evidence("loss")),

@@ -269,7 +269,8 @@ def test_unmappable_deepspeed_optimizer_is_unknown_not_empty(
         membership = monitor._run.membership
         assert membership is not None and membership.layout == "unknown"
         assert membership.trainable_params == 4 * 2 + 2
-    warnings = [r.getMessage() for r in caplog.records if r.name == "deadweight"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "deadweight"
+                and not r.getMessage().startswith(f"deadweight: run {run_id} ")]  # console
     assert len(warnings) == 1 and "membership is reported as unknown" in warnings[0]
     # By identity the flat partition is no parameter of the model: both trainable tensors
     # would count as outside the optimizer (a false grad_not_in_optimizer page).
@@ -312,6 +313,11 @@ def test_stop_directive_sets_should_stop(stopping_sidecar: SidecarProcess) -> No
                           address=stopping_sidecar.address) as monitor:
         ran = _tiny_loop(model, optimizer, monitor, 40, url)
     assert monitor.should_stop and ran < 40
+    # the trigger is frozen_weights; the cause, the head's gradients no optimizer applies
+    assert monitor.stopped_by_deadweight is not None
+    assert monitor.stopped_by_deadweight.startswith("grad_not_in_optimizer: "), \
+        monitor.stopped_by_deadweight
+    assert monitor.stopped_by_deadweight.endswith("(stop triggered by frozen_weights)")
     run = stopping_sidecar.run_status("watch-stop")
     assert run is not None and run.ended
     frozen = {f.detector: f for f in run.findings}["frozen_weights"]

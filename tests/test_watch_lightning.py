@@ -74,3 +74,28 @@ def test_lightning_run(mode: str, sidecar: SidecarProcess, tmp_path: Path) -> No
     else:
         assert findings["frozen_weights"].evidence["update_norm"] == "0"
         assert firing.get("frozen_weights") == 1.0
+
+
+@pytest.mark.slow
+def test_lightning_stop_names_the_root_cause(stopping_sidecar: SidecarProcess,
+                                             tmp_path: Path) -> None:
+    """Under a stop policy the frozen Lightning run ends early and the callback says why:
+    the gradients its optimizer never applies, the cause of the frozen weights."""
+    import lightning.pytorch as pl
+
+    from deadweight.callbacks.lightning import DeadweightLightningCallback
+
+    steps = 40
+    torch.manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(4 * steps, 8), torch.randn(4 * steps, 4))
+    callback = DeadweightLightningCallback(address=stopping_sidecar.address,
+                                           run_id="lightning-stop")
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=str(tmp_path),
+                         callbacks=[callback])
+    trainer.fit(_module("frozen"), torch.utils.data.DataLoader(data, batch_size=4))
+    assert trainer.global_step < steps
+    mark = callback.stopped_by_deadweight
+    assert mark is not None and mark.startswith("grad_not_in_optimizer: "), mark
+    assert mark.endswith("(stop triggered by frozen_weights)")

@@ -83,6 +83,8 @@ class CheckpointUnchanged(SpecDetector):
         summary="Run {run_id} writes checkpoints identical to the initial adapter",
         meaning="the saved adapter tensors hash equal to the previous or initial ones: the run "
         "produces nothing new",
+        fix="fix the root cause (usually `is_trainable=True`), retrain, and gate promotion on "
+        "`deadweight inspect`",
         fires_when="the latest checkpoint's adapter bytes (per-tensor xxh3-128) equal the "
         "previous checkpoint's or the initial adapter's",
         cadence="every checkpoint after a step that should have moved weights",
@@ -126,6 +128,8 @@ class AdapterNeverTrained(_InspectedCheckpoint):
         meaning="every adapted module of the saved adapter is still at its PEFT method's "
         "untrained identity (LoRA B = 0, IA3 ones, ...): the adapter is the identity it "
         "started as",
+        fix="load adapters for training with `is_trainable=True`, check the learning rate left 0, "
+        "and gate promotion on `deadweight inspect`",
         fires_when="every adapted module of the saved adapter is exactly at its method's "
         "untrained identity, read per `peft_type` (LoRA/DoRA `lora_B` = 0, AdaLoRA `lora_E` = "
         "0, IA3 `ia3_l` = 1, LoHa/LoKr/VeRA/OFT factor = 0, BOFT `boft_R` = 0 and `boft_s` = "
@@ -164,6 +168,8 @@ class AdapterBloat(_InspectedCheckpoint):
         summary="Run {run_id} saves an adapter with full base-model tensors",
         meaning="the adapter file holds base-model tensors (embed_tokens, lm_head, wte) and is "
         "far larger than its own adapter weights",
+        fix="do not resize the embeddings for a pad token (reuse eos), or train only the new rows "
+        "with `trainable_token_indices`",
         fires_when="the saved adapter holds tensors that are not its PEFT method's own "
         "(`embed_tokens`, `lm_head`, `wte`) with more parameters than the method's tensors",
         thresholds=(Threshold("adapter_bloat_ratio", "ratio",
@@ -209,6 +215,8 @@ class EmptyAdapter(_InspectedCheckpoint):
         summary="Run {run_id} saved an empty adapter",
         meaning="the checkpoint's weights file holds no tensor, only tensors without an element, "
         "or no bytes at all (a partitioned ZeRO-3/FSDP save that was never gathered)",
+        fix="gather the full weights at save (ZeRO-3: `stage3_gather_16bit_weights_on_model_save: "
+        "true`; FSDP: `FULL_STATE_DICT`)",
         fires_when="the inspected weights file is 0 bytes, holds no tensor, or every tensor has "
         "a 0 in its shape",
         cadence="every inspected checkpoint",
@@ -245,6 +253,8 @@ class PickleCheckpoint(_InspectedCheckpoint):
         summary="Run {run_id} wrote a pickle checkpoint",
         meaning="a checkpoint holds a pickle file (adapter_model.bin / pytorch_model.bin); "
         "loading it can run arbitrary code",
+        fix="save with safetensors (`save_safetensors=True`, `safe_serialization=True`) and never "
+        "load an untrusted pickle",
         fires_when="a checkpoint holds pickled weights (`adapter_model.bin`, `*.pt`, ...); the "
         "Trainer's own resume files (`training_args.bin`, `optimizer.pt`, `scheduler.pt`, "
         "`rng_state*.pth`) are not counted",
@@ -285,6 +295,8 @@ class CheckpointRefused(SpecDetector):
         "owned by another uid than the run's attested one, an unattested run without "
         "`--watch-root`, outside `--watch-root`, header or tensor count over its cap, a FIFO "
         "or symlink)",
+        fix="write checkpoints as the training uid, into the run's own output folder (and under "
+        "a `deadweight serve --watch-root DIR` where one is set)",
         cadence="every refused path",
         evidence=(Evidence("checkpoints_total"),),
     )

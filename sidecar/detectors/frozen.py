@@ -52,6 +52,8 @@ class FrozenWeights(SpecDetector):
         summary="Run {run_id} reports a live loss but its weights do not move",
         meaning="optimizer steps with lr > 0, finite loss and grad_norm > 0 left every "
         "trainable weight unchanged",
+        fix="stop the run and fix what froze it: resume adapters with `is_trainable=True`, or let "
+        "the trainer wrap the model (`peft_config=LoraConfig(...)`)",
         fires_when="consecutive optimizer steps at lr > 0 moved no weight (or the scale-free "
         "ratio `update_L2/(lr·√n)` fell below its floor) while the loss was finite and the "
         "gradient flowed or the optimizer was empty",

@@ -26,6 +26,8 @@ class NonfiniteLoss(SpecDetector):
         severity=Severity.CRITICAL,
         summary="Run {run_id} reports a NaN or infinite loss or grad norm",
         meaning="the loss or the gradient norm is not finite; every later update is garbage",
+        fix="resume from the last finite checkpoint with a lower learning rate and gradient "
+        "clipping (`max_grad_norm=1.0`), preferring `bf16=True` over `fp16=True`",
         fires_when="the latest `loss` or `grad_norm` is NaN/inf, or an update wrote non-finite "
         "weights",
         evidence=(Evidence("loss", float("inf")), Evidence("grad_norm"), Evidence("step")),
@@ -99,6 +101,8 @@ class Stalled(SpecDetector):
         meaning="no message at all arrived within the stall window (the process is gone or "
         "frozen), or heartbeats still arrive but no optimizer step did (the training loop is "
         "hung)",
+        fix="find the hung rank, generation or data loader worker, then restart from the last good "
+        "checkpoint",
         fires_when="a live run sent no message at all (step, log, heartbeat), or its loop made "
         "no optimizer step while heartbeats still arrive",
         thresholds=(Threshold("stalled_seconds", "seconds",
@@ -151,6 +155,8 @@ class DecayOnlyUpdate(SpecDetector):
         summary="Run {run_id} moves its weights by weight decay alone",
         meaning="weights change while the gradient norm is zero: the movement is decay, not "
         "learning",
+        fix="fix the zero gradient at its source (reward spread for GRPO, labels that are not all "
+        "-100 for SFT); `weight_decay=0` only hides it",
         fires_when="weights move while the logged `grad_norm` is exactly 0 and weight decay "
         "> 0: decay, not learning",
         thresholds=(Threshold("decay_only_steps", "logged steps",

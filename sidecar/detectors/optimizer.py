@@ -32,6 +32,8 @@ class EmptyOptimizer(SpecDetector):
         latching=True,
         summary="Run {run_id} trains with an optimizer that holds no parameters",
         meaning="the optimizer was built with zero parameters, so no step can change the model",
+        fix="load the adapter with `PeftModel.from_pretrained(base, path, is_trainable=True)` (or "
+        "pass `peft_config=` to the trainer) and restart the run",
         fires_when="at train begin the optimizer holds 0 parameters (e.g. "
         "`PeftModel.from_pretrained` without `is_trainable=True`)",
         evidence=(Evidence("optimizer_params", 0), Evidence("trainable_params", 0),
@@ -78,6 +80,8 @@ class GradNotInOptimizer(SpecDetector):
         summary="Run {run_id} computes gradients for parameters its optimizer does not hold",
         meaning="parameters receive gradients (grad_norm looks alive) but are not in the "
         "optimizer, so they are never updated",
+        fix="load the adapter with `is_trainable=True` and set every adapter and `requires_grad` "
+        "before the trainer builds its optimizer",
         fires_when="parameters require grad at train begin but are not in the optimizer, or "
         "carry a `.grad` at an optimizer step while the optimizer lacks them (F1 under GRPO "
         "with beta > 0: the reference pass re-enables `requires_grad`)",
@@ -162,6 +166,8 @@ class InactiveAdapter(SpecDetector):
         summary="Run {run_id} trains an adapter other than the one it saves",
         meaning="an adapter the run was configured to train is not active or not in the "
         "optimizer (never activated, or switched by set_adapter mid-run)",
+        fix="activate the adapter to train (`model.set_adapter(name)`, loaded with "
+        "`is_trainable=True`) before building the trainer, and never switch it during training",
         fires_when="an adapter has tensors but none in the optimizer while another trains; or "
         "an adapter the optimizer holds stays unchanged while gradients go elsewhere "
         "(`set_adapter` mid-run). TRL's `ref` copy under GRPO/DPO is exempt",

@@ -34,6 +34,8 @@ class KlMissing(SpecDetector):
         severity=Severity.WARNING,
         summary="Run {run_id} was configured with a KL penalty but logs no KL",
         meaning="beta > 0 but no `kl` value arrives, so the KL anchor cannot be checked",
+        fix="pass `beta` straight to the trainer config (`GRPOConfig(beta=0.04)`) and make sure "
+        "the trainer logs (`logging_steps`)",
         fires_when="beta > 0 but no `kl` key in the logs (beta set where the trainer never read "
         "it)",
         thresholds=(Threshold("kl_missing_logs", "log reports",
@@ -70,6 +72,8 @@ class KlStuckZero(SpecDetector):
         summary="Run {run_id} logs a KL of exactly 0 after the first step",
         meaning="KL to the reference stays exactly 0: the policy equals the reference, so it is "
         "not moving (or the reference is the policy itself)",
+        fix="fix frozen weights first (`is_trainable=True`); with a full model pass a separate "
+        "`ref_model`, not the policy object",
         fires_when="beta > 0 and `kl` exactly 0 after step 1 and the warmup: the policy equals "
         "the reference",
         thresholds=(Threshold("kl_zero_logs", "log reports",
@@ -116,6 +120,8 @@ class ZeroRewardVariance(SpecDetector):
         severity=Severity.CRITICAL,
         summary="Run {run_id} gets the same reward for every completion of a prompt",
         meaning="every GRPO group has zero reward spread, so advantages and gradients are zero",
+        fix="make the reward depend on the completion (partial credit, not one fallback value) and "
+        "sample with spread (`temperature=1.0`, more `num_generations`)",
         fires_when="`frac_reward_zero_std == 1` or a `rewards/<fn>/std == 0` for a window of "
         "logs (constant or prompt-only reward); `reward_std` is not used, it stays > 0 when "
         "rewards differ only between prompts",
@@ -171,6 +177,8 @@ class CompletionsTruncated(SpecDetector):
         summary="Run {run_id}: no completion ever ends",
         meaning="every GRPO/RLOO completion hits max_completion_length (clipped_ratio 1, no "
         "terminated completion): the policy never sees an ending",
+        fix="raise `max_completion_length` and check generation stops on the chat template's "
+        "end-of-turn token",
         fires_when="`completions/clipped_ratio` is 1 and `completions/mean_terminated_length` "
         "0 in every log report of the window",
         thresholds=(Threshold("truncated_logs", "log reports",

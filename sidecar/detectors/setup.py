@@ -36,6 +36,8 @@ class PartialTargetModules(SpecDetector):
         summary="Run {run_id} asked for LoRA target modules that matched nothing",
         meaning="some requested target_modules matched no module in the model (PEFT raises "
         "only when none match), so part of the intended adapter does not exist",
+        fix="use the model's real module names in `target_modules` (or `\"all-linear\"`) and "
+        "restart the run",
         fires_when="some requested `target_modules` (list entries, or the alternatives of a "
         "regex like `.*\\.(q_proj\\|vproj)`) matched no module",
         evidence=(Evidence("trainable_params", 4), Evidence("optimizer_params", 4)),
@@ -83,6 +85,8 @@ class EmbeddingResized(SpecDetector):
         meaning="the embedding rows differ from the base vocabulary and the new rows do not "
         "train, so the adapter will carry the whole embedding and no longer load on the base "
         "model",
+        fix="reuse an existing token as pad instead of `resize_token_embeddings`, or train the new "
+        "rows explicitly (`trainable_token_indices` / `modules_to_save`)",
         fires_when="the embedding's rows differ from the base model's `vocab_size` (pad token "
         "added + `resize_token_embeddings` before LoRA) and neither `modules_to_save` nor "
         "`trainable_token_indices` trains the new rows: the adapter will carry the embedding "
@@ -136,6 +140,8 @@ class LoraLrTooLow(SpecDetector):
         summary="Run {run_id} trains a LoRA adapter with a full-fine-tune learning rate",
         meaning="the learning rate is far below the LoRA range (1e-4..2e-4), so the adapter "
         "learns almost nothing",
+        fix="set the LoRA learning rate range explicitly (`learning_rate=1e-4` to `2e-4`) and "
+        "check that the warmup ends",
         fires_when="learning rate 0, a warmup at least as long as the run, a PEFT run below the "
         "LoRA floor (the full fine-tune defaults 2e-5 / 1e-6), or K steps at lr 0 after the "
         "warmup",
@@ -198,6 +204,8 @@ class NoKlAnchor(SpecDetector):
         summary="Run {run_id} trains with beta = 0 (no KL anchor to the reference)",
         meaning="GRPO/RLOO run without a KL penalty; the policy may drift (often fine, but "
         "worth knowing when completions shrink)",
+        fix="if drift matters for this task, set a KL penalty (`GRPOConfig(beta=0.04)`) and check "
+        "any wrapper forwards `beta`",
         fires_when="GRPO/RLOO with `beta=0` (TRL's default): nothing ties the policy to the "
         "reference",
         evidence=(Evidence("kl_series"), Evidence("completion_mean_length")),
@@ -235,6 +243,8 @@ class ShardingFallback(SpecDetector):
         summary="Run {run_id} runs under another wrapper than its config asked for",
         meaning="the training config asked for FSDP or DeepSpeed but the job runs under "
         "another wrapper (e.g. DDP), so every rank may hold the whole model",
+        fix="run where the requested wrapper is supported, or configure the wrapper the job really "
+        "uses and size the run for it",
         fires_when="the config names FSDP1, FSDP2 or DeepSpeed and the objects at train begin "
         "show another wrapper (FSDP on CPU silently runs as DDP)",
         evidence=(Evidence("trainable_params"), Evidence("step")),

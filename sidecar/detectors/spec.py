@@ -8,7 +8,7 @@ README's detector table, and the annotations of the pages the sidecar pushes its
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -63,8 +63,10 @@ class DetectorSpec:
     """Identity, wording, thresholds and evidence of one detector.
 
     ``summary`` is a one-line page title with a ``{run_id}`` placeholder; ``meaning`` says in
-    one sentence what went wrong (alert description, runbook index); ``fires_when`` is the
-    README's Markdown cell; ``cadence`` fills the threshold cell when there is no threshold.
+    one sentence what went wrong (alert description, runbook index); ``fix`` says in one
+    sentence what to change (the runbook's "How to fix" in short: the trainer's console line and
+    the runbook index); ``fires_when`` is the README's Markdown cell; ``cadence`` fills the
+    threshold cell when there is no threshold.
     """
 
     id: str
@@ -73,6 +75,7 @@ class DetectorSpec:
     meaning: str
     fires_when: str
     evidence: tuple[Evidence, ...]
+    fix: str
     policy: Policy = Policy.PAGE
     latching: bool = False
     scope: Scope = "run"
@@ -98,58 +101,40 @@ class DetectorSpec:
 #: spread, unchanged checkpoints, ...) would only page twice for the same fault.
 ROOT_CAUSES = ("frozen_weights", "empty_optimizer")
 
-#: cause -> the verdicts it brings about in the same run. Wherever verdicts are listed, a
-#: cause comes before its symptoms (``root_causes_first``), so a reader meets the fault first
-#: and its consequences after. Kept acyclic (a test checks it); ids absent here keep their
-#: place among themselves.
-CAUSE_SYMPTOMS: dict[str, tuple[str, ...]] = {
-    "empty_optimizer": ("grad_not_in_optimizer", "frozen_weights", "zero_gradient",
-                        "decay_only_update", "kl_stuck_zero", "checkpoint_unchanged",
-                        "adapter_never_trained"),
-    "inactive_adapter": ("grad_not_in_optimizer", "frozen_weights", "checkpoint_unchanged",
-                         "adapter_never_trained"),
-    "lora_lr_too_low": ("frozen_weights", "checkpoint_unchanged", "adapter_never_trained"),
-    "zero_reward_variance": ("zero_gradient", "decay_only_update", "frozen_weights",
-                             "kl_stuck_zero", "checkpoint_unchanged", "adapter_never_trained"),
-    "zero_gradient": ("decay_only_update", "checkpoint_unchanged", "adapter_never_trained"),
-    "grad_not_in_optimizer": ("frozen_weights", "kl_stuck_zero", "checkpoint_unchanged",
-                              "adapter_never_trained"),
-    "frozen_weights": ("kl_stuck_zero", "checkpoint_unchanged", "adapter_never_trained"),
-    "no_kl_anchor": ("entropy_collapse", "completion_length_collapse"),
-    "embedding_resized": ("adapter_bloat",),
-    "stop_token_untrained": ("completions_truncated",),
-}
+
+#: Every detector in the order a person should read its verdicts: a cause before the symptoms
+#: it produces (what was set up wrong before step 1, then what the steps show, the frozen
+#: weights, their symptoms, and last what the run wrote). Consistent with ``inhibited_by``: a
+#: root cause comes before every detector it inhibits, with one exception: gradients that no
+#: optimizer applies are why weights stay frozen (the optimizer got the wrong parameters, or
+#: ``requires_grad`` came back after it was built), so ``grad_not_in_optimizer`` reads before
+#: ``frozen_weights`` though its page waits for it. Console, status, report, summary and
+#: inspect all list verdicts through ``root_causes_first``.
+CAUSES_FIRST: tuple[str, ...] = (
+    # set up wrong at train begin
+    "empty_optimizer", "resume_lost_adapter", "inactive_adapter", "partial_target_modules",
+    "lora_lr_too_low", "embedding_resized", "unsaved_head", "stop_token_untrained",
+    "dataset_shrunk", "adalora_not_allocated", "sharding_fallback", "kl_missing", "no_kl_anchor",
+    # what the steps show that stops learning
+    "nonfinite_loss", "optimizer_steps_skipped", "zero_gradient", "low_precision_update",
+    "stalled",
+    # the headline verdict, then its symptoms
+    "grad_not_in_optimizer", "frozen_weights", "zero_reward_variance", "decay_only_update",
+    "kl_stuck_zero", "entropy_collapse", "completion_length_collapse", "completions_truncated",
+    "dpo_likelihood_collapse",
+    # what the run wrote
+    "checkpoint_unchanged", "adapter_never_trained", "empty_adapter", "adapter_bloat",
+    "pickle_checkpoint", "checkpoint_refused",
+)
+_CAUSE_RANK = {detector: rank for rank, detector in enumerate(CAUSES_FIRST)}
 
 
-def _causes_of() -> dict[str, frozenset[str]]:
-    """symptom -> every cause upstream of it (the table's transitive closure)."""
-    upstream: dict[str, set[str]] = {}
-    for cause, symptoms in CAUSE_SYMPTOMS.items():
-        for symptom in symptoms:
-            upstream.setdefault(symptom, set()).add(cause)
-    changed = True
-    while changed:
-        changed = False
-        for causes in upstream.values():
-            wider = set().union(*(upstream.get(c, set()) for c in causes)) - causes
-            if wider:
-                causes |= wider
-                changed = True
-    return {symptom: frozenset(causes) for symptom, causes in upstream.items()}
+def cause_rank(detector_id: str) -> int:
+    """Where a detector's verdict goes in a list (lower first); unknown ids go last."""
+    return _CAUSE_RANK.get(detector_id, len(_CAUSE_RANK))
 
 
-_UPSTREAM = _causes_of()
-
-
-def root_causes_first(detector_ids: Sequence[str]) -> list[str]:
-    """The ids reordered so that every cause precedes its symptoms (``CAUSE_SYMPTOMS``);
-    otherwise the given order is kept, and each id appears once."""
-    remaining = list(dict.fromkeys(detector_ids))
-    ordered: list[str] = []
-    while remaining:
-        left = set(remaining)
-        pick = next((d for d in remaining if not _UPSTREAM.get(d, frozenset()) & left),
-                    remaining[0])  # a cycle cannot happen with an acyclic table
-        ordered.append(pick)
-        remaining.remove(pick)
-    return ordered
+def root_causes_first(detector_ids: Iterable[str]) -> list[str]:
+    """The ids once each, root causes before their symptoms (``CAUSES_FIRST``); ids it does
+    not know keep their given order after the known ones."""
+    return sorted(dict.fromkeys(detector_ids), key=cause_rank)

@@ -38,6 +38,8 @@ class StopTokenUntrained(SpecDetector):
         meaning="the labels of a batch collated at train begin never contain the stop token: "
         "the model never learns to stop (pad == eos with the LM collator, a template that "
         "leaves the end of turn outside the loss)",
+        fix="give padding a token of its own (or use TRL's collator) and put the end-of-turn token "
+        "inside the trained part of the template",
         fires_when="at train begin, the trainer's collator applied to the first rows yields "
         "labels without any stop token (`eos_token`, or a stop id of the generation config "
         "such as a chat template's end of turn)",
@@ -76,6 +78,7 @@ class UnsavedHead(SpecDetector):
         summary="Run {run_id} trains around a random head its adapter does not save",
         meaning="a newly initialised output head (score, classifier) is not in modules_to_save: "
         "the saved adapter reloads with a new random head",
+        fix="set `task_type=\"SEQ_CLS\"` or list the head in `modules_to_save` and retrain",
         fires_when="at train begin, a head absent from the base checkpoint is not listed in "
         "the adapter's `modules_to_save`",
         evidence=(Evidence("trainable_params"), Evidence("checkpoint_adapter_bytes")),
@@ -113,6 +116,7 @@ class DatasetShrunk(SpecDetector):
         summary="Run {run_id} trains on a silently shrunken dataset",
         meaning="the trainer dropped part of the training rows in its own preparation (too "
         "long for max_length) without a count",
+        fix="raise `max_length` or shorten the data yourself so any drop is deliberate",
         fires_when="at train begin, the rows the trainer kept fall short of the rows it was "
         "given by at least the threshold",
         thresholds=(Threshold("dataset_drop_fraction", "ratio",
@@ -160,6 +164,8 @@ class ResumeLostAdapter(SpecDetector):
         summary="Run {run_id} resumed without the adapter it resumed from",
         meaning="after resume_from_checkpoint the adapter in memory is not the checkpoint's "
         "adapter: training restarted while the step count went on",
+        fix="resume with the adapter name and PEFT config the checkpoint was trained with, or load "
+        "it with `PeftModel.from_pretrained(base, checkpoint, is_trainable=True)`",
         fires_when="at train begin of a resumed run, the digest of the adapter in memory "
         "differs from that of the resumed checkpoint's adapter file; or the first loss after "
         "the resume gave back a large share of what the checkpoint's run had learned (its "
@@ -240,6 +246,8 @@ class AdaloraNotAllocated(SpecDetector):
         summary="Run {run_id} trains AdaLoRA as plain LoRA",
         meaning="AdaLoRA is past tinit + deltaT without a rank_pattern: nothing calls "
         "update_and_allocate, so ranks are never allocated",
+        fix="call `model.base_model.update_and_allocate(step)` at every optimizer step (a small "
+        "callback), or use plain LoRA",
         fires_when="an AdaLoRA run reports a step past `tinit + deltaT + 1` and no rank pattern "
         "was ever allocated",
         cadence="every optimizer step",

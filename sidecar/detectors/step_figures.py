@@ -39,6 +39,8 @@ class ZeroGradient(SpecDetector):
         summary="Run {run_id} trains with a gradient of exactly zero",
         meaning="grad_norm is exactly 0 at lr > 0 with a non-empty optimizer: the loss gives "
         "the weights nothing to learn from (DPO with beta 0, a detached loss, a flat reward)",
+        fix="make the loss depend on trainable tensors (no `no_grad`/`detach`, the adapter active, "
+        "labels not all -100; DPO `beta > 0`)",
         fires_when="`grad_norm` exactly 0 in the last log reports at lr > 0 (skipped fp16 "
         "steps left out) while the optimizer holds parameters",
         thresholds=(Threshold("zero_gradient_logs", "log reports",
@@ -92,6 +94,8 @@ class OptimizerStepsSkipped(SpecDetector):
         summary="Run {run_id} skips every optimizer step",
         meaning="the optimizer skipped several steps in a row (fp16 loss scaling found inf/NaN "
         "gradients): the weights do not change",
+        fix="train with `bf16=True` where the hardware has it, or lower the learning rate and clip "
+        "gradients under fp16",
         fires_when="the last optimizer steps were all skipped (the optimizer says so, or its "
         "GradScaler backed off)",
         thresholds=(Threshold("skipped_steps", "optimizer steps",
@@ -161,6 +165,8 @@ class LowPrecisionUpdate(SpecDetector):
         meaning="optimizer steps leave a large share of the elements of a module held in bf16 or "
         "fp16 unchanged: updates below half a unit in the last place are lost, so many weights "
         "never move",
+        fix="keep the trainable weights in fp32 (load the base in bf16 and let PEFT keep the "
+        "adapter fp32; never cast the PEFT model afterwards)",
         fires_when="in consecutive optimizer steps at lr > 0 past the warmup, with a gradient "
         "flowing, some bf16/fp16 module kind (`q_proj`, `lm_head`, a DoRA magnitude "
         "`q_proj.lora_magnitude_vector`, ...) kept at least the threshold share of its elements "

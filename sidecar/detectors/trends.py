@@ -79,6 +79,8 @@ class EntropyCollapse(_Collapse):
         summary="Run {run_id}: policy entropy is collapsing",
         meaning="token entropy fell steadily over the window while reward rose: the policy is "
         "becoming deterministic",
+        fix="anchor the policy with a KL penalty (`GRPOConfig(beta=0.04)`), lower the learning "
+        "rate and check the reward for an exploit",
         fires_when="GRPO/RLOO: mean `entropy` of the latest logs fell below the run's own start "
         "by more than the threshold (relative, never an absolute floor; SFT's entropy falls "
         "as it learns)",
@@ -102,6 +104,7 @@ class CompletionLengthCollapse(_Collapse):
         summary="Run {run_id}: completions are getting much shorter",
         meaning="mean completion length fell steadily over the window: the policy drifts to "
         "short answers",
+        fix="set a KL penalty (`GRPOConfig(beta=0.04)`) and check the reward for a length bias",
         fires_when="GRPO/RLOO: mean `completions/mean_length` of the latest logs fell below the "
         "run's start by more than the threshold",
         thresholds=(TREND_LOGS, Threshold("length_drop", "fraction",
@@ -130,6 +133,8 @@ class DpoLikelihoodCollapse(SpecDetector):
         summary="Run {run_id}: DPO chosen and rejected rewards are both falling",
         meaning="the likelihood of chosen and rejected answers both drop while the margin "
         "grows: the model is unlearning both",
+        fix="add an NLL term on the chosen answers (`DPOConfig(rpo_alpha=1.0)`), lower the "
+        "learning rate or raise `beta`",
         fires_when="over the window DPO's `rewards/chosen` and `rewards/rejected` are both "
         "below 0 and falling while `rewards/margins` grows",
         thresholds=(Threshold("dpo_window", "log reports",

@@ -38,6 +38,7 @@ import structlog
 
 from deadweight.proto import pb
 from deadweight.sidecar import detectors
+from deadweight.sidecar.alert_links import DEFAULT_RUNBOOK_URL_PATTERN
 from deadweight.sidecar.attestation import Attestor, ProcessIdentity
 from deadweight.sidecar.detectors.base import Detector, Policy
 from deadweight.sidecar.detectors.frozen import FrozenWeights
@@ -47,6 +48,7 @@ from deadweight.sidecar.registry.batch import AppliedBatch, CheckedBatch
 from deadweight.sidecar.registry.events import CheckpointSink, EventApplier, end_run
 from deadweight.sidecar.registry.identity import IdentityGate, Peer
 from deadweight.sidecar.registry.incidents import RESUME_HOLD_STEPS, FindingLifecycle
+from deadweight.sidecar.registry.notices import VerdictNotices
 from deadweight.sidecar.registry.run_table import RunEntry, RunTable
 from deadweight.sidecar.registry.status_report import status_response
 from deadweight.sidecar.registry.validation import (
@@ -97,6 +99,7 @@ class Registry:
         trainer_uids: Iterable[int] = (),
         max_ranks: int = 4096,
         history_queue: HistoryQueue | None = None,
+        runbook_url_pattern: str = DEFAULT_RUNBOOK_URL_PATTERN,
     ) -> None:
         self.actions = actions or LogOnlyActions()
         self.store = store or Store()
@@ -110,6 +113,7 @@ class Registry:
                                max_ranks)
         self._gate = IdentityGate(self.store, attestor, allow_unattested, trainer_uids)
         self._events = EventApplier(self.store, history_queue)
+        self.notices = VerdictNotices(self.detectors, runbook_url_pattern)
         self._lifecycle = FindingLifecycle(self.detectors, self.settings, self.policies,
                                            self.actions, self.store, resume_hold_steps,
                                            lock=self._lock)

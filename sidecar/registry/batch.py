@@ -68,11 +68,14 @@ class AppliedBatch:
         return self.error is not None or any(len(e.outbox) for e in self.entries)
 
     def response(self, entry: RunEntry) -> pb.StreamResponse:
-        """The ack, this rank's directives and the run's firing findings (under the lock)."""
+        """The ack, this rank's directives, the run's firing findings and the words of the
+        incidents this rank's stream was not told yet (under the lock)."""
         firing = sorted(d for d, f in entry.findings.items() if f.firing)
-        return pb.StreamResponse(ack_seq=self.ack,
-                                 directives=entry.take_directives(self.request.rank),
-                                 firing=firing)
+        request = self.request
+        reconnected = bool(request.events) and request.events[0].HasField("run_start")
+        return pb.StreamResponse(
+            ack_seq=self.ack, directives=entry.take_directives(request.rank), firing=firing,
+            verdicts=self.registry.notices.untold(entry, request.rank, reconnected))
 
     def answer(self) -> pb.StreamResponse:
         """Do what the outboxes hold (outside the lock), then answer."""

@@ -49,6 +49,8 @@ class RunEntry:
     leader: int | None = None
     #: The last optimizer step written to the store's history (for the run report).
     history_step: int = 0
+    #: rank -> the incidents (``Finding.incident_id``) its stream was sent the words of.
+    told: dict[int, set[str]] = field(default_factory=dict)
     outbox: Outbox = field(init=False)
 
     def __post_init__(self) -> None:

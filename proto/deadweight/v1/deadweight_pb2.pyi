@@ -346,16 +346,42 @@ class RunEnd(_message.Message):
     def __init__(self, step: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class StreamResponse(_message.Message):
-    __slots__ = ("ack_seq", "directives", "error", "firing")
+    __slots__ = ("ack_seq", "directives", "error", "firing", "verdicts")
     ACK_SEQ_FIELD_NUMBER: _ClassVar[int]
     DIRECTIVES_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     FIRING_FIELD_NUMBER: _ClassVar[int]
+    VERDICTS_FIELD_NUMBER: _ClassVar[int]
     ack_seq: int
     directives: _containers.RepeatedCompositeFieldContainer[Directive]
     error: str
     firing: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, ack_seq: _Optional[int] = ..., directives: _Optional[_Iterable[_Union[Directive, _Mapping]]] = ..., error: _Optional[str] = ..., firing: _Optional[_Iterable[str]] = ...) -> None: ...
+    verdicts: _containers.RepeatedCompositeFieldContainer[VerdictNotice]
+    def __init__(self, ack_seq: _Optional[int] = ..., directives: _Optional[_Iterable[_Union[Directive, _Mapping]]] = ..., error: _Optional[str] = ..., firing: _Optional[_Iterable[str]] = ..., verdicts: _Optional[_Iterable[_Union[VerdictNotice, _Mapping]]] = ...) -> None: ...
+
+class VerdictNotice(_message.Message):
+    __slots__ = ("detector", "severity", "policy", "incident", "step", "cause", "fix", "runbook_url", "cause_rank", "evidence")
+    DETECTOR_FIELD_NUMBER: _ClassVar[int]
+    SEVERITY_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    INCIDENT_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
+    FIX_FIELD_NUMBER: _ClassVar[int]
+    RUNBOOK_URL_FIELD_NUMBER: _ClassVar[int]
+    CAUSE_RANK_FIELD_NUMBER: _ClassVar[int]
+    EVIDENCE_FIELD_NUMBER: _ClassVar[int]
+    detector: str
+    severity: str
+    policy: str
+    incident: int
+    step: int
+    cause: str
+    fix: str
+    runbook_url: str
+    cause_rank: int
+    evidence: str
+    def __init__(self, detector: _Optional[str] = ..., severity: _Optional[str] = ..., policy: _Optional[str] = ..., incident: _Optional[int] = ..., step: _Optional[int] = ..., cause: _Optional[str] = ..., fix: _Optional[str] = ..., runbook_url: _Optional[str] = ..., cause_rank: _Optional[int] = ..., evidence: _Optional[str] = ...) -> None: ...
 
 class Directive(_message.Message):
     __slots__ = ("action", "detector", "reason")

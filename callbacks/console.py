@@ -1,0 +1,186 @@
+"""What deadweight tells the person at the trainer's console, through the framework's logging.
+
+One line at train begin: the run id, the sidecar it reports to and how to open its report, or
+at once that no sidecar answers and the run is NOT monitored. One line per incident of each
+verdict, whatever the policy: severity, the cause, the fix and the runbook link, in the words
+the sidecar sent (``VerdictNotice``); deduplicated per incident and capped per run. A STOP
+names the root cause, not just the detector that triggered it. At train end a short summary,
+root causes first.
+
+Lines go out at WARNING (ERROR for critical verdicts): the level a trainer's console shows by
+default, so a verdict is never hidden behind the INFO lines the framework keeps quiet. Progress
+bars on the terminal are cleared around each line and redrawn after it, so a line never ends
+up glued to the end of a bar.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+from deadweight.proto import pb
+
+#: Verdict lines printed per run at most; past it, one line says how many more the report has.
+MAX_VERDICT_LINES = 20
+
+_LEVELS = {"critical": logging.ERROR}
+
+
+@contextmanager
+def _bars_aside() -> Iterator[None]:
+    """Clear the live progress bars (tqdm, the Trainer's) while a line is written."""
+    try:
+        from tqdm import tqdm  # type: ignore[import-untyped]
+    except ImportError:
+        yield
+        return
+    if not getattr(tqdm, "_instances", None):
+        yield
+        return
+    with tqdm.external_write_mode():
+        yield
+
+
+def report_hint(run_id: str) -> str:
+    return f"deadweight report {run_id}"
+
+
+def verdict_line(notice: pb.VerdictNotice) -> str:
+    """One verdict: severity, detector and step, cause, fix, runbook link."""
+    evidence = f" ({notice.evidence})" if notice.evidence else ""
+    parts = [f"deadweight {notice.severity.upper()} {notice.detector} (step {notice.step}): "
+             f"{notice.cause.rstrip('.')}{evidence}."]
+    if notice.fix:
+        parts.append(f"Fix: {notice.fix.rstrip('.')}.")
+    if notice.runbook_url:
+        parts.append(f"Runbook: {notice.runbook_url}")
+    return " ".join(parts)
+
+
+class Console:
+    """The console lines of one run on one rank (only rank 0 prints verdicts)."""
+
+    def __init__(self, logger: logging.Logger, run_id: str, address: str, *,
+                 speaks: bool = True, max_lines: int = MAX_VERDICT_LINES) -> None:
+        self.logger = logger
+        self.run_id = run_id
+        self.address = address
+        self.speaks = speaks
+        self.max_lines = max_lines
+        #: Every incident told, by (detector, incident number), in arrival order.
+        self.verdicts: dict[tuple[str, int], pb.VerdictNotice] = {}
+        self.printed = 0
+        self.held = 0
+        self.monitored = False
+        #: The root cause and the reason when a STOP from the sidecar ended training.
+        self.stopped_by: str | None = None
+        #: The root cause's detector id, when a STOP came.
+        self.stop_root: str | None = None
+
+    def _emit(self, level: int, message: str, *args: object) -> None:
+        if not self.logger.isEnabledFor(level):
+            return
+        with _bars_aside():
+            self.logger.log(level, message, *args)
+
+    # -- train begin -----------------------------------------------------------------------
+
+    def begin(self, monitored: bool, waited: float) -> None:
+        """The one train-begin line (every rank says when it is not monitored)."""
+        self.monitored = monitored
+        if monitored:
+            if self.speaks:
+                self._emit(logging.WARNING, "deadweight: run %s reports to the sidecar at %s; "
+                           "open its report with: %s", self.run_id, self.address,
+                           report_hint(self.run_id))
+            return
+        why = ("no sidecar socket at that path" if waited == 0.0
+               else f"no answer within {waited:g}s")
+        self._emit(logging.WARNING, "deadweight: no sidecar answers at %s (%s): run %s is NOT "
+                   "monitored; no verdict will be given unless a sidecar comes up while it "
+                   "trains", self.address, why, self.run_id)
+
+    def reconnected(self) -> None:
+        """A sidecar answered after the begin line said none did (the stream client says so
+        on the console): the run is judged from then on."""
+        self.monitored = True
+
+    # -- verdicts ----------------------------------------------------------------------------
+
+    def notices(self, notices: Iterable[pb.VerdictNotice]) -> None:
+        """Print each incident not printed yet, up to the cap."""
+        for notice in notices:
+            key = (notice.detector, int(notice.incident))
+            if key in self.verdicts:
+                continue
+            self.verdicts[key] = notice
+            if not self.speaks:
+                continue
+            if self.printed < self.max_lines:
+                self.printed += 1
+                self._emit(_LEVELS.get(notice.severity, logging.WARNING), "%s",
+                           verdict_line(notice))
+            else:
+                self.held += 1
+
+    def ordered(self) -> list[pb.VerdictNotice]:
+        """The latest incident of each detector, root causes first."""
+        latest: dict[str, pb.VerdictNotice] = {}
+        for notice in self.verdicts.values():
+            latest[notice.detector] = notice
+        return sorted(latest.values(), key=lambda n: n.cause_rank)
+
+    def root_cause(self, trigger: str, firing: Iterable[str]) -> str:
+        """The first cause among the verdicts firing now and the trigger."""
+        candidates = {n.detector: n.cause_rank for n in self.ordered()
+                      if n.detector in set(firing) | {trigger}}
+        if not candidates:
+            return trigger
+        return min(candidates, key=lambda d: (candidates[d], d != trigger))
+
+    def stopped(self, directive: pb.Directive, firing: Iterable[str], how: str) -> str:
+        """The STOP line, once: the root cause first, then the trigger; returns the mark."""
+        if self.stopped_by is not None:
+            return self.stopped_by
+        root = self.root_cause(directive.detector, firing)
+        notice = next((n for n in self.ordered() if n.detector == root), None)
+        mark = f"{root}: {notice.cause.rstrip('.')}" if notice is not None else (
+            f"{root}: {directive.reason}")
+        if root != directive.detector:
+            mark += f" (stop triggered by {directive.detector})"
+        self.stopped_by, self.stop_root = mark, root
+        fix = f" Fix: {notice.fix.rstrip('.')}." if notice is not None and notice.fix else ""
+        if not self.speaks:  # rank 0 says it for the run
+            return mark
+        self._emit(logging.ERROR, "deadweight STOPPED run %s (%s), root cause %s.%s Report: %s",
+                   self.run_id, how, mark, fix, report_hint(self.run_id))
+        return mark
+
+    # -- train end ---------------------------------------------------------------------------
+
+    def end(self, step: int, reason: str, firing: Iterable[str]) -> None:
+        """The summary line: every verdict of the run, root causes first."""
+        if not self.speaks:
+            return
+        if not self.monitored:
+            self._emit(logging.WARNING, "deadweight: run %s ended (%s) at step %d NOT "
+                       "monitored: no verdict was given on it", self.run_id, reason, step)
+            return
+        verdicts = self.ordered()
+        if self.held:
+            self._emit(logging.WARNING, "deadweight: %d more verdict lines were not printed "
+                       "(at most %d a run)", self.held, self.max_lines)
+        if not verdicts:
+            self._emit(logging.WARNING, "deadweight: run %s ended (%s) at step %d; no verdict; "
+                       "report: %s", self.run_id, reason, step, report_hint(self.run_id))
+            return
+        now = set(firing)
+        listed = ", ".join(
+            f"{n.detector} ({n.severity}, step {n.step}"
+            f"{', firing at end' if n.detector in now else ''})" for n in verdicts)
+        stopped = f"; STOPPED by deadweight, root cause {self.stop_root}" if (
+            self.stop_root) else ""
+        self._emit(logging.ERROR, "deadweight: run %s ended (%s) at step %d with %d "
+                   "verdict(s), root cause first: %s%s; report: %s", self.run_id, reason, step,
+                   len(verdicts), listed, stopped, report_hint(self.run_id))

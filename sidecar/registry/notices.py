@@ -1,0 +1,50 @@
+"""Verdicts in the words the trainer's console prints: each incident once per rank's stream.
+
+The callback prints one line per incident (severity, cause, fix, runbook link) and a summary
+at train end; it knows no detector, so the sidecar sends the words with the ack, the first
+time a stream could be told. A stream that reconnects (its RunStart again) is told again: a
+lost answer must not lose a line, and the callback drops the incidents it already printed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from deadweight.proto import pb
+from deadweight.sidecar.alert_links import DEFAULT_RUNBOOK_URL_PATTERN, runbook_url
+from deadweight.sidecar.detectors.base import Detector
+from deadweight.sidecar.detectors.spec import DetectorSpec, cause_rank
+from deadweight.sidecar.registry.run_table import RunEntry
+
+
+def _sentence(text: str) -> str:
+    text = text.strip()
+    return text[:1].upper() + text[1:] if text else text
+
+
+class VerdictNotices:
+    """Builds the ``VerdictNotice`` messages a rank was not sent yet."""
+
+    def __init__(self, active: Iterable[Detector],
+                 runbook_url_pattern: str = DEFAULT_RUNBOOK_URL_PATTERN) -> None:
+        self._specs: dict[str, DetectorSpec] = {d.id: d.spec for d in active}
+        self._links = {d: runbook_url(runbook_url_pattern, d) for d in self._specs}
+
+    def untold(self, entry: RunEntry, rank: int, reconnected: bool) -> list[pb.VerdictNotice]:
+        """Notices of the run's firing incidents rank has not been told (under the lock)."""
+        told = entry.told.setdefault(rank, set())
+        if reconnected:
+            told.clear()
+        notices = []
+        for detector, finding in entry.findings.items():
+            if not finding.firing or finding.incident_id in told:
+                continue
+            told.add(finding.incident_id)
+            spec = self._specs.get(detector)
+            notices.append(pb.VerdictNotice(
+                detector=detector, severity=finding.severity, policy=finding.policy,
+                incident=finding.incidents, step=finding.step, evidence=finding.summary,
+                cause=_sentence(spec.meaning if spec else finding.summary),
+                fix=_sentence(spec.fix) if spec else "",
+                runbook_url=self._links.get(detector, ""), cause_rank=cause_rank(detector)))
+        return notices

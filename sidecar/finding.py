@@ -16,6 +16,20 @@ from deadweight.proto import pb
 
 log = structlog.get_logger("deadweight.registry")
 
+#: The states of a verdict a person reads. A run's end alone never resolves a verdict: one
+#: still firing when its run ended stays so (``FIRING_AT_END``), in status, report, /metrics
+#: and on-call, until the run restarts or expires or an operator silences it.
+FIRING = "firing"
+RESOLVED = "resolved"
+FIRING_AT_END = "firing at end"
+
+
+def verdict_state(firing: bool, run_ended: bool) -> str:
+    """firing / resolved (the condition cleared while the run was live) / firing at end."""
+    if not firing:
+        return RESOLVED
+    return FIRING_AT_END if run_ended else FIRING
+
 
 @dataclass
 class Finding:
@@ -27,7 +41,10 @@ class Finding:
     firing: bool = False
     step: int = 0
     summary: str = ""
+    #: The latest evidence (updated at each evaluation while it fires).
     evidence: dict[str, str] = field(default_factory=dict)
+    #: The evidence as it stood when the verdict fired (what the page quoted).
+    fired_evidence: dict[str, str] = field(default_factory=dict)
     fired_at: float = 0.0
     resolved_at: float = 0.0
     incidents: int = 0
@@ -38,7 +55,8 @@ class Finding:
 
     def copy(self) -> Finding:
         """A copy that later evaluations of the run do not change."""
-        return Finding(**{**vars(self), "evidence": dict(self.evidence)})
+        return Finding(**{**vars(self), "evidence": dict(self.evidence),
+                          "fired_evidence": dict(self.fired_evidence)})
 
 
 class RunFacts(Protocol):

@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from deadweight.sidecar.detectors.spec import root_causes_first
+from deadweight.sidecar.finding import verdict_state
 from deadweight.sidecar.store import ActionRow, Store, StoredIncident, StoredRun
 
 if TYPE_CHECKING:
@@ -218,21 +220,49 @@ def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return f"<table><tr>{header}</tr>{cells}</table>"
 
 
+def verdicts(record: RunRecord) -> list[StoredIncident]:
+    """The run's incidents, root causes before their symptoms, else in the order they fired."""
+    order = root_causes_first(list(dict.fromkeys(i.detector for i in record.incidents)))
+    rank = {detector: index for index, detector in enumerate(order)}
+    return sorted(record.incidents, key=lambda i: rank[i.detector])
+
+
+def incident_state(record: RunRecord, incident: StoredIncident) -> str:
+    """firing / resolved (cleared while the run was live) / firing at end."""
+    return verdict_state(incident.resolved_at is None, record.run.ended)
+
+
+def evidence_text(incident: StoredIncident) -> str:
+    """key=value as at firing, with the latest value beside it where it differs (the same
+    reading as ``deadweight status``)."""
+    at_firing, latest = incident.evidence, incident.latest_evidence
+    parts = []
+    for key in sorted(at_firing.keys() | latest.keys()):
+        then, now = at_firing.get(key), latest.get(key)
+        if then is None:
+            parts.append(f"{key}={now} (latest)")
+        elif now is None or now == then:
+            parts.append(f"{key}={then}")
+        else:
+            parts.append(f"{key}={then} (latest {now})")
+    return ", ".join(parts)
+
+
 def headline(record: RunRecord) -> tuple[str, str]:
     """(css class, sentence): the verdict a person reads first."""
-    critical = [i for i in record.incidents if i.severity == "critical"]
+    critical = [i for i in verdicts(record) if i.severity == "critical"]
     stopped = [a for a in record.actions if a.action in ("stop", "sigterm", "sigkill")
                and a.result in ("sent", "delivered", "ok", "signalled")]
     if critical:
-        names = ", ".join(sorted({i.detector for i in critical}))
+        names = ", ".join(dict.fromkeys(i.detector for i in critical))
         first = min(critical, key=lambda i: i.step)
         text = f"NOT LEARNING: {names} (first at step {first.step})"
         if stopped:
             text += f"; run stopped by deadweight ({stopped[0].action} for {stopped[0].detector})"
         return "bad", text
-    warnings = [i for i in record.incidents if i.severity == "warning"]
+    warnings = [i for i in verdicts(record) if i.severity == "warning"]
     if warnings:
-        return "warn", "warnings: " + ", ".join(sorted({i.detector for i in warnings}))
+        return "warn", "warnings: " + ", ".join(dict.fromkeys(i.detector for i in warnings))
     return "good", "healthy: no critical or warning verdict"
 
 
@@ -280,9 +310,11 @@ def render(record: RunRecord, frozen_ratio_floor: float = 0.01) -> str:
         parts += ["<h2>Per-module movement</h2>", modules]
     parts += [
         "<h2>Verdicts</h2>",
-        _table(("detector", "severity", "policy", "step", "fired", "resolved", "summary"), [
-            (i.detector, i.severity, i.policy, str(i.step), _when(i.fired_at),
-             _when(i.resolved_at), i.summary) for i in record.incidents]),
+        _table(("detector", "state", "severity", "policy", "step", "fired", "resolved",
+                "summary", "evidence (at firing, latest where it differs)"), [
+            (i.detector, incident_state(record, i), i.severity, i.policy, str(i.step),
+             _when(i.fired_at), _when(i.resolved_at), i.summary, evidence_text(i))
+            for i in verdicts(record)]),
         "<h2>Actions</h2>",
         _table(("time", "detector", "action", "result", "rank", "pid"), [
             (_when(a.time), f"{a.detector}#{a.incident}", a.action + (" (dry run)" if a.dry_run

@@ -27,8 +27,9 @@ class Policy(str, enum.Enum):
     KILL = "kill"
 
 
-#: "run": the verdict is about the training itself and resolves when the run ends;
-#: "artifact": it is about what the run wrote and stands until the finished run expires.
+#: "run": the verdict is about the training itself, judged while the run is live;
+#: "artifact": it is about what the run wrote, judged also after the run ended. Either way a
+#: verdict still firing when the run ends stands (firing at end) until the run expires.
 Scope = Literal["run", "artifact"]
 
 
@@ -96,3 +97,37 @@ class DetectorSpec:
 #: Root causes of "nothing learns": while one fires for a run, its symptoms (zero reward
 #: spread, unchanged checkpoints, ...) would only page twice for the same fault.
 ROOT_CAUSES = ("frozen_weights", "empty_optimizer")
+
+#: cause -> the verdicts it brings about (a reader fixes the cause, not its symptoms). An
+#: optimizer built empty freezes the weights; frozen weights leave every checkpoint the same
+#: as the initial adapter and every group's reward spread at zero.
+SYMPTOMS: dict[str, tuple[str, ...]] = {
+    "empty_optimizer": ("frozen_weights", "grad_not_in_optimizer", "zero_gradient",
+                        "checkpoint_unchanged", "adapter_never_trained"),
+    "frozen_weights": ("checkpoint_unchanged", "adapter_never_trained", "decay_only_update",
+                       "grad_not_in_optimizer", "kl_stuck_zero", "zero_reward_variance"),
+}
+
+
+def _causes(detector: str) -> set[str]:
+    """Every detector that brings detector about, directly or through another."""
+    found: set[str] = set()
+    todo = [detector]
+    while todo:
+        symptom = todo.pop()
+        for cause, symptoms in SYMPTOMS.items():
+            if symptom in symptoms and cause not in found:
+                found.add(cause)
+                todo.append(cause)
+    return found
+
+
+def root_causes_first(detector_ids: list[str]) -> list[str]:
+    """detector_ids with each cause before its symptoms; otherwise in the order given."""
+    pending = list(detector_ids)
+    ordered: list[str] = []
+    while pending:
+        present = set(pending)
+        index = next((i for i, d in enumerate(pending) if not _causes(d) & present - {d}), 0)
+        ordered.append(pending.pop(index))
+    return ordered

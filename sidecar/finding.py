@@ -22,6 +22,8 @@ log = structlog.get_logger("deadweight.registry")
 FIRING = "firing"
 RESOLVED = "resolved"
 FIRING_AT_END = "firing at end"
+#: Severities in the order a reader needs them (after root causes, which lead).
+SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
 
 
 def verdict_state(firing: bool, run_ended: bool) -> str:

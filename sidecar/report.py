@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from deadweight.sidecar.detectors.spec import root_causes_first
-from deadweight.sidecar.finding import verdict_state
+from deadweight.sidecar.finding import SEVERITY_ORDER, verdict_state
 from deadweight.sidecar.store import ActionRow, Store, StoredIncident, StoredRun
 
 if TYPE_CHECKING:
@@ -221,8 +221,10 @@ def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 def verdicts(record: RunRecord) -> list[StoredIncident]:
-    """The run's incidents, root causes before their symptoms, else in the order they fired."""
-    order = root_causes_first(list(dict.fromkeys(i.detector for i in record.incidents)))
+    """The run's incidents, root causes before their symptoms; otherwise critical first, then
+    by detector id (the order of ``deadweight status``)."""
+    severity = {i.detector: SEVERITY_ORDER.get(i.severity, 3) for i in record.incidents}
+    order = root_causes_first(sorted(severity, key=lambda d: (severity[d], d)))
     rank = {detector: index for index, detector in enumerate(order)}
     return sorted(record.incidents, key=lambda i: rank[i.detector])
 

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from deadweight.proto import pb
 from deadweight.sidecar.detectors.spec import root_causes_first
-from deadweight.sidecar.finding import Finding, verdict_state
+from deadweight.sidecar.finding import SEVERITY_ORDER, Finding, verdict_state
 from deadweight.sidecar.state import RunState
 from deadweight.sidecar.store import ActionRow
 
 
 def ordered(findings: list[Finding]) -> list[Finding]:
-    """Root causes before their symptoms, otherwise by detector id."""
+    """Root causes before their symptoms; otherwise critical first, then by detector id."""
     by_id = {f.detector: f for f in findings}
-    return [by_id[d] for d in root_causes_first(sorted(by_id))]
+    ids = sorted(by_id, key=lambda d: (SEVERITY_ORDER.get(by_id[d].severity, 3), d))
+    return [by_id[d] for d in root_causes_first(ids)]
 
 
 def status_response(runs: list[tuple[RunState, list[Finding]]],

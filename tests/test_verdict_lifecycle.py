@@ -15,6 +15,7 @@ from deadweight.proto import pb
 from deadweight.sidecar import report, status
 from deadweight.sidecar.actions import Actions
 from deadweight.sidecar.detectors import ALL
+from deadweight.sidecar.detectors.base import Policy
 from deadweight.sidecar.detectors.spec import root_causes_first
 from deadweight.sidecar.exporter import DeadweightCollector
 from deadweight.sidecar.registry import Registry
@@ -26,10 +27,11 @@ from tests.test_store import RecordingPager
 TTL = 60.0
 
 
-def _sidecar(state: Path, pager: RecordingPager) -> tuple[Registry, Actions]:
+def _sidecar(state: Path, pager: RecordingPager,
+             policies: dict[str, Policy] | None = None) -> tuple[Registry, Actions]:
     store = Store(state)
     actions = Actions(pager=pager, store=store)
-    return Registry(actions, store=store, ended_ttl_seconds=TTL), actions
+    return Registry(actions, store=store, ended_ttl_seconds=TTL, policies=policies), actions
 
 
 def _feed(registry: Registry, events: list[pb.Event], run_id: str = "r") -> None:
@@ -136,13 +138,14 @@ def test_a_verdict_that_cleared_while_live_reads_resolved(tmp_path: Path) -> Non
 
 def test_a_restarted_sidecar_reads_back_firing_at_end_and_keeps_the_page(
         tmp_path: Path) -> None:
+    stop = {"frozen_weights": Policy.STOP}
     pager = RecordingPager()
-    registry, actions = _sidecar(tmp_path, pager)
+    registry, actions = _sidecar(tmp_path, pager, stop)
     _end(registry, _frozen_run(registry))
     actions.store.close()  # the sidecar dies after the run ended
 
     pager2 = RecordingPager()
-    registry2, actions2 = _sidecar(tmp_path, pager2)
+    registry2, actions2 = _sidecar(tmp_path, pager2, stop)
     assert registry2.resume() == 1
     finding = _finding(registry2, "frozen_weights")
     assert finding.state == "firing at end"
@@ -152,7 +155,8 @@ def test_a_restarted_sidecar_reads_back_firing_at_end_and_keeps_the_page(
     assert sorted(f[:2] for f in pager2.fired) == [("r", "empty_optimizer"),
                                                    ("r", "frozen_weights")]
     journal = [(a.action, a.result) for a in actions2.store.actions("r", "frozen_weights")]
-    assert journal == [("page", "queued"), ("page", "reasserted")]
+    # Only the page: STOP is not queued again for a run that has ended.
+    assert journal == [("page", "queued"), ("stop", "sent"), ("page", "reasserted")]
     registry2.tick(now=time.time() + TTL + 1)
     assert sorted(pager2.resolved) == [("r", "empty_optimizer"), ("r", "frozen_weights")]
 

@@ -172,7 +172,10 @@ class FindingLifecycle:
             )
             entry.findings[detector] = finding
             if finding.firing:
+                held = finding.copy()
                 if not run.ended:
                     entry.held.add(detector)
+                elif held.policy in (Policy.STOP.value, Policy.KILL.value):
+                    held.policy = Policy.PAGE.value  # ended: only its page is held again
                 entry.outbox.add(functools.partial(self.actions.resumed, RunSnapshot.of(run),
-                                                   finding.copy()))
+                                                   held))

@@ -136,6 +136,8 @@ class Actions:
         if self.pager is not None:
             for detector, severity in sorted(paged.items()):
                 self.pager.resolve(run_id, detector, severity)  # queued: never blocks
+                log.info("page_resolved", run_id=run_id, detector=detector,
+                         reason="the ended run expired from the sidecar's memory")
 
     def _count_and_log(self, event: ActionEvent) -> None:
         with self._lock:

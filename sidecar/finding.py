@@ -7,6 +7,7 @@ with is a frozen view of the run (``RunFacts``), never the live state the regist
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -24,6 +25,22 @@ RESOLVED = "resolved"
 FIRING_AT_END = "firing at end"
 #: Severities in the order a reader needs them (after root causes, which lead).
 SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
+
+
+def evidence_pairs(at_firing: Mapping[str, str], latest: Mapping[str, str]
+                   ) -> list[tuple[str, str]]:
+    """(key, value) as at firing, the latest value beside it where it differs: the one
+    reading of a verdict's evidence that status and the report share."""
+    pairs = []
+    for key in sorted(at_firing.keys() | latest.keys()):
+        then, now = at_firing.get(key), latest.get(key)
+        if then is None:
+            pairs.append((key, f"{now} (latest)"))
+        elif now is None or now == then:
+            pairs.append((key, then))
+        else:
+            pairs.append((key, f"{then} (latest {now})"))
+    return pairs
 
 
 def verdict_state(firing: bool, run_ended: bool) -> str:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from deadweight.sidecar.detectors.spec import root_causes_first
-from deadweight.sidecar.finding import SEVERITY_ORDER, verdict_state
+from deadweight.sidecar.finding import SEVERITY_ORDER, evidence_pairs, verdict_state
 from deadweight.sidecar.store import ActionRow, Store, StoredIncident, StoredRun
 
 if TYPE_CHECKING:
@@ -237,17 +237,8 @@ def incident_state(record: RunRecord, incident: StoredIncident) -> str:
 def evidence_text(incident: StoredIncident) -> str:
     """key=value as at firing, with the latest value beside it where it differs (the same
     reading as ``deadweight status``)."""
-    at_firing, latest = incident.evidence, incident.latest_evidence
-    parts = []
-    for key in sorted(at_firing.keys() | latest.keys()):
-        then, now = at_firing.get(key), latest.get(key)
-        if then is None:
-            parts.append(f"{key}={now} (latest)")
-        elif now is None or now == then:
-            parts.append(f"{key}={then}")
-        else:
-            parts.append(f"{key}={then} (latest {now})")
-    return ", ".join(parts)
+    pairs = evidence_pairs(incident.evidence, incident.latest_evidence)
+    return ", ".join(f"{key}={value}" for key, value in pairs)
 
 
 def headline(record: RunRecord) -> tuple[str, str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from deadweight.proto import monitor_stub, pb
 from deadweight.proto.transport import bearer_metadata, grpc_target, open_channel
-from deadweight.sidecar.finding import FIRING, FIRING_AT_END, verdict_state
+from deadweight.sidecar.finding import FIRING, FIRING_AT_END, evidence_pairs, verdict_state
 
 #: Largest Status answer the sidecar sends and ``deadweight status`` accepts.
 STATUS_MAX_BYTES = 16 * 1024 * 1024
@@ -101,17 +101,7 @@ def state_mark(finding: pb.Finding, run_ended: bool) -> str:
 def evidence_lines(finding: pb.Finding) -> list[str]:
     """key = value as at firing, with the latest value beside it where it differs."""
     at_firing = dict(finding.evidence_at_firing) or dict(finding.evidence)
-    latest = dict(finding.evidence)
-    lines = []
-    for key in sorted(at_firing.keys() | latest.keys()):
-        then, now = at_firing.get(key), latest.get(key)
-        if then is None:
-            lines.append(f"{key} = {now} (latest)")
-        elif now is None or now == then:
-            lines.append(f"{key} = {then}")
-        else:
-            lines.append(f"{key} = {then} (latest {now})")
-    return lines
+    return [f"{key} = {value}" for key, value in evidence_pairs(at_firing, finding.evidence)]
 
 
 def render(status: pb.StatusResponse) -> str:

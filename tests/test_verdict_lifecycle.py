@@ -161,17 +161,42 @@ def test_a_restarted_sidecar_reads_back_firing_at_end_and_keeps_the_page(
     assert sorted(pager2.resolved) == [("r", "empty_optimizer"), ("r", "frozen_weights")]
 
 
-def test_a_run_restarted_under_its_id_resolves_the_old_page(tmp_path: Path) -> None:
+def _healthy_start() -> pb.RunStart:
+    start = run_start()
+    start.membership.optimizer_params = start.membership.optimizer_tensors = 4
+    start.membership.trainable_params = start.membership.adapter_params
+    return start
+
+
+def test_a_run_restarted_healthy_under_its_id_resolves_the_old_page(tmp_path: Path) -> None:
     pager = RecordingPager()
     registry, _ = _sidecar(tmp_path, pager)
     _end(registry, _frozen_run(registry))
-    assert pager.resolved == []
-    _feed(registry, [pb.Event(seq=0, run_start=run_start())])  # a new incarnation
-    assert sorted(pager.resolved) == [("r", "empty_optimizer"), ("r", "frozen_weights")]
-    for step in range(1, 4):
+    _feed(registry, [pb.Event(seq=0, run_start=_healthy_start())])  # a new incarnation
+    assert pager.resolved == []  # not yet: a restart alone proves nothing
+    for step in range(1, registry.resume_hold_steps):
         _feed(registry, healthy_events(step, 2 * step - 1))
+    assert pager.resolved == []
+    step = registry.resume_hold_steps
+    _feed(registry, healthy_events(step, 2 * step - 1))  # enough healthy steps
+    assert sorted(pager.resolved) == [("r", "empty_optimizer"), ("r", "frozen_weights")]
     [run] = registry.status().runs
-    assert not run.ended and not [f for f in run.findings if f.detector == "frozen_weights"]
+    assert not run.ended and not [f for f in run.findings if f.firing]
+
+
+def test_a_run_restarted_still_frozen_keeps_its_one_page(tmp_path: Path) -> None:
+    pager = RecordingPager()
+    registry, _ = _sidecar(tmp_path, pager)
+    _end(registry, _frozen_run(registry))
+    _frozen_run(registry)  # the same mistake again under the same id
+    assert pager.resolved == []  # never resolved in between: Alertmanager sees one alert
+    assert _finding(registry, "frozen_weights").state == "firing"
+    incidents = [i.incident for i in registry.store.incidents("r")
+                 if i.detector == "frozen_weights"]
+    assert incidents == [1, 2]  # journaled as the new incarnation's own incident
+    _end(registry, 13)
+    registry.tick(now=time.time() + TTL + 1)  # expiry resolves it, once
+    assert sorted(pager.resolved) == [("r", "empty_optimizer"), ("r", "frozen_weights")]
 
 
 def test_root_causes_come_before_their_symptoms() -> None:

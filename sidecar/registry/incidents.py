@@ -86,6 +86,23 @@ class FindingLifecycle:
                 ):
                     continue  # restart or rank join: too few fresh steps to clear it
                 self.resolve(entry, finding, "recovered")
+        self.settle_inherited(entry)
+
+    def settle_inherited(self, entry: RunEntry) -> None:
+        """The pages a previous incarnation left: a new incident of the same detector carries
+        each on (same labels: no second page); once this incarnation has reported
+        ``resume_hold_steps`` steps without it, the run restarted healthy and it resolves."""
+        run = entry.state
+        for detector, old in list(entry.inherited_pages.items()):
+            finding = entry.findings.get(detector)
+            if finding is not None and finding.firing:
+                del entry.inherited_pages[detector]
+            elif not run.ended and len(run.combined_steps()) >= self.resume_hold_steps:
+                del entry.inherited_pages[detector]
+                log.info("detector_resolved", run_id=run.run_id, detector=detector,
+                         reason="the run restarted healthy")
+                entry.outbox.add(functools.partial(self.actions.resolved,
+                                                   RunSnapshot.of(run), old))
 
     def fire(self, entry: RunEntry, detector: Detector, verdict: Verdict) -> None:
         run = entry.state
@@ -134,7 +151,10 @@ class FindingLifecycle:
                       "its actions are tried again at the next evaluation")
             return None
 
-    def resolve(self, entry: RunEntry, finding: Finding, why: str) -> None:
+    def resolve(self, entry: RunEntry, finding: Finding, why: str, page: bool = True
+                ) -> Finding:
+        """The finding stops firing (journaled); page=False keeps its page held (the caller
+        hands the returned copy on). Returns a copy as it resolved."""
         run = entry.state
         finding.firing = False
         finding.resolved_at = time.time()
@@ -144,8 +164,10 @@ class FindingLifecycle:
             finding.resolved_at, dict(finding.evidence)))
         log.info("detector_resolved", run_id=run.run_id, detector=finding.detector,
                  reason=why)
-        entry.outbox.add(functools.partial(self.actions.resolved, RunSnapshot.of(run),
-                                           finding.copy()))
+        if page:
+            entry.outbox.add(functools.partial(self.actions.resolved, RunSnapshot.of(run),
+                                               finding.copy()))
+        return finding.copy()
 
     def restore(self, entry: RunEntry, incidents: list[StoredIncident]) -> None:
         """Findings from a previous sidecar's incidents (ordered by time: the last wins).

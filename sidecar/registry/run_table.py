@@ -49,6 +49,10 @@ class RunEntry:
     leader: int | None = None
     #: The last optimizer step written to the store's history (for the run report).
     history_step: int = 0
+    #: detector -> the previous incarnation's finding whose page is still held: resolved
+    #: once this incarnation proves healthy (``FindingLifecycle.settle_inherited``), carried
+    #: on by a new incident of the same detector, else resolved when the run expires.
+    inherited_pages: dict[str, Finding] = field(default_factory=dict)
     outbox: Outbox = field(init=False)
 
     def __post_init__(self) -> None:

@@ -65,9 +65,13 @@ def runbook_index() -> str:
         "off these alerts (drop them with `alerting.alert_relabel_configs`), or the two paths",
         "no longer deduplicate.",
         "",
-        "Alerts about the training itself resolve when the run ends; alerts about what the run",
-        "wrote (checkpoints, adapter files) stay until the sidecar forgets the finished run, and",
-        "may page after the run ends, once the root cause that inhibited them has resolved.",
+        "A run's end never resolves an alert: a verdict still firing when the run ended stays",
+        "firing (firing at end) until the run restarts healthy under the same id or the",
+        "sidecar forgets the finished run, so a run that ended with a critical verdict pages",
+        "once however short it was. Alerts about the training itself also resolve when the",
+        "live run recovers; alerts about what the run wrote (checkpoints, adapter files) are",
+        "judged after the run ended too, and may page then, once the root cause that inhibited",
+        "them has resolved.",
         "Edit a runbook here, or a detector's `spec`, then regenerate the rules, their tests,",
         f"the Alertmanager example, this index and the packaged copy with `{COMMAND}`.",
         "",
@@ -75,8 +79,8 @@ def runbook_index() -> str:
         "|---|---|---|---|---|---|",
     ]
     for d in SPECS:
-        resolves = ("when the run ends or recovers" if d.scope == "run"
-                    else "when the finished run expires")
+        resolves = ("when the live run recovers, or the run restarts healthy or expires"
+                    if d.scope == "run" else "when the run restarts healthy or expires")
         lines.append(f"| {alert_name(d.id)} | {d.severity.value} | {resolves} | "
                      f"[{d.runbook}]({d.runbook}) | {d.meaning} | {d.fix} |")
     about = {SIDECAR_DOWN: ("when scraped again",

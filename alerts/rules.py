@@ -116,14 +116,16 @@ RUN_LABEL = "{{ $labels.run_id }}"
 
 
 def firing_expr(d: DetectorSpec) -> str:
-    """Alert expression: exactly the labels run_id, detector, severity survive."""
-    expr = (
+    """Alert expression: exactly the labels run_id, detector, severity survive.
+
+    No ``deadweight_run_active == 1``: a run that ended with the verdict firing is worth its
+    page (the adapter it wrote is bad), however short the run; the sidecar keeps the verdict
+    at 1 until the run expires or restarts, which is what resolves the alert.
+    """
+    return (
         "max by (run_id, detector, severity) "
         f'(deadweight_detector_firing{{detector="{d.id}"}} == 1)'
     )
-    if d.scope == "run":
-        expr += " and on (run_id) max by (run_id) (deadweight_run_active == 1)"
-    return expr
 
 
 # Evidence shown as whole numbers (counts, bytes, steps); everything else with 4 digits.
@@ -325,25 +327,27 @@ def detector_tests(d: DetectorSpec, patterns: Patterns) -> list[dict[str, Any]]:
              "exp_alerts": [_expected_alert(d, "run-bad", values, patterns)]},
         ],
     }
+    # A short run that fired, then ended at once with the verdict firing (active 1 for one
+    # sample only): it pages like a live one (firing at end stands until the run expires).
+    firing_case["input_series"] += _detector_series("run-done", d, f"0 1x{STEPS}",
+                                                    f"1 0x{STEPS}", values)
+    firing_case["alert_rule_test"][1]["exp_alerts"].append(
+        _expected_alert(d, "run-done", values, patterns))
     # Healthy run: the detector reports 0; a run that recovered while still running; a
-    # finished run whose verdict is still 1 (silent for "run" alerts only).
+    # finished run whose verdict resolved before it ended; a run that expired (its series
+    # are gone) after it ended firing.
     ok_series = _detector_series("run-ok", d, f"0x{STEPS}", f"1x{STEPS}", healthy)
     ok_series += _detector_series("run-recovered", d, f"1x3 0x{STEPS - 3}", f"1x{STEPS}",
                                   healthy)
-    done_series = _detector_series("run-done", d, f"1x{STEPS}", f"0x{STEPS}", values)
+    ok_series += _detector_series("run-resolved-done", d, f"1x2 0x{STEPS - 2}",
+                                  f"1x3 0x{STEPS - 3}", healthy)
+    expired = _detector_series("run-expired", d, "1x2", "1 0 0", values)
     silent_case: dict[str, Any] = {
         "name": f"{name} stays silent on a healthy run",
         "interval": "1m",
-        "input_series": ok_series + done_series,
-        "alert_rule_test": [{"eval_time": "5m", "alertname": name, "exp_alerts": []}],
+        "input_series": ok_series + expired,
+        "alert_rule_test": [{"eval_time": "9m", "alertname": name, "exp_alerts": []}],
     }
-    if d.scope == "artifact":
-        # What a finished run wrote stays a problem until the sidecar expires the run.
-        silent_case["input_series"] = ok_series
-        firing_case["input_series"] += _detector_series("run-done", d, f"0 1x{STEPS}",
-                                                        f"0x{STEPS}", values)
-        firing_case["alert_rule_test"][1]["exp_alerts"].append(
-            _expected_alert(d, "run-done", values, patterns))
     return [firing_case, silent_case]
 
 

@@ -91,6 +91,9 @@ class Actions:
         self.escalate = escalate
         self.supersede = supersede
         self.counts: Counter[ActionKey] = Counter()
+        #: run_id -> detector -> severity of the pages this sidecar holds firing: resolved
+        #: when the verdict resolves, the run restarts, or the run expires; never at run end.
+        self._paged: dict[str, dict[str, str]] = {}
         self._lock = threading.Lock()
 
     # -- the journal -----------------------------------------------------------------------
@@ -123,10 +126,18 @@ class Actions:
             self.supersede(run_id)
 
     def forget(self, run_id: str) -> None:
-        """Drop an expired run's counters, so memory and /metrics stay bounded."""
+        """Drop an expired run's counters, so memory and /metrics stay bounded, and resolve
+        the pages its verdicts still held (the run left the sidecar's memory: the one
+        resolution a run that ended with a firing verdict gets without an operator)."""
         with self._lock:
             for key in [k for k in self.counts if k.run_id == run_id]:
                 del self.counts[key]
+            paged = self._paged.pop(run_id, {})
+        if self.pager is not None:
+            for detector, severity in sorted(paged.items()):
+                self.pager.resolve(run_id, detector, severity)  # queued: never blocks
+                log.info("page_resolved", run_id=run_id, detector=detector,
+                         reason="the ended run expired from the sidecar's memory")
 
     def _count_and_log(self, event: ActionEvent) -> None:
         with self._lock:
@@ -185,6 +196,8 @@ class Actions:
     def resolved(self, run: RunFacts, finding: Finding) -> None:
         paged = policy_level(finding.policy) >= LEVEL[Policy.PAGE]
         if paged and self.pager is not None and not self.dry_run:
+            with self._lock:
+                self._paged.get(run.run_id, {}).pop(finding.detector, None)
             self.pager.resolve(run.run_id, finding.detector, finding.severity)
 
     @staticmethod
@@ -204,6 +217,8 @@ class Actions:
 
     def _fire_pager(self, run: RunFacts, finding: Finding) -> None:
         assert self.pager is not None
+        with self._lock:
+            self._paged.setdefault(run.run_id, {})[finding.detector] = finding.severity
         # The wording the Prometheus rule carries too (a detector outside ALL has none).
         detector = BY_ID.get(finding.detector)
         summary = (detector.spec.render_summary(run.run_id) if detector is not None

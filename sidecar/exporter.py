@@ -33,7 +33,8 @@ from deadweight.sidecar.registry import Registry
 from deadweight.sidecar.state import RunState
 
 FIRING = "deadweight_detector_firing"
-FIRING_HELP = "1 while the detector's verdict on the run stands."
+FIRING_HELP = ("1 while the detector's verdict on the run stands (also after the run ended "
+               "with it firing, until the run expires).")
 #: Cached firing blocks (a run and set of firing detectors each); cleared past it.
 MAX_FIRING_BLOCKS = 10_000
 

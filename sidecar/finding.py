@@ -7,6 +7,7 @@ with is a frozen view of the run (``RunFacts``), never the live state the regist
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -15,6 +16,38 @@ import structlog
 from deadweight.proto import pb
 
 log = structlog.get_logger("deadweight.registry")
+
+#: The states of a verdict a person reads. A run's end alone never resolves a verdict: one
+#: still firing when its run ended stays so (``FIRING_AT_END``), in status, report, /metrics
+#: and on-call, until the run restarts or expires or an operator silences it.
+FIRING = "firing"
+RESOLVED = "resolved"
+FIRING_AT_END = "firing at end"
+#: Severities in the order a reader needs them (after root causes, which lead).
+SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
+
+
+def evidence_pairs(at_firing: Mapping[str, str], latest: Mapping[str, str]
+                   ) -> list[tuple[str, str]]:
+    """(key, value) as at firing, the latest value beside it where it differs: the one
+    reading of a verdict's evidence that status and the report share."""
+    pairs = []
+    for key in sorted(at_firing.keys() | latest.keys()):
+        then, now = at_firing.get(key), latest.get(key)
+        if then is None:
+            pairs.append((key, f"{now} (latest)"))
+        elif now is None or now == then:
+            pairs.append((key, then))
+        else:
+            pairs.append((key, f"{then} (latest {now})"))
+    return pairs
+
+
+def verdict_state(firing: bool, run_ended: bool) -> str:
+    """firing / resolved (the condition cleared while the run was live) / firing at end."""
+    if not firing:
+        return RESOLVED
+    return FIRING_AT_END if run_ended else FIRING
 
 
 @dataclass
@@ -27,7 +60,10 @@ class Finding:
     firing: bool = False
     step: int = 0
     summary: str = ""
+    #: The latest evidence (updated at each evaluation while it fires).
     evidence: dict[str, str] = field(default_factory=dict)
+    #: The evidence as it stood when the verdict fired (what the page quoted).
+    fired_evidence: dict[str, str] = field(default_factory=dict)
     fired_at: float = 0.0
     resolved_at: float = 0.0
     incidents: int = 0
@@ -38,7 +74,8 @@ class Finding:
 
     def copy(self) -> Finding:
         """A copy that later evaluations of the run do not change."""
-        return Finding(**{**vars(self), "evidence": dict(self.evidence)})
+        return Finding(**{**vars(self), "evidence": dict(self.evidence),
+                          "fired_evidence": dict(self.fired_evidence)})
 
 
 class RunFacts(Protocol):

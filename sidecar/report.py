@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from deadweight.sidecar import report_plots, runbook_pages, verdict_order
 from deadweight.sidecar.alert_links import DEFAULT_RUNBOOK_URL_PATTERN, runbook_url
 from deadweight.sidecar.detectors import BY_ID
+from deadweight.sidecar.finding import evidence_pairs
 from deadweight.sidecar.runbook_pages import fix_sentence
 from deadweight.sidecar.store import ActionRow, Store, StoredIncident, StoredRun
 
@@ -78,6 +79,29 @@ def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
                     for row in rows)
     header = "".join(f"<th>{html.escape(h)}</th>" for h in head)
     return f"<table><tr>{header}</tr>{cells}</table>"
+
+
+def verdicts_of(record: RunRecord) -> list[StoredIncident]:
+    """Every incident of the run: those of ``ordered_verdicts`` first, then the rest by step
+    (info verdicts), each detector's incidents in the order they fired."""
+    leading = ordered_verdicts(record)
+    shown = {i.detector for i in leading}
+    order = leading + sorted((i for i in record.incidents if i.detector not in shown),
+                             key=lambda i: i.step)
+    rank = {i.detector: n for n, i in enumerate(order)}
+    return sorted(record.incidents, key=lambda i: (rank.get(i.detector, len(rank)), i.incident))
+
+
+def incident_state(record: RunRecord, incident: StoredIncident) -> str:
+    """firing / firing at end / resolved (cleared while the run was live)."""
+    return verdict_order.state(incident, record.run)
+
+
+def evidence_text(incident: StoredIncident) -> str:
+    """key=value as at firing, with the latest value beside it where it differs (the same
+    reading as ``deadweight status``)."""
+    pairs = evidence_pairs(incident.evidence, incident.latest_evidence)
+    return ", ".join(f"{key}={value}" for key, value in pairs)
 
 
 def ordered_verdicts(record: RunRecord) -> list[StoredIncident]:
@@ -253,16 +277,12 @@ def render(record: RunRecord, frozen_ratio_floor: float = 0.01,
     modules = report_plots.modules(movement)
     if modules is not None:
         parts += ["<h2>Per-module movement</h2>", _module_note(movement), modules]
-    shown = {i.detector for i in verdicts}
-    table_order = verdicts + sorted((i for i in record.incidents if i.detector not in shown),
-                                    key=lambda i: i.step)
-    rank = {i.detector: n for n, i in enumerate(table_order)}
-    every = sorted(record.incidents, key=lambda i: (rank.get(i.detector, len(rank)), i.incident))
     parts += [
         "<h2>Verdicts (root causes first)</h2>",
-        _table(("detector", "severity", "policy", "step", "fired", "state", "summary"), [
+        _table(("detector", "severity", "policy", "step", "fired", "state", "summary",
+                "evidence (at firing, latest where it differs)"), [
             (i.detector, i.severity, i.policy, str(i.step), _when(i.fired_at),
-             verdict_state(i, run), i.summary) for i in every]),
+             verdict_state(i, run), i.summary, evidence_text(i)) for i in verdicts_of(record)]),
         "<h2>Actions</h2>",
         _table(("time", "detector", "action", "result", "rank", "pid"), [
             (_when(a.time), f"{a.detector}#{a.incident}", a.action + (" (dry run)" if a.dry_run

@@ -11,6 +11,7 @@ from __future__ import annotations
 from deadweight.proto import monitor_stub, pb
 from deadweight.proto.transport import bearer_metadata, grpc_target, open_channel
 from deadweight.sidecar.detectors.spec import root_causes_first
+from deadweight.sidecar.finding import FIRING, FIRING_AT_END, evidence_pairs, verdict_state
 
 #: Largest Status answer the sidecar sends and ``deadweight status`` accepts.
 STATUS_MAX_BYTES = 16 * 1024 * 1024
@@ -35,10 +36,11 @@ def bounded(response: pb.StatusResponse, limit: int = STATUS_MAX_BYTES) -> pb.St
         clean.run_id, clean.trainer = _cut(run.run_id), _cut(run.trainer)
         for finding in clean.findings:
             finding.summary = _cut(finding.summary)
-            evidence = sorted(finding.evidence.items())
-            finding.evidence.clear()
-            for key, value in evidence[:MAX_STATUS_EVIDENCE]:
-                finding.evidence[_cut(key, 128)] = _cut(value)
+            for evidence in (finding.evidence, finding.evidence_at_firing):
+                pairs = sorted(evidence.items())
+                evidence.clear()
+                for key, value in pairs[:MAX_STATUS_EVIDENCE]:
+                    evidence[_cut(key, 128)] = _cut(value)
         runs.append(clean)
     runs.sort(key=lambda r: (r.ended, r.last_seen_seconds))  # live and recent first
     out, size = pb.StatusResponse(), 0
@@ -91,6 +93,18 @@ def run_state(run: pb.RunStatus) -> str:
     return "running"
 
 
+def state_mark(finding: pb.Finding, run_ended: bool) -> str:
+    """FIRING / FIRING AT END / resolved (a sidecar without ``state`` is read from firing)."""
+    state = finding.state or verdict_state(finding.firing, run_ended)
+    return {FIRING: "FIRING  ", FIRING_AT_END: "FIRING AT END"}.get(state, "resolved")
+
+
+def evidence_lines(finding: pb.Finding) -> list[str]:
+    """key = value as at firing, with the latest value beside it where it differs."""
+    at_firing = dict(finding.evidence_at_firing) or dict(finding.evidence)
+    return [f"{key} = {value}" for key, value in evidence_pairs(at_firing, finding.evidence)]
+
+
 def render(status: pb.StatusResponse) -> str:
     """One block per run: a header line, then one line per detector that has fired."""
     if not status.runs:
@@ -102,7 +116,8 @@ def render(status: pb.StatusResponse) -> str:
         firing = [f for f in findings if f.firing]
         state = run_state(run)
         if firing:
-            state += "; FIRING " + ",".join(f.detector for f in firing)
+            state += ("; FIRING AT END " if run.ended else "; FIRING ") + ",".join(
+                f.detector for f in firing)
         lines.append(
             f"{run.run_id:<32} {run.trainer:<14} {len(run.ranks):<6} {run.step:>6} "
             f"{run.last_seen_seconds:>6.0f}s  {state}"
@@ -110,11 +125,9 @@ def render(status: pb.StatusResponse) -> str:
         if run.wrapper:
             lines.append(f"  wrapper {run.wrapper}" + (", sharded" if run.sharded else ""))
         for f in findings:
-            mark = "FIRING  " if f.firing else "resolved"
-            lines.append(f"  {mark} {f.detector} [{f.severity}, policy {f.policy}] "
-                         f"fired at step {f.step}: {f.summary}")
-            for key, value in sorted(f.evidence.items()):
-                lines.append(f"      {key} = {value}")
+            lines.append(f"  {state_mark(f, run.ended)} {f.detector} [{f.severity}, policy "
+                         f"{f.policy}] fired at step {f.step}: {f.summary}")
+            lines += [f"      {line}" for line in evidence_lines(f)]
         for a in run.actions:
             at = f" at step {a.step}" if a.step else ""
             lines.append(f"  action   {a.action} for {a.detector}{at}: {a.result}")

@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +55,7 @@ CREATE TABLE IF NOT EXISTS incidents (
     run_id TEXT NOT NULL, detector TEXT NOT NULL, incident INTEGER NOT NULL,
     severity TEXT NOT NULL, policy TEXT NOT NULL, step INTEGER NOT NULL, summary TEXT NOT NULL,
     evidence TEXT NOT NULL, fired_at REAL NOT NULL, resolved_at REAL,
-    enforcement TEXT NOT NULL DEFAULT 'none',
+    enforcement TEXT NOT NULL DEFAULT 'none', last_evidence TEXT,
     PRIMARY KEY (run_id, detector, incident));
 CREATE TABLE IF NOT EXISTS actions (
     id INTEGER PRIMARY KEY AUTOINCREMENT, time REAL NOT NULL, run_id TEXT NOT NULL,
@@ -105,6 +105,14 @@ class StoredIncident:
     fired_at: float
     resolved_at: float | None
     enforcement: str
+    #: The evidence when the verdict resolved or its run ended (empty: none noted since it
+    #: fired; ``evidence`` is the evidence at firing).
+    last_evidence: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def latest_evidence(self) -> dict[str, str]:
+        """The newest evidence noted: at resolution or run end, else at firing."""
+        return self.last_evidence or self.evidence
 
 
 @dataclass(frozen=True)
@@ -138,6 +146,13 @@ class Store:
         self.moved_aside: Path | None = opened.moved_aside
         #: The report's history tables (written inside this store's transactions).
         self._history = HistoryTables(self._db)
+        self._add_missing_columns()
+
+    def _add_missing_columns(self) -> None:
+        """Columns added to a table after a database was first written (kept, not lost)."""
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(incidents)")}
+        if "last_evidence" not in columns:
+            self._db.execute("ALTER TABLE incidents ADD COLUMN last_evidence TEXT")
 
     @property
     def persistent(self) -> bool:
@@ -250,16 +265,30 @@ class Store:
         step: int, summary: str, evidence: dict[str, str], fired_at: float, enforce: bool,
     ) -> None:
         self._write(
-            "INSERT OR IGNORE INTO incidents VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, ?)",
+            "INSERT OR IGNORE INTO incidents (run_id, detector, incident, severity, policy, "
+            "step, summary, evidence, fired_at, resolved_at, enforcement) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, ?)",
             (run_id, detector, incident, severity, policy, step, summary,
              json.dumps(evidence, sort_keys=True), fired_at,
              ENFORCEMENT_OPEN if enforce else "none"),
         )
 
-    def resolve_incident(self, run_id: str, detector: str, incident: int, at: float) -> None:
+    def resolve_incident(self, run_id: str, detector: str, incident: int, at: float,
+                         evidence: dict[str, str] | None = None) -> None:
+        """The condition cleared while the run was live; evidence: the latest it showed."""
         self._write(
-            "UPDATE incidents SET resolved_at=? WHERE run_id=? AND detector=? AND incident=? "
-            "AND resolved_at IS NULL", (at, run_id, detector, incident))
+            "UPDATE incidents SET resolved_at=?, last_evidence=COALESCE(?, last_evidence) "
+            "WHERE run_id=? AND detector=? AND incident=? AND resolved_at IS NULL",
+            (at, None if evidence is None else json.dumps(evidence, sort_keys=True), run_id,
+             detector, incident))
+
+    def note_evidence(self, run_id: str, detector: str, incident: int,
+                      evidence: dict[str, str]) -> None:
+        """The latest evidence of an open incident (its run ended with it firing)."""
+        self._write(
+            "UPDATE incidents SET last_evidence=? WHERE run_id=? AND detector=? AND incident=? "
+            "AND resolved_at IS NULL",
+            (json.dumps(evidence, sort_keys=True), run_id, detector, incident))
 
     def close_enforcement(self, run_id: str, detector: str, incident: int,
                           outcome: str) -> None:
@@ -270,10 +299,11 @@ class Store:
     def _incidents(self, where: str, args: tuple[Any, ...]) -> list[StoredIncident]:
         rows = self._read(
             "SELECT run_id, detector, incident, severity, policy, step, summary, evidence, "
-            f"fired_at, resolved_at, enforcement FROM incidents WHERE {where} "
+            f"fired_at, resolved_at, enforcement, last_evidence FROM incidents WHERE {where} "
             "ORDER BY fired_at, incident", args)
         return [StoredIncident(r[0], r[1], r[2], r[3], r[4], r[5], r[6], json.loads(r[7]),
-                               r[8], r[9], r[10]) for r in rows]
+                               r[8], r[9], r[10], json.loads(r[11]) if r[11] else {})
+                for r in rows]
 
     def last_incidents(self, run_id: str) -> dict[str, int]:
         """Per detector, the highest incident number journaled for a run (absent: none)."""

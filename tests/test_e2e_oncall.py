@@ -8,8 +8,10 @@ own pushes go through a recording pass-through so the test can show that both pa
 
 Shown: the frozen_weights page arrives with run_id, evidence, a runbook_url that opens (the
 sidecar serves it) and the run's dashboard_url, once, though both paths sent it with the same
-labels and links; it resolves when the run ends; a healthy run pages nothing; every PromQL
-expression in alerts/ and dashboards/ runs against this Prometheus and returns data.
+labels and links; it stays firing after the run ended and resolves when the sidecar forgets
+the ended run (``--run-ttl-seconds``), never at the end itself; a healthy run pages nothing;
+every PromQL expression in alerts/ and dashboards/ runs against this Prometheus and returns
+data.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ from tests.realprocs import (
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
+#: How long the sidecar keeps an ended run here (15 minutes by default).
+RUN_TTL_SECONDS = 15
 FROZEN_RUN = "oncall-frozen"
 HEALTHY_RUN = "oncall-healthy"
 LABELS = {"alertname", "run_id", "detector", "severity"}
@@ -156,6 +160,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     patterns = Patterns(f"http://127.0.0.1:{sidecar.metrics_port}/runbooks/{{detector}}",
                         "http://127.0.0.1:3000/d/deadweight-run/run?var-run_id={run_id}")
     sidecar.extra_args = ["--alertmanager-url", proxy.url,
+                          "--run-ttl-seconds", str(RUN_TTL_SECONDS),
                           "--runbook-url-pattern", patterns.runbook,
                           "--dashboard-url-pattern", patterns.dashboard]
     sidecar.start()
@@ -235,9 +240,16 @@ def test_frozen_run_pages_once_with_evidence_and_resolves(
     for key in ("summary", "runbook_url", "dashboard_url"):
         assert pushed[key] == ruled[key], key
     assert from_sidecar[0]["generatorURL"] == pushed["dashboard_url"]
-    # ... and it resolves once the run has ended: no active alert, a resolved notification.
+    # ... it stays firing after the run ended (the adapter it wrote is bad) ...
+    wait_for(lambda: getattr(stack.sidecar.run_status(FROZEN_RUN), "ended", False), 30,
+             what="the sidecar to end the run")
+    assert [a for a in stack.alertmanager.alerts(run_id=FROZEN_RUN)
+            if a["labels"]["detector"] == "frozen_weights"]
+    assert not any("resolved" in _status(n, "frozen_weights") for n in stack.pages(FROZEN_RUN))
+    # ... and resolves once the sidecar forgot the ended run: a resolved notification.
     wait_for(lambda: any("resolved" in _status(n, "frozen_weights")
-                         for n in stack.pages(FROZEN_RUN)), 30, what="the resolved page")
+                         for n in stack.pages(FROZEN_RUN)), RUN_TTL_SECONDS + 45,
+             what="the resolved page")
     wait_for(lambda: not [a for a in stack.alertmanager.alerts(run_id=FROZEN_RUN)
                           if a["labels"]["detector"] == "frozen_weights"], 30,
              what="Alertmanager to drop the alert")

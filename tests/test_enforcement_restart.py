@@ -130,12 +130,13 @@ def test_restart_mid_incident_repeats_nothing(
     (incident_after,) = [i for i in store.incidents(RUN) if i.detector == "frozen_weights"]
     assert (incident_after.incident, incident_after.fired_at) == (
         incident_before.incident, incident_before.fired_at)
-    assert incident_after.resolved_at is not None  # the killed run ended, the page resolved
+    # The killed run ended with the verdict standing: firing at end, never resolved by it.
+    assert incident_after.resolved_at is None
     assert checkpoints_before, "the job saved no checkpoint before the crash"
     assert checkpoints_before == store.checkpoints(RUN)[:len(checkpoints_before)]
     assert run is not None and run.ended
     (finding,) = [f for f in run.findings if f.detector == "frozen_weights"]
-    assert finding.policy == "kill"
+    assert finding.policy == "kill" and finding.state == "firing at end"
     checkpoints_metric = next(
         line for line in metrics.splitlines()
         if line.startswith("deadweight_checkpoints_total{") and f'run_id="{RUN}"' in line)

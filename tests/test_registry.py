@@ -95,12 +95,15 @@ def test_unknown_run_and_bad_batches_get_clear_errors() -> None:
     assert registry.runs() == []
 
 
-def test_run_end_resolves_standing_verdicts() -> None:
+def test_run_end_leaves_standing_verdicts_firing_at_end() -> None:
     registry = Registry()
     _send(registry, _start(optimizer_tensors=0, optimizer_params=0))
     assert registry.findings("r")["empty_optimizer"].firing
     _send(registry, pb.Event(seq=1, run_end=pb.RunEnd(step=3, reason="completed")))
-    assert not registry.findings("r")["empty_optimizer"].firing
+    assert registry.findings("r")["empty_optimizer"].firing  # an end is no recovery
+    [run] = registry.status().runs
+    [finding] = [f for f in run.findings if f.detector == "empty_optimizer"]
+    assert run.ended and finding.state == "firing at end"
 
 
 def test_expired_runs_leave_the_action_counters() -> None:

@@ -73,7 +73,9 @@ def test_the_batch_that_fires_still_gets_its_stop_and_the_journal_keeps_the_orde
     registry.ingest(pb.StreamRequest(run_id="r", rank=0, events=[
         pb.Event(seq=99, run_end=pb.RunEnd(step=4, reason="completed"))]))
     (incident,) = [i for i in store.incidents("r") if i.detector == "frozen_weights"]
-    assert incident.incident == 1 and incident.resolved_at is not None  # opened, then resolved
+    # Opened, then left open by the run's end (firing at end), with its latest evidence.
+    assert incident.incident == 1 and incident.resolved_at is None
+    assert incident.last_evidence["step"] == "4" and incident.evidence["step"] == "3"
     (run,) = store.runs()
     assert run.ended and run.end_reason == "completed"
     journal = [(a.action, a.result) for a in store.actions("r", "frozen_weights")]

@@ -21,8 +21,9 @@ Trust: on the unix socket a run is written only by processes the kernel identifi
 operator opted out (``allow_unattested``: logged and exported); ``trainer_uids`` narrows who
 may report. A RunStart for an ended run, or from another process of the same uid for a bound
 rank, starts a new incarnation: fresh state and sequence numbers, the old one ended
-(``superseded``), its firing findings resolved and kept in the journal, its escalations closed
-and its streams refused. Live runs that send nothing for ``silent_run_seconds`` end.
+(``superseded``), its firing findings resolved and kept in the journal (their pages held
+until the new incarnation proves healthy), its escalations closed and its streams refused.
+Live runs that send nothing for ``silent_run_seconds`` end.
 """
 
 from __future__ import annotations
@@ -221,8 +222,8 @@ class Registry:
                 if current is not None and self._gate.starts_incarnation(current, request,
                                                                          peer):
                     closed = current
-                    self._close_incarnation(current)
-                    self._table.succeed(current, request.rank)
+                    held = self._close_incarnation(current)
+                    self._table.succeed(current, request.rank).inherited_pages = held
                 self._table.make_room_for_rank(request.run_id, request.rank)
                 entry = self._admit(request, peer, numbering)
                 if run_start_of(request) is not None or request.run_id not in peer.incarnations:
@@ -240,15 +241,18 @@ class Registry:
         finally:
             forget_run_start_scan()
 
-    def _close_incarnation(self, old: RunEntry) -> None:
+    def _close_incarnation(self, old: RunEntry) -> dict[str, Finding]:
         """End old (superseded), resolve its firing findings and end its escalations; all
-        of it stays in the journal. Under the lock; the effects go to old's outbox."""
+        of it stays in the journal. Under the lock; the effects go to old's outbox. Returns
+        the findings whose pages stay held until the new incarnation proves healthy."""
         now = time.time()
         if not old.state.ended:
             end_run(old, self.store, "superseded", now)
+        held = dict(old.inherited_pages)  # a restart that never proved healthy hands on
         for finding in old.findings.values():
             if finding.firing:
-                self._lifecycle.resolve(old, finding, "incarnation closed")
+                held[finding.detector] = self._lifecycle.resolve(
+                    old, finding, "incarnation closed", page=False)
         superseded = getattr(self.actions, "superseded", None)
         if callable(superseded):
             old.outbox.add(functools.partial(superseded, old.state.run_id))
@@ -256,6 +260,7 @@ class Registry:
         log.warning("run_incarnation_started", run_id=old.state.run_id,
                     incarnation=old.incarnation + 1, previous_step=old.state.step,
                     previous_end=old.state.end_reason)
+        return held
 
     def _numbering_if_new(self, request: pb.StreamRequest) -> dict[str, int] | None:
         """For a batch that may register a run: its past incident numbers (read unlocked)."""

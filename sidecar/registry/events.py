@@ -51,6 +51,11 @@ def end_run(entry: RunEntry, store: Store, reason: str, now: float, step: int | 
     run.end_reason = reason
     run.ended_at = now
     entry.outbox.add(functools.partial(store.end_run, run.run_id, reason, now))
+    for finding in entry.findings.values():
+        if finding.firing:  # firing at end: the journal keeps what it showed last
+            entry.outbox.add(functools.partial(store.note_evidence, run.run_id,
+                                               finding.detector, finding.incidents,
+                                               dict(finding.evidence)))
     log.info("run_ended", run_id=run.run_id, reason=reason,
              step=run.step if step is None else step)
 

@@ -2,9 +2,11 @@
 
 ``evaluate`` runs a run's detectors and turns each change of verdict into ``fire`` (a new
 incident, numbered after every earlier one of the same run id, the store's included) or
-``resolve``; ``restore`` reads back the incidents a previous sidecar left open. The actions
-are told through the run's outbox with a frozen copy of the run and finding, so they run
-after the registry lock is released and never see a half-applied batch.
+``resolve`` (the condition cleared while the run was live: a run's end never resolves a
+verdict, one still firing then stays firing at end); ``restore`` reads back the incidents
+a previous sidecar left open. The actions are told through the run's outbox with a frozen
+copy of the run and finding, so they run after the registry lock is released and never see a
+half-applied batch.
 
 A firing whose incident cannot be journaled (a full disk) is undone: the finding goes back to
 not firing, its number is given back, and the next evaluation (every tick) fires it again, so
@@ -60,8 +62,8 @@ class FindingLifecycle:
         for detector in self.detectors:
             finding = entry.findings.get(detector.id)
             if run.ended and detector.id not in detectors.ARTIFACT_IDS:
-                if finding is not None and finding.firing:
-                    self.resolve(entry, finding, "run ended")
+                # The run's end is no recovery: a verdict firing now stays firing (at end)
+                # until the run restarts or expires; the training is no longer judged.
                 continue
             if finding is not None and finding.firing and detector.latching:
                 continue
@@ -84,6 +86,23 @@ class FindingLifecycle:
                 ):
                     continue  # restart or rank join: too few fresh steps to clear it
                 self.resolve(entry, finding, "recovered")
+        self.settle_inherited(entry)
+
+    def settle_inherited(self, entry: RunEntry) -> None:
+        """The pages a previous incarnation left: a new incident of the same detector carries
+        each on (same labels: no second page); once this incarnation has reported
+        ``resume_hold_steps`` steps without it, the run restarted healthy and it resolves."""
+        run = entry.state
+        for detector, old in list(entry.inherited_pages.items()):
+            finding = entry.findings.get(detector)
+            if finding is not None and finding.firing:
+                del entry.inherited_pages[detector]
+            elif not run.ended and len(run.combined_steps()) >= self.resume_hold_steps:
+                del entry.inherited_pages[detector]
+                log.info("detector_resolved", run_id=run.run_id, detector=detector,
+                         reason="the run restarted healthy")
+                entry.outbox.add(functools.partial(self.actions.resolved,
+                                                   RunSnapshot.of(run), old))
 
     def fire(self, entry: RunEntry, detector: Detector, verdict: Verdict) -> None:
         run = entry.state
@@ -96,6 +115,7 @@ class FindingLifecycle:
         finding.step = verdict.step
         finding.summary = verdict.summary
         finding.evidence = dict(verdict.evidence)
+        finding.fired_evidence = dict(verdict.evidence)
         finding.fired_at = time.time()
         # Numbering continues from the journal (read when the run was admitted), so a run id
         # used again never shares an incident, and its actions, with the past.
@@ -131,24 +151,31 @@ class FindingLifecycle:
                       "its actions are tried again at the next evaluation")
             return None
 
-    def resolve(self, entry: RunEntry, finding: Finding, why: str) -> None:
+    def resolve(self, entry: RunEntry, finding: Finding, why: str, page: bool = True
+                ) -> Finding:
+        """The finding stops firing (journaled); page=False keeps its page held (the caller
+        hands the returned copy on). Returns a copy as it resolved."""
         run = entry.state
         finding.firing = False
         finding.resolved_at = time.time()
         entry.held.discard(finding.detector)
         entry.outbox.add(functools.partial(
             self.store.resolve_incident, run.run_id, finding.detector, finding.incidents,
-            finding.resolved_at))
+            finding.resolved_at, dict(finding.evidence)))
         log.info("detector_resolved", run_id=run.run_id, detector=finding.detector,
                  reason=why)
-        entry.outbox.add(functools.partial(self.actions.resolved, RunSnapshot.of(run),
-                                           finding.copy()))
+        if page:
+            entry.outbox.add(functools.partial(self.actions.resolved, RunSnapshot.of(run),
+                                               finding.copy()))
+        return finding.copy()
 
     def restore(self, entry: RunEntry, incidents: list[StoredIncident]) -> None:
         """Findings from a previous sidecar's incidents (ordered by time: the last wins).
 
         Firing ones come back firing and held (no second page, STOP or kill for the same
-        incident); the action sink re-asserts them once the outbox is flushed.
+        incident); the action sink re-asserts them once the outbox is flushed. Those of an
+        ended run come back firing at end, and their pages are re-asserted too (the run
+        ended with them: on-call still needs them until the run expires).
         """
         run = entry.state
         latest = {}
@@ -160,12 +187,17 @@ class FindingLifecycle:
             finding = Finding(
                 detector=detector, severity=incident.severity, policy=incident.policy,
                 firing=incident.resolved_at is None, step=incident.step,
-                summary=incident.summary, evidence=dict(incident.evidence),
-                fired_at=incident.fired_at, resolved_at=incident.resolved_at or 0.0,
+                summary=incident.summary, evidence=dict(incident.latest_evidence),
+                fired_evidence=dict(incident.evidence), fired_at=incident.fired_at,
+                resolved_at=incident.resolved_at or 0.0,
                 incidents=incident.incident,
             )
             entry.findings[detector] = finding
-            if finding.firing and not run.ended:
-                entry.held.add(detector)
+            if finding.firing:
+                held = finding.copy()
+                if not run.ended:
+                    entry.held.add(detector)
+                elif held.policy in (Policy.STOP.value, Policy.KILL.value):
+                    held.policy = Policy.PAGE.value  # ended: only its page is held again
                 entry.outbox.add(functools.partial(self.actions.resumed, RunSnapshot.of(run),
-                                                   finding.copy()))
+                                                   held))

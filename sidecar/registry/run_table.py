@@ -51,6 +51,10 @@ class RunEntry:
     history_step: int = 0
     #: rank -> the incidents (``Finding.incident_id``) its stream was sent the words of.
     told: dict[int, set[str]] = field(default_factory=dict)
+    #: detector -> the previous incarnation's finding whose page is still held: resolved
+    #: once this incarnation proves healthy (``FindingLifecycle.settle_inherited``), carried
+    #: on by a new incident of the same detector, else resolved when the run expires.
+    inherited_pages: dict[str, Finding] = field(default_factory=dict)
     outbox: Outbox = field(init=False)
 
     def __post_init__(self) -> None:

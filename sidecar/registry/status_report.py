@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 from deadweight.proto import pb
-from deadweight.sidecar.finding import Finding
+from deadweight.sidecar.detectors.spec import root_causes_first
+from deadweight.sidecar.finding import SEVERITY_ORDER, Finding, verdict_state
 from deadweight.sidecar.state import RunState
 from deadweight.sidecar.store import ActionRow
+
+
+def ordered(findings: list[Finding]) -> list[Finding]:
+    """Root causes before their symptoms; otherwise critical first, then by detector id."""
+    by_id = {f.detector: f for f in findings}
+    ids = sorted(by_id, key=lambda d: (SEVERITY_ORDER.get(by_id[d].severity, 3), d))
+    return [by_id[d] for d in root_causes_first(ids)]
 
 
 def status_response(runs: list[tuple[RunState, list[Finding]]],
@@ -32,9 +40,10 @@ def status_response(runs: list[tuple[RunState, list[Finding]]],
                     pb.Finding(
                         detector=f.detector, severity=f.severity, firing=f.firing,
                         step=f.step, summary=f.summary, evidence=f.evidence,
-                        policy=f.policy,
+                        policy=f.policy, state=verdict_state(f.firing, run.ended),
+                        evidence_at_firing=f.fired_evidence or f.evidence,
                     )
-                    for f in sorted(findings, key=lambda f: f.detector)
+                    for f in ordered(findings)
                 ],
             )
         )

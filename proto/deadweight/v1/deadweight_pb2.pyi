@@ -454,8 +454,15 @@ class ActionTaken(_message.Message):
     def __init__(self, detector: _Optional[str] = ..., action: _Optional[str] = ..., result: _Optional[str] = ..., time: _Optional[float] = ..., step: _Optional[int] = ...) -> None: ...
 
 class Finding(_message.Message):
-    __slots__ = ("detector", "severity", "firing", "step", "summary", "evidence", "policy")
+    __slots__ = ("detector", "severity", "firing", "step", "summary", "evidence", "policy", "state", "evidence_at_firing")
     class EvidenceEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class EvidenceAtFiringEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -469,6 +476,8 @@ class Finding(_message.Message):
     SUMMARY_FIELD_NUMBER: _ClassVar[int]
     EVIDENCE_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    EVIDENCE_AT_FIRING_FIELD_NUMBER: _ClassVar[int]
     detector: str
     severity: str
     firing: bool
@@ -476,7 +485,9 @@ class Finding(_message.Message):
     summary: str
     evidence: _containers.ScalarMap[str, str]
     policy: str
-    def __init__(self, detector: _Optional[str] = ..., severity: _Optional[str] = ..., firing: _Optional[bool] = ..., step: _Optional[int] = ..., summary: _Optional[str] = ..., evidence: _Optional[_Mapping[str, str]] = ..., policy: _Optional[str] = ...) -> None: ...
+    state: str
+    evidence_at_firing: _containers.ScalarMap[str, str]
+    def __init__(self, detector: _Optional[str] = ..., severity: _Optional[str] = ..., firing: _Optional[bool] = ..., step: _Optional[int] = ..., summary: _Optional[str] = ..., evidence: _Optional[_Mapping[str, str]] = ..., policy: _Optional[str] = ..., state: _Optional[str] = ..., evidence_at_firing: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class SignSummaryRequest(_message.Message):
     __slots__ = ("run_id", "attestation", "adapter", "step")

@@ -26,6 +26,7 @@ from alerts.rules import (
     DEFAULT_JOB_SELECTOR,
     DEFAULT_STALE_SECONDS,
     MONITORING,
+    PAGER_FAILING,
     RUN_STALE,
     SIDECAR_DOWN,
     SPECS,
@@ -82,7 +83,9 @@ def runbook_index() -> str:
     about = {SIDECAR_DOWN: ("when scraped again",
                             "the sidecar is down or no scrape target matches"),
              RUN_STALE: ("when steps resume or the run ends",
-                         "an active run made no optimizer step for too long")}
+                         "an active run made no optimizer step for too long"),
+             PAGER_FAILING: ("when a delivery gets through",
+                             "the sidecar's pages to a pager target fail")}
     for alert in MONITORING:
         resolves, meaning = about[alert]
         lines.append(f"| {alert.name} | critical | {resolves} | "

@@ -57,7 +57,12 @@ SIDECAR_DOWN = MonitoringAlert("DeadweightSidecarDown", "sidecar_down",
 RUN_STALE = MonitoringAlert("DeadweightRunStale", "run_stale",
                             "Run {{ $labels.run_id }} stopped making optimizer steps",
                             per_run=True)
-MONITORING = (SIDECAR_DOWN, RUN_STALE)
+PAGER_FAILING = MonitoringAlert(
+    "DeadweightPagerFailing", "pager_failing",
+    "The deadweight sidecar cannot deliver pages to {{ $labels.target }}", per_run=False)
+MONITORING = (SIDECAR_DOWN, RUN_STALE, PAGER_FAILING)
+#: A pager target is failing when its deliveries fail and none got through for this long.
+PAGER_SILENT_SECONDS = 300
 
 # Values the evidence metrics take in the healthy promtool cases and, unless a detector's
 # Evidence gives its firing value, in its firing case.
@@ -183,6 +188,24 @@ def run_stale_description(run_id: str, ago: str, stale_seconds: int, step: str) 
             f"{ago} ago (threshold {stale_seconds}s). Evidence: step={step}.")
 
 
+def pager_failing_expr(silent_seconds: int = PAGER_SILENT_SECONDS) -> str:
+    """A target whose deliveries failed in the last 5 minutes and that delivered nothing for
+    silent_seconds (never: its last success is 0). A blip followed by a delivery is silent."""
+    by = "max by (instance, target, kind)"
+    return (f"time() - {by} (deadweight_pager_last_success_timestamp_seconds) "
+            f"> {silent_seconds} and {by} (increase(deadweight_pager_failures_total[5m])) > 0")
+
+
+def pager_failing_description(instance: str, target: str, ago: str) -> str:
+    return (f"The deadweight sidecar at {instance} tried to deliver pages to {target} and "
+            f"failed; its last delivery there was {ago} ago. Verdicts are still made, but "
+            "on-call hears nothing from this path: `deadweight status` shows pages as failed.")
+
+
+PAGER_FAILING_AGO = "{{ if gt $value 1e9 }}never{{ else }}{{ $value | humanizeDuration }}" \
+    "{{ end }}"
+
+
 def rules(job_selector: str, stale_seconds: int, patterns: Patterns) -> dict[str, Any]:
     detector_rules = []
     for d in SPECS:
@@ -223,6 +246,18 @@ def rules(job_selector: str, stale_seconds: int, patterns: Patterns) -> dict[str
                         RUN_LABEL, "{{ $value | humanizeDuration }}", stale_seconds,
                         evidence_template("max(deadweight_step{run_id=%q})", "%.0f")),
                     **links(patterns, RUN_STALE.runbook, RUN_STALE.per_run),
+                },
+            },
+            {
+                "alert": PAGER_FAILING.name,
+                "expr": pager_failing_expr(),
+                "for": "2m",
+                "labels": {"severity": "critical"},
+                "annotations": {
+                    "summary": PAGER_FAILING.summary,
+                    "description": pager_failing_description(
+                        "{{ $labels.instance }}", "{{ $labels.target }}", PAGER_FAILING_AGO),
+                    **links(patterns, PAGER_FAILING.runbook, PAGER_FAILING.per_run),
                 },
             },
         ]},
@@ -413,6 +448,7 @@ def monitoring_tests(job_selector: str, stale_seconds: int, patterns: Patterns
                 }]},
             ],
         },
+        *pager_tests(patterns),
         {
             "name": f"{stale} stays silent for a stepping run and for a finished run",
             "interval": "1m",
@@ -424,6 +460,58 @@ def monitoring_tests(job_selector: str, stale_seconds: int, patterns: Patterns
             ],
             "alert_rule_test": [{"eval_time": f"{stale_minutes}m", "alertname": stale,
                                  "exp_alerts": []}],
+        },
+    ]
+
+
+def pager_tests(patterns: Patterns) -> list[dict[str, Any]]:
+    """The pager alert fires for a target that never delivered while its POSTs fail, and for
+    one whose last delivery is long past; it stays silent for a blip after which a delivery
+    got through, and for a target that failed nothing."""
+    name = PAGER_FAILING.name
+    n = 16
+
+    def target(label: str, failures: str, last: str) -> list[dict[str, str]]:
+        labels = f'{JOB}, target="{label}", kind="alertmanager"'
+        return [{"series": f"deadweight_pager_failures_total{{{labels}}}", "values": failures},
+                {"series": f"deadweight_pager_attempts_total{{{labels}}}",
+                 "values": f"0+1x{n}"},
+                {"series": f"deadweight_pager_last_success_timestamp_seconds{{{labels}}}",
+                 "values": last}]
+
+    def expected(label: str, ago: str) -> dict[str, Any]:
+        return {"exp_labels": {"severity": "critical", "instance": "127.0.0.1:9464",
+                               "target": label, "kind": "alertmanager"},
+                "exp_annotations": {
+                    "summary": PAGER_FAILING.summary.replace("{{ $labels.target }}", label),
+                    "description": pager_failing_description("127.0.0.1:9464", label, ago),
+                    **links(patterns, PAGER_FAILING.runbook, PAGER_FAILING.per_run)}}
+
+    dead = "alertmanager 127.0.0.1:9"
+    gone = "alertmanager 10.0.0.7:9093"
+    blip = "alertmanager 10.0.0.8:9093"
+    fine = "alertmanager 10.0.0.9:9093"
+    return [
+        {
+            "name": f"{name} fires when a pager target fails and delivers nothing",
+            "interval": "1m",
+            # never delivered; delivered once at 60 s, failing since
+            "input_series": target(dead, f"0 0+2x{n}", f"0x{n}")
+            + target(gone, f"0x2 0+3x{n}", f"60x{n}"),
+            "alert_rule_test": [
+                {"eval_time": "2m", "alertname": name, "exp_alerts": []},
+                {"eval_time": "10m", "alertname": name, "exp_alerts": [
+                    expected(dead, _humanize_duration(600)),
+                    expected(gone, _humanize_duration(540))]},
+            ],
+        },
+        {
+            "name": f"{name} stays silent for a blip and for a healthy target",
+            "interval": "1m",
+            "input_series": target(blip, f"0 1 2 2 2 2 2 2 2 2 3x{n - 10}",
+                                   "".join(f"{60 * i} " for i in range(n)).strip())
+            + target(fine, f"0x{n}", f"0+60x{n}"),
+            "alert_rule_test": [{"eval_time": "12m", "alertname": name, "exp_alerts": []}],
         },
     ]
 

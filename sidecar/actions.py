@@ -10,6 +10,9 @@ and stopped at most once, also across restarts (the journal is checked first).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
 import threading
 import time
 from collections import Counter
@@ -23,7 +26,7 @@ from deadweight.proto import pb
 from deadweight.sidecar.detectors import BY_ID
 from deadweight.sidecar.detectors.base import Policy
 from deadweight.sidecar.finding import Finding, RunFacts
-from deadweight.sidecar.store import Store
+from deadweight.sidecar.store import Store, StoreWriteFailed
 
 log = structlog.get_logger("deadweight.actions")
 
@@ -31,11 +34,15 @@ LEVEL = {Policy.OBSERVE: 0, Policy.PAGE: 1, Policy.STOP: 2, Policy.KILL: 3}
 
 
 class Pager(Protocol):
-    """Where pages go (the Alertmanager pusher implements this)."""
+    """Where pages go (``pagers.PagerSet``: the Alertmanager push and the webhooks).
+
+    on_result hears "delivered" or "failed" (after the targets' retry budget); reassert marks
+    the same page sent again after a restart (a webhook posts nothing for it)."""
 
     def fire(
         self, run_id: str, detector: str, severity: str, summary: str, description: str,
         evidence: dict[str, str], starts_at: float | None = None,
+        on_result: Callable[[str], None] | None = None, reassert: bool = False,
     ) -> None: ...
 
     def resolve(self, run_id: str, detector: str, severity: str) -> None: ...
@@ -91,6 +98,8 @@ class Actions:
         self.escalate = escalate
         self.supersede = supersede
         self.counts: Counter[ActionKey] = Counter()
+        #: Page action id -> its run and the result it was last settled to (pager thread).
+        self._settled: dict[int, tuple[str, str]] = {}
         self._lock = threading.Lock()
 
     # -- the journal -----------------------------------------------------------------------
@@ -127,6 +136,8 @@ class Actions:
         with self._lock:
             for key in [k for k in self.counts if k.run_id == run_id]:
                 del self.counts[key]
+            for action_id in [a for a, (r, _) in self._settled.items() if r == run_id]:
+                del self._settled[action_id]
 
     def _count_and_log(self, event: ActionEvent) -> None:
         with self._lock:
@@ -175,7 +186,7 @@ class Actions:
         level = policy_level(finding.policy)
         directives: list[pb.Directive] = []
         if level >= LEVEL[Policy.PAGE] and self.pager is not None and not self.dry_run:
-            self._fire_pager(run, finding)
+            self._fire_pager(run, finding, reassert=True)
             self.record(self._event(run, finding, "page", "reasserted"))
         if level >= LEVEL[Policy.STOP] and not self.dry_run and self._done(run, finding, "stop"):
             directives.append(self._stop_directive(finding))
@@ -199,10 +210,27 @@ class Actions:
         if self.pager is None:
             self.record(self._event(run, finding, "page", "no_pager"))
             return
-        self.record(self._event(run, finding, "page", "queued"))
-        self._fire_pager(run, finding)
+        event = self._event(run, finding, "page", "queued")
+        action_id = self.record(event)
+        self._fire_pager(run, finding, on_result=functools.partial(
+            self._page_settled, action_id, event))
 
-    def _fire_pager(self, run: RunFacts, finding: Finding) -> None:
+    def _page_settled(self, action_id: int, queued: ActionEvent, result: str) -> None:
+        """A page's targets told what became of it (from their thread): the journal row goes
+        from "queued" (or an earlier result) to result, and result is counted too (a counter
+        never goes down: ``queued`` stays counted as what happened first)."""
+        with self._lock:
+            before = self._settled.get(action_id, (queued.run_id, queued.result))[1]
+            self._settled[action_id] = (queued.run_id, result)
+        # A failed write is counted and logged by the store; the counters still move.
+        with contextlib.suppress(StoreWriteFailed):
+            self.store.set_result(action_id, result)
+        self._count_and_log(dataclasses.replace(queued, result=result,
+                                                detail={**queued.detail, "was": before}))
+
+    def _fire_pager(self, run: RunFacts, finding: Finding,
+                    on_result: Callable[[str], None] | None = None,
+                    reassert: bool = False) -> None:
         assert self.pager is not None
         # The wording the Prometheus rule carries too (a detector outside ALL has none).
         detector = BY_ID.get(finding.detector)
@@ -213,5 +241,5 @@ class Actions:
             run.run_id, finding.detector, finding.severity, summary=summary,
             description=f"Run {run.run_id}: {meaning}({finding.summary}).",
             evidence=dict(sorted(finding.evidence.items())),
-            starts_at=finding.fired_at or None,
+            starts_at=finding.fired_at or None, on_result=on_result, reassert=reassert,
         )

@@ -33,6 +33,7 @@ from deadweight.sidecar.exporter import DeadweightCollector
 from deadweight.sidecar.finding import Finding, RunFacts
 from deadweight.sidecar.history_queue import HistoryQueue
 from deadweight.sidecar.metrics_http import MetricsServer
+from deadweight.sidecar.pagers import PagerSet, PagerTarget
 from deadweight.sidecar.registry import Registry
 from deadweight.sidecar.server import (
     ServerConfig,
@@ -85,7 +86,7 @@ class Sidecar:
     """A registry and everything that serves it, started and stopped together."""
 
     def __init__(self, registry: Registry, actions: Actions | None, config: ServerConfig,
-                 enforcer: Enforcer | None = None, pager: AlertmanagerPusher | None = None,
+                 enforcer: Enforcer | None = None, pager: PagerSet | None = None,
                  store: Store | None = None, history_queue: HistoryQueue | None = None
                  ) -> None:
         self.registry = registry
@@ -109,7 +110,8 @@ class Sidecar:
                                                  registry.attestor, group=config.socket_group,
                                                  allowed_uids=registry.trainer_uids)
         self.collector = DeadweightCollector(registry, actions, registry.detectors,
-                                             attestation=self.attestation)
+                                             attestation=self.attestation,
+                                             pagers=pager.health() if pager else ())
         self.server = SidecarServer(registry, config)
         self._http: MetricsServer | None = None
         #: How to stop each part that started, in start order.
@@ -200,10 +202,11 @@ def build(config: SidecarConfig) -> Sidecar:
     """Every part of a sidecar, in dependency order, from its configuration."""
     store = Store(config.state_dir)
     history_queue = HistoryQueue(store)
-    pager = None
+    targets: list[PagerTarget] = []
     if config.alertmanager_url:
-        pager = AlertmanagerPusher(config.alertmanager_url, config.runbook_url_pattern,
-                                   config.dashboard_url_pattern)
+        targets.append(AlertmanagerPusher(config.alertmanager_url, config.runbook_url_pattern,
+                                          config.dashboard_url_pattern))
+    pager = PagerSet(targets) if targets else None
 
     def escalate(run: RunFacts, finding: Finding, stop_at: float, stop_step: int) -> None:
         # Called only from ingest, so once the sidecar is built: the enforcer exists by then.

@@ -128,7 +128,9 @@ def firing_expr(d: DetectorSpec) -> str:
     )
     if d.scope == "run":
         expr += " and on (run_id) max by (run_id) (deadweight_run_active == 1)"
-    return expr
+    # A detector silenced on the run by hand (``deadweight silence``) pages on neither path.
+    return expr + (" unless on (run_id, detector) "
+                   "max by (run_id, detector) (deadweight_detector_silenced == 1)")
 
 
 # Evidence shown as whole numbers (counts, bytes, steps); everything else with 4 digits.
@@ -366,6 +368,10 @@ def detector_tests(d: DetectorSpec, patterns: Patterns) -> list[dict[str, Any]]:
     ok_series += _detector_series("run-recovered", d, f"1x3 0x{STEPS - 3}", f"1x{STEPS}",
                                   healthy)
     done_series = _detector_series("run-done", d, f"1x{STEPS}", f"0x{STEPS}", values)
+    # A failing run whose detector on-call silenced (``deadweight silence``).
+    ok_series += _detector_series("run-silenced", d, f"1x{STEPS}", f"1x{STEPS}", values)
+    ok_series.append({"series": f'deadweight_detector_silenced{{{JOB}, run_id="run-silenced", '
+                                f'detector="{d.id}"}}', "values": f"1x{STEPS}"})
     silent_case: dict[str, Any] = {
         "name": f"{name} stays silent on a healthy run",
         "interval": "1m",

@@ -5,7 +5,9 @@ on-call, ``stop`` also sends STOP over the run's stream, ``kill`` also hands the
 enforcer, which escalates to SIGTERM and SIGKILL. Every action is journaled in the store,
 counted by (action, result) for ``deadweight_actions_total`` and logged with its evidence;
 ``dry_run`` logs and journals what would have been done and does nothing. An incident is paged
-and stopped at most once, also across restarts (the journal is checked first).
+and stopped at most once, also across restarts (the journal is checked first). A detector
+silenced on the run (``silences``) does not page: the page is journaled ``silenced`` and sent
+when the silence expires if the verdict still stands (``unsilenced``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from deadweight.proto import pb
 from deadweight.sidecar.detectors import BY_ID
 from deadweight.sidecar.detectors.base import Policy
 from deadweight.sidecar.finding import Finding, RunFacts
+from deadweight.sidecar.silences import Silences
 from deadweight.sidecar.store import Store, StoreWriteFailed
 
 log = structlog.get_logger("deadweight.actions")
@@ -91,8 +94,11 @@ class Actions:
 
     def __init__(self, pager: Pager | None = None, dry_run: bool = False,
                  store: Store | None = None, escalate: Escalate | None = None,
-                 supersede: Supersede | None = None) -> None:
+                 supersede: Supersede | None = None,
+                 silences: Silences | None = None) -> None:
         self.pager = pager
+        #: Detectors silenced by hand per run (``deadweight silence``): they do not page.
+        self.silences = silences or Silences()
         self.dry_run = dry_run
         self.store = store or Store()
         self.escalate = escalate
@@ -158,13 +164,24 @@ class Actions:
     def _done(self, run: RunFacts, finding: Finding, action: str) -> bool:
         return self.store.has_action(run.run_id, finding.detector, finding.incidents, action)
 
+    def _paged(self, run: RunFacts, finding: Finding) -> bool:
+        """A page went out for the incident (one held back by a silence does not count)."""
+        return any(a.action == "page" and a.result != "silenced" for a in
+                   self.store.actions(run.run_id, finding.detector, finding.incidents))
+
+    def _silenced(self, run: RunFacts, finding: Finding) -> bool:
+        return self.silences.active(run.run_id, finding.detector)
+
     # -- verdict transitions ---------------------------------------------------------------
 
     def fired(self, run: RunFacts, finding: Finding) -> list[pb.Directive]:
         level = policy_level(finding.policy)
         directives: list[pb.Directive] = []
-        if level >= LEVEL[Policy.PAGE] and not self._done(run, finding, "page"):
-            self._page(run, finding)
+        if level >= LEVEL[Policy.PAGE] and not self._paged(run, finding):
+            if self._silenced(run, finding):
+                self.record(self._event(run, finding, "page", "silenced"))
+            else:
+                self._page(run, finding)
         if level >= LEVEL[Policy.STOP] and not self._done(run, finding, "stop"):
             now = time.time()
             if self.dry_run:
@@ -185,13 +202,32 @@ class Actions:
         """
         level = policy_level(finding.policy)
         directives: list[pb.Directive] = []
-        if level >= LEVEL[Policy.PAGE] and self.pager is not None and not self.dry_run:
+        if (level >= LEVEL[Policy.PAGE] and self.pager is not None and not self.dry_run
+                and not self._silenced(run, finding) and self._paged(run, finding)):
             self._fire_pager(run, finding, reassert=True)
             self.record(self._event(run, finding, "page", "reasserted"))
         if level >= LEVEL[Policy.STOP] and not self.dry_run and self._done(run, finding, "stop"):
             directives.append(self._stop_directive(finding))
             self.record(self._event(run, finding, "stop", "requeued"))
         return directives
+
+    def silenced(self, run: RunFacts, finding: Finding) -> None:
+        """A silence began on a firing incident: the page already out resolves (on-call's
+        pager quiets; the rules leave silenced detectors out too)."""
+        if (policy_level(finding.policy) >= LEVEL[Policy.PAGE] and self.pager is not None
+                and not self.dry_run and self._paged(run, finding)):
+            self.pager.resolve(run.run_id, finding.detector, finding.severity)
+
+    def unsilenced(self, run: RunFacts, finding: Finding) -> None:
+        """A silence ended on a firing incident: page it now (journaled once), or, if it was
+        paged before the silence, assert that page again."""
+        if policy_level(finding.policy) < LEVEL[Policy.PAGE]:
+            return
+        if not self._paged(run, finding):
+            self._page(run, finding)
+        elif self.pager is not None and not self.dry_run:
+            self._fire_pager(run, finding, reassert=True)
+            self.record(self._event(run, finding, "page", "reasserted"))
 
     def resolved(self, run: RunFacts, finding: Finding) -> None:
         paged = policy_level(finding.policy) >= LEVEL[Policy.PAGE]

@@ -33,6 +33,7 @@ from deadweight.sidecar.exporter import DeadweightCollector
 from deadweight.sidecar.finding import Finding, RunFacts
 from deadweight.sidecar.history_queue import HistoryQueue
 from deadweight.sidecar.metrics_http import MetricsServer
+from deadweight.sidecar.oncall import Oncall, SilenceClock, operator_uids
 from deadweight.sidecar.pagers import PagerSet, PagerTarget
 from deadweight.sidecar.registry import Registry
 from deadweight.sidecar.server import (
@@ -106,13 +107,20 @@ class Sidecar:
                             "client-named checkpoint folder is read")
         self.attestation: AttestationServer | None = None
         if config.socket_path and registry.attestor is not None:
+            # The operator's uids attest too (``deadweight stop``/``silence``); a RunStart
+            # from one of them is still refused unless it is a trainer uid.
+            allowed = (registry.trainer_uids | operator_uids() if registry.trainer_uids
+                       else frozenset())
             self.attestation = AttestationServer(attest_path(config.socket_path),
                                                  registry.attestor, group=config.socket_group,
-                                                 allowed_uids=registry.trainer_uids)
+                                                 allowed_uids=allowed)
+        #: Stop and silence by hand (needs the actions, which journal them).
+        self.oncall = (Oncall(registry, actions, registry.attestor)
+                       if actions is not None else None)
         self.collector = DeadweightCollector(registry, actions, registry.detectors,
                                              attestation=self.attestation,
                                              pagers=pager.health() if pager else ())
-        self.server = SidecarServer(registry, config)
+        self.server = SidecarServer(registry, config, self.oncall)
         self._http: MetricsServer | None = None
         #: How to stop each part that started, in start order.
         self._running: list[Callable[[], None]] = []
@@ -135,7 +143,13 @@ class Sidecar:
                     refuse_if_listening(path)
                 except OSError as err:
                     raise StartupError(str(err)) from err
+        if self.oncall is not None and self.store is not None:
+            self.oncall.silences.load(self.store)  # before resume re-asserts pages
         self.registry.resume()
+        if self.oncall is not None:
+            clock = SilenceClock(self.oncall)
+            clock.start()
+            self._running.append(clock.stop)
         if self.history_queue is not None:  # stopped after the server: the last rows land
             self.history_queue.start()
             self._running.append(self.history_queue.stop)

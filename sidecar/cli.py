@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deadweight import __version__
-from deadweight.sidecar import alert_links
+from deadweight.sidecar import alert_links, oncall_cli
 from deadweight.sidecar.detectors import BY_ID
 from deadweight.sidecar.detectors.base import Policy
 
@@ -374,6 +374,7 @@ def build_parser(*more_commands: Callable[[Commands], None]) -> argparse.Argumen
     report_cmd.add_argument("--out", default=None, metavar="FILE.html",
                             help="where to write it (default deadweight-RUN_ID.html)")
     report_cmd.set_defaults(func=_report)
+    oncall_cli.add(commands)
     for add in more_commands:
         add(commands)
     return parser

@@ -228,6 +228,7 @@ class DeadweightCollector(Collector):
             actions = self._action_metrics({run.run_id for run, _ in runs})
             guards = list(self._guard_metrics())
         guards += self._pager_metrics()
+        guards.append(self._silence_metrics())
         return info, figures, actions, guards
 
     def _figures(self, run: RunState, findings: list[Finding]) -> RunFigures:
@@ -394,6 +395,17 @@ class DeadweightCollector(Collector):
                           "unix socket (--allow-unattested).", [])
         optional.add_metric([], 1.0 if self.registry.allow_unattested else 0.0)
         yield optional
+
+    def _silence_metrics(self) -> Metric:
+        """1 per detector silenced on a run now (``deadweight silence``): the rules leave
+        it out, as the sidecar's own pages do."""
+        silenced = _gauge("deadweight_detector_silenced",
+                          "1 while the detector is silenced on the run by hand (it does not "
+                          "page).", ["run_id", "detector"])
+        if self.actions is not None:
+            for silence in self.actions.silences.all():
+                silenced.add_metric([silence.run_id, silence.detector], 1.0)
+        return silenced
 
     def _pager_metrics(self) -> list[Metric]:
         """Per pager target: POSTs tried, failed, and when one last got through."""

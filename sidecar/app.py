@@ -23,6 +23,7 @@ from deadweight.sidecar.actions import Actions
 from deadweight.sidecar.alert_links import (
     DEFAULT_DASHBOARD_URL_PATTERN,
     DEFAULT_RUNBOOK_URL_PATTERN,
+    runbook_pattern_for,
 )
 from deadweight.sidecar.alertmanager import AlertmanagerPusher
 from deadweight.sidecar.attestation import AttestationServer, Attestor
@@ -44,6 +45,7 @@ from deadweight.sidecar.server import (
 )
 from deadweight.sidecar.settings import DetectorSettings
 from deadweight.sidecar.store import Store
+from deadweight.sidecar.webhook import WebhookNotifier
 
 log = structlog.get_logger("deadweight.app")
 
@@ -55,7 +57,11 @@ class SidecarConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     state_dir: str | None = None
     alertmanager_url: str | None = None
-    runbook_url_pattern: str = DEFAULT_RUNBOOK_URL_PATTERN
+    #: Chat or incident webhooks paged directly, one JSON message per incident.
+    webhook_urls: tuple[str, ...] = ()
+    #: None: this sidecar's own /runbooks/ on the address /metrics is served at (its real
+    #: port once bound), so the link follows ``--metrics-address``.
+    runbook_url_pattern: str | None = None
     dashboard_url_pattern: str = DEFAULT_DASHBOARD_URL_PATTERN
     dry_run: bool = False
     policies: dict[str, Policy] = field(default_factory=dict)
@@ -88,8 +94,8 @@ class Sidecar:
 
     def __init__(self, registry: Registry, actions: Actions | None, config: ServerConfig,
                  enforcer: Enforcer | None = None, pager: PagerSet | None = None,
-                 store: Store | None = None, history_queue: HistoryQueue | None = None
-                 ) -> None:
+                 store: Store | None = None, history_queue: HistoryQueue | None = None,
+                 runbooks_follow_metrics: bool = False) -> None:
         self.registry = registry
         #: Commits the runs' step and log history behind ingest (the registry queues it).
         self.history_queue = history_queue
@@ -98,6 +104,8 @@ class Sidecar:
         self.enforcer = enforcer
         self.pager = pager
         self.store = store
+        #: The pagers' runbook links name /metrics' real address once it is bound.
+        self.runbooks_follow_metrics = runbooks_follow_metrics
         self.watcher: CheckpointWatcher | None = None
         if config.watch_checkpoints:
             self.watcher = CheckpointWatcher(registry, config.checkpoint_settle_seconds,
@@ -166,6 +174,11 @@ class Sidecar:
             self._running.append(self._http.stop)
             self.metrics_port = self._http.port
             log.info("metrics_listening", address=f"{host}:{self.metrics_port}")
+            if self.runbooks_follow_metrics and self.pager is not None:
+                pattern = runbook_pattern_for(self.config.metrics_address, self.metrics_port)
+                for target in self.pager.targets:
+                    target.runbook_url_pattern = pattern
+                log.info("runbook_links", pattern=pattern)
         if self.config.socket_path:
             folder = Path(self.config.socket_path).parent
             try:
@@ -216,10 +229,14 @@ def build(config: SidecarConfig) -> Sidecar:
     """Every part of a sidecar, in dependency order, from its configuration."""
     store = Store(config.state_dir)
     history_queue = HistoryQueue(store)
+    follow = config.runbook_url_pattern is None and bool(config.server.metrics_address)
+    runbooks = config.runbook_url_pattern or DEFAULT_RUNBOOK_URL_PATTERN
     targets: list[PagerTarget] = []
     if config.alertmanager_url:
-        targets.append(AlertmanagerPusher(config.alertmanager_url, config.runbook_url_pattern,
+        targets.append(AlertmanagerPusher(config.alertmanager_url, runbooks,
                                           config.dashboard_url_pattern))
+    targets += [WebhookNotifier(url, index, runbooks, config.dashboard_url_pattern)
+                for index, url in enumerate(config.webhook_urls)]
     pager = PagerSet(targets) if targets else None
 
     def escalate(run: RunFacts, finding: Finding, stop_at: float, stop_step: int) -> None:
@@ -241,4 +258,4 @@ def build(config: SidecarConfig) -> Sidecar:
     enforcer = Enforcer(registry, store, actions, stop_grace_seconds=config.stop_grace_seconds,
                         kill_grace_seconds=config.kill_grace_seconds)
     return Sidecar(registry, actions, config.server, enforcer=enforcer, pager=pager,
-                   store=store, history_queue=history_queue)
+                   store=store, history_queue=history_queue, runbooks_follow_metrics=follow)

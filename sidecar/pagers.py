@@ -18,6 +18,8 @@ class PagerTarget(Protocol):
     """One place pages go (``AlertmanagerPusher``, ``WebhookNotifier``)."""
 
     health: TargetHealth
+    #: Where its runbook links point (set again once /metrics' real port is known).
+    runbook_url_pattern: str
 
     def fire(
         self, run_id: str, detector: str, severity: str, summary: str, description: str,

@@ -36,10 +36,21 @@ SPECS: tuple[DetectorSpec, ...] = tuple(d.spec for d in ALL)
 
 @dataclass(frozen=True)
 class Patterns:
-    """The runbook and dashboard URL patterns the annotations are rendered with."""
+    """The runbook and dashboard URL patterns the annotations are rendered with.
+
+    ``docs`` is where the runbook of ``DeadweightSidecarDown`` lives: that alert fires when
+    the sidecar cannot answer, so a link to the sidecar's own ``/runbooks/`` would be dead
+    exactly then. Set it (``--docs-url-pattern``) to a wiki or a long-lived copy; without it
+    the runbook pattern is used, and the description carries the first steps itself.
+    """
 
     runbook: str
     dashboard: str
+    docs: str | None = None
+
+    def runbook_for(self, alert: MonitoringAlert) -> str:
+        """The pattern one monitoring alert's runbook link is rendered with."""
+        return self.docs or self.runbook if alert is SIDECAR_DOWN else self.runbook
 
 
 @dataclass(frozen=True)
@@ -162,7 +173,9 @@ def links(patterns: Patterns, runbook: str, per_run: bool, run_id: str | None = 
           ) -> dict[str, str]:
     """runbook_url, and dashboard_url for alerts about one run: as a template, or rendered
     for run_id (what the promtool cases expect Prometheus to produce)."""
-    out = {"runbook_url": runbook_url(patterns.runbook, runbook)}
+    pattern = patterns.runbook_for(SIDECAR_DOWN) if runbook == SIDECAR_DOWN.runbook \
+        else patterns.runbook
+    out = {"runbook_url": runbook_url(pattern, runbook)}
     if per_run:
         out["dashboard_url"] = (dashboard_url_template(patterns.dashboard) if run_id is None
                                 else dashboard_url(patterns.dashboard, run_id))
@@ -175,7 +188,9 @@ def sidecar_down_expr(job_selector: str) -> str:
 
 def sidecar_down_description(where: str) -> str:
     return (f"Prometheus cannot scrape the deadweight sidecar {where}: runs on that node are "
-            "not watched and nothing can page for them.")
+            "not watched and nothing can page for them. First steps: is `deadweight serve` "
+            "running there, and does its --metrics-address answer /metrics? Restart it; "
+            "training keeps going and reconnects by itself.")
 
 
 def run_stale_expr(stale_seconds: int) -> str:

@@ -80,7 +80,7 @@ def first_fix(detector: str) -> str:
     return " ".join(first.split())
 
 
-@dataclass
+@dataclass(eq=False)  # one page each: found in the queue by identity
 class _Message:
     body: dict[str, Any]
     on_result: Outcome | None

@@ -35,11 +35,34 @@ def _socket_of(address: str) -> str | None:
     return unix_socket_path(grpc_target(address))
 
 
+def _nonce(socket_path: str, timeout: float = 5.0) -> str:
+    """A one-time nonce from the sidecar's attestation socket ('' when it gives none: the
+    sidecar then refuses the call and says why). The sidecar reads this process's uid from
+    the kernel when it connects."""
+    import socket
+
+    from deadweight.proto.transport import attest_path
+
+    data = b""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout)
+            sock.connect(str(attest_path(socket_path)))
+            while not data.endswith(b"\n") and len(data) < 256:
+                chunk = sock.recv(256)
+                if not chunk:
+                    break
+                data += chunk
+    except OSError:
+        return ""
+    status, _, nonce = data.decode(errors="replace").strip().partition(" ")
+    return nonce if status == "OK" else ""
+
+
 def _call(args: argparse.Namespace, method: str, request: object) -> object | None:
     """The sidecar's answer to one attested call; None (after printing why) when refused."""
     import grpc
 
-    from deadweight.callbacks.stream_client import fetch_attestation
     from deadweight.proto import monitor_stub
     from deadweight.proto.transport import grpc_target, open_channel
 
@@ -49,7 +72,7 @@ def _call(args: argparse.Namespace, method: str, request: object) -> object | No
         print(f"deadweight {command}: {args.address} is not a unix socket; stop and silence "
               "are allowed over the sidecar's unix socket only", file=sys.stderr)
         return None
-    request.attestation = fetch_attestation(socket_path) or ""  # type: ignore[attr-defined]
+    request.attestation = _nonce(socket_path)  # type: ignore[attr-defined]
     with open_channel(grpc_target(args.address)) as channel:
         try:
             answer: object = getattr(monitor_stub(channel), method)(request,

@@ -36,10 +36,21 @@ SPECS: tuple[DetectorSpec, ...] = tuple(d.spec for d in ALL)
 
 @dataclass(frozen=True)
 class Patterns:
-    """The runbook and dashboard URL patterns the annotations are rendered with."""
+    """The runbook and dashboard URL patterns the annotations are rendered with.
+
+    ``docs`` is where the runbook of ``DeadweightSidecarDown`` lives: that alert fires when
+    the sidecar cannot answer, so a link to the sidecar's own ``/runbooks/`` would be dead
+    exactly then. Set it (``--docs-url-pattern``) to a wiki or a long-lived copy; without it
+    the runbook pattern is used, and the description carries the first steps itself.
+    """
 
     runbook: str
     dashboard: str
+    docs: str | None = None
+
+    def runbook_for(self, alert: MonitoringAlert) -> str:
+        """The pattern one monitoring alert's runbook link is rendered with."""
+        return self.docs or self.runbook if alert is SIDECAR_DOWN else self.runbook
 
 
 @dataclass(frozen=True)
@@ -57,7 +68,12 @@ SIDECAR_DOWN = MonitoringAlert("DeadweightSidecarDown", "sidecar_down",
 RUN_STALE = MonitoringAlert("DeadweightRunStale", "run_stale",
                             "Run {{ $labels.run_id }} stopped making optimizer steps",
                             per_run=True)
-MONITORING = (SIDECAR_DOWN, RUN_STALE)
+PAGER_FAILING = MonitoringAlert(
+    "DeadweightPagerFailing", "pager_failing",
+    "The deadweight sidecar cannot deliver pages to {{ $labels.target }}", per_run=False)
+MONITORING = (SIDECAR_DOWN, RUN_STALE, PAGER_FAILING)
+#: A pager target is failing when its deliveries fail and none got through for this long.
+PAGER_SILENT_SECONDS = 300
 
 # Values the evidence metrics take in the healthy promtool cases and, unless a detector's
 # Evidence gives its firing value, in its firing case.
@@ -122,10 +138,11 @@ def firing_expr(d: DetectorSpec) -> str:
     page (the adapter it wrote is bad), however short the run; the sidecar keeps the verdict
     at 1 until the run expires or restarts, which is what resolves the alert.
     """
-    return (
-        "max by (run_id, detector, severity) "
-        f'(deadweight_detector_firing{{detector="{d.id}"}} == 1)'
-    )
+    expr = ("max by (run_id, detector, severity) "
+            f'(deadweight_detector_firing{{detector="{d.id}"}} == 1)')
+    # A detector silenced on the run by hand (``deadweight silence``) pages on neither path.
+    return expr + (" unless on (run_id, detector) "
+                   "max by (run_id, detector) (deadweight_detector_silenced == 1)")
 
 
 # Evidence shown as whole numbers (counts, bytes, steps); everything else with 4 digits.
@@ -157,7 +174,9 @@ def links(patterns: Patterns, runbook: str, per_run: bool, run_id: str | None = 
           ) -> dict[str, str]:
     """runbook_url, and dashboard_url for alerts about one run: as a template, or rendered
     for run_id (what the promtool cases expect Prometheus to produce)."""
-    out = {"runbook_url": runbook_url(patterns.runbook, runbook)}
+    pattern = patterns.runbook_for(SIDECAR_DOWN) if runbook == SIDECAR_DOWN.runbook \
+        else patterns.runbook
+    out = {"runbook_url": runbook_url(pattern, runbook)}
     if per_run:
         out["dashboard_url"] = (dashboard_url_template(patterns.dashboard) if run_id is None
                                 else dashboard_url(patterns.dashboard, run_id))
@@ -170,7 +189,9 @@ def sidecar_down_expr(job_selector: str) -> str:
 
 def sidecar_down_description(where: str) -> str:
     return (f"Prometheus cannot scrape the deadweight sidecar {where}: runs on that node are "
-            "not watched and nothing can page for them.")
+            "not watched and nothing can page for them. First steps: is `deadweight serve` "
+            "running there, and does its --metrics-address answer /metrics? Restart it; "
+            "training keeps going and reconnects by itself.")
 
 
 def run_stale_expr(stale_seconds: int) -> str:
@@ -183,6 +204,24 @@ def run_stale_expr(stale_seconds: int) -> str:
 def run_stale_description(run_id: str, ago: str, stale_seconds: int, step: str) -> str:
     return (f"Run {run_id} is still registered as active, but its last optimizer step was "
             f"{ago} ago (threshold {stale_seconds}s). Evidence: step={step}.")
+
+
+def pager_failing_expr(silent_seconds: int = PAGER_SILENT_SECONDS) -> str:
+    """A target whose deliveries failed in the last 5 minutes and that delivered nothing for
+    silent_seconds (never: its last success is 0). A blip followed by a delivery is silent."""
+    by = "max by (instance, target, kind)"
+    return (f"time() - {by} (deadweight_pager_last_success_timestamp_seconds) "
+            f"> {silent_seconds} and {by} (increase(deadweight_pager_failures_total[5m])) > 0")
+
+
+def pager_failing_description(instance: str, target: str, ago: str) -> str:
+    return (f"The deadweight sidecar at {instance} tried to deliver pages to {target} and "
+            f"failed; its last delivery there was {ago} ago. Verdicts are still made, but "
+            "on-call hears nothing from this path: `deadweight status` shows pages as failed.")
+
+
+PAGER_FAILING_AGO = "{{ if gt $value 1e9 }}never{{ else }}{{ $value | humanizeDuration }}" \
+    "{{ end }}"
 
 
 def rules(job_selector: str, stale_seconds: int, patterns: Patterns) -> dict[str, Any]:
@@ -225,6 +264,18 @@ def rules(job_selector: str, stale_seconds: int, patterns: Patterns) -> dict[str
                         RUN_LABEL, "{{ $value | humanizeDuration }}", stale_seconds,
                         evidence_template("max(deadweight_step{run_id=%q})", "%.0f")),
                     **links(patterns, RUN_STALE.runbook, RUN_STALE.per_run),
+                },
+            },
+            {
+                "alert": PAGER_FAILING.name,
+                "expr": pager_failing_expr(),
+                "for": "2m",
+                "labels": {"severity": "critical"},
+                "annotations": {
+                    "summary": PAGER_FAILING.summary,
+                    "description": pager_failing_description(
+                        "{{ $labels.instance }}", "{{ $labels.target }}", PAGER_FAILING_AGO),
+                    **links(patterns, PAGER_FAILING.runbook, PAGER_FAILING.per_run),
                 },
             },
         ]},
@@ -342,6 +393,10 @@ def detector_tests(d: DetectorSpec, patterns: Patterns) -> list[dict[str, Any]]:
     ok_series += _detector_series("run-resolved-done", d, f"1x2 0x{STEPS - 2}",
                                   f"1x3 0x{STEPS - 3}", healthy)
     expired = _detector_series("run-expired", d, "1x2", "1 0 0", values)
+    # A failing run whose detector on-call silenced (``deadweight silence``).
+    ok_series += _detector_series("run-silenced", d, f"1x{STEPS}", f"1x{STEPS}", values)
+    ok_series.append({"series": f'deadweight_detector_silenced{{{JOB}, run_id="run-silenced", '
+                                f'detector="{d.id}"}}', "values": f"1x{STEPS}"})
     silent_case: dict[str, Any] = {
         "name": f"{name} stays silent on a healthy run",
         "interval": "1m",
@@ -417,6 +472,7 @@ def monitoring_tests(job_selector: str, stale_seconds: int, patterns: Patterns
                 }]},
             ],
         },
+        *pager_tests(patterns),
         {
             "name": f"{stale} stays silent for a stepping run and for a finished run",
             "interval": "1m",
@@ -428,6 +484,58 @@ def monitoring_tests(job_selector: str, stale_seconds: int, patterns: Patterns
             ],
             "alert_rule_test": [{"eval_time": f"{stale_minutes}m", "alertname": stale,
                                  "exp_alerts": []}],
+        },
+    ]
+
+
+def pager_tests(patterns: Patterns) -> list[dict[str, Any]]:
+    """The pager alert fires for a target that never delivered while its POSTs fail, and for
+    one whose last delivery is long past; it stays silent for a blip after which a delivery
+    got through, and for a target that failed nothing."""
+    name = PAGER_FAILING.name
+    n = 16
+
+    def target(label: str, failures: str, last: str) -> list[dict[str, str]]:
+        labels = f'{JOB}, target="{label}", kind="alertmanager"'
+        return [{"series": f"deadweight_pager_failures_total{{{labels}}}", "values": failures},
+                {"series": f"deadweight_pager_attempts_total{{{labels}}}",
+                 "values": f"0+1x{n}"},
+                {"series": f"deadweight_pager_last_success_timestamp_seconds{{{labels}}}",
+                 "values": last}]
+
+    def expected(label: str, ago: str) -> dict[str, Any]:
+        return {"exp_labels": {"severity": "critical", "instance": "127.0.0.1:9464",
+                               "target": label, "kind": "alertmanager"},
+                "exp_annotations": {
+                    "summary": PAGER_FAILING.summary.replace("{{ $labels.target }}", label),
+                    "description": pager_failing_description("127.0.0.1:9464", label, ago),
+                    **links(patterns, PAGER_FAILING.runbook, PAGER_FAILING.per_run)}}
+
+    dead = "alertmanager 127.0.0.1:9"
+    gone = "alertmanager 10.0.0.7:9093"
+    blip = "alertmanager 10.0.0.8:9093"
+    fine = "alertmanager 10.0.0.9:9093"
+    return [
+        {
+            "name": f"{name} fires when a pager target fails and delivers nothing",
+            "interval": "1m",
+            # never delivered; delivered once at 60 s, failing since
+            "input_series": target(dead, f"0 0+2x{n}", f"0x{n}")
+            + target(gone, f"0x2 0+3x{n}", f"60x{n}"),
+            "alert_rule_test": [
+                {"eval_time": "2m", "alertname": name, "exp_alerts": []},
+                {"eval_time": "10m", "alertname": name, "exp_alerts": [
+                    expected(dead, _humanize_duration(600)),
+                    expected(gone, _humanize_duration(540))]},
+            ],
+        },
+        {
+            "name": f"{name} stays silent for a blip and for a healthy target",
+            "interval": "1m",
+            "input_series": target(blip, f"0 1 2 2 2 2 2 2 2 2 3x{n - 10}",
+                                   "".join(f"{60 * i} " for i in range(n)).strip())
+            + target(fine, f"0x{n}", f"0+60x{n}"),
+            "alert_rule_test": [{"eval_time": "12m", "alertname": name, "exp_alerts": []}],
         },
     ]
 

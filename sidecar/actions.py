@@ -5,11 +5,16 @@ on-call, ``stop`` also sends STOP over the run's stream, ``kill`` also hands the
 enforcer, which escalates to SIGTERM and SIGKILL. Every action is journaled in the store,
 counted by (action, result) for ``deadweight_actions_total`` and logged with its evidence;
 ``dry_run`` logs and journals what would have been done and does nothing. An incident is paged
-and stopped at most once, also across restarts (the journal is checked first).
+and stopped at most once, also across restarts (the journal is checked first). A detector
+silenced on the run (``silences``) does not page: the page is journaled ``silenced`` and sent
+when the silence expires if the verdict still stands (``unsilenced``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
 import threading
 import time
 from collections import Counter
@@ -23,7 +28,8 @@ from deadweight.proto import pb
 from deadweight.sidecar.detectors import BY_ID
 from deadweight.sidecar.detectors.base import Policy
 from deadweight.sidecar.finding import Finding, RunFacts
-from deadweight.sidecar.store import Store
+from deadweight.sidecar.silences import Silences
+from deadweight.sidecar.store import Store, StoreWriteFailed
 
 log = structlog.get_logger("deadweight.actions")
 
@@ -31,11 +37,15 @@ LEVEL = {Policy.OBSERVE: 0, Policy.PAGE: 1, Policy.STOP: 2, Policy.KILL: 3}
 
 
 class Pager(Protocol):
-    """Where pages go (the Alertmanager pusher implements this)."""
+    """Where pages go (``pagers.PagerSet``: the Alertmanager push and the webhooks).
+
+    on_result hears "delivered" or "failed" (after the targets' retry budget); reassert marks
+    the same page sent again after a restart (a webhook posts nothing for it)."""
 
     def fire(
         self, run_id: str, detector: str, severity: str, summary: str, description: str,
         evidence: dict[str, str], starts_at: float | None = None,
+        on_result: Callable[[str], None] | None = None, reassert: bool = False,
     ) -> None: ...
 
     def resolve(self, run_id: str, detector: str, severity: str) -> None: ...
@@ -84,8 +94,11 @@ class Actions:
 
     def __init__(self, pager: Pager | None = None, dry_run: bool = False,
                  store: Store | None = None, escalate: Escalate | None = None,
-                 supersede: Supersede | None = None) -> None:
+                 supersede: Supersede | None = None,
+                 silences: Silences | None = None) -> None:
         self.pager = pager
+        #: Detectors silenced by hand per run (``deadweight silence``): they do not page.
+        self.silences = silences or Silences()
         self.dry_run = dry_run
         self.store = store or Store()
         self.escalate = escalate
@@ -93,7 +106,9 @@ class Actions:
         self.counts: Counter[ActionKey] = Counter()
         #: run_id -> detector -> severity of the pages this sidecar holds firing: resolved
         #: when the verdict resolves, the run restarts, or the run expires; never at run end.
-        self._paged: dict[str, dict[str, str]] = {}
+        self._held_pages: dict[str, dict[str, str]] = {}
+        #: Page action id -> its run and the result it was last settled to (pager thread).
+        self._settled: dict[int, tuple[str, str]] = {}
         self._lock = threading.Lock()
 
     # -- the journal -----------------------------------------------------------------------
@@ -132,7 +147,9 @@ class Actions:
         with self._lock:
             for key in [k for k in self.counts if k.run_id == run_id]:
                 del self.counts[key]
-            paged = self._paged.pop(run_id, {})
+            for action_id in [a for a, (r, _) in self._settled.items() if r == run_id]:
+                del self._settled[action_id]
+            paged = self._held_pages.pop(run_id, {})
         if self.pager is not None:
             for detector, severity in sorted(paged.items()):
                 self.pager.resolve(run_id, detector, severity)  # queued: never blocks
@@ -158,13 +175,24 @@ class Actions:
     def _done(self, run: RunFacts, finding: Finding, action: str) -> bool:
         return self.store.has_action(run.run_id, finding.detector, finding.incidents, action)
 
+    def _paged(self, run: RunFacts, finding: Finding) -> bool:
+        """A page went out for the incident (one held back by a silence does not count)."""
+        return any(a.action == "page" and a.result != "silenced" for a in
+                   self.store.actions(run.run_id, finding.detector, finding.incidents))
+
+    def _silenced(self, run: RunFacts, finding: Finding) -> bool:
+        return self.silences.active(run.run_id, finding.detector)
+
     # -- verdict transitions ---------------------------------------------------------------
 
     def fired(self, run: RunFacts, finding: Finding) -> list[pb.Directive]:
         level = policy_level(finding.policy)
         directives: list[pb.Directive] = []
-        if level >= LEVEL[Policy.PAGE] and not self._done(run, finding, "page"):
-            self._page(run, finding)
+        if level >= LEVEL[Policy.PAGE] and not self._paged(run, finding):
+            if self._silenced(run, finding):
+                self.record(self._event(run, finding, "page", "silenced"))
+            else:
+                self._page(run, finding)
         if level >= LEVEL[Policy.STOP] and not self._done(run, finding, "stop"):
             now = time.time()
             if self.dry_run:
@@ -185,19 +213,38 @@ class Actions:
         """
         level = policy_level(finding.policy)
         directives: list[pb.Directive] = []
-        if level >= LEVEL[Policy.PAGE] and self.pager is not None and not self.dry_run:
-            self._fire_pager(run, finding)
+        if (level >= LEVEL[Policy.PAGE] and self.pager is not None and not self.dry_run
+                and not self._silenced(run, finding) and self._paged(run, finding)):
+            self._fire_pager(run, finding, reassert=True)
             self.record(self._event(run, finding, "page", "reasserted"))
         if level >= LEVEL[Policy.STOP] and not self.dry_run and self._done(run, finding, "stop"):
             directives.append(self._stop_directive(finding))
             self.record(self._event(run, finding, "stop", "requeued"))
         return directives
 
+    def silenced(self, run: RunFacts, finding: Finding) -> None:
+        """A silence began on a firing incident: the page already out resolves (on-call's
+        pager quiets; the rules leave silenced detectors out too)."""
+        if (policy_level(finding.policy) >= LEVEL[Policy.PAGE] and self.pager is not None
+                and not self.dry_run and self._paged(run, finding)):
+            self.pager.resolve(run.run_id, finding.detector, finding.severity)
+
+    def unsilenced(self, run: RunFacts, finding: Finding) -> None:
+        """A silence ended on a firing incident: page it now (journaled once), or, if it was
+        paged before the silence, assert that page again."""
+        if policy_level(finding.policy) < LEVEL[Policy.PAGE]:
+            return
+        if not self._paged(run, finding):
+            self._page(run, finding)
+        elif self.pager is not None and not self.dry_run:
+            self._fire_pager(run, finding, reassert=True)
+            self.record(self._event(run, finding, "page", "reasserted"))
+
     def resolved(self, run: RunFacts, finding: Finding) -> None:
         paged = policy_level(finding.policy) >= LEVEL[Policy.PAGE]
         if paged and self.pager is not None and not self.dry_run:
             with self._lock:
-                self._paged.get(run.run_id, {}).pop(finding.detector, None)
+                self._held_pages.get(run.run_id, {}).pop(finding.detector, None)
             self.pager.resolve(run.run_id, finding.detector, finding.severity)
 
     @staticmethod
@@ -212,13 +259,30 @@ class Actions:
         if self.pager is None:
             self.record(self._event(run, finding, "page", "no_pager"))
             return
-        self.record(self._event(run, finding, "page", "queued"))
-        self._fire_pager(run, finding)
+        event = self._event(run, finding, "page", "queued")
+        action_id = self.record(event)
+        self._fire_pager(run, finding, on_result=functools.partial(
+            self._page_settled, action_id, event))
 
-    def _fire_pager(self, run: RunFacts, finding: Finding) -> None:
+    def _page_settled(self, action_id: int, queued: ActionEvent, result: str) -> None:
+        """A page's targets told what became of it (from their thread): the journal row goes
+        from "queued" (or an earlier result) to result, and result is counted too (a counter
+        never goes down: ``queued`` stays counted as what happened first)."""
+        with self._lock:
+            before = self._settled.get(action_id, (queued.run_id, queued.result))[1]
+            self._settled[action_id] = (queued.run_id, result)
+        # A failed write is counted and logged by the store; the counters still move.
+        with contextlib.suppress(StoreWriteFailed):
+            self.store.set_result(action_id, result)
+        self._count_and_log(dataclasses.replace(queued, result=result,
+                                                detail={**queued.detail, "was": before}))
+
+    def _fire_pager(self, run: RunFacts, finding: Finding,
+                    on_result: Callable[[str], None] | None = None,
+                    reassert: bool = False) -> None:
         assert self.pager is not None
         with self._lock:
-            self._paged.setdefault(run.run_id, {})[finding.detector] = finding.severity
+            self._held_pages.setdefault(run.run_id, {})[finding.detector] = finding.severity
         # The wording the Prometheus rule carries too (a detector outside ALL has none).
         detector = BY_ID.get(finding.detector)
         summary = (detector.spec.render_summary(run.run_id) if detector is not None
@@ -228,5 +292,5 @@ class Actions:
             run.run_id, finding.detector, finding.severity, summary=summary,
             description=f"Run {run.run_id}: {meaning}({finding.summary}).",
             evidence=dict(sorted(finding.evidence.items())),
-            starts_at=finding.fired_at or None,
+            starts_at=finding.fired_at or None, on_result=on_result, reassert=reassert,
         )

@@ -13,6 +13,7 @@ what the compose stack in ``deploy/compose`` publishes; anything else sets the p
 
 from __future__ import annotations
 
+import socket
 import string
 from urllib.parse import quote_plus
 
@@ -20,6 +21,11 @@ DEFAULT_RUNBOOK_URL_PATTERN = "http://127.0.0.1:9464/runbooks/{detector}"
 #: The run dashboard (uid ``deadweight-run``) with its ``run_id`` variable set.
 DEFAULT_DASHBOARD_URL_PATTERN = (
     "http://127.0.0.1:3000/d/deadweight-run/deadweight-run?var-run_id={run_id}")
+
+#: Where a shipped Grafana serves the run dashboard (``--grafana-url`` + this).
+RUN_DASHBOARD_PATH = "/d/deadweight-run/deadweight-run?var-run_id={run_id}"
+#: Hosts a listener binds that no browser can open: the machine's name is used instead.
+WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
 
 RUNBOOK_PLACEHOLDERS = frozenset({"detector", "alertname"})
 DASHBOARD_PLACEHOLDERS = frozenset({"run_id"})
@@ -43,6 +49,23 @@ def check_pattern(pattern: str, allowed: frozenset[str]) -> str:
         raise BadPattern(f"{pattern!r}: unknown placeholder(s) {sorted(unknown)}; "
                          f"use {', '.join('{' + a + '}' for a in sorted(allowed))}")
     return pattern
+
+
+def runbook_pattern_for(metrics_address: str, port: int | None = None) -> str:
+    """The runbook pattern of a sidecar serving ``/runbooks/`` on metrics_address (HOST:PORT;
+    port: the one it really bound, when it asked for 0). A wildcard host becomes this
+    machine's name, so the link opens from elsewhere."""
+    host, _, asked = metrics_address.rpartition(":")
+    if host in WILDCARD_HOSTS:
+        host = socket.getfqdn()
+    elif ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{port if port is not None else asked}/runbooks/{{detector}}"
+
+
+def dashboard_pattern_for(grafana_url: str) -> str:
+    """The run dashboard's pattern on a Grafana at grafana_url (with the shipped dashboards)."""
+    return grafana_url.rstrip("/") + RUN_DASHBOARD_PATH
 
 
 def alert_name(detector: str) -> str:

@@ -6,18 +6,22 @@ annotations carry the same summary, runbook_url and dashboard_url (``alert_links
 Alertmanager sees one alert whichever path delivers it first. Callers only touch a dict under
 a lock; one background thread does all network I/O, retries with backoff, and re-sends firing
 alerts periodically because Alertmanager resolves an alert whose endsAt passes without one.
+Each POST counts in the target's ``TargetHealth`` (``pager_health``); a page whose alert was
+not taken after ``max_attempts`` POSTs is told ``failed`` (and ``delivered`` if a later one
+takes it), so the journal says what happened instead of "queued" forever.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import threading
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from datetime import datetime, timezone
+
+import structlog
 
 from deadweight.sidecar.alert_links import (
     DASHBOARD_PLACEHOLDERS,
@@ -29,11 +33,19 @@ from deadweight.sidecar.alert_links import (
     dashboard_url,
     runbook_url,
 )
+from deadweight.sidecar.pager_health import (
+    DEFAULT_ATTEMPTS,
+    DELIVERED,
+    FAILED,
+    Outcome,
+    TargetHealth,
+    target_label,
+)
 
 __all__ = ["AlertmanagerPusher", "alert_name", "dashboard_url", "format_description",
            "runbook_url"]
 
-_log = logging.getLogger(__name__)
+log = structlog.get_logger("deadweight.pager")
 
 
 def _rfc3339(ts: float) -> str:
@@ -95,8 +107,12 @@ class AlertmanagerPusher:
         backoff_initial: float = 0.5,
         backoff_max: float = 30.0,
         max_pending: int = 10_000,
+        max_attempts: int = DEFAULT_ATTEMPTS,
     ) -> None:
         self.url = url.rstrip("/") + "/api/v2/alerts"
+        #: Attempts, failures and the last delivery of this target (``/metrics``).
+        self.health = TargetHealth("alertmanager", target_label("alertmanager", url))
+        self.max_attempts = max_attempts
         self.runbook_url_pattern = check_pattern(runbook_url_pattern, RUNBOOK_PLACEHOLDERS)
         self.dashboard_url_pattern = check_pattern(dashboard_url_pattern, DASHBOARD_PLACEHOLDERS)
         self.resend_interval = resend_interval
@@ -114,6 +130,9 @@ class AlertmanagerPusher:
         self._stop = threading.Event()
         self._firing: dict[tuple[str, str], _Alert] = {}
         self._pending: dict[tuple[str, str], _Alert] = {}
+        #: Pages waiting to be told delivered/failed, and the POSTs each has had.
+        self._outcomes: dict[tuple[str, str], Outcome] = {}
+        self._tries: dict[tuple[str, str], int] = {}
         self._thread = threading.Thread(target=self._run, name="deadweight-alertmanager",
                                         daemon=True)
         self._thread.start()
@@ -129,8 +148,12 @@ class AlertmanagerPusher:
         description: str,
         evidence: dict[str, str] | None = None,
         starts_at: float | datetime | None = None,
+        on_result: Outcome | None = None,
+        reassert: bool = False,
     ) -> None:
-        """Record a firing alert and schedule its delivery."""
+        """Record a firing alert and schedule its delivery; on_result hears whether it was
+        delivered or failed (reassert: the same alert again after a restart, sent as such:
+        Alertmanager merges it with the one it has)."""
         annotations = {
             "summary": summary,
             "description": format_description(description, evidence or {}),
@@ -145,6 +168,9 @@ class AlertmanagerPusher:
                 alert.starts_at = min(alert.starts_at, previous.starts_at)
             self._firing[key] = alert
             self._enqueue(key, alert)
+            if on_result is not None:
+                self._outcomes[key] = on_result
+                self._tries[key] = 0
         self._wake.set()
 
     def resolve(
@@ -227,6 +253,29 @@ class AlertmanagerPusher:
                 del self._pending[next(iter(self._pending))]
                 self.dropped += 1
 
+    def _told(self, batch: dict[tuple[str, str], _Alert], ok: bool) -> None:
+        """Tell the pages in batch what became of them: delivered, or failed once their
+        POSTs reach max_attempts (told once; a later delivery still tells delivered)."""
+        tell: list[tuple[Outcome, str]] = []
+        with self._lock:
+            for key in batch:
+                outcome = self._outcomes.get(key)
+                if outcome is None:
+                    continue
+                if ok:
+                    del self._outcomes[key]
+                    self._tries.pop(key, None)
+                    tell.append((outcome, DELIVERED))
+                    continue
+                self._tries[key] = tries = self._tries.get(key, 0) + 1
+                if tries == self.max_attempts:
+                    tell.append((outcome, FAILED))
+        for outcome, result in tell:
+            try:
+                outcome(result)
+            except Exception:  # the journal's own failure must not stop delivery
+                log.exception("page_outcome_failed", target=self.health.target)
+
     def _post(self, batch: dict[tuple[str, str], _Alert], timeout: float) -> bool:
         now = time.time()
         body = []
@@ -243,12 +292,17 @@ class AlertmanagerPusher:
         try:
             with urllib.request.urlopen(request, timeout=timeout) as response:
                 response.read()
-            self.sent_batches += 1
-            return True
         except (urllib.error.URLError, OSError, ValueError) as exc:
             self.failed_posts += 1
-            _log.warning("alertmanager push failed: %s", exc)
+            self.health.tried(False)
+            log.warning("alertmanager_push_failed", target=self.health.target,
+                        error=str(exc), alerts=len(batch), failures=self.health.failures)
+            self._told(batch, ok=False)
             return False
+        self.sent_batches += 1
+        self.health.tried(True)
+        self._told(batch, ok=True)
+        return True
 
     def _run(self) -> None:
         next_resend = time.monotonic() + self.resend_interval

@@ -24,6 +24,7 @@ from deadweight.sidecar.actions import Actions
 from deadweight.sidecar.alert_links import (
     DEFAULT_DASHBOARD_URL_PATTERN,
     DEFAULT_RUNBOOK_URL_PATTERN,
+    runbook_pattern_for,
 )
 from deadweight.sidecar.alertmanager import AlertmanagerPusher
 from deadweight.sidecar.attestation import AttestationServer, Attestor
@@ -34,6 +35,8 @@ from deadweight.sidecar.exporter import DeadweightCollector
 from deadweight.sidecar.finding import Finding, RunFacts
 from deadweight.sidecar.history_queue import HistoryQueue
 from deadweight.sidecar.metrics_http import MetricsServer
+from deadweight.sidecar.oncall import Oncall, SilenceClock, operator_uids
+from deadweight.sidecar.pagers import PagerSet, PagerTarget
 from deadweight.sidecar.registry import Registry
 from deadweight.sidecar.server import (
     ServerConfig,
@@ -43,6 +46,7 @@ from deadweight.sidecar.server import (
 )
 from deadweight.sidecar.settings import DetectorSettings
 from deadweight.sidecar.store import Store
+from deadweight.sidecar.webhook import WebhookNotifier
 
 log = structlog.get_logger("deadweight.app")
 
@@ -57,7 +61,11 @@ class SidecarConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     state_dir: str | None = None
     alertmanager_url: str | None = None
-    runbook_url_pattern: str = DEFAULT_RUNBOOK_URL_PATTERN
+    #: Chat or incident webhooks paged directly, one JSON message per incident.
+    webhook_urls: tuple[str, ...] = ()
+    #: None: this sidecar's own /runbooks/ on the address /metrics is served at (its real
+    #: port once bound), so the link follows ``--metrics-address``.
+    runbook_url_pattern: str | None = None
     dashboard_url_pattern: str = DEFAULT_DASHBOARD_URL_PATTERN
     dry_run: bool = False
     policies: dict[str, Policy] = field(default_factory=dict)
@@ -89,9 +97,9 @@ class Sidecar:
     """A registry and everything that serves it, started and stopped together."""
 
     def __init__(self, registry: Registry, actions: Actions | None, config: ServerConfig,
-                 enforcer: Enforcer | None = None, pager: AlertmanagerPusher | None = None,
+                 enforcer: Enforcer | None = None, pager: PagerSet | None = None,
                  store: Store | None = None, history_queue: HistoryQueue | None = None,
-                 state_dir: str | None = None) -> None:
+                 state_dir: str | None = None, runbooks_follow_metrics: bool = False) -> None:
         self.registry = registry
         #: Where the summary signing key is kept (None: a key for this process only).
         self.state_dir = state_dir
@@ -103,6 +111,8 @@ class Sidecar:
         self.enforcer = enforcer
         self.pager = pager
         self.store = store
+        #: The pagers' runbook links name /metrics' real address once it is bound.
+        self.runbooks_follow_metrics = runbooks_follow_metrics
         self.watcher: CheckpointWatcher | None = None
         if config.watch_checkpoints:
             self.watcher = CheckpointWatcher(registry, config.checkpoint_settle_seconds,
@@ -113,12 +123,20 @@ class Sidecar:
                          "run's attested uid")
         self.attestation: AttestationServer | None = None
         if config.socket_path and registry.attestor is not None:
+            # The operator's uids attest too (``deadweight stop``/``silence``); a RunStart
+            # from one of them is still refused unless it is a trainer uid.
+            allowed = (registry.trainer_uids | operator_uids() if registry.trainer_uids
+                       else frozenset())
             self.attestation = AttestationServer(attest_path(config.socket_path),
                                                  registry.attestor, group=config.socket_group,
-                                                 allowed_uids=registry.trainer_uids)
+                                                 allowed_uids=allowed)
+        #: Stop and silence by hand (needs the actions, which journal them).
+        self.oncall = (Oncall(registry, actions, registry.attestor)
+                       if actions is not None else None)
         self.collector = DeadweightCollector(registry, actions, registry.detectors,
-                                             attestation=self.attestation)
-        self.server = SidecarServer(registry, config)
+                                             attestation=self.attestation,
+                                             pagers=pager.health() if pager else ())
+        self.server = SidecarServer(registry, config, oncall=self.oncall)
         self._http: MetricsServer | None = None
         #: How to stop each part that started, in start order.
         self._running: list[Callable[[], None]] = []
@@ -141,7 +159,13 @@ class Sidecar:
                     refuse_if_listening(path)
                 except OSError as err:
                     raise StartupError(str(err)) from err
+        if self.oncall is not None and self.store is not None:
+            self.oncall.silences.load(self.store)  # before resume re-asserts pages
         self.registry.resume()
+        if self.oncall is not None:
+            clock = SilenceClock(self.oncall)
+            clock.start()
+            self._running.append(clock.stop)
         if self.history_queue is not None:  # stopped after the server: the last rows land
             self.history_queue.start()
             self._running.append(self.history_queue.stop)
@@ -158,6 +182,12 @@ class Sidecar:
             self._running.append(self._http.stop)
             self.metrics_port = self._http.port
             log.info("metrics_listening", address=f"{host}:{self.metrics_port}")
+            if self.runbooks_follow_metrics:
+                pattern = runbook_pattern_for(self.config.metrics_address, self.metrics_port)
+                for target in self.pager.targets if self.pager is not None else ():
+                    target.runbook_url_pattern = pattern
+                self.registry.notices.follow(pattern)  # the trainers' console lines
+                log.info("runbook_links", pattern=pattern)
         if self.config.socket_path:
             folder = Path(self.config.socket_path).parent
             try:
@@ -227,23 +257,19 @@ class Sidecar:
             self.store.close()
 
 
-def _console_runbooks(config: SidecarConfig) -> str:
-    """The runbook links the trainer's console prints: the configured pattern, or with the
-    default pattern, this sidecar's own /runbooks/ pages on the address it really serves."""
-    served = config.server.metrics_address
-    if config.runbook_url_pattern != DEFAULT_RUNBOOK_URL_PATTERN or not served:
-        return config.runbook_url_pattern
-    return f"http://{served}/runbooks/{{detector}}"
-
-
 def build(config: SidecarConfig) -> Sidecar:
     """Every part of a sidecar, in dependency order, from its configuration."""
     store = Store(config.state_dir)
     history_queue = HistoryQueue(store)
-    pager = None
+    follow = config.runbook_url_pattern is None and bool(config.server.metrics_address)
+    runbooks = config.runbook_url_pattern or DEFAULT_RUNBOOK_URL_PATTERN
+    targets: list[PagerTarget] = []
     if config.alertmanager_url:
-        pager = AlertmanagerPusher(config.alertmanager_url, config.runbook_url_pattern,
-                                   config.dashboard_url_pattern)
+        targets.append(AlertmanagerPusher(config.alertmanager_url, runbooks,
+                                          config.dashboard_url_pattern))
+    targets += [WebhookNotifier(url, index, runbooks, config.dashboard_url_pattern)
+                for index, url in enumerate(config.webhook_urls)]
+    pager = PagerSet(targets) if targets else None
 
     def escalate(run: RunFacts, finding: Finding, stop_at: float, stop_step: int) -> None:
         # Called only from ingest, so once the sidecar is built: the enforcer exists by then.
@@ -261,8 +287,9 @@ def build(config: SidecarConfig) -> Sidecar:
                         silent_run_seconds=config.silent_run_seconds,
                         trainer_uids=config.trainer_uids, max_ranks=config.max_ranks,
                         history_queue=history_queue,
-                        runbook_url_pattern=_console_runbooks(config))
+                        runbook_url_pattern=runbooks)
     enforcer = Enforcer(registry, store, actions, stop_grace_seconds=config.stop_grace_seconds,
                         kill_grace_seconds=config.kill_grace_seconds)
     return Sidecar(registry, actions, config.server, enforcer=enforcer, pager=pager,
-                   store=store, history_queue=history_queue, state_dir=config.state_dir)
+                   store=store, history_queue=history_queue, state_dir=config.state_dir,
+                   runbooks_follow_metrics=follow)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deadweight import __version__
-from deadweight.sidecar import alert_links, cli_runs
+from deadweight.sidecar import alert_links, cli_runs, oncall_cli
 from deadweight.sidecar.detectors import BY_ID
 from deadweight.sidecar.detectors.base import Policy
 
@@ -81,6 +81,16 @@ def _url_pattern(allowed: frozenset[str]) -> Callable[[str], str]:
     return parse
 
 
+def _webhook_url(text: str) -> str:
+    """An argparse type: an http(s) URL with a host."""
+    from deadweight.sidecar.webhook import BadWebhookUrl, check_url
+
+    try:
+        return check_url(text)
+    except BadWebhookUrl as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def _serve(args: argparse.Namespace) -> int:
     import structlog
 
@@ -138,8 +148,11 @@ def _sidecar_config(args: argparse.Namespace) -> SidecarConfig:
 
     return SidecarConfig(
         server=_server_config(args), state_dir=args.state_dir,
-        alertmanager_url=args.alertmanager_url, runbook_url_pattern=args.runbook_url_pattern,
-        dashboard_url_pattern=args.dashboard_url_pattern,
+        alertmanager_url=args.alertmanager_url, webhook_urls=tuple(args.webhook_url or ()),
+        runbook_url_pattern=args.runbook_url_pattern,
+        dashboard_url_pattern=args.dashboard_url_pattern or (
+            alert_links.dashboard_pattern_for(args.grafana_url) if args.grafana_url
+            else alert_links.DEFAULT_DASHBOARD_URL_PATTERN),
         dry_run=args.dry_run, policies=dict(args.policy or []), settings=_settings(args.setting),
         max_runs=args.max_runs, max_ranks=args.max_ranks,
         run_ttl_seconds=args.run_ttl_seconds,
@@ -307,16 +320,25 @@ def build_parser(*more_commands: Callable[[Commands], None]) -> argparse.Argumen
                        help="observe|page|stop|kill for one detector (repeatable)")
     serve.add_argument("--alertmanager-url", default=None, metavar="URL",
                        help="page through this Alertmanager's API v2 (e.g. http://host:9093)")
+    serve.add_argument("--webhook-url", action="append", type=_webhook_url, default=None,
+                       metavar="URL", help="also page this chat or incident webhook directly: "
+                       "one JSON message per incident with a Slack-compatible text field "
+                       "(repeatable; for teams without Alertmanager)")
     serve.add_argument("--runbook-url-pattern", type=_url_pattern(alert_links.RUNBOOK_PLACEHOLDERS),
-                       default=alert_links.DEFAULT_RUNBOOK_URL_PATTERN, metavar="PATTERN",
+                       default=None, metavar="PATTERN",
                        help="runbook_url of pushed alerts; {detector} and {alertname} are "
-                       "filled in; use the pattern the rules were generated with "
-                       "(default %(default)s: this sidecar's /runbooks/)")
-    serve.add_argument("--dashboard-url-pattern",
+                       "filled in; use the pattern the rules were generated with (default: "
+                       "this sidecar's /runbooks/ on --metrics-address, its host name for a "
+                       "wildcard host)")
+    links = serve.add_mutually_exclusive_group()
+    links.add_argument("--dashboard-url-pattern",
                        type=_url_pattern(alert_links.DASHBOARD_PLACEHOLDERS),
-                       default=alert_links.DEFAULT_DASHBOARD_URL_PATTERN, metavar="PATTERN",
+                       default=None, metavar="PATTERN",
                        help="dashboard_url and generatorURL of pushed alerts; {run_id} is filled "
-                       "in (default %(default)s)")
+                       f"in (default {alert_links.DEFAULT_DASHBOARD_URL_PATTERN})")
+    links.add_argument("--grafana-url", default=None, metavar="URL",
+                       help="the Grafana that holds the shipped dashboards: dashboard links "
+                       f"become URL{alert_links.RUN_DASHBOARD_PATH}")
     serve.add_argument("--listen", default=None, metavar="HOST:PORT", type=_host_port,
                        help="also serve gRPC on TCP (needs --tls-cert, --tls-key, --token-file)")
     serve.add_argument("--tls-cert", default=None, metavar="FILE", help="PEM certificate chain")
@@ -422,6 +444,7 @@ def build_parser(*more_commands: Callable[[Commands], None]) -> argparse.Argumen
                             help="the runbook link under the root cause, as in serve "
                             "(default %(default)s)")
     report_cmd.set_defaults(func=_report)
+    oncall_cli.add(commands)
     for add in more_commands:
         add(commands)
     return parser

@@ -29,6 +29,7 @@ from deadweight.sidecar.detectors.base import Detector
 from deadweight.sidecar.finding import Finding
 from deadweight.sidecar.limits import digest_label
 from deadweight.sidecar.metrics_http import TextFamily, number, sample_line, sample_prefix
+from deadweight.sidecar.pager_health import TargetHealth
 from deadweight.sidecar.registry import Registry
 from deadweight.sidecar.state import RunState
 
@@ -180,8 +181,11 @@ class DeadweightCollector(Collector):
     def __init__(
         self, registry: Registry, actions: Actions | None, detectors: tuple[Detector, ...],
         attestation: AttestationServer | None = None,
+        pagers: Iterable[TargetHealth] = (),
     ) -> None:
         self.registry = registry
+        #: The pager targets whose health is exported (``pager_health``).
+        self.pagers = tuple(pagers)
         self.actions = actions
         self.detectors = detectors
         #: The ``.attest`` listener, whose refused connections are exported (None: no socket).
@@ -224,6 +228,8 @@ class DeadweightCollector(Collector):
             figures = [self._figures(run, findings) for run, findings in runs]
             actions = self._action_metrics({run.run_id for run, _ in runs})
             guards = list(self._guard_metrics())
+        guards += self._pager_metrics()
+        guards.append(self._silence_metrics())
         return info, figures, actions, guards
 
     def _figures(self, run: RunState, findings: list[Finding]) -> RunFigures:
@@ -390,6 +396,38 @@ class DeadweightCollector(Collector):
                           "unix socket (--allow-unattested).", [])
         optional.add_metric([], 1.0 if self.registry.allow_unattested else 0.0)
         yield optional
+
+    def _silence_metrics(self) -> Metric:
+        """1 per detector silenced on a run now (``deadweight silence``): the rules leave
+        it out, as the sidecar's own pages do."""
+        silenced = _gauge("deadweight_detector_silenced",
+                          "1 while the detector is silenced on the run by hand (it does not "
+                          "page).", ["run_id", "detector"])
+        if self.actions is not None:
+            for silence in self.actions.silences.all():
+                silenced.add_metric([silence.run_id, silence.detector], 1.0)
+        return silenced
+
+    def _pager_metrics(self) -> list[Metric]:
+        """Per pager target: POSTs tried, failed, and when one last got through."""
+        labels = ["target", "kind"]
+        attempts = CounterMetricFamily(
+            "deadweight_pager_attempts", "Deliveries tried to the pager target (POSTs).",
+            labels=labels)
+        failures = CounterMetricFamily(
+            "deadweight_pager_failures",
+            "Deliveries to the pager target that failed (unreachable, refused, timed out).",
+            labels=labels)
+        last = _gauge("deadweight_pager_last_success_timestamp_seconds",
+                      "Unix time of the pager target's last successful delivery (0: never).",
+                      labels)
+        for health in self.pagers:
+            tried, failed, success = health.read()
+            values = [health.target, health.kind]
+            attempts.add_metric(values, float(tried))
+            failures.add_metric(values, float(failed))
+            last.add_metric(values, success)
+        return [attempts, failures, last]
 
     def _action_metrics(self, live: set[str]) -> Metric:
         """Actions of the live runs (an expired run's counters leave with it)."""

@@ -34,6 +34,9 @@ from deadweight.sidecar.summary_service import SummaryRefused, signed_summary
 if TYPE_CHECKING:
     from deadweight.sidecar.summary_signing import SummarySigner
 
+if TYPE_CHECKING:
+    from deadweight.sidecar.oncall import Oncall
+
 log = structlog.get_logger("deadweight.server")
 
 TICK_SECONDS = 1.0
@@ -77,10 +80,12 @@ class MonitorServicer(pb_grpc.MonitorServiceServicer):  # type: ignore[misc]
     """Feeds each stream's batches to the registry and answers with acks and directives."""
 
     def __init__(self, registry: Registry, token: str | None = None,
-                 signer: SummarySigner | None = None) -> None:
+                 signer: SummarySigner | None = None, oncall: Oncall | None = None) -> None:
         self.registry = registry
         self.token = token
         self.signer = signer
+        #: Carries out Stop and Silence (None: this sidecar has no actions to take them).
+        self.oncall = oncall
 
     async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
         """TCP callers present the bearer token; the unix socket is guarded by its mode."""
@@ -139,7 +144,56 @@ class MonitorServicer(pb_grpc.MonitorServiceServicer):  # type: ignore[misc]
         self, request: pb.StatusRequest, context: grpc.aio.ServicerContext
     ) -> pb.StatusResponse:
         await self._authorize(context)
-        return bounded(await asyncio.to_thread(self.registry.status, request.run_id))
+        response = await asyncio.to_thread(self.registry.status, request.run_id)
+        if self.oncall is not None:
+            for run in response.runs:
+                run.silences.extend(pb.SilenceStatus(detector=s.detector, until=s.until,
+                                                     reason=s.reason)
+                                    for s in self.oncall.silences.of_run(run.run_id))
+        return bounded(response)
+
+    async def Stop(self, request: pb.StopRequest, context: grpc.aio.ServicerContext
+                   ) -> pb.StopResponse:
+        """STOP one run by hand, for an attested operator uid (``oncall``)."""
+        from deadweight.sidecar.oncall import Refused
+
+        oncall = await self._operator(context, "stop")
+        try:
+            caller = oncall.caller(request.attestation, context.peer().startswith("unix:"))
+            return await asyncio.to_thread(oncall.stop, request, caller)
+        except Refused as err:
+            await self._refuse(context, "stop", request.run_id, err)
+            raise
+
+    async def Silence(self, request: pb.SilenceRequest, context: grpc.aio.ServicerContext
+                      ) -> pb.SilenceResponse:
+        """Silence one detector of one run, for an attested operator uid (``oncall``)."""
+        from deadweight.sidecar.oncall import Refused
+
+        oncall = await self._operator(context, "silence")
+        try:
+            caller = oncall.caller(request.attestation, context.peer().startswith("unix:"))
+            return await asyncio.to_thread(oncall.silence, request, caller)
+        except Refused as err:
+            await self._refuse(context, "silence", request.run_id, err)
+            raise
+
+    async def _operator(self, context: grpc.aio.ServicerContext, command: str) -> Oncall:
+        await self._authorize(context)
+        if self.oncall is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                                f"this sidecar takes no {command} commands")
+        assert self.oncall is not None
+        return self.oncall
+
+    @staticmethod
+    async def _refuse(context: grpc.aio.ServicerContext, command: str, run_id: str,
+                      err: Exception) -> None:
+        permission = bool(getattr(err, "permission", False))
+        log.warning("oncall_refused", command=command, run_id=run_id[:256], reason=str(err),
+                    peer=context.peer())
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED if permission
+                            else grpc.StatusCode.INVALID_ARGUMENT, str(err))
 
     async def SignSummary(
         self, request: pb.SignSummaryRequest, context: grpc.aio.ServicerContext
@@ -268,10 +322,11 @@ class SidecarServer:
     """The gRPC server and the periodic tick, on one event loop in a background thread."""
 
     def __init__(self, registry: Registry, config: ServerConfig,
-                 signer: SummarySigner | None = None) -> None:
+                 signer: SummarySigner | None = None, oncall: Oncall | None = None) -> None:
         self.registry = registry
         self.config = config
         self.signer = signer
+        self.oncall = oncall
         self.grpc_port: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -304,7 +359,8 @@ class SidecarServer:
 
     def _new_server(self) -> grpc.aio.Server:
         server = grpc.aio.server(options=self.config.grpc_options)
-        add_monitor_servicer(MonitorServicer(self.registry, self.config.token, self.signer),
+        add_monitor_servicer(MonitorServicer(self.registry, self.config.token, self.signer,
+                                             self.oncall),
                              server)
         return server
 

@@ -131,4 +131,16 @@ def render(status: pb.StatusResponse) -> str:
         for a in run.actions:
             at = f" at step {a.step}" if a.step else ""
             lines.append(f"  action   {a.action} for {a.detector}{at}: {a.result}")
+        for silence in run.silences:
+            lines.append(silence_line(silence))
     return "\n".join(lines)
+
+
+def silence_line(silence: pb.SilenceStatus, now: float | None = None) -> str:
+    """``silenced DETECTOR until HH:MM:SSZ (Ns left): reason`` for one silence."""
+    import time
+
+    left = max(0.0, silence.until - (time.time() if now is None else now))
+    until = time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(silence.until))
+    why = f": {silence.reason}" if silence.reason else ""
+    return f"  silenced {silence.detector} until {until} ({left:.0f}s left){why}"

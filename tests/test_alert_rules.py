@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 
 from alerts import generate, rules
-from alerts.rules import MONITORING, SIDECAR_DOWN, SPECS, Patterns
+from alerts.rules import MONITORING, SPECS, Patterns
 from deadweight.sidecar.alert_links import (
     BadPattern,
     alert_name,
@@ -111,7 +111,7 @@ def test_rules_rendered_with_patterns_carry_them_on_every_alert() -> None:
         runbook = {a.name: a.runbook for a in MONITORING}.get(name) or next(
             d.id for d in SPECS if alert_name(d.id) == name)
         assert notes["runbook_url"] == f"https://wiki.example.com/ml/{name}?id={runbook}"
-        if name == SIDECAR_DOWN.name:
+        if name in {a.name for a in MONITORING if not a.per_run}:
             assert "dashboard_url" not in notes  # about a target, not a run
         else:
             assert notes["dashboard_url"] == ("https://grafana.example.com/d/deadweight-run/x"

@@ -261,7 +261,12 @@ def test_prometheusrule_is_generated_from_alerts() -> None:
     from alerts import generate
 
     assert generate.PROMETHEUS_RULE not in generate.stale(), f"run {generate.COMMAND}"
-    rules = load(ROOT / "alerts" / "deadweight.rules.yml")
+    from alerts import rules as alert_rules
+    from deploy.kubernetes import links
+
+    # The same rules as alerts/, with the cluster's links (links.env, the one place).
+    rules = alert_rules.rules(alert_rules.DEFAULT_JOB_SELECTOR,
+                              alert_rules.DEFAULT_STALE_SECONDS, links.patterns())
     shipped = load(KUBE / "prometheusrule.yaml")["spec"]["groups"]
     assert shipped == prometheusrule.per_job_sidecar(rules["groups"])
     down = [r for g in shipped for r in g["rules"] if r.get("alert") == "DeadweightSidecarDown"]
@@ -271,6 +276,84 @@ def test_prometheusrule_is_generated_from_alerts() -> None:
     originals = [r for g in rules["groups"] for r in g["rules"]
                  if r.get("alert") != "DeadweightSidecarDown"]
     assert others == originals
+
+
+def _expanded_sidecar_args() -> list[str]:
+    """The sidecar's args as the kubelet passes them: $(NAME) from its env, which reads the
+    ConfigMap that kustomization.yaml generates from links.env."""
+    from deploy.kubernetes import links
+
+    values = links.read()
+    sidecar = container(pod_spec(job()), "deadweight")
+    env = {}
+    for var in sidecar["env"]:
+        ref = var["valueFrom"]["configMapKeyRef"]
+        assert ref["name"] == links.CONFIG_MAP
+        env[var["name"]] = values[ref["key"]]
+    out = []
+    for arg in sidecar["args"]:
+        for name, value in env.items():
+            arg = arg.replace(f"$({name})", value)
+        assert "$(" not in arg, f"{arg}: not defined in the sidecar's env"
+        out.append(arg)
+    return out
+
+
+def test_kubernetes_links_come_from_one_place() -> None:
+    """links.env feeds the sidecar (ConfigMap -> env -> args) and the PrometheusRule: both
+    send the same runbook and dashboard links; SidecarDown links to the docs pattern."""
+    from deploy.kubernetes import links
+
+    patterns = links.patterns()
+    args = serve_args(_expanded_sidecar_args())
+    assert args.runbook_url_pattern == patterns.runbook
+    assert args.dashboard_url_pattern == patterns.dashboard
+    for pattern in (patterns.runbook, patterns.dashboard, patterns.docs):
+        assert "127.0.0.1" not in str(pattern) and "localhost" not in str(pattern)
+    notes = {r["alert"]: r["annotations"] for g in load(KUBE / "prometheusrule.yaml")["spec"][
+        "groups"] for r in g["rules"]}
+    assert notes["DeadweightFrozenWeights"]["runbook_url"] == patterns.runbook.format(
+        detector="frozen_weights", alertname="DeadweightFrozenWeights")
+    assert notes["DeadweightFrozenWeights"]["dashboard_url"].startswith(
+        patterns.dashboard.split("{run_id}")[0])
+    assert notes["DeadweightSidecarDown"]["runbook_url"] == str(patterns.docs).format(
+        detector="sidecar_down", alertname="DeadweightSidecarDown")
+    # The ConfigMap kustomize makes holds exactly links.env's values, under the name used.
+    kubectl = require_binary("kubectl")
+    docs = list(yaml.safe_load_all(run([kubectl, "kustomize", str(KUBE)])))
+    [config_map] = [d for d in docs if d["kind"] == "ConfigMap"]
+    assert config_map["metadata"]["name"] == links.CONFIG_MAP
+    assert config_map["data"] == links.read()
+
+
+@pytest.mark.parametrize("keep_reports", [False, True])
+def test_kustomization_renders_valid_resources(tmp_path: Path, keep_reports: bool) -> None:
+    """`kubectl kustomize` of deploy/kubernetes (and with the keep-reports option on, the
+    state dir on a PersistentVolumeClaim) gives resources that pass the strict schema."""
+    kubectl = require_binary("kubectl")
+    folder = tmp_path / "kube"
+    shutil.copytree(KUBE, folder, ignore=shutil.ignore_patterns("__pycache__", "*.py"))
+    if keep_reports:
+        text = (folder / "kustomization.yaml").read_text()
+        text = text.replace("  # - state-pvc.yaml", "  - state-pvc.yaml")
+        text = text.replace("# patches:\n#   - path: keep-state.patch.yaml",
+                            "patches:\n  - path: keep-state.patch.yaml")
+        (folder / "kustomization.yaml").write_text(text)
+    docs = list(yaml.safe_load_all(run([kubectl, "kustomize", str(folder)])))
+    kinds = sorted(d["kind"] for d in docs)
+    expected = ["ConfigMap", "Job", "PodMonitor", "PrometheusRule"]
+    assert kinds == sorted(expected + (["PersistentVolumeClaim"] if keep_reports else []))
+    [rendered] = [d for d in docs if d["kind"] == "Job"]
+    for doc in docs:
+        if doc["kind"] in ("ConfigMap", "Job", "PersistentVolumeClaim"):
+            kubernetes_validate.validate(doc, KUBE_VERSIONS[-1], strict=True)
+    [state] = [v for v in pod_spec(rendered)["volumes"] if v["name"] == "deadweight-state"]
+    if keep_reports:
+        [claim] = [d for d in docs if d["kind"] == "PersistentVolumeClaim"]
+        assert state == {"name": "deadweight-state",
+                         "persistentVolumeClaim": {"claimName": claim["metadata"]["name"]}}
+    else:
+        assert "emptyDir" in state
 
 
 def test_prometheusrule_groups_pass_promtool(tmp_path: Path) -> None:

@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -164,6 +167,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                           "--runbook-url-pattern", patterns.runbook,
                           "--dashboard-url-pattern", patterns.dashboard]
     sidecar.start()
+    # On-call silenced one detector of another run (deadweight silence): the rules' silence
+    # clause then meets a live series, as every shipped query must.
+    silenced = subprocess.run(
+        [sys.executable, "-m", "deadweight.cli", "silence", "run-on-hold", "entropy_collapse",
+         "--for", "1h", "--address", sidecar.address], capture_output=True, text=True,
+        timeout=60, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert silenced.returncode == 0, silenced.stderr
     rule_text = rules.render(rules.DEFAULT_JOB_SELECTOR, rules.DEFAULT_STALE_SECONDS,
                              patterns)[rules.RULES_FILE]
     config = _prometheus_config(sidecar.metrics_port, prom_proxy.url)

@@ -25,7 +25,8 @@ class RecordingPager:
 
     def fire(self, run_id: str, detector: str, severity: str, summary: str,
              description: str, evidence: dict[str, str],
-             starts_at: float | None = None) -> None:
+             starts_at: float | None = None, on_result: object = None,
+             reassert: bool = False) -> None:
         self.fired.append((run_id, detector, starts_at))
 
     def resolve(self, run_id: str, detector: str, severity: str) -> None:

@@ -43,7 +43,7 @@ from deadweight.sidecar.alert_links import DEFAULT_RUNBOOK_URL_PATTERN
 from deadweight.sidecar.attestation import Attestor, ProcessIdentity
 from deadweight.sidecar.detectors.base import Detector, Policy
 from deadweight.sidecar.detectors.frozen import FrozenWeights
-from deadweight.sidecar.finding import ActionSink, Finding, LogOnlyActions
+from deadweight.sidecar.finding import ActionSink, Finding, LogOnlyActions, RunSnapshot
 from deadweight.sidecar.registry import restart
 from deadweight.sidecar.registry.batch import AppliedBatch, CheckedBatch
 from deadweight.sidecar.registry.events import CheckpointSink, EventApplier, end_run
@@ -442,6 +442,25 @@ class Registry:
         with self._lock:
             entry = self._table.get(run_id)
             return {} if entry is None else dict(entry.identities)
+
+    def direct(self, run_id: str, directive: pb.Directive) -> RunSnapshot | None:
+        """Queue directive for every rank of a live run (an operator's STOP); the run then,
+        or None when the run is unknown or has ended."""
+        with self._lock:
+            entry = self._table.get(run_id)
+            if entry is None or entry.state.ended:
+                return None
+            entry.directives.append(directive)
+            return RunSnapshot.of(entry.state)
+
+    def finding_of(self, run_id: str, detector: str) -> tuple[RunSnapshot, Finding | None] | None:
+        """The run and a copy of one detector's finding on it (None: an unknown run)."""
+        with self._lock:
+            entry = self._table.get(run_id)
+            if entry is None:
+                return None
+            finding = entry.findings.get(detector)
+            return RunSnapshot.of(entry.state), None if finding is None else finding.copy()
 
     def frozen_streak(self, run: RunState) -> int:
         return FrozenWeights.streak(run, self.settings)

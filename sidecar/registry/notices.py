@@ -28,6 +28,11 @@ class VerdictNotices:
     def __init__(self, active: Iterable[Detector],
                  runbook_url_pattern: str = DEFAULT_RUNBOOK_URL_PATTERN) -> None:
         self._specs: dict[str, DetectorSpec] = {d.id: d.spec for d in active}
+        self.follow(runbook_url_pattern)
+
+    def follow(self, runbook_url_pattern: str) -> None:
+        """Link every notice's runbook through this pattern from now on (the sidecar's own
+        /runbooks/ pages once it knows the address it serves them on)."""
         self._links = {d: runbook_url(runbook_url_pattern, d) for d in self._specs}
 
     def untold(self, entry: RunEntry, rank: int, reconnected: bool) -> list[pb.VerdictNotice]:

@@ -414,7 +414,7 @@ class StatusResponse(_message.Message):
     def __init__(self, runs: _Optional[_Iterable[_Union[RunStatus, _Mapping]]] = ...) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("run_id", "trainer", "ranks", "step", "last_seen_seconds", "ended", "findings", "end_reason", "actions", "wrapper", "sharded")
+    __slots__ = ("run_id", "trainer", "ranks", "step", "last_seen_seconds", "ended", "findings", "end_reason", "actions", "wrapper", "sharded", "silences")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     TRAINER_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
@@ -426,6 +426,7 @@ class RunStatus(_message.Message):
     ACTIONS_FIELD_NUMBER: _ClassVar[int]
     WRAPPER_FIELD_NUMBER: _ClassVar[int]
     SHARDED_FIELD_NUMBER: _ClassVar[int]
+    SILENCES_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     trainer: str
     ranks: _containers.RepeatedScalarFieldContainer[int]
@@ -437,7 +438,60 @@ class RunStatus(_message.Message):
     actions: _containers.RepeatedCompositeFieldContainer[ActionTaken]
     wrapper: str
     sharded: bool
-    def __init__(self, run_id: _Optional[str] = ..., trainer: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., step: _Optional[int] = ..., last_seen_seconds: _Optional[float] = ..., ended: _Optional[bool] = ..., findings: _Optional[_Iterable[_Union[Finding, _Mapping]]] = ..., end_reason: _Optional[str] = ..., actions: _Optional[_Iterable[_Union[ActionTaken, _Mapping]]] = ..., wrapper: _Optional[str] = ..., sharded: _Optional[bool] = ...) -> None: ...
+    silences: _containers.RepeatedCompositeFieldContainer[SilenceStatus]
+    def __init__(self, run_id: _Optional[str] = ..., trainer: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., step: _Optional[int] = ..., last_seen_seconds: _Optional[float] = ..., ended: _Optional[bool] = ..., findings: _Optional[_Iterable[_Union[Finding, _Mapping]]] = ..., end_reason: _Optional[str] = ..., actions: _Optional[_Iterable[_Union[ActionTaken, _Mapping]]] = ..., wrapper: _Optional[str] = ..., sharded: _Optional[bool] = ..., silences: _Optional[_Iterable[_Union[SilenceStatus, _Mapping]]] = ...) -> None: ...
+
+class SilenceStatus(_message.Message):
+    __slots__ = ("detector", "until", "reason")
+    DETECTOR_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    detector: str
+    until: float
+    reason: str
+    def __init__(self, detector: _Optional[str] = ..., until: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class StopRequest(_message.Message):
+    __slots__ = ("run_id", "reason", "attestation")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    ATTESTATION_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    reason: str
+    attestation: str
+    def __init__(self, run_id: _Optional[str] = ..., reason: _Optional[str] = ..., attestation: _Optional[str] = ...) -> None: ...
+
+class StopResponse(_message.Message):
+    __slots__ = ("already", "message", "step")
+    ALREADY_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    already: bool
+    message: str
+    step: int
+    def __init__(self, already: _Optional[bool] = ..., message: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+
+class SilenceRequest(_message.Message):
+    __slots__ = ("run_id", "detector", "seconds", "reason", "attestation")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    DETECTOR_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    ATTESTATION_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    detector: str
+    seconds: float
+    reason: str
+    attestation: str
+    def __init__(self, run_id: _Optional[str] = ..., detector: _Optional[str] = ..., seconds: _Optional[float] = ..., reason: _Optional[str] = ..., attestation: _Optional[str] = ...) -> None: ...
+
+class SilenceResponse(_message.Message):
+    __slots__ = ("until", "message")
+    UNTIL_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    until: float
+    message: str
+    def __init__(self, until: _Optional[float] = ..., message: _Optional[str] = ...) -> None: ...
 
 class ActionTaken(_message.Message):
     __slots__ = ("detector", "action", "result", "time", "step")

@@ -50,6 +50,16 @@ class MonitorServiceStub:
                 request_serializer=deadweight_dot_v1_dot_deadweight__pb2.SignSummaryRequest.SerializeToString,
                 response_deserializer=deadweight_dot_v1_dot_deadweight__pb2.SignSummaryResponse.FromString,
                 _registered_method=True)
+        self.Stop = channel.unary_unary(
+                '/deadweight.v1.MonitorService/Stop',
+                request_serializer=deadweight_dot_v1_dot_deadweight__pb2.StopRequest.SerializeToString,
+                response_deserializer=deadweight_dot_v1_dot_deadweight__pb2.StopResponse.FromString,
+                _registered_method=True)
+        self.Silence = channel.unary_unary(
+                '/deadweight.v1.MonitorService/Silence',
+                request_serializer=deadweight_dot_v1_dot_deadweight__pb2.SilenceRequest.SerializeToString,
+                response_deserializer=deadweight_dot_v1_dot_deadweight__pb2.SilenceResponse.FromString,
+                _registered_method=True)
 
 
 class MonitorServiceServicer:
@@ -79,6 +89,22 @@ class MonitorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Stop(self, request, context):
+        """Stop sends STOP to a run by hand, journaled once like a verdict's (`deadweight stop`).
+        Only the sidecar's own uid or root, attested over the unix socket, may call it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Silence(self, request, context):
+        """Silence keeps one detector of one run from paging until it expires (`deadweight silence`).
+        Same callers as Stop.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MonitorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -96,6 +122,16 @@ def add_MonitorServiceServicer_to_server(servicer, server):
                     servicer.SignSummary,
                     request_deserializer=deadweight_dot_v1_dot_deadweight__pb2.SignSummaryRequest.FromString,
                     response_serializer=deadweight_dot_v1_dot_deadweight__pb2.SignSummaryResponse.SerializeToString,
+            ),
+            'Stop': grpc.unary_unary_rpc_method_handler(
+                    servicer.Stop,
+                    request_deserializer=deadweight_dot_v1_dot_deadweight__pb2.StopRequest.FromString,
+                    response_serializer=deadweight_dot_v1_dot_deadweight__pb2.StopResponse.SerializeToString,
+            ),
+            'Silence': grpc.unary_unary_rpc_method_handler(
+                    servicer.Silence,
+                    request_deserializer=deadweight_dot_v1_dot_deadweight__pb2.SilenceRequest.FromString,
+                    response_serializer=deadweight_dot_v1_dot_deadweight__pb2.SilenceResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -180,6 +216,60 @@ class MonitorService:
             '/deadweight.v1.MonitorService/SignSummary',
             deadweight_dot_v1_dot_deadweight__pb2.SignSummaryRequest.SerializeToString,
             deadweight_dot_v1_dot_deadweight__pb2.SignSummaryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stop(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deadweight.v1.MonitorService/Stop',
+            deadweight_dot_v1_dot_deadweight__pb2.StopRequest.SerializeToString,
+            deadweight_dot_v1_dot_deadweight__pb2.StopResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Silence(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deadweight.v1.MonitorService/Silence',
+            deadweight_dot_v1_dot_deadweight__pb2.SilenceRequest.SerializeToString,
+            deadweight_dot_v1_dot_deadweight__pb2.SilenceResponse.FromString,
             options,
             channel_credentials,
             insecure,

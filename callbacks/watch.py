@@ -28,7 +28,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -77,6 +77,8 @@ class Monitor:
         tls_ca: str | None = None,
         require_sidecar: bool = False,
         start_timeout_seconds: float = 1.0,
+        expected_trainable_pct: tuple[float, float] | None = None,
+        frozen_modules: Sequence[str] | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -84,7 +86,9 @@ class Monitor:
         self.should_stop = False
         self._run = RunProbe(address, run_id, token, tls_ca=tls_ca, settings=settings,
                              require_sidecar=require_sidecar,
-                             start_timeout_seconds=start_timeout_seconds)
+                             start_timeout_seconds=start_timeout_seconds,
+                             expected_trainable_pct=expected_trainable_pct,
+                             frozen_modules=frozen_modules)
         self._abort: str | None = None
         self._stop_proposed = False
         self._disabled = False
@@ -260,7 +264,9 @@ def watch(model: Any, optimizer: Any, run_id: str | None = None, address: str | 
 
     Keyword options: ``token``, ``output_dir`` (the folder the sidecar watches for
     checkpoints), ``trainer`` (a name for the run's kind), ``config``, ``settings``,
-    ``tls_ca``, ``require_sidecar``, ``start_timeout_seconds``. Address, run id and token
+    ``tls_ca``, ``require_sidecar``, ``start_timeout_seconds``, ``expected_trainable_pct``
+    ((low, high) percent of the model's parameters that should train) and ``frozen_modules``
+    (module names that must not move). Address, run id and token
     default to ``DEADWEIGHT_ADDRESS``, ``DEADWEIGHT_RUN_ID`` and ``DEADWEIGHT_TOKEN``.
     """
     return Monitor(model, optimizer, run_id, address, **options)

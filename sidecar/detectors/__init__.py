@@ -51,6 +51,7 @@ from deadweight.sidecar.detectors.step_figures import (
     OptimizerStepsSkipped,
     ZeroGradient,
 )
+from deadweight.sidecar.detectors.trainable import BaseWeightsTrained, TrainableOutOfBand
 from deadweight.sidecar.detectors.trends import (
     CompletionLengthCollapse,
     DpoLikelihoodCollapse,
@@ -59,6 +60,8 @@ from deadweight.sidecar.detectors.trends import (
 
 ALL: tuple[Detector, ...] = (
     EmptyOptimizer(),
+    BaseWeightsTrained(),
+    TrainableOutOfBand(),
     GradNotInOptimizer(),
     InactiveAdapter(),
     FrozenWeights(),

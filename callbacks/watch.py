@@ -83,6 +83,8 @@ class Monitor:
         self.model = model
         self.optimizer = optimizer
         self.step = 0
+        #: The newest step the loop logged (a checkpoint names it when no step ran).
+        self._logged_step = 0
         self.should_stop = False
         self._run = RunProbe(address, run_id, token, tls_ca=tls_ca, settings=settings,
                              require_sidecar=require_sidecar,
@@ -122,13 +124,17 @@ class Monitor:
 
         Count steps as optimizer steps (``monitor.step`` does) so logs and updates line up.
         """
+        self._logged_step = max(self._logged_step, int(step))
         self._run.log(int(step), {k: _scalar(v) for k, v in scalars.items()})
         self._apply_directives()
 
     @shielded
     def checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Report a checkpoint the loop wrote (after its files are on disk)."""
-        self._run.checkpoint(self.step, path, layout.unwrap_model(self.model))
+        """Report a checkpoint the loop wrote (after its files are on disk), at the loop's
+        step: its optimizer steps, or the step it logged when that is further on (a loop
+        whose optimizer never stepped still names where it was)."""
+        self._run.checkpoint(max(self.step, self._logged_step), path,
+                             layout.unwrap_model(self.model))
 
     def close(self, reason: str = "completed") -> None:
         """Remove the hooks, report the run end and flush (at most 2 s); idempotent."""

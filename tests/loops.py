@@ -8,6 +8,7 @@ faults a user can put in it (no ``optimizer.step()``, no ``zero_grad``).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -80,19 +81,26 @@ def batches(steps: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]
 
 def run_loop(live: InProcessSidecar, run_id: str, optimizer: str = "adamw", *,
              steps: int = 12, frozen: bool = False, step_optimizer: bool = True,
-             zero_grad: bool = True, lr_at: Callable[[int], float] | None = None,
+             zero_grad: bool = True, corrupt_at: int | None = None,
+             freeze_first: bool = False, checkpoint_to: Path | None = None,
              **watch_options: Any) -> Any:
     """One real loop to its end. ``frozen``: the optimizer is built over a copy of the model
-    (a classic: the model was rebuilt after the optimizer), so no step moves the weights."""
+    (a classic: the model was rebuilt after the optimizer), so no step moves the weights;
+    ``step_optimizer=False``: ``optimizer.step()`` is never called; ``zero_grad=False``: the
+    gradients are never cleared; ``corrupt_at``: that step's batch has corrupt targets;
+    ``freeze_first``: the first layer is frozen before the optimizer is built;
+    ``checkpoint_to``: the loop saves its model there at the end and reports it."""
     net = model()
-    held = model(seed=3).parameters() if frozen else net.parameters()
+    if freeze_first:
+        net[0].requires_grad_(False)
+    held = model(seed=3).parameters() if frozen else [p for p in net.parameters()
+                                                        if p.requires_grad]
     opt = OPTIMIZERS[optimizer](held)
     with deadweight.watch(net, opt, run_id=run_id, address=live.address,
                           **watch_options) as monitor:
         for i, (x, y) in enumerate(batches(steps), start=1):
-            if lr_at is not None:
-                for group in opt.param_groups:
-                    group["lr"] = lr_at(i)
+            if i == corrupt_at:
+                y = y * 300  # a corrupt batch: its targets off by orders of magnitude
             loss = torch.nn.functional.mse_loss(net(x), y)
             loss.backward()
             grad_norm = torch.sqrt(sum((p.grad.detach() ** 2).sum()
@@ -106,6 +114,13 @@ def run_loop(live: InProcessSidecar, run_id: str, optimizer: str = "adamw", *,
             # a real step takes longer than the sidecar's turn: let it see each one live
             wait_for(lambda i=i: (run := live.run(run_id)) is not None and run.log_steps >= i,
                      15, what=f"log {i} of {run_id}")
+        if checkpoint_to is not None:
+            from safetensors.torch import save_file
+
+            checkpoint_to.mkdir(parents=True)
+            save_file({k: v.contiguous() for k, v in net.state_dict().items()},
+                      str(checkpoint_to / "model.safetensors"))
+            monitor.checkpoint(checkpoint_to)
     return monitor
 
 

@@ -18,8 +18,14 @@ from deadweight.sidecar.detectors.checkpoints import (
     EmptyAdapter,
     PickleCheckpoint,
 )
+from deadweight.sidecar.detectors.divergence import GradNormSpike, LossDivergence
 from deadweight.sidecar.detectors.frozen import FrozenWeights
 from deadweight.sidecar.detectors.health import DecayOnlyUpdate, NonfiniteLoss, Stalled
+from deadweight.sidecar.detectors.loop import (
+    DeclaredFrozenMoved,
+    GradientAccumulating,
+    NoOptimizerStep,
+)
 from deadweight.sidecar.detectors.optimizer import (
     EmptyOptimizer,
     GradNotInOptimizer,
@@ -64,9 +70,14 @@ ALL: tuple[Detector, ...] = (
     TrainableOutOfBand(),
     GradNotInOptimizer(),
     InactiveAdapter(),
+    NoOptimizerStep(),
     FrozenWeights(),
     DecayOnlyUpdate(),
     NonfiniteLoss(),
+    LossDivergence(),
+    GradNormSpike(),
+    GradientAccumulating(),
+    DeclaredFrozenMoved(),
     Stalled(),
     PartialTargetModules(),
     EmbeddingResized(),

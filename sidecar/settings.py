@@ -49,3 +49,5 @@ class DetectorSettings:
     accumulating_logs: int = 6
     accumulating_growth: float = 3.0
     accumulating_loss_drop: float = 0.75
+    negligible_update_steps: int = 3
+    negligible_relative_update: float = 1e-6

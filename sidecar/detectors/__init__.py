@@ -26,6 +26,7 @@ from deadweight.sidecar.detectors.loop import (
     GradientAccumulating,
     NoOptimizerStep,
 )
+from deadweight.sidecar.detectors.negligible import NegligibleUpdates
 from deadweight.sidecar.detectors.optimizer import (
     EmptyOptimizer,
     GradNotInOptimizer,
@@ -72,6 +73,7 @@ ALL: tuple[Detector, ...] = (
     InactiveAdapter(),
     NoOptimizerStep(),
     FrozenWeights(),
+    NegligibleUpdates(),
     DecayOnlyUpdate(),
     NonfiniteLoss(),
     LossDivergence(),

@@ -4,7 +4,8 @@ Three facts the sidecar cannot see from counts alone:
 
 - the parameters the optimizer steps that a PEFT save leaves out (``get_peft_model_state_dict``
   names what the adapter file will hold: the adapter tensors, ``modules_to_save``, trained
-  biases): base weights that train in such a run are work thrown away at save;
+  biases; a tensor under an adapter's name counts as saved too): base weights that train in
+  such a run are work thrown away at save;
 - the trainable fraction against a band the user expects (``expected_trainable_pct``), for
   full fine-tunes and custom setups whose intent no config states;
 - modules the user declared frozen (``frozen_modules``): whether the optimizer holds them at
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 
 from deadweight.callbacks import layout as layouts
+from deadweight.callbacks.membership import adapter_names, adapter_of
 
 log = logging.getLogger("deadweight")
 
@@ -107,6 +109,7 @@ def start_facts(model: Any, optimizer: Any, layout: layouts.Layout,
                                                "param_groups", None) or []
                     for p in group.get("params", [])}
     saved = _saved_storage(model)
+    adapters = adapter_names(model)
     total = unsaved = unsaved_tensors = declared = declared_trained = 0
     names: list[str] = []
     outer = layouts.root_prefix(model)
@@ -118,7 +121,10 @@ def start_facts(model: Any, optimizer: Any, layout: layouts.Layout,
         total += param.numel()
         name = layouts.clean_name(wrapped, outer)
         trains = id(param) in in_optimizer
-        if saved is not None and trains and param.data_ptr() not in saved:
+        # an adapter's own tensor is saved even when PEFT saves a value computed from it
+        # (prompt learning saves the prompt encoder's output, not its weights)
+        if saved is not None and trains and param.data_ptr() not in saved \
+                and adapter_of(name, adapters) is None:
             unsaved += param.numel()
             unsaved_tensors += 1
             if len(names) < NAMES_QUOTED:

@@ -196,10 +196,14 @@ class RunProbe:
         heads: HeadFacts | None = None,
         resume: ResumeFacts | None = None,
         dataset_rows: tuple[int, int] | None = None,
+        outermost: bool = False,
     ) -> None:
-        """Measure the layout and membership, register the run and wait briefly for the sidecar."""
+        """Measure the layout and membership, register the run and wait briefly for the sidecar.
+
+        ``outermost``: model is the object that runs, not a module inside a wrapper the
+        driver cannot see (see ``layout.recognise``)."""
         run_id = str(self.run_id)
-        self.layout = layouts.recognise(model, optimizer)
+        self.layout = layouts.recognise(model, optimizer, outermost=outermost)
         self.membership = membership.measure(model, optimizer, self.layout)
         if self.layout.membership == layouts.UNKNOWN:
             log.warning("deadweight: the %s optimizer partitions parameters in a way this "

@@ -175,6 +175,7 @@ class Monitor:
             config_text={"loop": "watch",
                          "optimizer": type(layout.inner_optimizer(self.optimizer)).__name__},
             preflight=preflight.gather(model),
+            outermost=True,  # the loop hands over the object it runs
         )
         self._apply_directives()
 

@@ -9,6 +9,7 @@ of turn outside the loss) are in ``test_silent_failures.py`` and still fire.
 
 from __future__ import annotations
 
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ BLOCK = 32
 
 def _group_texts(examples: dict[str, list[Any]]) -> dict[str, list[Any]]:
     """run_clm's group_texts: concatenate, drop the remainder, cut into blocks."""
-    joined = {k: sum(examples[k], []) for k in examples}
+    joined = {k: list(chain.from_iterable(examples[k])) for k in examples}
     total = len(joined["input_ids"]) // BLOCK * BLOCK
     blocks = {k: [v[i:i + BLOCK] for i in range(0, total, BLOCK)] for k, v in joined.items()}
     blocks["labels"] = [list(b) for b in blocks["input_ids"]]

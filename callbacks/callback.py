@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -128,11 +128,19 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
         start_timeout_seconds: float = 1.0,
         settings: ClientSettings | None = None,
         tls_ca: str | None = None,
+        expected_trainable_pct: tuple[float, float] | None = None,
+        frozen_modules: Sequence[str] | None = None,
     ) -> None:
+        """``expected_trainable_pct``: (low, high) percent of the model's parameters the
+        optimizer should train (else ``DEADWEIGHT_EXPECTED_TRAINABLE_PCT``, "LOW-HIGH");
+        ``frozen_modules``: module names that must not move (else ``DEADWEIGHT_FROZEN_MODULES``).
+        """
         self._run = RunProbe(address, run_id, token, tls_ca=tls_ca, settings=settings,
                              require_sidecar=require_sidecar,
                              start_timeout_seconds=start_timeout_seconds,
-                             console_logger=console_log)
+                             console_logger=console_log,
+                             expected_trainable_pct=expected_trainable_pct,
+                             frozen_modules=frozen_modules)
         #: Why deadweight stopped this run (its root cause first), None unless it did.
         self.stopped_by_deadweight: str | None = None
         self._abort: str | None = None

@@ -156,8 +156,14 @@ def stepped_tensors(optimizer: Any) -> list[torch.Tensor]:
             if isinstance(t, torch.Tensor)]
 
 
-def recognise(model: Any, optimizer: Any) -> Layout:
-    """The layout of model and optimizer as they are now (call it after wrapping)."""
+def recognise(model: Any, optimizer: Any, outermost: bool = False) -> Layout:
+    """The layout of model and optimizer as they are now (call it after wrapping).
+
+    ``outermost``: model is the object that really runs (``watch`` is handed it), so a
+    multi-rank run without a DDP wrapper on it is reported as "none", the wrapper really
+    found. A Trainer hands its callbacks the module inside its DDP wrapper: there, several
+    ranks without a sharding wrapper mean DDP.
+    """
     inner = inner_optimizer(optimizer)
     if is_deepspeed(model) or (inner is not None and is_deepspeed(inner)):
         engine_optimizer = getattr(model, "optimizer", None) if is_deepspeed(model) else inner
@@ -179,7 +185,7 @@ def recognise(model: Any, optimizer: Any) -> Layout:
         flat = any(_is_flat(p) for p in params)
         return Layout("fsdp1", sharded=sharded and _world_size() > 1,
                       membership=FLAT if flat else IDENTITY)
-    if _is_ddp(model) or _world_size() > 1:
+    if _is_ddp(model) or (_world_size() > 1 and not outermost):
         return Layout("ddp", sharded=False, membership=IDENTITY)
     return Layout("none", sharded=False, membership=IDENTITY)
 

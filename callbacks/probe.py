@@ -18,11 +18,13 @@ import hashlib
 import logging
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from deadweight.callbacks import digest, membership, trainer_logs
+import torch
+
+from deadweight.callbacks import digest, membership, trainable, trainer_logs
 from deadweight.callbacks import layout as layouts
 from deadweight.callbacks.console import Console
 from deadweight.callbacks.heads import HeadFacts
@@ -152,7 +154,11 @@ class RunProbe:
         require_sidecar: bool = False,
         start_timeout_seconds: float = 1.0,
         console_logger: logging.Logger | None = None,
+        expected_trainable_pct: tuple[float, float] | None = None,
+        frozen_modules: Sequence[str] | None = None,
     ) -> None:
+        self.expected_trainable_pct = trainable.resolve_band(expected_trainable_pct)
+        self.frozen_modules = trainable.resolve_frozen(frozen_modules)
         self.address = address or os.environ.get("DEADWEIGHT_ADDRESS") or DEFAULT_ADDRESS
         self.tls_ca = tls_ca or os.environ.get("DEADWEIGHT_TLS_CA") or None
         self.run_id = run_id or os.environ.get("DEADWEIGHT_RUN_ID") or None
@@ -173,6 +179,10 @@ class RunProbe:
         #: Where the trainer's console lines go (the framework's logger); set up at start.
         self.console_logger = console_logger or log
         self.console: Console | None = None
+        #: The optimizer's parameters (unsharded layouts) and the gradient of the coming step.
+        self._grad_params: list[torch.Tensor] | None = None
+        self._grad: torch.Tensor | float | None = None
+        self._frozen: trainable.FrozenWatch | None = None
 
     def start(
         self,
@@ -191,22 +201,36 @@ class RunProbe:
         heads: HeadFacts | None = None,
         resume: ResumeFacts | None = None,
         dataset_rows: tuple[int, int] | None = None,
+        outermost: bool = False,
     ) -> None:
-        """Measure the layout and membership, register the run and wait briefly for the sidecar."""
+        """Measure the layout and membership, register the run and wait briefly for the sidecar.
+
+        ``outermost``: model is the object that runs, not a module inside a wrapper the
+        driver cannot see (see ``layout.recognise``)."""
         run_id = str(self.run_id)
-        self.layout = layouts.recognise(model, optimizer)
+        self.layout = layouts.recognise(model, optimizer, outermost=outermost)
         self.membership = membership.measure(model, optimizer, self.layout)
         if self.layout.membership == layouts.UNKNOWN:
             log.warning("deadweight: the %s optimizer partitions parameters in a way this "
                         "client cannot map; optimizer membership is reported as unknown",
                         type(layouts.inner_optimizer(optimizer)).__qualname__)
         self.update = UpdateProbe(self.membership.watched, self.membership.groups)
+        numbers, texts = trainable.start_facts(model, optimizer, self.layout,
+                                               self.expected_trainable_pct, self.frozen_modules)
+        config = {**(config or {}), **numbers}
+        config_text = {"optimizer": type(layouts.inner_optimizer(optimizer)).__name__,
+                       **(config_text or {}), **texts}
+        if not self.layout.sharded and self.layout.membership == layouts.IDENTITY:
+            self._grad_params = [p for group in getattr(layouts.inner_optimizer(optimizer),
+                                                        "param_groups", None) or []
+                                 for p in group.get("params", [])]
+        self._frozen = trainable.FrozenWatch.build(model, self.frozen_modules, self.layout)
         record = RunStartRecord(
             trainer=trainer,
             world_size=world_size,
             output_dir=str(Path(output_dir).resolve()) if output_dir else "",
-            config=config or {},
-            config_text=config_text or {},
+            config=config,
+            config_text=config_text,
             versions=preflight_versions(),
             membership=self.membership,
             preflight=preflight or PreflightFacts(),
@@ -243,6 +267,12 @@ class RunProbe:
         if self.update is None:
             return
         self._lr = learning_rate
+        self._grad = None
+        if self._grad_params is not None:
+            try:  # a gradient we cannot sum is a figure left out, never a failure
+                self._grad = trainable.grad_sq_sum(self._grad_params)
+            except (RuntimeError, TypeError, ValueError):
+                self._grad_params = None
         self.update.before_step()
 
     def after_step(self, step: int, optimizer_step_skipped: bool = False,
@@ -267,6 +297,9 @@ class RunProbe:
                 grad_not_in_optimizer_params=params,
                 optimizer_step_skipped=optimizer_step_skipped,
                 adalora_rank_pattern_set=adalora_rank_pattern_set,
+                grad_sq_sum=self._grad,
+                declared_frozen=(len(self._frozen.tensors), self._frozen.moved())
+                if self._frozen is not None else None,
             ),
         )
 

@@ -28,6 +28,8 @@ class StopTokenFacts:
     sequences: int
     in_inputs: int
     in_labels: int
+    #: Sequences without padding (every one of them: fixed-length packed blocks).
+    full_rows: int = 0
 
 
 def stop_ids(tokenizer: Any, model: Any = None) -> list[int]:
@@ -80,4 +82,5 @@ def check(train_dataloader: Any, processing_class: Any, model: Any = None,
         sequences=int(inputs.shape[0]),
         in_inputs=int(in_inputs.sum()),
         in_labels=int(torch.isin(labels, stops).sum()),
+        full_rows=int(real.all(dim=-1).sum()) if real.dim() == 2 else 0,
     )

@@ -31,7 +31,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -83,16 +83,22 @@ class Monitor:
         tls_ca: str | None = None,
         require_sidecar: bool = False,
         start_timeout_seconds: float = 1.0,
+        expected_trainable_pct: tuple[float, float] | None = None,
+        frozen_modules: Sequence[str] | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.step = 0
+        #: The newest step the loop logged (a checkpoint names it when no step ran).
+        self._logged_step = 0
         self.should_stop = False
         #: Why deadweight stopped this run (its root cause first), None unless it did.
         self.stopped_by_deadweight: str | None = None
         self._run = RunProbe(address, run_id, token, tls_ca=tls_ca, settings=settings,
                              require_sidecar=require_sidecar,
-                             start_timeout_seconds=start_timeout_seconds)
+                             start_timeout_seconds=start_timeout_seconds,
+                             expected_trainable_pct=expected_trainable_pct,
+                             frozen_modules=frozen_modules)
         self._abort: str | None = None
         self._stop_proposed = False
         self._disabled = False
@@ -127,14 +133,18 @@ class Monitor:
 
         Count steps as optimizer steps (``monitor.step`` does) so logs and updates line up.
         """
+        self._logged_step = max(self._logged_step, int(step))
         self._run.log(int(step), {k: _scalar(v) for k, v in scalars.items()})
         self._apply_directives()
 
     @shielded
     def checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Report a checkpoint the loop wrote (after its files are on disk); the run summary
-        goes beside it (a ``save_pretrained`` of the model writes its own as well)."""
-        self._run.checkpoint(self.step, path, layout.unwrap_model(self.model))
+        """Report a checkpoint the loop wrote (after its files are on disk), at the loop's
+        step: its optimizer steps, or the step it logged when that is further on (a loop
+        whose optimizer never stepped still names where it was). The run summary goes beside
+        it (a ``save_pretrained`` of the model writes its own as well)."""
+        self._run.checkpoint(max(self.step, self._logged_step), path,
+                             layout.unwrap_model(self.model))
         folder = Path(path)
         self._summary_beside(folder if folder.is_dir() else folder.parent,
                              layout.unwrap_model(self.model))
@@ -190,6 +200,7 @@ class Monitor:
             config_text={"loop": "watch",
                          "optimizer": type(layout.inner_optimizer(self.optimizer)).__name__},
             preflight=preflight.gather(model),
+            outermost=True,  # the loop hands over the object it runs
         )
         self._apply_directives()
 
@@ -286,7 +297,9 @@ def watch(model: Any, optimizer: Any, run_id: str | None = None, address: str | 
 
     Keyword options: ``token``, ``output_dir`` (the folder the sidecar watches for
     checkpoints), ``trainer`` (a name for the run's kind), ``config``, ``settings``,
-    ``tls_ca``, ``require_sidecar``, ``start_timeout_seconds``. Address, run id and token
+    ``tls_ca``, ``require_sidecar``, ``start_timeout_seconds``, ``expected_trainable_pct``
+    ((low, high) percent of the model's parameters that should train) and ``frozen_modules``
+    (module names that must not move). Address, run id and token
     default to ``DEADWEIGHT_ADDRESS``, ``DEADWEIGHT_RUN_ID`` and ``DEADWEIGHT_TOKEN``.
     """
     return Monitor(model, optimizer, run_id, address, **options)

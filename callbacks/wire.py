@@ -59,6 +59,10 @@ class StepRecord:
     grad_not_in_optimizer_params: int
     optimizer_step_skipped: bool = False
     adalora_rank_pattern_set: bool | None = None
+    #: The step's gradient squares (a device scalar until the sender reads it), if measured.
+    grad_sq_sum: Any = None
+    #: (declared-frozen tensors, those moved since train begin), when modules were declared.
+    declared_frozen: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -158,7 +162,7 @@ def _run_start(r: RunStartRecord) -> pb.RunStart:
         t = r.stop_token
         start.stop_token.CopyFrom(pb.StopTokenCheck(
             token=t.token, token_id=t.token_id, sequences=t.sequences, in_inputs=t.in_inputs,
-            in_labels=t.in_labels))
+            in_labels=t.in_labels, full_rows=t.full_rows))
     if r.heads is not None:
         h = r.heads
         start.heads.CopyFrom(pb.HeadCheck(heads=h.heads, new_heads=h.new_heads,
@@ -203,6 +207,10 @@ def _step(r: StepRecord) -> pb.StepReport:
     )
     if r.adalora_rank_pattern_set is not None:
         report.adalora_rank_pattern_set = r.adalora_rank_pattern_set
+    if r.grad_sq_sum is not None:
+        report.grad_sq_sum, report.grad_measured = float(r.grad_sq_sum), True
+    if r.declared_frozen is not None:
+        report.declared_frozen_tensors, report.declared_frozen_moved_tensors = r.declared_frozen
     return report
 
 

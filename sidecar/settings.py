@@ -38,3 +38,16 @@ class DetectorSettings:
     low_precision_steps: int = 3
     resume_loss_drop: float = 0.1
     resume_loss_regain: float = 0.5
+    divergence_factor: float = 10.0
+    divergence_baseline_logs: int = 3
+    divergence_logs: int = 2
+    loss_scale_floor: float = 0.5
+    spike_z: float = 4.0
+    spike_warmup_logs: int = 5
+    spike_sigma_floor: float = 0.25
+    no_step_logs: int = 8
+    accumulating_logs: int = 6
+    accumulating_growth: float = 3.0
+    accumulating_loss_drop: float = 0.75
+    negligible_update_steps: int = 3
+    negligible_relative_update: float = 1e-6

@@ -35,6 +35,8 @@ CHECKPOINT_WINDOW = 64
 DIGEST_MAPS_KEPT = 2
 #: Refused checkpoint paths remembered per run (the count goes on).
 REFUSED_WINDOW = 16
+#: Logged steps remembered since the last optimizer step.
+UNSTEPPED_WINDOW = 256
 
 
 @dataclass
@@ -111,6 +113,10 @@ class RunState:
     #: Log keys whose history is not in step order (a log went back): ``logged_at`` scans
     #: them instead of bisecting.
     unordered_log_keys: set[str] = field(default_factory=set)
+    #: Logged steps received since the last optimizer step (bounded), and the most log
+    #: reports seen between two optimizer steps so far (a loop that logs micro-batches).
+    unstepped_logs: deque[int] = field(default_factory=lambda: deque(maxlen=UNSTEPPED_WINDOW))
+    most_logs_between_steps: int = 0
     _config: tuple[pb.RunStart, Mapping[str, float]] | None = field(
         default=None, repr=False, compare=False)
     _sharded: ShardedSteps | None = field(default=None, repr=False, compare=False)
@@ -228,8 +234,16 @@ class RunState:
 
     # -- updates ---------------------------------------------------------------------------
 
+    def stepped(self) -> None:
+        """An optimizer step arrived: the logs before it were not left unstepped."""
+        unstepped = self.unstepped_logs
+        if unstepped:
+            self.most_logs_between_steps = max(self.most_logs_between_steps, len(unstepped))
+            unstepped.clear()
+
     def record_log(self, step: int, values: dict[str, float]) -> None:
         self.log_steps += 1
+        self.unstepped_logs.append(step)
         for key, value in values.items():
             if key not in self.log_history:
                 if len(self.log_history) >= MAX_LOG_KEYS:

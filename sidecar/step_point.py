@@ -144,6 +144,11 @@ class StepPoint(NamedTuple):
     skipped: bool = False
     #: AdaLoRA only: whether a rank_pattern had been allocated by this step.
     adalora_allocated: bool | None = None
+    #: Sum of squared gradients the step was given (None: not measured, e.g. under sharding).
+    grad_sq_sum: float | None = None
+    #: Tensors of the modules the user declared frozen, and those moved since train begin.
+    declared_frozen_tensors: int = 0
+    declared_frozen_moved: int = 0
 
     @classmethod
     def from_report(cls, report: pb.StepReport, at: float,
@@ -166,7 +171,10 @@ class StepPoint(NamedTuple):
         return tuple.__new__(cls, (*_read_figures(report), at, groups,
                                    report.optimizer_step_skipped,
                                    report.adalora_rank_pattern_set
-                                   if report.HasField("adalora_rank_pattern_set") else None))
+                                   if report.HasField("adalora_rank_pattern_set") else None,
+                                   report.grad_sq_sum if report.grad_measured else None,
+                                   report.declared_frozen_tensors,
+                                   report.declared_frozen_moved_tensors))
 
     @property
     def adapter_updates(self) -> tuple[AdapterFigures, ...]:

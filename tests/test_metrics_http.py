@@ -19,7 +19,7 @@ from deadweight.callbacks.stream_client import fetch_attestation
 from deadweight.demo.sidecar_process import SidecarProcess
 from deadweight.proto import pb
 from deadweight.proto.transport import attest_path
-from deadweight.sidecar.detectors.frozen import _frozen_streak
+from deadweight.sidecar.detectors.frozen import _frozen_streak, run_family
 from deadweight.sidecar.exporter import DeadweightCollector
 from deadweight.sidecar.metrics_http import MetricsServer, render
 from deadweight.sidecar.registry import Registry
@@ -183,7 +183,8 @@ def test_frozen_steps_count_back_from_the_newest_step_as_the_detector_does() -> 
     run = registry.run("run")
     assert run is not None
     counted = [p for p in run.combined_steps() if p.learning_rate > 0 and not p.skipped]
-    assert registry.frozen_streak(run) == len(_frozen_streak(counted, registry.settings)) == 5
+    assert registry.frozen_streak(run) == len(_frozen_streak(counted, registry.settings,
+                                                                   run_family(run))) == 5
     page = render(collector.exposition()).decode()
     assert 'deadweight_frozen_steps{run_id="run",trainer="T \\"x\\""} 5.0\n' in page
     assert not registry.ingest(pb.StreamRequest(run_id="run", events=[

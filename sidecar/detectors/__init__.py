@@ -18,8 +18,15 @@ from deadweight.sidecar.detectors.checkpoints import (
     EmptyAdapter,
     PickleCheckpoint,
 )
+from deadweight.sidecar.detectors.divergence import GradNormSpike, LossDivergence
 from deadweight.sidecar.detectors.frozen import FrozenWeights
 from deadweight.sidecar.detectors.health import DecayOnlyUpdate, NonfiniteLoss, Stalled
+from deadweight.sidecar.detectors.loop import (
+    DeclaredFrozenMoved,
+    GradientAccumulating,
+    NoOptimizerStep,
+)
+from deadweight.sidecar.detectors.negligible import NegligibleUpdates
 from deadweight.sidecar.detectors.optimizer import (
     EmptyOptimizer,
     GradNotInOptimizer,
@@ -51,6 +58,7 @@ from deadweight.sidecar.detectors.step_figures import (
     OptimizerStepsSkipped,
     ZeroGradient,
 )
+from deadweight.sidecar.detectors.trainable import BaseWeightsTrained, TrainableOutOfBand
 from deadweight.sidecar.detectors.trends import (
     CompletionLengthCollapse,
     DpoLikelihoodCollapse,
@@ -59,11 +67,19 @@ from deadweight.sidecar.detectors.trends import (
 
 ALL: tuple[Detector, ...] = (
     EmptyOptimizer(),
+    BaseWeightsTrained(),
+    TrainableOutOfBand(),
     GradNotInOptimizer(),
     InactiveAdapter(),
+    NoOptimizerStep(),
     FrozenWeights(),
+    NegligibleUpdates(),
     DecayOnlyUpdate(),
     NonfiniteLoss(),
+    LossDivergence(),
+    GradNormSpike(),
+    GradientAccumulating(),
+    DeclaredFrozenMoved(),
     Stalled(),
     PartialTargetModules(),
     EmbeddingResized(),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from deadweight.sidecar.detectors import optimizer_family
 from deadweight.sidecar.detectors.base import SpecDetector, Streak, Verdict, fmt, trailing_streak
 from deadweight.sidecar.detectors.spec import DetectorSpec, Evidence, Severity, Threshold
 from deadweight.sidecar.settings import DetectorSettings
@@ -14,14 +15,22 @@ from deadweight.sidecar.step_point import StepPoint
 FROZEN_STEPS = Threshold("frozen_steps", "optimizer steps",
                          "consecutive frozen optimizer steps (at lr > 0) before it fires")
 FROZEN_RATIO_FLOOR = Threshold("frozen_ratio_floor", "ratio",
-                               "a scale-free update ratio below this counts as frozen (healthy "
+                               "a step whose update, over what its optimizer family would have "
+                               "moved with that gradient (Adam-like lr·√n, SGD lr·‖g‖, "
+                               "Adafactor lr·‖w‖), is below this counts as frozen (healthy "
                                "tiny runs sit at 0.38-0.86; frozen runs at exactly 0)")
 
 
-def _is_frozen_step(point: StepPoint, settings: DetectorSettings) -> bool:
+def run_family(run: RunState) -> str:
+    """The optimizer family of the run (see ``optimizer_family``)."""
+    return optimizer_family.family(run.start.config_text) if run.start is not None \
+        else optimizer_family.UNKNOWN
+
+
+def _is_frozen_step(point: StepPoint, settings: DetectorSettings, family: str) -> bool:
     if point.frozen:
         return True
-    ratio = point.update_ratio
+    ratio = optimizer_family.step_ratio(point, family)
     return ratio is not None and ratio < settings.frozen_ratio_floor
 
 
@@ -30,9 +39,10 @@ def _counts(point: StepPoint) -> bool:
     return point.learning_rate > 0 and not point.skipped
 
 
-def _frozen_streak(steps: list[StepPoint], settings: DetectorSettings) -> Streak[StepPoint]:
+def _frozen_streak(steps: list[StepPoint], settings: DetectorSettings,
+                   family: str) -> Streak[StepPoint]:
     """Walked back from the newest step: a moving run costs one step, not its window."""
-    return trailing_streak(steps, lambda p: _is_frozen_step(p, settings),
+    return trailing_streak(steps, lambda p: _is_frozen_step(p, settings, family),
                            skip=lambda p: not _counts(p))
 
 
@@ -54,9 +64,10 @@ class FrozenWeights(SpecDetector):
         "trainable weight unchanged",
         fix="stop the run and fix what froze it: resume adapters with `is_trainable=True`, or let "
         "the trainer wrap the model (`peft_config=LoraConfig(...)`)",
-        fires_when="consecutive optimizer steps at lr > 0 moved no weight (or the scale-free "
-        "ratio `update_L2/(lr·√n)` fell below its floor) while the loss was finite and the "
-        "gradient flowed or the optimizer was empty",
+        fires_when="consecutive optimizer steps at lr > 0 moved no weight (or moved less than "
+        "a floor of what the optimizer's family would have moved with that gradient: "
+        "Adam-like `lr·√n`, SGD `lr·‖g‖`, Adafactor `lr·‖w‖`) while the loss was finite and "
+        "the gradient flowed or the optimizer was empty",
         thresholds=(FROZEN_STEPS, FROZEN_RATIO_FLOOR),
         evidence=(Evidence("frozen_steps", 12), Evidence("update_norm", 0),
                   Evidence("update_ratio", 0), Evidence("loss"), Evidence("grad_norm"),
@@ -73,7 +84,8 @@ class FrozenWeights(SpecDetector):
         grad_norm = run.log_value("grad_norm")
         if loss is not None and not math.isfinite(loss):
             return Verdict(False)  # a non-finite loss is its own detector's verdict
-        streak = _frozen_streak(steps, settings)
+        family = run_family(run)
+        streak = _frozen_streak(steps, settings, family)
         unknown = run.start is not None and run.start.membership.layout == "unknown"
         optimizer_empty = last.optimizer_params == 0 and not unknown
         gradient_flows = grad_norm is not None and grad_norm > 0
@@ -81,7 +93,7 @@ class FrozenWeights(SpecDetector):
         if reached is None or not (optimizer_empty or gradient_flows):
             return Verdict(False, step=last.step)
         first = streak.items[0]
-        ratio = last.update_ratio
+        ratio = optimizer_family.step_ratio(last, family)
         return Verdict(
             True,
             step=reached.step,
@@ -96,6 +108,7 @@ class FrozenWeights(SpecDetector):
                 "step": fmt(last.step),
                 "update_norm": fmt(last.update_norm),
                 "update_ratio": fmt(ratio),
+                "optimizer_family": family,
                 "learning_rate": fmt(last.learning_rate),
                 "loss": fmt(loss),
                 "grad_norm": fmt(grad_norm),
@@ -109,4 +122,4 @@ class FrozenWeights(SpecDetector):
     def streak(run: RunState, settings: DetectorSettings) -> int:
         """Consecutive frozen steps at lr > 0 ending at the latest one (for the metric; every
         /metrics scrape asks this of every run)."""
-        return len(_frozen_streak(run.combined_steps(), settings))
+        return len(_frozen_streak(run.combined_steps(), settings, run_family(run)))

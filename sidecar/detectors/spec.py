@@ -112,14 +112,17 @@ ROOT_CAUSES = ("frozen_weights", "empty_optimizer")
 #: inspect all list verdicts through ``root_causes_first``.
 CAUSES_FIRST: tuple[str, ...] = (
     # set up wrong at train begin
-    "empty_optimizer", "resume_lost_adapter", "inactive_adapter", "partial_target_modules",
+    "empty_optimizer", "base_weights_trained", "resume_lost_adapter", "inactive_adapter",
+    "partial_target_modules", "trainable_out_of_band", "declared_frozen_moved",
     "lora_lr_too_low", "embedding_resized", "unsaved_head", "stop_token_untrained",
     "dataset_shrunk", "adalora_not_allocated", "sharding_fallback", "kl_missing", "no_kl_anchor",
     # what the steps show that stops learning
-    "nonfinite_loss", "optimizer_steps_skipped", "zero_gradient", "low_precision_update",
+    "no_optimizer_step", "nonfinite_loss", "loss_divergence", "grad_norm_spike",
+    "gradient_accumulating", "optimizer_steps_skipped", "zero_gradient", "low_precision_update",
     "stalled",
     # the headline verdict, then its symptoms
-    "grad_not_in_optimizer", "frozen_weights", "zero_reward_variance", "decay_only_update",
+    "grad_not_in_optimizer", "frozen_weights", "negligible_updates", "zero_reward_variance",
+    "decay_only_update",
     "kl_stuck_zero", "entropy_collapse", "completion_length_collapse", "completions_truncated",
     "dpo_likelihood_collapse",
     # what the run wrote

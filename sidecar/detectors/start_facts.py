@@ -27,7 +27,9 @@ class StopTokenUntrained(SpecDetector):
     """The labels of a collated batch never train the stop token: the model never learns to stop.
 
     ``pad_token == eos_token`` with transformers' LM collator masks every eos label; a chat
-    template or completion mask can leave the end-of-turn token outside the loss.
+    template or completion mask can leave the end-of-turn token outside the loss. Fixed-length
+    packed blocks of plain text (continued pretraining: no row padded, no stop token in any
+    input) have no stop to learn and stay silent.
     """
 
     spec = DetectorSpec(
@@ -42,7 +44,8 @@ class StopTokenUntrained(SpecDetector):
         "inside the trained part of the template",
         fires_when="at train begin, the trainer's collator applied to the first rows yields "
         "labels without any stop token (`eos_token`, or a stop id of the generation config "
-        "such as a chat template's end of turn)",
+        "such as a chat template's end of turn); fixed-length packed text blocks with no stop "
+        "token in their inputs are left alone",
         evidence=(Evidence("loss"), Evidence("step")),
     )
 
@@ -53,6 +56,8 @@ class StopTokenUntrained(SpecDetector):
         check = start.stop_token
         if check.sequences <= 0 or check.in_labels > 0:
             return Verdict(False)
+        if check.in_inputs == 0 and check.full_rows == check.sequences:
+            return Verdict(False)  # packed text blocks (run_clm's group_texts): no stop to learn
         where = (f"appears {check.in_inputs} times in the inputs but never in the labels"
                  if check.in_inputs else "appears in neither the inputs nor the labels")
         return Verdict(

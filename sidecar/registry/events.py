@@ -126,6 +126,7 @@ class EventApplier:
                     steps.append(point)
                     newest = rank.step = step
                     rank.last_step_time = now
+                    run.stepped()
                     if newest_is_own:  # the run's newest combined step is this one
                         if step > entry.history_step:
                             entry.history_step = step

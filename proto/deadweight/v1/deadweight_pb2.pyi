@@ -108,18 +108,20 @@ class RunStart(_message.Message):
     def __init__(self, trainer: _Optional[str] = ..., world_size: _Optional[int] = ..., output_dir: _Optional[str] = ..., config: _Optional[_Mapping[str, float]] = ..., config_text: _Optional[_Mapping[str, str]] = ..., versions: _Optional[_Mapping[str, str]] = ..., membership: _Optional[_Union[OptimizerMembership, _Mapping]] = ..., preflight: _Optional[_Union[Preflight, _Mapping]] = ..., initial_adapter: _Optional[_Union[AdapterDigest, _Mapping]] = ..., attestation: _Optional[str] = ..., sharded: _Optional[bool] = ..., host: _Optional[str] = ..., wrapper: _Optional[str] = ..., requested_wrapper: _Optional[str] = ..., stop_token: _Optional[_Union[StopTokenCheck, _Mapping]] = ..., heads: _Optional[_Union[HeadCheck, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., trainable_params_by_dtype: _Optional[_Mapping[str, int]] = ..., dataset_rows: _Optional[_Union[DatasetRows, _Mapping]] = ...) -> None: ...
 
 class StopTokenCheck(_message.Message):
-    __slots__ = ("token", "token_id", "sequences", "in_inputs", "in_labels")
+    __slots__ = ("token", "token_id", "sequences", "in_inputs", "in_labels", "full_rows")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     IN_INPUTS_FIELD_NUMBER: _ClassVar[int]
     IN_LABELS_FIELD_NUMBER: _ClassVar[int]
+    FULL_ROWS_FIELD_NUMBER: _ClassVar[int]
     token: str
     token_id: int
     sequences: int
     in_inputs: int
     in_labels: int
-    def __init__(self, token: _Optional[str] = ..., token_id: _Optional[int] = ..., sequences: _Optional[int] = ..., in_inputs: _Optional[int] = ..., in_labels: _Optional[int] = ...) -> None: ...
+    full_rows: int
+    def __init__(self, token: _Optional[str] = ..., token_id: _Optional[int] = ..., sequences: _Optional[int] = ..., in_inputs: _Optional[int] = ..., in_labels: _Optional[int] = ..., full_rows: _Optional[int] = ...) -> None: ...
 
 class HeadCheck(_message.Message):
     __slots__ = ("heads", "new_heads", "saved_heads", "trainable_heads")
@@ -241,7 +243,7 @@ class AdapterDigest(_message.Message):
     def __init__(self, combined: _Optional[str] = ..., tensors: _Optional[_Mapping[str, str]] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class StepReport(_message.Message):
-    __slots__ = ("step", "learning_rate", "update_sq_sum", "param_sq_sum", "watched_tensors", "watched_params", "optimizer_params", "unchanged_tensors", "grad_not_in_optimizer_tensors", "nonfinite_update_tensors", "grad_sq_sum", "groups", "sampled", "grad_not_in_optimizer_params", "unchanged_elements", "optimizer_step_skipped", "adalora_rank_pattern_set")
+    __slots__ = ("step", "learning_rate", "update_sq_sum", "param_sq_sum", "watched_tensors", "watched_params", "optimizer_params", "unchanged_tensors", "grad_not_in_optimizer_tensors", "nonfinite_update_tensors", "grad_sq_sum", "groups", "sampled", "grad_not_in_optimizer_params", "unchanged_elements", "optimizer_step_skipped", "adalora_rank_pattern_set", "grad_measured", "declared_frozen_tensors", "declared_frozen_moved_tensors")
     STEP_FIELD_NUMBER: _ClassVar[int]
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     UPDATE_SQ_SUM_FIELD_NUMBER: _ClassVar[int]
@@ -259,6 +261,9 @@ class StepReport(_message.Message):
     UNCHANGED_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_STEP_SKIPPED_FIELD_NUMBER: _ClassVar[int]
     ADALORA_RANK_PATTERN_SET_FIELD_NUMBER: _ClassVar[int]
+    GRAD_MEASURED_FIELD_NUMBER: _ClassVar[int]
+    DECLARED_FROZEN_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    DECLARED_FROZEN_MOVED_TENSORS_FIELD_NUMBER: _ClassVar[int]
     step: int
     learning_rate: float
     update_sq_sum: float
@@ -276,7 +281,10 @@ class StepReport(_message.Message):
     unchanged_elements: int
     optimizer_step_skipped: bool
     adalora_rank_pattern_set: bool
-    def __init__(self, step: _Optional[int] = ..., learning_rate: _Optional[float] = ..., update_sq_sum: _Optional[float] = ..., param_sq_sum: _Optional[float] = ..., watched_tensors: _Optional[int] = ..., watched_params: _Optional[int] = ..., optimizer_params: _Optional[int] = ..., unchanged_tensors: _Optional[int] = ..., grad_not_in_optimizer_tensors: _Optional[int] = ..., nonfinite_update_tensors: _Optional[int] = ..., grad_sq_sum: _Optional[float] = ..., groups: _Optional[_Iterable[_Union[GroupUpdate, _Mapping]]] = ..., sampled: _Optional[bool] = ..., grad_not_in_optimizer_params: _Optional[int] = ..., unchanged_elements: _Optional[int] = ..., optimizer_step_skipped: _Optional[bool] = ..., adalora_rank_pattern_set: _Optional[bool] = ...) -> None: ...
+    grad_measured: bool
+    declared_frozen_tensors: int
+    declared_frozen_moved_tensors: int
+    def __init__(self, step: _Optional[int] = ..., learning_rate: _Optional[float] = ..., update_sq_sum: _Optional[float] = ..., param_sq_sum: _Optional[float] = ..., watched_tensors: _Optional[int] = ..., watched_params: _Optional[int] = ..., optimizer_params: _Optional[int] = ..., unchanged_tensors: _Optional[int] = ..., grad_not_in_optimizer_tensors: _Optional[int] = ..., nonfinite_update_tensors: _Optional[int] = ..., grad_sq_sum: _Optional[float] = ..., groups: _Optional[_Iterable[_Union[GroupUpdate, _Mapping]]] = ..., sampled: _Optional[bool] = ..., grad_not_in_optimizer_params: _Optional[int] = ..., unchanged_elements: _Optional[int] = ..., optimizer_step_skipped: _Optional[bool] = ..., adalora_rank_pattern_set: _Optional[bool] = ..., grad_measured: _Optional[bool] = ..., declared_frozen_tensors: _Optional[int] = ..., declared_frozen_moved_tensors: _Optional[int] = ...) -> None: ...
 
 class GroupUpdate(_message.Message):
     __slots__ = ("name", "kind", "update_sq_sum", "tensors", "unchanged_tensors", "optimizer_tensors", "elements", "unchanged_elements", "dtype")

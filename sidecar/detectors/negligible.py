@@ -1,0 +1,80 @@
+"""``negligible_updates``: every step moves the weights by a negligible fraction of themselves.
+
+Not frozen (bytes change, the scale-free ratio can look normal because it divides by the tiny
+learning rate), yet the adapter a run at lr 1e-9 saves is its initial one for any use. The
+verdict is about what the run produces, so it stands after the run ends and reaches the
+summary beside the adapter as firing, not as a warning at train begin only.
+"""
+
+from __future__ import annotations
+
+import math
+
+from deadweight.sidecar.detectors.base import SpecDetector, Verdict, fmt, trailing_streak
+from deadweight.sidecar.detectors.spec import DetectorSpec, Evidence, Severity, Threshold
+from deadweight.sidecar.settings import DetectorSettings
+from deadweight.sidecar.state import RunState
+from deadweight.sidecar.step_point import StepPoint
+
+
+def relative_update(point: StepPoint) -> float | None:
+    """‖Δw‖/‖w‖ of the step (None when the weights' norm is unknown or zero)."""
+    if point.param_sq_sum <= 0 or not math.isfinite(point.param_sq_sum):
+        return None
+    return point.update_norm / math.sqrt(point.param_sq_sum)
+
+
+class NegligibleUpdates(SpecDetector):
+    """K consecutive steps at lr > 0 each moved the weights by less than a tiny fraction."""
+
+    spec = DetectorSpec(
+        id="negligible_updates",
+        severity=Severity.WARNING,
+        scope="artifact",
+        summary="Run {run_id} moves its weights by a negligible amount at every step",
+        meaning="each optimizer step changes the trained weights by a negligible fraction of "
+        "their size (a learning rate like 1e-9), so the adapter it saves is its initial one "
+        "for any use",
+        fix="raise the learning rate (LoRA: 1e-4..2e-4; full fine-tune: 1e-5..5e-5), check the "
+        "scheduler's peak and warmup, and retrain before promoting",
+        fires_when="`negligible_update_steps` consecutive steps at lr > 0 each moved the "
+        "weights by less than `negligible_relative_update` of their norm (healthy tiny runs: "
+        "9e-5..5e-3); it stands for the whole run and in its summary",
+        thresholds=(
+            Threshold("negligible_update_steps", "optimizer steps", "consecutive negligible "
+                      "steps before it fires"),
+            Threshold("negligible_relative_update", "ratio", "a step moving the weights by "
+                      "less than this fraction of their L2 norm is negligible"),
+        ),
+        evidence=(Evidence("update_norm", 3e-09), Evidence("learning_rate", 1e-09)),
+    )
+
+    def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
+        steps = run.combined_steps()
+        if not steps:
+            return None
+        floor = settings.negligible_relative_update
+
+        def negligible(p: StepPoint) -> bool:
+            rel = relative_update(p)
+            return p.update_sq_sum > 0 and rel is not None and rel < floor
+
+        streak = trailing_streak(steps, negligible,
+                                 skip=lambda p: p.learning_rate <= 0 or p.skipped)
+        reached = streak.reached(settings.negligible_update_steps)
+        if reached is None:
+            return Verdict(False, step=steps[-1].step)
+        first, last = streak.items[0], streak.items[-1]
+        rel = relative_update(last)
+        return Verdict(
+            True,
+            step=reached.step,
+            summary=(f"steps {first.step}-{last.step} each moved the weights by under "
+                     f"{floor:g} of their norm (last: {fmt(rel)}, update {fmt(last.update_norm)} "
+                     f"at lr {last.learning_rate:.3g}): the saved adapter is as good as "
+                     f"untrained; raise the learning rate (LoRA: 1e-4..2e-4)"),
+            evidence={"negligible_steps": fmt(len(streak)), "first_step": fmt(first.step),
+                      "step": fmt(last.step), "relative_update": fmt(rel),
+                      "update_norm": fmt(last.update_norm),
+                      "learning_rate": fmt(last.learning_rate)},
+        )

@@ -41,6 +41,7 @@ from deadweight.sidecar.server import (
     refuse_if_listening,
 )
 from deadweight.sidecar.settings import DetectorSettings
+from deadweight.sidecar.state_lock import StateDirLock
 from deadweight.sidecar.store import Store
 
 log = structlog.get_logger("deadweight.app")
@@ -86,9 +87,11 @@ class Sidecar:
 
     def __init__(self, registry: Registry, actions: Actions | None, config: ServerConfig,
                  enforcer: Enforcer | None = None, pager: AlertmanagerPusher | None = None,
-                 store: Store | None = None, history_queue: HistoryQueue | None = None
-                 ) -> None:
+                 store: Store | None = None, history_queue: HistoryQueue | None = None,
+                 state_lock: StateDirLock | None = None) -> None:
         self.registry = registry
+        #: The state dir's lock, held until ``close`` (or the process's end).
+        self.state_lock = state_lock
         #: Commits the runs' step and log history behind ingest (the registry queues it).
         self.history_queue = history_queue
         self.actions = actions
@@ -194,11 +197,22 @@ class Sidecar:
             self.pager.close()
         if self.store is not None:
             self.store.close()
+        if self.state_lock is not None:
+            self.state_lock.release()
 
 
 def build(config: SidecarConfig) -> Sidecar:
-    """Every part of a sidecar, in dependency order, from its configuration."""
-    store = Store(config.state_dir)
+    """Every part of a sidecar, in dependency order, from its configuration.
+
+    Raises StateDirLocked when another sidecar holds the state dir (before its database is
+    touched)."""
+    state_lock = StateDirLock(config.state_dir) if config.state_dir else None
+    try:
+        store = Store(config.state_dir)
+    except BaseException:
+        if state_lock is not None:
+            state_lock.release()
+        raise
     history_queue = HistoryQueue(store)
     pager = None
     if config.alertmanager_url:
@@ -224,4 +238,4 @@ def build(config: SidecarConfig) -> Sidecar:
     enforcer = Enforcer(registry, store, actions, stop_grace_seconds=config.stop_grace_seconds,
                         kill_grace_seconds=config.kill_grace_seconds)
     return Sidecar(registry, actions, config.server, enforcer=enforcer, pager=pager,
-                   store=store, history_queue=history_queue)
+                   store=store, history_queue=history_queue, state_lock=state_lock)

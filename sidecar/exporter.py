@@ -366,6 +366,14 @@ class DeadweightCollector(Collector):
         for kind in ("attestation", "identity", "capacity", "invalid"):
             batches.add_metric([kind], float(self.registry.refusals[kind]))
         yield batches
+        steps = CounterMetricFamily(
+            "deadweight_steps_refused",
+            "Step reports not applied, by reason: out_of_order (no newer than the rank's "
+            "newest step, with a new sequence number), too_far (over a million steps beyond "
+            "it, or a first step over 100 million).", labels=["reason"])
+        for reason in ("out_of_order", "too_far"):
+            steps.add_metric([reason], float(self.registry.steps_refused[reason]))
+        yield steps
         closed = CounterMetricFamily(
             "deadweight_attestation_refused_connections",
             "Connections to the attestation socket closed before any work because the "

@@ -38,3 +38,4 @@ class DetectorSettings:
     low_precision_steps: int = 3
     resume_loss_drop: float = 0.1
     resume_loss_regain: float = 0.5
+    out_of_order_steps: int = 3

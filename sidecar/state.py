@@ -103,6 +103,12 @@ class RunState:
     refused_paths: deque[tuple[str, str]] = field(
         default_factory=lambda: deque(maxlen=REFUSED_WINDOW))
     refused_total: int = 0
+    #: Step reports not applied because their step was no newer than the rank's newest (a
+    #: new sequence number, so no re-send) or too far beyond it: (rank, step, newest, why)
+    #: of the latest, and how many of each.
+    bad_step: tuple[int, int, int, str] | None = None
+    steps_out_of_order: int = 0
+    steps_too_far: int = 0
     ended: bool = False
     end_reason: str = ""
     ended_at: float = 0.0

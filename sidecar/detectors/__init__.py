@@ -25,6 +25,7 @@ from deadweight.sidecar.detectors.optimizer import (
     GradNotInOptimizer,
     InactiveAdapter,
 )
+from deadweight.sidecar.detectors.reporting import StepOutOfOrder
 from deadweight.sidecar.detectors.rl import (
     CompletionsTruncated,
     KlMissing,
@@ -91,6 +92,7 @@ ALL: tuple[Detector, ...] = (
     EmptyAdapter(),
     PickleCheckpoint(),
     CheckpointRefused(),
+    StepOutOfOrder(),
 )
 
 BY_ID: dict[str, Detector] = {d.id: d for d in ALL}

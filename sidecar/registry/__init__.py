@@ -164,6 +164,11 @@ class Registry:
         return self._events.duplicate_events
 
     @property
+    def steps_refused(self) -> Counter[str]:
+        """Step reports not applied, by reason (out_of_order, too_far)."""
+        return self._events.steps_refused
+
+    @property
     def watcher(self) -> CheckpointSink | None:
         return self._events.watcher
 

@@ -30,7 +30,7 @@ from deadweight.sidecar.checkpoint_watcher import CheckpointWatcher
 from deadweight.sidecar.detectors.base import Policy
 from deadweight.sidecar.enforcer import Enforcer
 from deadweight.sidecar.exporter import DeadweightCollector
-from deadweight.sidecar.finding import Finding, RunFacts
+from deadweight.sidecar.finding import Finding, RunSnapshot
 from deadweight.sidecar.history_queue import HistoryQueue
 from deadweight.sidecar.metrics_http import MetricsServer
 from deadweight.sidecar.registry import Registry
@@ -219,12 +219,12 @@ def build(config: SidecarConfig) -> Sidecar:
         pager = AlertmanagerPusher(config.alertmanager_url, config.runbook_url_pattern,
                                    config.dashboard_url_pattern)
 
-    def escalate(run: RunFacts, finding: Finding, stop_at: float, stop_step: int) -> None:
+    def escalate(run: RunSnapshot, finding: Finding, stop_at: float, stop_step: int) -> None:
         # Called only from ingest, so once the sidecar is built: the enforcer exists by then.
         enforcer.begin(run, finding, stop_at, stop_step)
 
-    def supersede(run_id: str) -> None:
-        enforcer.supersede(run_id)
+    def supersede(run_id: str, incarnation: int) -> None:
+        enforcer.supersede(run_id, incarnation)
 
     actions = Actions(pager=pager, dry_run=config.dry_run, store=store, escalate=escalate,
                       supersede=supersede)

@@ -25,7 +25,7 @@ from deadweight.sidecar.detectors.optimizer import (
     GradNotInOptimizer,
     InactiveAdapter,
 )
-from deadweight.sidecar.detectors.reporting import StepOutOfOrder
+from deadweight.sidecar.detectors.reporting import RunIdInUse, StepOutOfOrder
 from deadweight.sidecar.detectors.rl import (
     CompletionsTruncated,
     KlMissing,
@@ -93,6 +93,7 @@ ALL: tuple[Detector, ...] = (
     PickleCheckpoint(),
     CheckpointRefused(),
     StepOutOfOrder(),
+    RunIdInUse(),
 )
 
 BY_ID: dict[str, Detector] = {d.id: d for d in ALL}

@@ -59,3 +59,35 @@ class StepOutOfOrder(SpecDetector):
                       "reason": why, "out_of_order": fmt(run.steps_out_of_order),
                       "too_far": fmt(run.steps_too_far)},
         )
+
+
+class RunIdInUse(SpecDetector):
+    """Another process tried to register a rank of this run while this one owns it: two jobs
+    share one run id (a job template's fixed ``DEADWEIGHT_RUN_ID``, a relaunch while the old
+    process still runs). The newcomer is refused and told so; this run keeps its rank."""
+
+    spec = DetectorSpec(
+        id="run_id_in_use",
+        severity=Severity.WARNING,
+        policy=Policy.OBSERVE,
+        latching=True,
+        summary="Run {run_id} is used by a second job at the same time",
+        meaning="another process registered the same run id and rank while this run's "
+        "process still lives; it was refused and is not monitored, and both jobs need their "
+        "own run ids",
+        fires_when="a second live process (or an unattested stream before the attested job) "
+        "registers a rank of the run that another process owns",
+        evidence=(Evidence("step"),),
+    )
+
+    def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
+        if not run.collisions:
+            return None
+        return Verdict(
+            True,
+            step=run.step,
+            summary=f"run id registered by another party {run.collisions} time(s) while "
+            f"this run owns it; latest {run.collision}: that job is refused and unmonitored, "
+            "give each job its own run id",
+            evidence={"newcomer": run.collision, "collisions": fmt(run.collisions)},
+        )

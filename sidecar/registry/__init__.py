@@ -45,7 +45,7 @@ from deadweight.sidecar.finding import ActionSink, Finding, LogOnlyActions
 from deadweight.sidecar.registry import restart
 from deadweight.sidecar.registry.batch import AppliedBatch, CheckedBatch
 from deadweight.sidecar.registry.events import CheckpointSink, EventApplier, end_run
-from deadweight.sidecar.registry.identity import IdentityGate, Peer
+from deadweight.sidecar.registry.identity import IdentityGate, Peer, note_collision
 from deadweight.sidecar.registry.incidents import RESUME_HOLD_STEPS, FindingLifecycle
 from deadweight.sidecar.registry.run_table import RunEntry, RunTable
 from deadweight.sidecar.registry.status_report import status_response
@@ -68,6 +68,9 @@ if TYPE_CHECKING:
     from deadweight.sidecar.history_queue import HistoryQueue
 
 log = structlog.get_logger("deadweight.registry")
+
+#: A run id's past in the journal: per detector its last incident, and its last incarnation.
+Numbering = tuple[dict[str, int], int]
 
 #: Actions listed per run in a Status answer (the newest; the journal keeps them all).
 MAX_STATUS_ACTIONS = 20
@@ -219,13 +222,27 @@ class Registry:
                 return None
             try:
                 current = self._table.get(request.run_id)
-                if current is not None and self._gate.starts_incarnation(current, request,
-                                                                         peer):
+                why = (self._gate.starts_incarnation(current, request, peer)
+                       if current is not None else "")
+                if current is not None and why:
                     closed = current
                     self._close_incarnation(current)
-                    self._table.succeed(current, request.rank)
+                    successor = self._table.succeed(current, request.rank)
+                    if why == "unattested":
+                        note_collision(successor, request.rank, "unattested streams (TCP, or "
+                                       "the unix socket unattested) reported this rank "
+                                       "before this attested process; what they sent was "
+                                       "dropped with their incarnation")
                 self._table.make_room_for_rank(request.run_id, request.rank)
-                entry = self._admit(request, peer, numbering)
+                owner = self._table.get(request.run_id)
+                collisions = owner.state.collisions if owner is not None else 0
+                try:
+                    entry = self._admit(request, peer, numbering)
+                except IdentityRejected:
+                    if owner is not None and owner.state.collisions != collisions:
+                        self._lifecycle.evaluate(owner)  # run_id_in_use, on the owner's run
+                        entry = owner  # its outbox is done with the refusal's answer
+                    raise
                 if run_start_of(request) is not None or request.run_id not in peer.incarnations:
                     peer.incarnations[request.run_id] = entry.incarnation
                 ack = self._events.apply(entry, request, scanned)
@@ -252,20 +269,24 @@ class Registry:
                 self._lifecycle.resolve(old, finding, "incarnation closed")
         superseded = getattr(self.actions, "superseded", None)
         if callable(superseded):
-            old.outbox.add(functools.partial(superseded, old.state.run_id))
+            old.outbox.add(functools.partial(superseded, old.state.run_id, old.incarnation))
         self.incarnations_started += 1
         log.warning("run_incarnation_started", run_id=old.state.run_id,
                     incarnation=old.incarnation + 1, previous_step=old.state.step,
                     previous_end=old.state.end_reason)
 
-    def _numbering_if_new(self, request: pb.StreamRequest) -> dict[str, int] | None:
-        """For a batch that may register a run: its past incident numbers (read unlocked)."""
+    def _numbering_if_new(self, request: pb.StreamRequest) -> Numbering | None:
+        """For a batch that may register a run: its past incident numbers and its last
+        incarnation (read unlocked)."""
         if self._table.get(request.run_id) is not None or run_start_of(request) is None:
             return None
-        return self.store.last_incidents(request.run_id)
+        return self._numbering(request.run_id)
+
+    def _numbering(self, run_id: str) -> Numbering:
+        return self.store.last_incidents(run_id), self.store.last_incarnation(run_id)
 
     def _admit(self, request: pb.StreamRequest, peer: Peer,
-               numbering: dict[str, int] | None) -> RunEntry:
+               numbering: Numbering | None) -> RunEntry:
         """The batch's run (registered now if it starts here), its rank bound if it may be."""
         entry = self._table.get(request.run_id)
         binding = self._gate.admit(entry, request, peer)
@@ -273,8 +294,8 @@ class Registry:
             if run_start_of(request) is None:
                 raise IngestError(f"unknown run_id {request.run_id!r}: send run_start first")
             if numbering is None:  # the run expired since the unlocked look: read it now
-                numbering = self.store.last_incidents(request.run_id)
-            entry = self._table.admit(request.run_id, request.rank, numbering)
+                numbering = self._numbering(request.run_id)
+            entry = self._table.admit(request.run_id, request.rank, *numbering)
         if binding is not None:
             self._gate.bind(entry, request.rank, binding)
         return entry
@@ -385,11 +406,13 @@ class Registry:
         if IdentityGate.all_gone(entry):
             end_run(entry, self.store, "process_exited", now)
 
-    def mark_ended(self, run_id: str, reason: str) -> None:
-        """End a run from outside the stream (its processes were killed or are gone)."""
+    def mark_ended(self, run_id: str, reason: str, incarnation: int | None = None) -> None:
+        """End a run from outside the stream (its processes were killed or are gone); with
+        incarnation, only that life of the run id (a later one is not the one killed)."""
         with self._lock:
             entry = self._table.get(run_id)
-            if entry is None or entry.state.ended:
+            if entry is None or entry.state.ended or (
+                    incarnation is not None and entry.incarnation != incarnation):
                 return
             end_run(entry, self.store, reason, time.time())
             self._lifecycle.evaluate(entry)
@@ -424,19 +447,25 @@ class Registry:
             entry = self._table.get(run_id)
             return None if entry is None else entry.state
 
-    def progress(self, run_id: str) -> tuple[int, bool, frozenset[int]] | None:
-        """(step, ended, ranks) of a run, read under the lock (for the enforcer's thread)."""
+    def progress(self, run_id: str, incarnation: int | None = None
+                 ) -> tuple[int, bool, frozenset[int]] | None:
+        """(step, ended, ranks) of a run, read under the lock (for the enforcer's thread);
+        with incarnation, None when the run id lives in another one."""
         with self._lock:
             entry = self._table.get(run_id)
-            if entry is None:
+            if entry is None or (incarnation is not None and entry.incarnation != incarnation):
                 return None
             run = entry.state
             return run.step, run.ended, frozenset(run.ranks)
 
-    def identities(self, run_id: str) -> dict[int, ProcessIdentity]:
+    def identities(self, run_id: str, incarnation: int | None = None
+                   ) -> dict[int, ProcessIdentity]:
+        """rank -> bound process of the run (with incarnation: {} for another one)."""
         with self._lock:
             entry = self._table.get(run_id)
-            return {} if entry is None else dict(entry.identities)
+            if entry is None or (incarnation is not None and entry.incarnation != incarnation):
+                return {}
+            return dict(entry.identities)
 
     def frozen_streak(self, run: RunState) -> int:
         return FrozenWeights.streak(run, self.settings)

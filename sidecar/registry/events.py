@@ -51,7 +51,8 @@ def end_run(entry: RunEntry, store: Store, reason: str, now: float, step: int | 
     run.ended = True
     run.end_reason = reason
     run.ended_at = now
-    entry.outbox.add(functools.partial(store.end_run, run.run_id, reason, now))
+    entry.outbox.add(functools.partial(store.end_run, run.run_id, reason, now,
+                                       entry.incarnation))
     log.info("run_ended", run_id=run.run_id, reason=reason,
              step=run.step if step is None else step)
 
@@ -194,7 +195,7 @@ class EventApplier:
         if run.start is None or rank == entry.leader:
             run.start = start
             entry.outbox.add(functools.partial(self.store.upsert_run, run.run_id, run.trainer,
-                                               start))
+                                               start, entry.incarnation))
         run.rank(rank).membership = start.membership
         if self.watcher is not None and start.output_dir:
             bound = entry.identities.get(rank)

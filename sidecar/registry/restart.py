@@ -42,8 +42,8 @@ def read_back(store: Store, now: float, ended_ttl_seconds: float,
     for stored in store.runs(ended_since=now - ended_ttl_seconds)[:limit]:
         run = RunState(stored.run_id, created=stored.created)
         run.start = stored.start
-        entry = RunEntry(run)
-        entry.identities = store.bindings(stored.run_id)
+        entry = RunEntry(run, incarnation=stored.incarnation)
+        entry.identities = store.bindings(stored.run_id, stored.incarnation)
         for rank in entry.identities:
             run.rank(rank).last_seen = now  # stall clocks restart with the sidecar
         run.ended, run.end_reason, run.ended_at = (
@@ -51,6 +51,7 @@ def read_back(store: Store, now: float, ended_ttl_seconds: float,
         points = store.checkpoints(stored.run_id)
         run.checkpoints.extend(points)
         run.checkpoints_total = len(points)
+        # Every incarnation's incidents: their numbers continue; only this one's stay live.
         restored.append(RestoredRun(entry, store.incidents(stored.run_id)))
     return restored
 

@@ -8,7 +8,6 @@ the registry lock; store writes go to the run's outbox.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -53,6 +52,7 @@ class RunEntry:
 
     def __post_init__(self) -> None:
         self.outbox = Outbox(self.state.run_id)
+        self.state.incarnation = self.incarnation
 
     def hold_firing(self) -> None:
         """Keep every firing finding firing until its detector confirms it or the run has
@@ -94,13 +94,14 @@ class RunTable:
     def __len__(self) -> int:
         return len(self._runs)
 
-    def admit(self, run_id: str, rank: int, last_incident: dict[str, int]) -> RunEntry:
-        """A new run; last_incident (read from the store) continues its incident numbers."""
+    def admit(self, run_id: str, rank: int, last_incident: dict[str, int],
+              last_incarnation: int = 0) -> RunEntry:
+        """A new run; last_incident and last_incarnation (read from the store) continue its
+        incident and incarnation numbers, so no journal row of an earlier life is shared."""
         if len(self._runs) >= self.max_runs and not self._evict_oldest_ended():
             raise CapacityError(f"sidecar already tracks {self.max_runs} live runs")
-        entry = RunEntry(RunState(run_id), last_incident=dict(last_incident), leader=rank)
-        # A run id used again: the processes that registered it before count for nothing.
-        entry.outbox.add(functools.partial(self.store.forget_bindings, run_id))
+        entry = RunEntry(RunState(run_id), last_incident=dict(last_incident), leader=rank,
+                         incarnation=last_incarnation + 1)
         self._runs[run_id] = entry
         log.info("run_registered", run_id=run_id, rank=rank)
         return entry
@@ -119,7 +120,6 @@ class RunTable:
         """A new incarnation of old's run id, started by rank; incident numbers continue."""
         entry = RunEntry(RunState(old.state.run_id), last_incident=dict(old.last_incident),
                          incarnation=old.incarnation + 1, leader=rank)
-        entry.outbox.add(functools.partial(self.store.forget_bindings, old.state.run_id))
         self._runs[old.state.run_id] = entry
         return entry
 

@@ -163,6 +163,7 @@ class ActionRow:
     pid: int | None
     dry_run: bool
     detail: dict[str, Any]
+    incarnation: int = 1
 
 
 class Store:
@@ -446,9 +447,10 @@ class Store:
         where = " AND ".join(clauses) or "1=1"
         rows = self._read(
             "SELECT id, time, run_id, trainer, detector, incident, action, result, rank, pid, "
-            f"dry_run, detail FROM actions WHERE {where} ORDER BY id", tuple(args))
+            f"dry_run, detail, incarnation FROM actions WHERE {where} ORDER BY id",
+            tuple(args))
         return [ActionRow(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9],
-                          bool(r[10]), json.loads(r[11])) for r in rows]
+                          bool(r[10]), json.loads(r[11]), r[12]) for r in rows]
 
     def prune(self, ended_before: float) -> int:
         """Forget runs that ended before a time, with everything recorded about them."""

@@ -60,6 +60,8 @@ class SidecarConfig:
     policies: dict[str, Policy] = field(default_factory=dict)
     settings: DetectorSettings = field(default_factory=DetectorSettings)
     max_runs: int = 1000
+    max_runs_per_process: int = 64
+    max_runs_per_uid: int = 256
     #: Ranks held across all runs (``--max-ranks``).
     max_ranks: int = 4096
     run_ttl_seconds: float = 900.0
@@ -230,6 +232,8 @@ def build(config: SidecarConfig) -> Sidecar:
                       supersede=supersede)
     registry = Registry(actions, settings=config.settings, policies=config.policies,
                         max_runs=config.max_runs, ended_ttl_seconds=config.run_ttl_seconds,
+                        max_runs_per_process=config.max_runs_per_process,
+                        max_runs_per_uid=config.max_runs_per_uid,
                         store=store, attestor=Attestor(),
                         allow_unattested=config.allow_unattested,
                         silent_run_seconds=config.silent_run_seconds,

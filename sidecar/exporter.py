@@ -366,6 +366,21 @@ class DeadweightCollector(Collector):
         for kind in ("attestation", "identity", "capacity", "invalid"):
             batches.add_metric([kind], float(self.registry.refusals[kind]))
         yield batches
+        runs = CounterMetricFamily(
+            "deadweight_runs_refused",
+            "New runs refused for capacity, by uid (unknown: TCP; other: past 64 uids) and "
+            "reason: process (--max-runs-per-process), uid (--max-runs-per-uid), table "
+            "(--max-runs full and the newcomer's process holds the most live runs).",
+            labels=["uid", "reason"])
+        for (uid, reason), count in sorted(self.registry.capacity_refusals.items()):
+            runs.add_metric([uid, reason], float(count))
+        yield runs
+        evicted = CounterMetricFamily(
+            "deadweight_runs_evicted",
+            "Live runs forgotten to let another process in: the table was full and their "
+            "process held the most live runs.")
+        evicted.add_metric([], float(self.registry.evicted_live_runs))
+        yield evicted
         steps = CounterMetricFamily(
             "deadweight_steps_refused",
             "Step reports not applied, by reason: out_of_order (no newer than the rank's "

@@ -47,7 +47,7 @@ from deadweight.sidecar.registry.batch import AppliedBatch, CheckedBatch
 from deadweight.sidecar.registry.events import CheckpointSink, EventApplier, end_run
 from deadweight.sidecar.registry.identity import IdentityGate, Peer, note_collision
 from deadweight.sidecar.registry.incidents import RESUME_HOLD_STEPS, FindingLifecycle
-from deadweight.sidecar.registry.run_table import RunEntry, RunTable
+from deadweight.sidecar.registry.run_table import Owner, RunEntry, RunTable
 from deadweight.sidecar.registry.status_report import status_response
 from deadweight.sidecar.registry.validation import (
     MAX_RUN_ID_LENGTH,
@@ -100,6 +100,8 @@ class Registry:
         trainer_uids: Iterable[int] = (),
         max_ranks: int = 4096,
         history_queue: HistoryQueue | None = None,
+        max_runs_per_process: int = 64,
+        max_runs_per_uid: int = 256,
     ) -> None:
         self.actions = actions or LogOnlyActions()
         self.store = store or Store()
@@ -110,7 +112,7 @@ class Registry:
         self.policies.update(policies or {})
         self._lock = threading.RLock()
         self._table = RunTable(self.store, self.actions.forget, max_runs, ended_ttl_seconds,
-                               max_ranks)
+                               max_ranks, max_runs_per_process, max_runs_per_uid)
         self._gate = IdentityGate(self.store, attestor, allow_unattested, trainer_uids)
         self._events = EventApplier(self.store, history_queue)
         self._lifecycle = FindingLifecycle(self.detectors, self.settings, self.policies,
@@ -165,6 +167,15 @@ class Registry:
     @property
     def duplicate_events(self) -> int:
         return self._events.duplicate_events
+
+    @property
+    def capacity_refusals(self) -> Counter[tuple[str, str]]:
+        """Runs refused for capacity, by (uid, reason: process, uid, table)."""
+        return self._table.refused
+
+    @property
+    def evicted_live_runs(self) -> int:
+        return self._table.evicted_live
 
     @property
     def steps_refused(self) -> Counter[str]:
@@ -295,7 +306,8 @@ class Registry:
                 raise IngestError(f"unknown run_id {request.run_id!r}: send run_start first")
             if numbering is None:  # the run expired since the unlocked look: read it now
                 numbering = self._numbering(request.run_id)
-            entry = self._table.admit(request.run_id, request.rank, *numbering)
+            entry = self._table.admit(request.run_id, request.rank, *numbering,
+                                      owner=owner_of(peer))
         if binding is not None:
             self._gate.bind(entry, request.rank, binding)
         return entry
@@ -477,6 +489,21 @@ class Registry:
         actions = {run.run_id: self.store.actions(run_id=run.run_id)[-MAX_STATUS_ACTIONS:]
                    for run, _ in runs}
         return status_response(runs, actions, time.time())
+
+
+def owner_of(peer: Peer) -> Owner | None:
+    """Who registers a run, for the capacity caps: the attested process (pid and start time,
+    so a reused pid is another owner), else the unix peer's pid, else the TCP host (a new
+    connection does not make a new owner); None when the transport named nobody (a caller
+    in this process)."""
+    if not peer.address and not peer.pid and peer.identity is None:
+        return None
+    if peer.identity is not None:
+        return Owner(f"pid {peer.identity.pid} start {peer.identity.start_time}",
+                     peer.identity.uid)
+    if peer.pid:
+        return Owner(f"pid {peer.pid}", peer.uid)
+    return Owner(f"host {peer.address.rsplit(':', 1)[0]}", peer.uid)
 
 
 __all__ = [

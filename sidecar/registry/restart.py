@@ -17,7 +17,7 @@ import structlog
 
 from deadweight.sidecar.registry.events import end_run
 from deadweight.sidecar.registry.incidents import FindingLifecycle
-from deadweight.sidecar.registry.run_table import RunEntry, RunTable
+from deadweight.sidecar.registry.run_table import Owner, RunEntry, RunTable
 from deadweight.sidecar.state import RunState
 from deadweight.sidecar.store import RETENTION_SECONDS, Store, StoredIncident
 
@@ -44,6 +44,9 @@ def read_back(store: Store, now: float, ended_ttl_seconds: float,
         run.start = stored.start
         entry = RunEntry(run, incarnation=stored.incarnation)
         entry.identities = store.bindings(stored.run_id, stored.incarnation)
+        first = entry.identities.get(min(entry.identities)) if entry.identities else None
+        if first is not None:  # the caps count a restored run for its process again
+            entry.owner = Owner(f"pid {first.pid} start {first.start_time}", first.uid)
         for rank in entry.identities:
             run.rank(rank).last_seen = now  # stall clocks restart with the sidecar
         run.ended, run.end_reason, run.ended_at = (

@@ -3,7 +3,8 @@
 A run enters with its first RunStart (``admit``), or from the store after a restart
 (``restore``); it leaves when it ended longer than the TTL ago (``expire_ended``), or to make
 room when the table is full: the run that ended first goes, else the least recently heard
-live run of the process that holds the most live runs, unless that is the newcomer's own.
+live run of the process that holds the most live runs, when it holds more than the newcomer's
+process would after admission (never the newcomer's own, never a one-run job's).
 Capacity cannot be hoarded: each process (``max_runs_per_process``) and each uid
 (``max_runs_per_uid``) may hold only so many live runs; every refusal is counted by uid.
 All methods are called under the registry lock; store writes go to the run's outbox.
@@ -154,8 +155,12 @@ class RunTable:
                     "(--max-runs-per-uid)")
         if len(self._runs) < self.max_runs or self._evict_oldest_ended():
             return None
-        hoarder = self._hoarder()
-        if hoarder is None or (owner is not None and hoarder == owner.process):
+        held = self._held()
+        hoarder, most = held.most_common(1)[0] if held else (None, 0)
+        mine = held.get(owner.process, 0) if owner is not None else 0
+        # Only a process holding more than the newcomer would after admission gives one up:
+        # runs balance out across processes and a one-run job is never evicted for another.
+        if hoarder is None or most <= mine + 1:
             self._refuse(owner, "table")
             raise CapacityError(f"sidecar already tracks {self.max_runs} live runs")
         victim = min((e for e in self._runs.values()
@@ -168,11 +173,10 @@ class RunTable:
         self._expire(victim.state.run_id, "evicted")
         return victim
 
-    def _hoarder(self) -> str | None:
-        """The process holding the most live runs (None: no live run has a known owner)."""
-        held = Counter(e.owner.process for e in self._runs.values()
+    def _held(self) -> Counter[str]:
+        """Live runs by the process that registered them (runs of unknown owner: none)."""
+        return Counter(e.owner.process for e in self._runs.values()
                        if not e.state.ended and e.owner is not None)
-        return held.most_common(1)[0][0] if held else None
 
     def _refuse(self, owner: Owner | None, reason: str) -> None:
         uid = "unknown" if owner is None or owner.uid < 0 else str(owner.uid)

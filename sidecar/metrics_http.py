@@ -382,10 +382,18 @@ class MetricsServer:
         async def close() -> None:
             if self._server is not None:
                 self._server.close()
+            # Open connections end here, on the loop, not when their coroutines are collected.
+            current = asyncio.current_task()
+            tasks = [t for t in asyncio.all_tasks() if t is not current]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
         if self._loop.is_running():
-            asyncio.run_coroutine_threadsafe(close(), self._loop).result(5)
+            asyncio.run_coroutine_threadsafe(close(), self._loop).result(10)
             self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
+        if not self._thread.is_alive():
+            self._loop.close()
         self._sock.close()
         self._pool.shutdown(wait=False)

@@ -27,7 +27,7 @@ import structlog
 from deadweight.proto import pb
 from deadweight.sidecar.detectors import BY_ID
 from deadweight.sidecar.detectors.base import Policy
-from deadweight.sidecar.finding import Finding, RunFacts
+from deadweight.sidecar.finding import Finding, RunFacts, RunSnapshot
 from deadweight.sidecar.silences import Silences
 from deadweight.sidecar.store import Store, StoreWriteFailed
 
@@ -52,10 +52,11 @@ class Pager(Protocol):
 
 
 #: Takes over an incident whose policy is ``kill`` once STOP went out (``Enforcer.begin``):
-#: called with the run, the finding, when STOP went out and the run's step then.
-Escalate = Callable[[RunFacts, Finding, float, int], None]
-#: Ends the open escalations of a run id that started a new incarnation (``Enforcer.supersede``).
-Supersede = Callable[[str], None]
+#: called with the run as it was when the verdict fired (its incarnation and the processes
+#: bound to it), the finding, when STOP went out and the run's step then.
+Escalate = Callable[[RunSnapshot, Finding, float, int], None]
+#: Ends the open escalations of one closed incarnation of a run id (``Enforcer.supersede``).
+Supersede = Callable[[str, int], None]
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ class ActionEvent:
     pid: int | None = None
     evidence: dict[str, str] = field(default_factory=dict)
     detail: dict[str, Any] = field(default_factory=dict)
+    incarnation: int = 1
 
 
 def policy_level(policy: str) -> int:
@@ -118,6 +120,7 @@ class Actions:
         action_id = self.store.add_action(
             event.run_id, event.trainer, event.detector, event.incident, event.action,
             event.result, event.rank, event.pid, self.dry_run, event.detail, at=at,
+            incarnation=event.incarnation,
         )
         self._count_and_log(event)
         return action_id
@@ -127,6 +130,7 @@ class Actions:
         return self.store.add_action(
             event.run_id, event.trainer, event.detector, event.incident, event.action,
             "pending", event.rank, event.pid, self.dry_run, event.detail,
+            incarnation=event.incarnation,
         )
 
     def settle(self, action_id: int, event: ActionEvent) -> None:
@@ -134,11 +138,11 @@ class Actions:
         self.store.set_result(action_id, event.result)
         self._count_and_log(event)
 
-    def superseded(self, run_id: str) -> None:
+    def superseded(self, run_id: str, incarnation: int) -> None:
         """The run id started a new incarnation: escalations of the old one end here, so
         its processes' successors are never signalled for it."""
         if self.supersede is not None:
-            self.supersede(run_id)
+            self.supersede(run_id, incarnation)
 
     def forget(self, run_id: str) -> None:
         """Drop an expired run's counters, so memory and /metrics stay bounded, and resolve
@@ -170,7 +174,8 @@ class Actions:
     def _event(self, run: RunFacts, finding: Finding, action: str, result: str,
                **detail: Any) -> ActionEvent:
         return ActionEvent(run.run_id, run.trainer, finding.detector, finding.incidents,
-                           action, result, evidence=dict(finding.evidence), detail=detail)
+                           action, result, evidence=dict(finding.evidence), detail=detail,
+                           incarnation=run.incarnation)
 
     def _done(self, run: RunFacts, finding: Finding, action: str) -> bool:
         return self.store.has_action(run.run_id, finding.detector, finding.incidents, action)
@@ -201,7 +206,7 @@ class Actions:
                 directives.append(self._stop_directive(finding))
                 self.record(self._event(run, finding, "stop", "sent", step=run.step), at=now)
             if level >= LEVEL[Policy.KILL] and self.escalate is not None:
-                self.escalate(run, finding, now, run.step)
+                self.escalate(RunSnapshot.of(run), finding, now, run.step)
         return directives
 
     def resumed(self, run: RunFacts, finding: Finding) -> list[pb.Directive]:

@@ -32,7 +32,7 @@ from deadweight.sidecar.checkpoint_watcher import CheckpointWatcher
 from deadweight.sidecar.detectors.base import Policy
 from deadweight.sidecar.enforcer import Enforcer
 from deadweight.sidecar.exporter import DeadweightCollector
-from deadweight.sidecar.finding import Finding, RunFacts
+from deadweight.sidecar.finding import Finding, RunSnapshot
 from deadweight.sidecar.history_queue import HistoryQueue
 from deadweight.sidecar.metrics_http import MetricsServer
 from deadweight.sidecar.oncall import Oncall, SilenceClock, operator_uids
@@ -45,6 +45,7 @@ from deadweight.sidecar.server import (
     refuse_if_listening,
 )
 from deadweight.sidecar.settings import DetectorSettings
+from deadweight.sidecar.state_lock import StateDirLock
 from deadweight.sidecar.store import Store
 from deadweight.sidecar.webhook import WebhookNotifier
 
@@ -71,6 +72,8 @@ class SidecarConfig:
     policies: dict[str, Policy] = field(default_factory=dict)
     settings: DetectorSettings = field(default_factory=DetectorSettings)
     max_runs: int = 1000
+    max_runs_per_process: int = 64
+    max_runs_per_uid: int = 256
     #: Ranks held across all runs (``--max-ranks``).
     max_ranks: int = 4096
     run_ttl_seconds: float = 900.0
@@ -99,11 +102,14 @@ class Sidecar:
     def __init__(self, registry: Registry, actions: Actions | None, config: ServerConfig,
                  enforcer: Enforcer | None = None, pager: PagerSet | None = None,
                  store: Store | None = None, history_queue: HistoryQueue | None = None,
-                 state_dir: str | None = None, runbooks_follow_metrics: bool = False) -> None:
+                 state_dir: str | None = None, runbooks_follow_metrics: bool = False,
+                 state_lock: StateDirLock | None = None) -> None:
         self.registry = registry
         #: Where the summary signing key is kept (None: a key for this process only).
         self.state_dir = state_dir
         self.signer: SummarySigner | None = None
+        #: The state dir's lock, held until ``close`` (or the process's end).
+        self.state_lock = state_lock
         #: Commits the runs' step and log history behind ingest (the registry queues it).
         self.history_queue = history_queue
         self.actions = actions
@@ -255,11 +261,22 @@ class Sidecar:
             self.pager.close()
         if self.store is not None:
             self.store.close()
+        if self.state_lock is not None:
+            self.state_lock.release()
 
 
 def build(config: SidecarConfig) -> Sidecar:
-    """Every part of a sidecar, in dependency order, from its configuration."""
-    store = Store(config.state_dir)
+    """Every part of a sidecar, in dependency order, from its configuration.
+
+    Raises StateDirLocked when another sidecar holds the state dir (before its database is
+    touched)."""
+    state_lock = StateDirLock(config.state_dir) if config.state_dir else None
+    try:
+        store = Store(config.state_dir)
+    except BaseException:
+        if state_lock is not None:
+            state_lock.release()
+        raise
     history_queue = HistoryQueue(store)
     follow = config.runbook_url_pattern is None and bool(config.server.metrics_address)
     runbooks = config.runbook_url_pattern or DEFAULT_RUNBOOK_URL_PATTERN
@@ -271,17 +288,19 @@ def build(config: SidecarConfig) -> Sidecar:
                 for index, url in enumerate(config.webhook_urls)]
     pager = PagerSet(targets) if targets else None
 
-    def escalate(run: RunFacts, finding: Finding, stop_at: float, stop_step: int) -> None:
+    def escalate(run: RunSnapshot, finding: Finding, stop_at: float, stop_step: int) -> None:
         # Called only from ingest, so once the sidecar is built: the enforcer exists by then.
         enforcer.begin(run, finding, stop_at, stop_step)
 
-    def supersede(run_id: str) -> None:
-        enforcer.supersede(run_id)
+    def supersede(run_id: str, incarnation: int) -> None:
+        enforcer.supersede(run_id, incarnation)
 
     actions = Actions(pager=pager, dry_run=config.dry_run, store=store, escalate=escalate,
                       supersede=supersede)
     registry = Registry(actions, settings=config.settings, policies=config.policies,
                         max_runs=config.max_runs, ended_ttl_seconds=config.run_ttl_seconds,
+                        max_runs_per_process=config.max_runs_per_process,
+                        max_runs_per_uid=config.max_runs_per_uid,
                         store=store, attestor=Attestor(),
                         allow_unattested=config.allow_unattested,
                         silent_run_seconds=config.silent_run_seconds,
@@ -292,4 +311,4 @@ def build(config: SidecarConfig) -> Sidecar:
                         kill_grace_seconds=config.kill_grace_seconds)
     return Sidecar(registry, actions, config.server, enforcer=enforcer, pager=pager,
                    store=store, history_queue=history_queue, state_dir=config.state_dir,
-                   runbooks_follow_metrics=follow)
+                   runbooks_follow_metrics=follow, state_lock=state_lock)

@@ -155,6 +155,7 @@ def _sidecar_config(args: argparse.Namespace) -> SidecarConfig:
             else alert_links.DEFAULT_DASHBOARD_URL_PATTERN),
         dry_run=args.dry_run, policies=dict(args.policy or []), settings=_settings(args.setting),
         max_runs=args.max_runs, max_ranks=args.max_ranks,
+        max_runs_per_process=args.max_runs_per_process, max_runs_per_uid=args.max_runs_per_uid,
         run_ttl_seconds=args.run_ttl_seconds,
         stop_grace_seconds=args.stop_grace_seconds, kill_grace_seconds=args.kill_grace_seconds,
         allow_unattested=args.allow_unattested, silent_run_seconds=args.silent_run_seconds,
@@ -380,6 +381,13 @@ def build_parser(*more_commands: Callable[[Commands], None]) -> argparse.Argumen
                        "(default %(default)s)")
     serve.add_argument("--max-runs", type=int, default=1000,
                        help="most runs tracked at once; the oldest ended run makes room "
+                       "(default %(default)s)")
+    serve.add_argument("--max-runs-per-process", type=int, default=64,
+                       help="most live runs one process may hold; when the table is full, "
+                       "the process holding the most live runs gives one up to a newcomer "
+                       "of another process (default %(default)s)")
+    serve.add_argument("--max-runs-per-uid", type=int, default=256,
+                       help="most live runs the processes of one uid may hold together "
                        "(default %(default)s)")
     serve.add_argument("--max-ranks", type=int, default=4096,
                        help="most ranks held across all runs (each keeps a window of steps); "

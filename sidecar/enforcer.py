@@ -3,8 +3,12 @@
 After STOP went out over the stream, the enforcer waits ``stop_grace``; if the run is still
 stepping (no run end, and steps beyond the ones in flight at STOP), every rank's registered
 process gets SIGTERM; ``kill_grace`` later, every one still alive gets SIGKILL. Exits are
-observed and journaled. The process of a rank is only ever the one the kernel named when that
-rank registered (see ``attestation``), read from the store before each signal. Before every
+observed and journaled. The processes an escalation may signal are fixed when it begins: the
+ones the kernel named when the ranks of the very incarnation that fired registered (see
+``attestation``), journaled with the incident. A rank's process is never replaced; a rank
+that joins that same incarnation later (a slow DDP rank) is added from the registry by run
+id and incarnation, and journaled too; nothing of another incarnation, and nothing looked
+up by run id alone, is ever a target. Before every
 signal the pid is opened as a pidfd and its ``/proc`` start time and the boot id are compared
 with the recorded ones; the signal then goes through the pidfd, so a pid reused in between can
 never receive it. Every step is journaled before it is taken; a restarted sidecar resumes
@@ -24,7 +28,7 @@ import structlog
 
 from deadweight.sidecar.actions import ActionEvent, Actions
 from deadweight.sidecar.attestation import ProcessIdentity, is_alive, reused
-from deadweight.sidecar.finding import Finding, RunFacts
+from deadweight.sidecar.finding import Finding, RunSnapshot
 from deadweight.sidecar.store import ActionRow, Store, StoredIncident
 
 log = structlog.get_logger("deadweight.enforcer")
@@ -39,11 +43,18 @@ EXIT_WATCH_SECONDS = 30.0
 class RunSource(Protocol):
     """What the enforcer reads from (and tells) the registry."""
 
-    def progress(self, run_id: str) -> tuple[int, bool, frozenset[int]] | None:
-        """(step, ended, ranks) of a live run; None once the registry forgot it."""
+    def progress(self, run_id: str, incarnation: int
+                 ) -> tuple[int, bool, frozenset[int]] | None:
+        """(step, ended, ranks) of one incarnation of a run; None once the registry forgot
+        it or the run id lives in another incarnation."""
         ...
 
-    def mark_ended(self, run_id: str, reason: str) -> None: ...
+    def mark_ended(self, run_id: str, reason: str, incarnation: int) -> None: ...
+
+    def identities(self, run_id: str, incarnation: int | None = None
+                   ) -> dict[int, ProcessIdentity]:
+        """rank -> process bound to that incarnation of the run ({} for another one)."""
+        ...
 
 
 def send_signal(identity: ProcessIdentity, signum: int, dry_run: bool = False) -> str:
@@ -96,6 +107,7 @@ class Escalation:
     kill_at: float | None = None
     delivered: int = 0  # signals that reached a process
     targets: dict[int, Target] = field(default_factory=dict)
+    incarnation: int = 1
 
     def event(self, action: str, result: str, target: Target | None = None,
               **detail: object) -> ActionEvent:
@@ -103,7 +115,7 @@ class Escalation:
             self.run_id, self.trainer, self.detector, self.incident, action, result,
             rank=None if target is None else target.rank,
             pid=None if target is None or target.identity is None else target.identity.pid,
-            evidence=self.evidence, detail=dict(detail),
+            evidence=self.evidence, detail=dict(detail), incarnation=self.incarnation,
         )
 
 
@@ -126,6 +138,7 @@ class Enforcer:
         self.kill_grace = kill_grace_seconds
         self.poll_seconds = poll_seconds
         self._lock = threading.Lock()
+        #: (run id, detector, incident): an incident number belongs to one incarnation.
         self._open: dict[tuple[str, str, int], Escalation] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -136,10 +149,18 @@ class Enforcer:
 
     # -- entry points ----------------------------------------------------------------------
 
-    def begin(self, run: RunFacts, finding: Finding, stop_at: float, stop_step: int) -> None:
-        """Called once STOP went out for a ``kill`` incident."""
+    def begin(self, run: RunSnapshot, finding: Finding, stop_at: float, stop_step: int
+              ) -> None:
+        """Called once STOP went out for a ``kill`` incident; run is the incarnation as it
+        was when the verdict fired, with the processes bound to it then: the only ones this
+        escalation will ever signal (journaled first, so a restart signals no other)."""
         esc = Escalation(run.run_id, run.trainer, finding.detector, finding.incidents,
-                         dict(finding.evidence), stop_at, stop_step)
+                         dict(finding.evidence), stop_at, stop_step,
+                         incarnation=run.incarnation)
+        for rank, identity in run.processes:
+            esc.targets[rank] = Target(rank, identity)
+        self.store.set_targets(esc.run_id, esc.detector, esc.incident,
+                               dict(run.processes))
         with self._lock:
             self._open[(esc.run_id, esc.detector, esc.incident)] = esc
         log.info("escalation_started", run_id=esc.run_id, detector=esc.detector,
@@ -168,7 +189,10 @@ class Enforcer:
             incident.run_id, trainer, incident.detector, incident.incident,
             incident.evidence, stop.time if stop else incident.fired_at,
             int(stop.detail.get("step", incident.step)) if stop else incident.step,
+            incarnation=incident.incarnation,
         )
+        for rank, identity in incident.targets.items():  # fixed when it began
+            esc.targets[rank] = Target(rank, identity)
         for row in rows:
             self._replay(esc, row)
         return esc
@@ -228,24 +252,25 @@ class Enforcer:
                 log.info("escalation_closed", run_id=esc.run_id, detector=esc.detector,
                          incident=esc.incident, outcome=outcome)
 
-    def _refresh_targets(self, esc: Escalation, ranks: frozenset[int]) -> None:
-        """Every rank the run has, with the identity the store says registered it.
+    def _note_ranks(self, esc: Escalation, ranks: frozenset[int]) -> None:
+        """Ranks of the same incarnation the escalation does not know yet: added with the
+        process bound to that incarnation (journaled), or as never signalable
+        (``no_identity``). A rank already known keeps its process."""
+        new = ranks - set(esc.targets)
+        if not new:
+            return
+        bound = self.runs.identities(esc.run_id, esc.incarnation)
+        for rank in sorted(new):
+            esc.targets[rank] = Target(rank, bound.get(rank))
+        self.store.set_targets(esc.run_id, esc.detector, esc.incident,
+                               {r: t.identity for r, t in esc.targets.items()
+                                if t.identity is not None})
 
-        A target keeps its process: another pid bound later under the same run id (a new
-        incarnation) is never signalled for an incident of an earlier one."""
-        bound = self.store.bindings(esc.run_id)
-        ranks = ranks | set(bound)
-        for rank in ranks:
-            target = esc.targets.setdefault(rank, Target(rank, None))
-            found = bound.get(rank)
-            if target.identity is None or (found is not None
-                                           and found.pid == target.identity.pid):
-                target.identity = found
-
-    def supersede(self, run_id: str) -> None:
-        """The run id started a new incarnation: its open escalations end, unsignalled."""
+    def supersede(self, run_id: str, incarnation: int) -> None:
+        """An incarnation of the run id closed: its open escalations end, unsignalled."""
         with self._lock:
-            closing = [key for key in self._open if key[0] == run_id]
+            closing = [key for key, esc in self._open.items()
+                       if key[0] == run_id and esc.incarnation == incarnation]
             for key in closing:
                 del self._open[key]
         for _, detector, incident in closing:
@@ -267,9 +292,9 @@ class Enforcer:
 
     def _advance(self, esc: Escalation, now: float) -> str:
         """One look at an escalation; returns its outcome once it is over, else ''."""
-        progress = self.runs.progress(esc.run_id)
+        progress = self.runs.progress(esc.run_id, esc.incarnation)
         step, ended, ranks = progress if progress is not None else (0, True, frozenset())
-        self._refresh_targets(esc, ranks)
+        self._note_ranks(esc, ranks)
         self._observe_exits(esc, now)
         identified = [t for t in esc.targets.values() if t.identity is not None]
         live = [t for t in identified if not t.finished]
@@ -334,5 +359,5 @@ class Enforcer:
             return "dry_run"
         if esc.delivered == 0:
             return "nothing_signalled"
-        self.runs.mark_ended(esc.run_id, outcome)
+        self.runs.mark_ended(esc.run_id, outcome, esc.incarnation)
         return outcome

@@ -373,6 +373,29 @@ class DeadweightCollector(Collector):
         for kind in ("attestation", "identity", "capacity", "invalid"):
             batches.add_metric([kind], float(self.registry.refusals[kind]))
         yield batches
+        runs = CounterMetricFamily(
+            "deadweight_runs_refused",
+            "New runs refused for capacity, by uid (unknown: TCP; other: past 64 uids) and "
+            "reason: process (--max-runs-per-process), uid (--max-runs-per-uid), table "
+            "(--max-runs full and the newcomer's process holds the most live runs).",
+            labels=["uid", "reason"])
+        for (uid, reason), count in sorted(self.registry.capacity_refusals.items()):
+            runs.add_metric([uid, reason], float(count))
+        yield runs
+        evicted = CounterMetricFamily(
+            "deadweight_runs_evicted",
+            "Live runs forgotten to let another process in: the table was full and their "
+            "process held the most live runs.")
+        evicted.add_metric([], float(self.registry.evicted_live_runs))
+        yield evicted
+        steps = CounterMetricFamily(
+            "deadweight_steps_refused",
+            "Step reports not applied, by reason: out_of_order (no newer than the rank's "
+            "newest step, with a new sequence number), too_far (over a million steps beyond "
+            "it, or a first step over 100 million).", labels=["reason"])
+        for reason in ("out_of_order", "too_far"):
+            steps.add_metric([reason], float(self.registry.steps_refused[reason]))
+        yield steps
         closed = CounterMetricFamily(
             "deadweight_attestation_refused_connections",
             "Connections to the attestation socket closed before any work because the "

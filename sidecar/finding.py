@@ -14,6 +14,7 @@ from typing import Protocol
 import structlog
 
 from deadweight.proto import pb
+from deadweight.sidecar.attestation import ProcessIdentity
 
 log = structlog.get_logger("deadweight.registry")
 
@@ -90,18 +91,28 @@ class RunFacts(Protocol):
     @property
     def step(self) -> int: ...
 
+    @property
+    def incarnation(self) -> int: ...
+
 
 @dataclass(frozen=True)
 class RunSnapshot:
-    """The facts of a run at the moment a verdict changed, safe to read without a lock."""
+    """The facts of a run at the moment a verdict changed, safe to read without a lock.
+
+    ``processes`` are the ranks' processes bound to this very incarnation when the verdict
+    fired: the only ones an escalation of it may ever signal."""
 
     run_id: str
     trainer: str
     step: int
+    incarnation: int = 1
+    processes: tuple[tuple[int, ProcessIdentity], ...] = ()
 
     @classmethod
     def of(cls, run: RunFacts) -> RunSnapshot:
-        return cls(run.run_id, run.trainer, run.step)
+        if isinstance(run, RunSnapshot):
+            return run
+        return cls(run.run_id, run.trainer, run.step, run.incarnation)
 
 
 class ActionSink(Protocol):

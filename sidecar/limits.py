@@ -33,6 +33,13 @@ MAX_DIGEST_TENSORS = 65536
 MAX_DIGEST_LENGTH = 128
 #: Most ranks one run may report on one sidecar (one sidecar serves one node).
 MAX_RANKS_PER_RUN = 1024
+#: Most optimizer steps one report may move a rank ahead of its newest: a step further on is
+#: refused (counted, and a finding), so one absurd step number cannot make every later step
+#: look old and blind the run.
+MAX_STEP_JUMP = 1_000_000
+#: Highest step a rank's first report may carry (a run resumed at step 100 million is not one
+#: we will meet; 2**62 is an attack or a corrupt counter).
+MAX_FIRST_STEP = 100_000_000
 
 
 def digest_label(digest: str) -> str:

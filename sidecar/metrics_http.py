@@ -5,39 +5,45 @@ lines) that alone was 10 ms a scrape. The families come from the same collector;
 is written here, in the Prometheus text format 0.0.4 (escaping and float spelling as the
 client library does), at under 1 us per line: a sample's labels are spelled once and kept.
 
-The endpoint faces anything that can reach its port, so it is bounded: at most
-``MAX_CONNECTIONS`` requests are served at once (one thread each, kept between requests; more
-are answered 503 and closed at once, counted in ``deadweight_metrics_http_refused_total``),
-and a connection that sends nothing for ``READ_TIMEOUT_SECONDS`` is closed, so idle sockets
-cannot pin threads.
+The endpoint faces anything that can reach its port (the manifest serves it on 0.0.0.0), so
+slow clients must not blind it: it is one event loop, where an open connection costs no
+thread; each source address may hold ``MAX_PER_SOURCE`` connections (more are answered 503
+and closed at once, counted in ``deadweight_metrics_http_refused_total``), and a request head
+must arrive whole within ``HEAD_DEADLINE_SECONDS`` (one deadline, not one per read), so a
+source trickling hundreds of half-sent requests holds at most its few slots for a few
+seconds while every other source is scraped as usual.
 Scrapes that arrive together share one render (``SharedRender``): fifty parallel scrapers
 cost about one render each round, not fifty renders fighting over one interpreter.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import socket
 import threading
-from collections import deque
+from collections import Counter
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
 from deadweight.sidecar import runbook_pages
 
-_Request = socket.socket | tuple[bytes, socket.socket]
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-#: Requests served at once (one thread each).
-MAX_CONNECTIONS = 32
-#: Seconds a connection may stay silent (reading the request or the client's socket).
-READ_TIMEOUT_SECONDS = 5.0
-#: Request threads kept while no request comes; more end after ``IDLE_WORKER_SECONDS``.
-CORE_WORKERS = 1
-IDLE_WORKER_SECONDS = 5.0
+#: Connections one source address may hold open at once (a scraper needs one or two).
+MAX_PER_SOURCE = 8
+#: Connections open at once, all sources together (each costs a coroutine, no thread).
+MAX_CONNECTIONS = 512
+#: Seconds for a whole request head to arrive, from the connection (or the previous answer).
+HEAD_DEADLINE_SECONDS = 5.0
+#: Longest request head read (a scrape's is a few hundred bytes).
+MAX_HEAD_BYTES = 8192
+#: Threads that render the page (scrapes arriving together share one render).
+RENDER_WORKERS = 2
+LISTEN_BACKLOG = 128
 _BUSY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain\r\n"
          b"Content-Length: 23\r\nConnection: close\r\n\r\ntoo many connections\r\n\r\n")
 
@@ -148,110 +154,6 @@ def render(families: Iterable[Metric]) -> bytes:
     return "".join(out).encode()
 
 
-class _QuietHandler(WSGIRequestHandler):
-    timeout = READ_TIMEOUT_SECONDS  # applied to the connection's socket before any read
-
-    def log_message(self, format: str, *args: Any) -> None:
-        """Scrapes are not worth a log line each."""
-
-    def handle(self) -> None:
-        try:
-            super().handle()
-        except OSError:  # timed out or reset by the client: just close
-            self.close_connection = True
-
-
-class _BoundedServer(WSGIServer):
-    """At most ``MAX_CONNECTIONS`` requests at once, served by kept worker threads; quiet
-    about client errors.
-
-    A thread started per request made every scrape wait for a new thread to be scheduled
-    (``Thread.start`` blocks until it runs): on a loaded machine that was most of a scrape's
-    time. Workers are kept instead and handed requests; ``CORE_WORKERS`` stay for the next
-    scrape, any more end after ``IDLE_WORKER_SECONDS`` without work.
-    """
-
-    max_connections = MAX_CONNECTIONS
-    request_queue_size = 128  # the listen backlog: a burst is accepted and answered, not dropped
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        # Set before binding: a port that cannot be bound makes the base class call
-        # server_close(), which reads these.
-        self._slots = threading.BoundedSemaphore(self.max_connections)
-        self.refused = 0
-        self._work = threading.Condition()
-        self._pending: deque[tuple[_Request, Any]] = deque()
-        self._idle = 0  # workers waiting for a request
-        self._workers = 0
-        self._stopping = False
-        super().__init__(*args, **kwargs)
-
-    def process_request(self, request: _Request, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            self.refused += 1
-            try:
-                assert isinstance(request, socket.socket)  # a TCP server's requests are sockets
-                request.settimeout(0.5)
-                request.sendall(_BUSY)
-            except OSError:
-                pass
-            self.shutdown_request(request)
-            return
-        with self._work:
-            self._pending.append((request, client_address))
-            if self._idle >= len(self._pending):
-                self._work.notify()
-                return
-            self._workers += 1
-        try:
-            threading.Thread(target=self._worker, name="deadweight-metrics-request",
-                             daemon=True).start()
-        except BaseException:  # no thread to serve it: taken back, and closed by the caller
-            with self._work:
-                self._workers -= 1
-                if (request, client_address) in self._pending:
-                    self._pending.remove((request, client_address))
-                    self._slots.release()
-            raise
-
-    def _next(self) -> tuple[_Request, Any] | None:
-        """The next request, or None when this worker should end (idle too long, stopping)."""
-        with self._work:
-            self._idle += 1
-            try:
-                while not self._pending:
-                    if self._stopping:
-                        break
-                    woken = self._work.wait(IDLE_WORKER_SECONDS)
-                    if not woken and not self._pending and self._workers > CORE_WORKERS:
-                        break
-                else:
-                    return self._pending.popleft()
-                self._workers -= 1
-                return None
-            finally:
-                self._idle -= 1
-
-    def _worker(self) -> None:
-        while (item := self._next()) is not None:
-            request, client_address = item
-            try:
-                self.finish_request(request, client_address)
-            except Exception:
-                self.handle_error(request, client_address)
-            finally:
-                self.shutdown_request(request)
-                self._slots.release()
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        """A client that hangs up or stalls is not an error of the sidecar."""
-
-    def server_close(self) -> None:
-        super().server_close()
-        with self._work:
-            self._stopping = True
-            self._work.notify_all()
-
 
 def _runbook(path: str, start_response: Callable[..., Any]) -> list[bytes]:
     """A shipped runbook as HTML; /runbooks redirects to the index so relative links resolve."""
@@ -317,42 +219,181 @@ class SharedRender:
         return page
 
 
+class _Connections:
+    """Open connections by source address: what the per-source and total caps count."""
+
+    def __init__(self) -> None:
+        self.by_source: Counter[str] = Counter()
+        self.total = 0
+
+    def admit(self, source: str) -> bool:
+        if self.total >= MAX_CONNECTIONS or self.by_source[source] >= MAX_PER_SOURCE:
+            return False
+        self.by_source[source] += 1
+        self.total += 1
+        return True
+
+    def leave(self, source: str) -> None:
+        self.total -= 1
+        self.by_source[source] -= 1
+        if not self.by_source[source]:
+            del self.by_source[source]
+
+
+def _response(status: str, headers: list[tuple[str, str]], body: bytes, keep: bool,
+              head_only: bool) -> bytes:
+    lines = [f"HTTP/1.1 {status}", *(f"{k}: {v}" for k, v in headers),
+             f"Content-Length: {len(body)}", f"Connection: {'keep-alive' if keep else 'close'}"]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + (b"" if head_only else body)
+
+
 class MetricsServer:
-    """A threaded HTTP server answering ``/metrics`` from a collect function."""
+    """``/metrics`` (and the runbooks) from one event loop on its own thread.
+
+    An open connection costs a coroutine, never a thread: only the render (``SharedRender``)
+    runs on a small pool. A source may hold ``MAX_PER_SOURCE`` connections at once (all
+    sources ``MAX_CONNECTIONS``); more are answered 503 and closed at once. The whole request
+    head must arrive within ``HEAD_DEADLINE_SECONDS`` of the connection (or of the previous
+    answer on a kept-alive one), however slowly it trickles; a head over ``MAX_HEAD_BYTES``
+    is refused. GET and HEAD only (405 otherwise); a request with a body is refused (400).
+    """
 
     def __init__(self, host: str, port: int, collect: Callable[[], Iterable[Metric]]) -> None:
         self._collect = collect
         self._shared = SharedRender(self._render)
-        self._httpd: _BoundedServer = make_server(host, port, self._app, _BoundedServer,
-                                                  _QuietHandler)
-        self.port = int(self._httpd.server_address[1])
-        self._thread = threading.Thread(
-            target=self._httpd.serve_forever, name="deadweight-metrics", daemon=True
-        )
+        self.refused = 0  # connections refused past a cap
+        self.timed_out = 0  # request heads that missed their deadline
+        self._connections = _Connections()
+        self._pool = ThreadPoolExecutor(RENDER_WORKERS, thread_name_prefix="deadweight-render")
+        self._sock = socket.create_server((host, port), backlog=LISTEN_BACKLOG)
+        self.port = int(self._sock.getsockname()[1])
+        self._loop = asyncio.new_event_loop()
+        self._server: asyncio.AbstractServer | None = None
+        started = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(started,),
+                                        name="deadweight-metrics", daemon=True)
         self._thread.start()
+        started.wait(10)
 
-    def _app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
-        path = environ.get("PATH_INFO", "/")
+    def _run(self, started: threading.Event) -> None:
+        asyncio.set_event_loop(self._loop)
+
+        async def serve() -> None:
+            self._server = await asyncio.start_server(self._serve, sock=self._sock,
+                                                      limit=MAX_HEAD_BYTES)
+            started.set()
+
+        self._loop.run_until_complete(serve())
+        self._loop.run_forever()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        source = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+        if not self._connections.admit(source):
+            self.refused += 1
+            writer.write(_BUSY)
+            await self._close(writer)
+            return
+        try:
+            while await self._one_request(reader, writer):
+                pass
+        except (OSError, asyncio.TimeoutError):
+            pass  # a client that hangs up or stops reading is not an error of the sidecar
+        finally:
+            self._connections.leave(source)
+            await self._close(writer)
+
+    async def _one_request(self, reader: asyncio.StreamReader,
+                           writer: asyncio.StreamWriter) -> bool:
+        """Read one request head within its deadline and answer it; True to keep going."""
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"),
+                                          HEAD_DEADLINE_SECONDS)
+        except asyncio.TimeoutError:
+            self.timed_out += 1
+            return False
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+            return False  # closed mid-head, or a head over the cap: nothing to answer
+        request_line, _, rest = head.decode("latin-1").partition("\r\n")
+        parts = request_line.split(" ")
+        headers = {k.strip().lower(): v.strip() for k, _, v in
+                   (line.partition(":") for line in rest.split("\r\n") if line)}
+        if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+            writer.write(_response("400 Bad Request", [("Content-Type", "text/plain")],
+                                   b"bad request\n", False, False))
+            return False
+        method, target, version = parts
+        if method not in ("GET", "HEAD"):
+            writer.write(_response("405 Method Not Allowed", [
+                ("Allow", "GET, HEAD"), ("Content-Type", "text/plain")],
+                b"only GET and HEAD\n", False, method == "HEAD"))
+            return False
+        if "transfer-encoding" in headers or headers.get("content-length", "0") != "0":
+            writer.write(_response("400 Bad Request", [("Content-Type", "text/plain")],
+                                   b"a GET carries no body\n", False, method == "HEAD"))
+            return False
+        keep = version == "HTTP/1.1" and headers.get("connection", "").lower() != "close"
+        path = target.split("?", 1)[0]
+        loop = asyncio.get_running_loop()
+        status, fields, body = await loop.run_in_executor(self._pool, self._answer, path)
+        writer.write(_response(status, fields, body, keep, method == "HEAD"))
+        await asyncio.wait_for(writer.drain(), HEAD_DEADLINE_SECONDS)
+        return keep
+
+    @staticmethod
+    async def _close(writer: asyncio.StreamWriter) -> None:
+        try:
+            writer.close()
+            await asyncio.wait_for(writer.wait_closed(), 1.0)
+        except (OSError, asyncio.TimeoutError):
+            pass
+
+    def _answer(self, path: str) -> tuple[str, list[tuple[str, str]], bytes]:
+        """(status, headers, body) for a path; on the render pool (renders block)."""
+        answer: list[Any] = []
+
+        def start_response(status: str, headers: list[tuple[str, str]]) -> None:
+            answer[:] = [status, [(k, v) for k, v in headers if k != "Content-Length"]]
+
         if path == "/runbooks" or path.startswith("/runbooks/"):
-            return _runbook(path, start_response)
+            body = b"".join(_runbook(path, start_response))
+            return answer[0], answer[1], body
         if path not in ("/metrics", "/"):
-            start_response("404 Not Found", [("Content-Type", "text/plain")])
-            return [b"not found; try /metrics\n"]
-        body = self._shared.page()
-        start_response("200 OK", [("Content-Type", CONTENT_TYPE),
-                                  ("Content-Length", str(len(body)))])
-        return [body]
+            return "404 Not Found", [("Content-Type", "text/plain")], b"not found; try /metrics\n"
+        return "200 OK", [("Content-Type", CONTENT_TYPE)], self._shared.page()
 
     def _render(self) -> bytes:
-        return render(self._collect()) + render([self._own_metrics()])
+        return render(self._collect()) + render(self._own_metrics())
 
-    def _own_metrics(self) -> Metric:
+    def _own_metrics(self) -> list[Metric]:
         refused = CounterMetricFamily(
             "deadweight_metrics_http_refused",
-            f"/metrics connections refused because {MAX_CONNECTIONS} were being served.")
-        refused.add_metric([], float(self._httpd.refused))
-        return refused
+            f"/metrics connections refused because their source held {MAX_PER_SOURCE} open "
+            f"(or all sources {MAX_CONNECTIONS}).")
+        refused.add_metric([], float(self.refused))
+        slow = CounterMetricFamily(
+            "deadweight_metrics_http_timeouts",
+            f"/metrics connections closed because the request head did not arrive within "
+            f"{HEAD_DEADLINE_SECONDS:g} s.")
+        slow.add_metric([], float(self.timed_out))
+        return [refused, slow]
 
     def stop(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
+        async def close() -> None:
+            if self._server is not None:
+                self._server.close()
+            # Open connections end here, on the loop, not when their coroutines are collected.
+            current = asyncio.current_task()
+            tasks = [t for t in asyncio.all_tasks() if t is not current]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        if self._loop.is_running():
+            asyncio.run_coroutine_threadsafe(close(), self._loop).result(10)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        if not self._thread.is_alive():
+            self._loop.close()
+        self._sock.close()
+        self._pool.shutdown(wait=False)

@@ -51,3 +51,4 @@ class DetectorSettings:
     accumulating_loss_drop: float = 0.75
     negligible_update_steps: int = 3
     negligible_relative_update: float = 1e-6
+    out_of_order_steps: int = 3

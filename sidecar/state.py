@@ -90,6 +90,8 @@ class RunState:
 
     run_id: str
     created: float = field(default_factory=time.time)
+    #: Which life of the run id this is (``RunEntry.incarnation``; the journal keys by it).
+    incarnation: int = 1
     start: pb.RunStart | None = None
     ranks: dict[int, RankState] = field(default_factory=dict)
     logs: dict[str, float] = field(default_factory=dict)
@@ -105,6 +107,16 @@ class RunState:
     refused_paths: deque[tuple[str, str]] = field(
         default_factory=lambda: deque(maxlen=REFUSED_WINDOW))
     refused_total: int = 0
+    #: Step reports not applied because their step was no newer than the rank's newest (a
+    #: new sequence number, so no re-send) or too far beyond it: (rank, step, newest, why)
+    #: of the latest, and how many of each.
+    bad_step: tuple[int, int, int, str] | None = None
+    steps_out_of_order: int = 0
+    steps_too_far: int = 0
+    #: Other processes (or unattested streams) that tried to register a rank of this run
+    #: while it was someone else's: how many RunStarts, and who the latest was.
+    collisions: int = 0
+    collision: str = ""
     ended: bool = False
     end_reason: str = ""
     ended_at: float = 0.0

@@ -49,7 +49,7 @@ def open_state_db(state_dir: Path | None, schema: str) -> OpenedDb:
     """The state database in state_dir (or in memory), checked, private and with schema."""
     if state_dir is None:
         return OpenedDb(_connect(":memory:", schema), None, None)
-    _private_dir(state_dir)
+    private_dir(state_dir)
     path = state_dir / DB_NAME
     moved_aside = None
     _create_private(path)
@@ -90,7 +90,7 @@ def _is_corrupt(err: sqlite3.DatabaseError) -> bool:
         _SQLITE_CORRUPT, _SQLITE_NOTADB))
 
 
-def _private_dir(folder: Path) -> None:
+def private_dir(folder: Path) -> None:
     """Create folder 0700, or make an existing one of ours 0700; refuse another uid's."""
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     info = folder.stat()

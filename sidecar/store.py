@@ -42,11 +42,13 @@ SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS runs (
     run_id TEXT PRIMARY KEY, trainer TEXT NOT NULL, start BLOB, created REAL NOT NULL,
-    ended INTEGER NOT NULL DEFAULT 0, end_reason TEXT NOT NULL DEFAULT '', ended_at REAL);
+    ended INTEGER NOT NULL DEFAULT 0, end_reason TEXT NOT NULL DEFAULT '', ended_at REAL,
+    incarnation INTEGER NOT NULL DEFAULT 1);
 CREATE TABLE IF NOT EXISTS bindings (
-    run_id TEXT NOT NULL, rank INTEGER NOT NULL, pid INTEGER NOT NULL, uid INTEGER NOT NULL,
-    gid INTEGER NOT NULL, start_time INTEGER NOT NULL, boot_id TEXT NOT NULL,
-    bound_at REAL NOT NULL, PRIMARY KEY (run_id, rank));
+    run_id TEXT NOT NULL, incarnation INTEGER NOT NULL, rank INTEGER NOT NULL,
+    pid INTEGER NOT NULL, uid INTEGER NOT NULL, gid INTEGER NOT NULL,
+    start_time INTEGER NOT NULL, boot_id TEXT NOT NULL, bound_at REAL NOT NULL,
+    PRIMARY KEY (run_id, incarnation, rank));
 CREATE TABLE IF NOT EXISTS checkpoints (
     run_id TEXT NOT NULL, step INTEGER NOT NULL, path TEXT NOT NULL, digest TEXT NOT NULL,
     tensors TEXT NOT NULL, bytes INTEGER NOT NULL, time REAL NOT NULL);
@@ -55,13 +57,14 @@ CREATE TABLE IF NOT EXISTS incidents (
     run_id TEXT NOT NULL, detector TEXT NOT NULL, incident INTEGER NOT NULL,
     severity TEXT NOT NULL, policy TEXT NOT NULL, step INTEGER NOT NULL, summary TEXT NOT NULL,
     evidence TEXT NOT NULL, fired_at REAL NOT NULL, resolved_at REAL,
-    enforcement TEXT NOT NULL DEFAULT 'none', last_evidence TEXT,
+    enforcement TEXT NOT NULL DEFAULT 'none', incarnation INTEGER NOT NULL DEFAULT 1,
+    targets TEXT NOT NULL DEFAULT '{}', last_evidence TEXT,
     PRIMARY KEY (run_id, detector, incident));
 CREATE TABLE IF NOT EXISTS actions (
     id INTEGER PRIMARY KEY AUTOINCREMENT, time REAL NOT NULL, run_id TEXT NOT NULL,
     trainer TEXT NOT NULL, detector TEXT NOT NULL, incident INTEGER NOT NULL,
     action TEXT NOT NULL, result TEXT NOT NULL, rank INTEGER, pid INTEGER,
-    dry_run INTEGER NOT NULL, detail TEXT NOT NULL);
+    dry_run INTEGER NOT NULL, detail TEXT NOT NULL, incarnation INTEGER NOT NULL DEFAULT 1);
 CREATE INDEX IF NOT EXISTS actions_incident ON actions (run_id, detector, incident);
 CREATE TABLE IF NOT EXISTS history (
     run_id TEXT NOT NULL, kind TEXT NOT NULL, step INTEGER NOT NULL, time REAL NOT NULL,
@@ -70,6 +73,42 @@ CREATE TABLE IF NOT EXISTS step_batches (
     run_id TEXT NOT NULL, first_step INTEGER NOT NULL, steps INTEGER NOT NULL,
     packed BLOB NOT NULL, PRIMARY KEY (run_id, first_step));
 """
+
+#: Columns added since the first layout: (table, column, declaration), added to an older file.
+_ADDED_COLUMNS = (
+    ("runs", "incarnation", "INTEGER NOT NULL DEFAULT 1"),
+    ("incidents", "incarnation", "INTEGER NOT NULL DEFAULT 1"),
+    ("incidents", "targets", "TEXT NOT NULL DEFAULT '{}'"),
+    ("incidents", "last_evidence", "TEXT"),
+    ("actions", "incarnation", "INTEGER NOT NULL DEFAULT 1"),
+)
+#: An older file's bindings (keyed by run id and rank) become incarnation 1's.
+_REKEY_BINDINGS = """
+ALTER TABLE bindings RENAME TO bindings_by_run;
+CREATE TABLE bindings (
+    run_id TEXT NOT NULL, incarnation INTEGER NOT NULL, rank INTEGER NOT NULL,
+    pid INTEGER NOT NULL, uid INTEGER NOT NULL, gid INTEGER NOT NULL,
+    start_time INTEGER NOT NULL, boot_id TEXT NOT NULL, bound_at REAL NOT NULL,
+    PRIMARY KEY (run_id, incarnation, rank));
+INSERT INTO bindings SELECT run_id, 1, rank, pid, uid, gid, start_time, boot_id, bound_at
+    FROM bindings_by_run;
+DROP TABLE bindings_by_run;
+"""
+
+
+def _columns(db: sqlite3.Connection, table: str) -> set[str]:
+    return {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
+
+
+def migrate(db: sqlite3.Connection) -> None:
+    """Bring a state file of an older sidecar to this layout: every binding, incident and
+    action is keyed by run id and incarnation (what an older file held is incarnation 1)."""
+    for table, column, declaration in _ADDED_COLUMNS:
+        if column not in _columns(db, table):
+            db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declaration}")
+    if "incarnation" not in _columns(db, "bindings"):
+        db.executescript(_REKEY_BINDINGS)
+
 
 #: How long the journal of an ended run is kept (pruned when the sidecar starts).
 RETENTION_SECONDS = 30 * 86400
@@ -90,6 +129,7 @@ class StoredRun:
     ended: bool
     end_reason: str
     ended_at: float
+    incarnation: int = 1
 
 
 @dataclass(frozen=True)
@@ -105,6 +145,9 @@ class StoredIncident:
     fired_at: float
     resolved_at: float | None
     enforcement: str
+    incarnation: int = 1
+    #: rank -> the process an escalation of this incident may signal, fixed when it began.
+    targets: dict[int, ProcessIdentity] = field(default_factory=dict)
     #: The evidence when the verdict resolved or its run ended (empty: none noted since it
     #: fired; ``evidence`` is the evidence at firing).
     last_evidence: dict[str, str] = field(default_factory=dict)
@@ -129,6 +172,7 @@ class ActionRow:
     pid: int | None
     dry_run: bool
     detail: dict[str, Any]
+    incarnation: int = 1
 
 
 class Store:
@@ -140,19 +184,13 @@ class Store:
         self.write_failures = 0
         opened = open_state_db(None if state_dir is None else Path(state_dir), SCHEMA)
         self._db = opened.connection
+        migrate(self._db)
         #: The database file (None: memory only).
         self.path: Path | None = opened.path
         #: Where a corrupt database was moved at start (None: it was sound or new).
         self.moved_aside: Path | None = opened.moved_aside
         #: The report's history tables (written inside this store's transactions).
         self._history = HistoryTables(self._db)
-        self._add_missing_columns()
-
-    def _add_missing_columns(self) -> None:
-        """Columns added to a table after a database was first written (kept, not lost)."""
-        columns = {row[1] for row in self._db.execute("PRAGMA table_info(incidents)")}
-        if "last_evidence" not in columns:
-            self._db.execute("ALTER TABLE incidents ADD COLUMN last_evidence TEXT")
 
     @property
     def persistent(self) -> bool:
@@ -196,51 +234,77 @@ class Store:
 
     # -- runs ------------------------------------------------------------------------------
 
-    def upsert_run(self, run_id: str, trainer: str, start: pb.RunStart) -> None:
+    def upsert_run(self, run_id: str, trainer: str, start: pb.RunStart,
+                   incarnation: int = 1) -> None:
+        """The run id's current incarnation and its RunStart (one row per run id: the
+        journal rows of earlier incarnations keep their own incarnation number)."""
         clean = pb.RunStart()
         clean.CopyFrom(start)
         clean.attestation = ""  # redeemed already; worthless and not worth keeping
         self._write(
-            "INSERT INTO runs (run_id, trainer, start, created) VALUES (?, ?, ?, ?) "
+            "INSERT INTO runs (run_id, trainer, start, created, incarnation) "
+            "VALUES (?, ?, ?, ?, ?) "
             "ON CONFLICT(run_id) DO UPDATE SET trainer=excluded.trainer, start=excluded.start,"
-            " ended=0, end_reason='', ended_at=NULL",
-            (run_id, trainer, clean.SerializeToString(), time.time()),
+            " ended=0, end_reason='', ended_at=NULL, incarnation=excluded.incarnation",
+            (run_id, trainer, clean.SerializeToString(), time.time(), incarnation),
         )
 
-    def end_run(self, run_id: str, reason: str, at: float) -> None:
-        self._write("UPDATE runs SET ended=1, end_reason=?, ended_at=? WHERE run_id=?",
-                    (reason, at, run_id))
+    def end_run(self, run_id: str, reason: str, at: float, incarnation: int = 1) -> None:
+        """End the run id's incarnation (an older incarnation's end changes nothing)."""
+        self._write("UPDATE runs SET ended=1, end_reason=?, ended_at=? WHERE run_id=? "
+                    "AND incarnation=?", (reason, at, run_id, incarnation))
+
+    def last_incarnation(self, run_id: str) -> int:
+        """The highest incarnation the journal knows of a run id (0: none)."""
+        rows = self._read(
+            "SELECT MAX(n) FROM (SELECT incarnation AS n FROM runs WHERE run_id=? "
+            "UNION ALL SELECT incarnation FROM incidents WHERE run_id=? "
+            "UNION ALL SELECT incarnation FROM bindings WHERE run_id=?)",
+            (run_id, run_id, run_id))
+        return int(rows[0][0] or 0) if rows else 0
 
     def runs(self, ended_since: float = 0.0) -> list[StoredRun]:
         """Live runs, and ended runs that ended after ended_since."""
         rows = self._read(
-            "SELECT run_id, trainer, start, created, ended, end_reason, ended_at FROM runs "
-            "WHERE ended=0 OR ended_at >= ? ORDER BY created", (ended_since,))
+            "SELECT run_id, trainer, start, created, ended, end_reason, ended_at, incarnation "
+            "FROM runs WHERE ended=0 OR ended_at >= ? ORDER BY created", (ended_since,))
         found = []
-        for run_id, trainer, blob, created, ended, reason, ended_at in rows:
+        for run_id, trainer, blob, created, ended, reason, ended_at, incarnation in rows:
             start = pb.RunStart.FromString(blob) if blob else None
             found.append(StoredRun(run_id, trainer, start, created, bool(ended), reason,
-                                   ended_at or 0.0))
+                                   ended_at or 0.0, int(incarnation)))
         return found
 
     # -- who registered each rank ----------------------------------------------------------
 
-    def bind(self, run_id: str, rank: int, identity: ProcessIdentity) -> None:
+    def bind(self, run_id: str, rank: int, identity: ProcessIdentity,
+             incarnation: int = 1) -> None:
+        """The process of one rank of one incarnation; written once (a rank of an
+        incarnation is never bound to a second process: that is another incarnation)."""
         self._write(
-            "INSERT OR REPLACE INTO bindings VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-            (run_id, rank, identity.pid, identity.uid, identity.gid, identity.start_time,
-             identity.boot_id, time.time()),
+            "INSERT OR IGNORE INTO bindings VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (run_id, incarnation, rank, identity.pid, identity.uid, identity.gid,
+             identity.start_time, identity.boot_id, time.time()),
         )
 
-    def bindings(self, run_id: str) -> dict[int, ProcessIdentity]:
+    def bindings(self, run_id: str, incarnation: int | None = None
+                 ) -> dict[int, ProcessIdentity]:
+        """rank -> process of one incarnation (None: the run id's current one, as the runs
+        table names it, else its newest bound one)."""
+        if incarnation is None:
+            incarnation = self._current_incarnation(run_id)
         rows = self._read(
-            "SELECT rank, pid, uid, gid, start_time, boot_id FROM bindings WHERE run_id=?",
-            (run_id,))
+            "SELECT rank, pid, uid, gid, start_time, boot_id FROM bindings WHERE run_id=? "
+            "AND incarnation=?", (run_id, incarnation))
         return {rank: ProcessIdentity(pid, uid, gid, start, boot)
                 for rank, pid, uid, gid, start, boot in rows}
 
-    def forget_bindings(self, run_id: str) -> None:
-        self._write("DELETE FROM bindings WHERE run_id=?", (run_id,))
+    def _current_incarnation(self, run_id: str) -> int:
+        rows = self._read("SELECT incarnation FROM runs WHERE run_id=?", (run_id,))
+        if rows:
+            return int(rows[0][0])
+        rows = self._read("SELECT MAX(incarnation) FROM bindings WHERE run_id=?", (run_id,))
+        return int(rows[0][0] or 1)
 
     # -- checkpoints -----------------------------------------------------------------------
 
@@ -263,15 +327,26 @@ class Store:
     def open_incident(
         self, run_id: str, detector: str, incident: int, severity: str, policy: str,
         step: int, summary: str, evidence: dict[str, str], fired_at: float, enforce: bool,
+        incarnation: int = 1,
     ) -> None:
         self._write(
             "INSERT OR IGNORE INTO incidents (run_id, detector, incident, severity, policy, "
-            "step, summary, evidence, fired_at, resolved_at, enforcement) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, ?)",
+            "step, summary, evidence, fired_at, resolved_at, enforcement, incarnation) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, ?, ?)",
             (run_id, detector, incident, severity, policy, step, summary,
              json.dumps(evidence, sort_keys=True), fired_at,
-             ENFORCEMENT_OPEN if enforce else "none"),
+             ENFORCEMENT_OPEN if enforce else "none", incarnation),
         )
+
+    def set_targets(self, run_id: str, detector: str, incident: int,
+                    targets: dict[int, ProcessIdentity]) -> None:
+        """The processes an escalation may signal, fixed when it begins (a restart reads
+        them back; nothing bound later, under any incarnation, is ever added)."""
+        encoded = {str(rank): [i.pid, i.uid, i.gid, i.start_time, i.boot_id]
+                   for rank, i in targets.items()}
+        self._write("UPDATE incidents SET targets=? WHERE run_id=? AND detector=? AND "
+                    "incident=?", (json.dumps(encoded, sort_keys=True), run_id, detector,
+                                   incident))
 
     def resolve_incident(self, run_id: str, detector: str, incident: int, at: float,
                          evidence: dict[str, str] | None = None) -> None:
@@ -299,11 +374,11 @@ class Store:
     def _incidents(self, where: str, args: tuple[Any, ...]) -> list[StoredIncident]:
         rows = self._read(
             "SELECT run_id, detector, incident, severity, policy, step, summary, evidence, "
-            f"fired_at, resolved_at, enforcement, last_evidence FROM incidents WHERE {where} "
-            "ORDER BY fired_at, incident", args)
+            f"fired_at, resolved_at, enforcement, incarnation, targets, last_evidence FROM "
+            f"incidents WHERE {where} ORDER BY fired_at, incident", args)
         return [StoredIncident(r[0], r[1], r[2], r[3], r[4], r[5], r[6], json.loads(r[7]),
-                               r[8], r[9], r[10], json.loads(r[11]) if r[11] else {})
-                for r in rows]
+                               r[8], r[9], r[10], r[11], _targets(r[12]),
+                               json.loads(r[13]) if r[13] else {}) for r in rows]
 
     def last_incidents(self, run_id: str) -> dict[str, int]:
         """Per detector, the highest incident number journaled for a run (absent: none)."""
@@ -311,8 +386,12 @@ class Store:
                           "GROUP BY detector", (run_id,))
         return {detector: int(number) for detector, number in rows}
 
-    def incidents(self, run_id: str) -> list[StoredIncident]:
-        return self._incidents("run_id=?", (run_id,))
+    def incidents(self, run_id: str, incarnation: int | None = None
+                  ) -> list[StoredIncident]:
+        """A run id's incidents, of every incarnation or of one."""
+        if incarnation is None:
+            return self._incidents("run_id=?", (run_id,))
+        return self._incidents("run_id=? AND incarnation=?", (run_id, incarnation))
 
     def open_enforcements(self) -> list[StoredIncident]:
         return self._incidents("enforcement=?", (ENFORCEMENT_OPEN,))
@@ -366,13 +445,15 @@ class Store:
     def add_action(
         self, run_id: str, trainer: str, detector: str, incident: int, action: str,
         result: str, rank: int | None = None, pid: int | None = None, dry_run: bool = False,
-        detail: dict[str, Any] | None = None, at: float | None = None,
+        detail: dict[str, Any] | None = None, at: float | None = None, incarnation: int = 1,
     ) -> int:
         return self._write(
             "INSERT INTO actions (time, run_id, trainer, detector, incident, action, result, "
-            "rank, pid, dry_run, detail) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "rank, pid, dry_run, detail, incarnation) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, "
+            "?)",
             (time.time() if at is None else at, run_id, trainer, detector, incident, action,
-             result, rank, pid, int(dry_run), json.dumps(detail or {}, sort_keys=True)),
+             result, rank, pid, int(dry_run), json.dumps(detail or {}, sort_keys=True),
+             incarnation),
         )
 
     def set_result(self, action_id: int, result: str) -> None:
@@ -389,9 +470,10 @@ class Store:
         where = " AND ".join(clauses) or "1=1"
         rows = self._read(
             "SELECT id, time, run_id, trainer, detector, incident, action, result, rank, pid, "
-            f"dry_run, detail FROM actions WHERE {where} ORDER BY id", tuple(args))
+            f"dry_run, detail, incarnation FROM actions WHERE {where} ORDER BY id",
+            tuple(args))
         return [ActionRow(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9],
-                          bool(r[10]), json.loads(r[11])) for r in rows]
+                          bool(r[10]), json.loads(r[11]), r[12]) for r in rows]
 
     def prune(self, ended_before: float) -> int:
         """Forget runs that ended before a time, with everything recorded about them."""
@@ -412,3 +494,8 @@ class Store:
             "SELECT 1 FROM actions WHERE run_id=? AND detector=? AND incident=? AND action=? "
             "LIMIT 1", (run_id, detector, incident, action))
         return bool(rows)
+
+
+def _targets(encoded: str) -> dict[int, ProcessIdentity]:
+    return {int(rank): ProcessIdentity(int(v[0]), int(v[1]), int(v[2]), int(v[3]), str(v[4]))
+            for rank, v in json.loads(encoded or "{}").items()}

@@ -2,7 +2,8 @@
 
 ``--mode obey`` uses the stock callback; ``ignore_stop`` uses a callback modified to drop the
 sidecar's directives; ``ignore_term`` also ignores SIGTERM, so only SIGKILL ends it. The job
-prints ``TRAINING_ENDED step=N`` when training returns (STOP obeyed).
+prints ``TRAINING_ENDED step=N`` when training returns (STOP obeyed). ``--trainable 1`` loads
+the adapter trainable: a healthy job that learns (the control beside a frozen one).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=100_000)
     parser.add_argument("--save-steps", type=int, default=100_000)
     parser.add_argument("--step-pause", type=float, default=0.02)
+    parser.add_argument("--trainable", type=int, default=0)
     args = parser.parse_args()
     if args.mode == "ignore_term":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -47,7 +49,7 @@ def main() -> int:
     class DeafCallback(DeadweightCallback):
         """The stock callback, except that it reads the sidecar's directives and drops them."""
 
-        def _apply_directives(self, control: Any) -> None:
+        def _apply_directives(self, control: Any, state: Any = None) -> None:
             if self.client is not None:
                 for directive in self.client.take_directives():
                     print(f"IGNORING directive {directive.action}", flush=True)
@@ -60,7 +62,8 @@ def main() -> int:
 
     cls = DeadweightCallback if args.mode == "obey" else DeafCallback
     callback = cls(address=args.address, run_id=args.run_id, start_timeout_seconds=10.0)
-    model = runs.load_adapter(Path(args.model_dir), Path(args.adapter_dir), trainable=False)
+    model = runs.load_adapter(Path(args.model_dir), Path(args.adapter_dir),
+                              trainable=bool(args.trainable))
     build = runs.sft_trainer if args.kind == "sft" else runs.grpo_trainer
     trainer = build(model, Path(args.model_dir), Path(args.out), [callback, Pace()],
                     steps=args.steps, save_steps=args.save_steps)

@@ -162,13 +162,29 @@ def test_registry_binds_ranks_to_the_attested_process_only(
         joiner = Peer(address=UNIX)
         assert "requires attestation" in _start(registry, "r", 1, joiner).error
         assert registry.identities("r") == {0: bound}
-        # ... and a different (live) process attesting for the bound rank starts a new
-        # incarnation: the owner's stream is closed, never written to by the newcomer.
+        # ... and a different live process attesting for the bound rank is refused (two
+        # jobs, one run id): the owner keeps its rank and its stream, the run is flagged.
         impostor = Peer(address=UNIX)
-        assert not _start(registry, "r", 0, impostor, other_nonce).error
+        refused = _start(registry, "r", 0, impostor, other_nonce)
+        assert "in use by another live process" in refused.error
+        assert f"pid {owner.pid}" in refused.error
+        assert registry.identities("r") == {0: bound}
+        assert registry.findings("r")["run_id_in_use"].firing
+        kept = registry.ingest(pb.StreamRequest(run_id="r", rank=0,
+                                                events=frozen_events(3, 4)), owner_peer)
+        assert not kept.error and "run_id_in_use" in kept.firing
+        # Once the owner is gone, the newcomer's RunStart starts a new incarnation.
+        _end(owner)
+        successor = Peer(address=UNIX)
+        other_started = start_time(other.pid)  # its first nonce was spent on the refusal
+        assert other_started is not None
+        renewed = attestor.issue(ProcessIdentity(other.pid, bound.uid, bound.gid,
+                                                 other_started, boot_id()))
+        again = _start(registry, "r", 0, successor, renewed)
+        assert not again.error, again.error
         assert registry.identities("r")[0].pid == other.pid
         closed = registry.ingest(pb.StreamRequest(run_id="r", rank=0,
-                                                  events=frozen_events(3, 4)), owner_peer)
+                                                  events=frozen_events(5, 6)), owner_peer)
         assert "incarnation" in closed.error and owner_peer.rejected
 
         # A nonce sent over TCP counts for nothing.

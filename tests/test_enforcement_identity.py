@@ -7,6 +7,7 @@ binding whose recorded start time no longer matches stands for a reused pid.
 
 from __future__ import annotations
 
+import json
 import signal
 import sqlite3
 import subprocess
@@ -85,28 +86,43 @@ def test_a_pid_claimed_in_messages_is_never_signalled(
     assert store.bindings("attested-liar")[0].pid == attested.pid
 
 
-def test_a_pid_whose_start_time_changed_is_never_signalled(
-    killer: tuple[SidecarProcess, Path], tmp_path: Path
-) -> None:
-    sidecar, state = killer
+def test_a_pid_whose_start_time_changed_is_never_signalled(tmp_path: Path) -> None:
+    """The escalation's targets are fixed (and journaled) when it begins; a restarted
+    sidecar signals only those. A journaled target whose start time no longer matches the
+    live process stands for a reused pid: it is observed as gone, never signalled."""
+    state = tmp_path / "state"
+    sidecar = kill_sidecar(tmp_path / "sidecar", state, STOP_GRACE, 0.5).start()
     client = start_raw_client(sidecar.socket_path, "reused", tmp_path / "client.log",
                               attest=True)
     store = Store(state)
+    restarted = None
     try:
         wait_journal(store, "reused", ("stop", "sent"), 120)
-        # The recorded process is no longer the one holding the pid: a reused pid.
+        assert sidecar.process is not None
+        sidecar.process.send_signal(signal.SIGKILL)
+        sidecar.process.wait(10)
         with sqlite3.connect(state / DB_NAME, timeout=10) as db:
-            changed = db.execute("UPDATE bindings SET start_time = start_time + 1 "
-                                 "WHERE run_id = 'reused'").rowcount
-        assert changed == 1
-        wait_journal(store, "reused", ("exit", "pid_reused"), STOP_GRACE)
+            (targets,) = db.execute("SELECT targets FROM incidents WHERE run_id = 'reused' "
+                                    "AND detector = 'frozen_weights'").fetchone()
+            fixed = json.loads(targets)
+            assert [v[0] for v in fixed.values()] == [client.pid]  # fixed at the start
+            for value in fixed.values():
+                value[3] += 1  # the recorded process is no longer the one holding the pid
+            db.execute("UPDATE incidents SET targets = ? WHERE run_id = 'reused'",
+                       (json.dumps(fixed),))
+        restarted = kill_sidecar(tmp_path / "sidecar", state, STOP_GRACE, 0.5).start()
+        wait_journal(store, "reused", ("exit", "pid_reused"), 30)
         wait_for(lambda: enforcement_outcome(store, "reused") not in ("", "open"), 30,
                  what="the escalation to close")
         assert_never_signalled(client)
     finally:
         stop_all(client)
+        if restarted is not None:
+            restarted.stop()
+        sidecar.stop()
+    # The restart re-queues STOP (never sends a second), then sees the process as gone.
     assert journal(store, "reused") == [("page", "no_pager"), ("stop", "sent"),
-                                        ("exit", "pid_reused")]
+                                        ("stop", "requeued"), ("exit", "pid_reused")]
     assert enforcement_outcome(store, "reused") == "exited"
 
 

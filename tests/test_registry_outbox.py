@@ -25,11 +25,12 @@ class GatedStore(Store):
         self.writing = threading.Event()
         self.gate = threading.Event()
 
-    def upsert_run(self, run_id: str, trainer: str, start: pb.RunStart) -> None:
+    def upsert_run(self, run_id: str, trainer: str, start: pb.RunStart,
+                   incarnation: int = 1) -> None:
         if run_id == self.slow_run:
             self.writing.set()
             assert self.gate.wait(STUCK_SECONDS), "the test never opened the gate"
-        super().upsert_run(run_id, trainer, start)
+        super().upsert_run(run_id, trainer, start, incarnation)
 
 
 def _start(run_id: str) -> pb.StreamRequest:

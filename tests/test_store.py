@@ -175,3 +175,34 @@ def registry_end(registry: Registry) -> float:
     run = registry.run("r")
     assert run is not None and run.ended
     return run.ended_at
+
+
+def test_a_state_file_of_the_older_layout_is_migrated_to_incarnation_1(tmp_path: Path) -> None:
+    """A journal written before rows carried their incarnation opens; what it held is
+    incarnation 1 (bindings rekeyed, incidents and actions given the column)."""
+    import sqlite3
+
+
+    tmp_path.chmod(0o700)
+    with sqlite3.connect(tmp_path / DB_NAME) as db:
+        db.executescript("""
+CREATE TABLE bindings (
+    run_id TEXT NOT NULL, rank INTEGER NOT NULL, pid INTEGER NOT NULL, uid INTEGER NOT NULL,
+    gid INTEGER NOT NULL, start_time INTEGER NOT NULL, boot_id TEXT NOT NULL,
+    bound_at REAL NOT NULL, PRIMARY KEY (run_id, rank));
+INSERT INTO bindings VALUES ('old', 0, 42, 7, 7, 1234, 'boot', 1.0);
+CREATE TABLE runs (
+    run_id TEXT PRIMARY KEY, trainer TEXT NOT NULL, start BLOB, created REAL NOT NULL,
+    ended INTEGER NOT NULL DEFAULT 0, end_reason TEXT NOT NULL DEFAULT '', ended_at REAL);
+INSERT INTO runs VALUES ('old', 'SFTTrainer', NULL, 1.0, 0, '', NULL);
+""")
+    (tmp_path / DB_NAME).chmod(0o600)
+    store = Store(tmp_path)
+    try:
+        assert store.bindings("old", 1) == {0: ProcessIdentity(42, 7, 7, 1234, "boot")}
+        assert store.bindings("old") == store.bindings("old", 1)
+        assert store.bindings("old", 2) == {}
+        assert [r.incarnation for r in store.runs()] == [1]
+        assert store.last_incarnation("old") == 1
+    finally:
+        store.close()

@@ -7,6 +7,7 @@ real stream client.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -177,3 +178,56 @@ def test_status_command_reaches_a_tls_sidecar_with_ca_and_token(
     wrong = subprocess.run([*command, "--token", "wrong"], capture_output=True, text=True,
                            timeout=60)
     assert wrong.returncode == 2 and "UNAUTHENTICATED" in wrong.stderr
+
+
+def test_a_tcp_token_holder_that_pre_registers_a_run_id_never_steers_the_attested_job(
+    tls_sidecar: tuple[SidecarProcess, int, Path], cert: tuple[Path, Path]
+) -> None:
+    """The TCP token holder registers the attested job's run id first and pushes rank 0's
+    sequence numbers to 2^62. The attested unix job then starts a new incarnation: none of
+    the holder's numbers survive (every real event counts, its frozen steps fire), the run
+    says ``run_id_in_use``, and the holder can neither write to it nor take it back."""
+    from tests.faults import Pipe
+    from tests.raw_client import frozen_events, run_start
+
+    sidecar, port, state = tls_sidecar
+    run_id = "tcp-squatted"
+    metadata = bearer_metadata(TOKEN)
+    with _tls_channel(cert[0], port) as channel:
+        import queue
+
+        sent: queue.Queue[pb.StreamRequest | None] = queue.Queue()
+        answers = monitor_stub(channel).Stream(iter(sent.get, None), metadata=metadata)
+
+        def tcp(*events: pb.Event) -> pb.StreamResponse:
+            sent.put(pb.StreamRequest(run_id=run_id, events=list(events)))
+            response: pb.StreamResponse = next(answers)
+            return response
+
+        assert not tcp(pb.Event(seq=0, run_start=run_start())).error
+        assert tcp(*frozen_events(1, 2**62)).ack_seq == 2**62 + 1
+        job = Pipe(sidecar.address)  # this process, attested over the unix socket
+        try:
+            assert not job.send(pb.StreamRequest(run_id=run_id, events=[
+                pb.Event(seq=0, run_start=run_start())])).error
+            for step in range(1, 6):
+                answer = job.send(pb.StreamRequest(run_id=run_id,
+                                                   events=frozen_events(step, 2 * step - 1)))
+                assert not answer.error and answer.ack_seq == 2 * step  # nothing dropped
+            status = sidecar.run_status(run_id)
+            assert status is not None and status.step == 5
+            firing = {f.detector: f for f in status.findings if f.firing}
+            assert "frozen_weights" in firing
+            assert "unattested" in firing["run_id_in_use"].evidence["newcomer"]
+            # The holder's stream belongs to the closed incarnation; a new RunStart is refused.
+            assert "incarnation" in tcp(*frozen_events(2, 2**62 + 2)).error
+        finally:
+            job.close()
+    with _tls_channel(cert[0], port) as channel:
+        again = monitor_stub(channel).Stream(iter([pb.StreamRequest(
+            run_id=run_id, events=[pb.Event(seq=0, run_start=run_start())])]),
+            metadata=metadata, timeout=10)
+        assert "attested processes only" in next(again).error  # then the stream is ended
+    store = Store(state)
+    assert {i.pid for i in store.bindings(run_id).values()} == {os.getpid()}
+    store.close()

@@ -125,7 +125,8 @@ def test_a_stream_is_answered_while_the_server_ticks_many_runs(
     0 s), a tick of 400 runs lasts over 0.4 s, and a batch sent during it is answered
     before it ends. A tick in one go answers it only after its last run."""
     monkeypatch.setattr(server, "TICK_TURN_SECONDS", 0.0)
-    registry = Registry(max_runs=500, max_ranks=500, allow_unattested=True)
+    registry = Registry(max_runs=500, max_ranks=500, allow_unattested=True,
+                        max_runs_per_process=500, max_runs_per_uid=500)
     for run in range(400):
         response = registry.ingest(pb.StreamRequest(run_id=f"many-{run}", rank=0, events=[
             pb.Event(run_start=pb.RunStart(trainer="SFTTrainer"))]))

@@ -40,8 +40,9 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def sidecar(tmp_path_factory: pytest.TempPathFactory,
             root: Path) -> Iterator[tuple[SidecarProcess, Pipe]]:
-    with SidecarProcess(tmp_path_factory.mktemp("trust-watcher"),
-                        watch_roots=[root]) as process:
+    with SidecarProcess(tmp_path_factory.mktemp("trust-watcher"), watch_roots=[root],
+                        extra_args=["--max-runs-per-process", "1000",
+                                    "--max-runs-per-uid", "1000"]) as process:
         pipe = Pipe(process.address)
         yield process, pipe
         pipe.close()

@@ -29,7 +29,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SidecarProcess, Pipe]]:
     with SidecarProcess(tmp_path_factory.mktemp("trust-limits"),
-                        extra_args=["--max-runs", "2000"]) as process:
+                        extra_args=["--max-runs", "2000", "--max-runs-per-process", "2000",
+                                    "--max-runs-per-uid", "2000"]) as process:
         pipe = Pipe(process.address)
         yield process, pipe
         pipe.close()

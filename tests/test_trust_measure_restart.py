@@ -31,7 +31,9 @@ SILENT_SECONDS = 10.0
 def _sidecar(folder: Path) -> SidecarProcess:
     return SidecarProcess(folder, extra_args=[
         "--state-dir", str(folder / "state"), "--allow-unattested",
-        "--silent-run-seconds", str(SILENT_SECONDS), "--max-runs", str(RUNS)])
+        "--silent-run-seconds", str(SILENT_SECONDS), "--max-runs", str(RUNS),
+        # one client fills the table on purpose here: the per-process caps stand aside
+        "--max-runs-per-process", str(RUNS), "--max-runs-per-uid", str(RUNS)])
 
 
 def _start(pipe: Pipe, run_id: str) -> pb.StreamResponse:

@@ -211,24 +211,43 @@ def test_a_rank_pre_set_to_a_huge_sequence_number_drops_nothing_of_the_real_job(
         job.close()
 
 
-def test_a_superseded_incarnation_never_steers_the_new_one(sidecar: SidecarProcess) -> None:
-    """2: the old process of a rebound rank is told its incarnation closed; its writes and
-    its directives stay with the old life (journaled), the new one starts clean."""
+def test_a_second_live_process_is_refused_and_the_first_keeps_its_run(
+    sidecar: SidecarProcess,
+) -> None:
+    """2: two live processes of one uid with one run id (a job template's fixed id): the
+    second is refused with a clear error and the run gets ``run_id_in_use``; the first keeps
+    its rank, its verdicts and its stream (no turn-taking). Once the first exits, the second
+    starts a new incarnation, and the old one's writes never steer it."""
     old = Client(sidecar, "rebound")
     new = Client(sidecar, "rebound")
     try:
         assert not old.do(start={"seq": 1})["error"]
         assert not old.do(steps=[1, 8], kind="frozen", seq=2)["error"]
         wait_for(lambda: _firing(sidecar, "rebound", "frozen_weights"), what="old life fires")
-        assert not new.do(start={"seq": 1})["error"]  # rebinds rank 0: incarnation 2
+        refused = new.do(start={"seq": 1})
+        assert "in use by another live process" in refused["error"], refused
+        assert f"pid {old.proc.pid}" in refused["error"]
+        assert "not monitored" in refused["error"]
+        assert _firing(sidecar, "rebound", "run_id_in_use")
+        assert _firing(sidecar, "rebound", "frozen_weights")  # the old life's verdict stays
+        for _ in range(3):  # it keeps trying, as the callback does: still no turn-taking
+            again = new.do(start={"seq": 1})
+            assert "in use by another live process" in again["error"]
+            kept = old.do(steps=[9, 9], kind="frozen", seq=18)
+            assert not kept["error"], kept
+        before = _metric(sidecar, "deadweight_run_incarnations_total")
+        old.close()  # the owner exits
+        wait_for(lambda: not new.do(start={"seq": 1})["error"], timeout=30,
+                 what="the second process to take the run id once the first is gone")
+        assert _metric(sidecar, "deadweight_run_incarnations_total") == before + 1
         assert not _firing(sidecar, "rebound", "frozen_weights")
-        closed = old.do(steps=[9, 9], kind="frozen", seq=18)
-        assert "incarnation" in closed["error"] or closed.get("ended"), closed
         answer = new.do(steps=[1, 3], kind="healthy", seq=2)
         assert not answer["error"] and not answer["directives"]
         store = Store(sidecar.folder / "state")
         incidents = [i for i in store.incidents("rebound") if i.detector == "frozen_weights"]
         assert incidents and incidents[0].resolved_at is not None  # kept, closed
+        assert {i.incarnation for i in incidents} == {1}
+        assert store.bindings("rebound")[0].pid == new.proc.pid
         store.close()
     finally:
         old.close()

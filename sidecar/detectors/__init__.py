@@ -32,6 +32,7 @@ from deadweight.sidecar.detectors.optimizer import (
     GradNotInOptimizer,
     InactiveAdapter,
 )
+from deadweight.sidecar.detectors.reporting import RunIdInUse, StepOutOfOrder
 from deadweight.sidecar.detectors.rl import (
     CompletionsTruncated,
     KlMissing,
@@ -107,6 +108,8 @@ ALL: tuple[Detector, ...] = (
     EmptyAdapter(),
     PickleCheckpoint(),
     CheckpointRefused(),
+    StepOutOfOrder(),
+    RunIdInUse(),
 )
 
 BY_ID: dict[str, Detector] = {d.id: d for d in ALL}

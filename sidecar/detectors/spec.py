@@ -128,6 +128,8 @@ CAUSES_FIRST: tuple[str, ...] = (
     # what the run wrote
     "checkpoint_unchanged", "adapter_never_trained", "empty_adapter", "adapter_bloat",
     "pickle_checkpoint", "checkpoint_refused",
+    # how the run is reported (two jobs on one id, steps that go back)
+    "run_id_in_use", "step_out_of_order",
 )
 _CAUSE_RANK = {detector: rank for rank, detector in enumerate(CAUSES_FIRST)}
 

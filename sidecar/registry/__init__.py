@@ -47,10 +47,10 @@ from deadweight.sidecar.finding import ActionSink, Finding, LogOnlyActions, RunS
 from deadweight.sidecar.registry import restart
 from deadweight.sidecar.registry.batch import AppliedBatch, CheckedBatch
 from deadweight.sidecar.registry.events import CheckpointSink, EventApplier, end_run
-from deadweight.sidecar.registry.identity import IdentityGate, Peer
+from deadweight.sidecar.registry.identity import IdentityGate, Peer, note_collision
 from deadweight.sidecar.registry.incidents import RESUME_HOLD_STEPS, FindingLifecycle
 from deadweight.sidecar.registry.notices import VerdictNotices
-from deadweight.sidecar.registry.run_table import RunEntry, RunTable
+from deadweight.sidecar.registry.run_table import Owner, RunEntry, RunTable
 from deadweight.sidecar.registry.status_report import status_response
 from deadweight.sidecar.registry.validation import (
     MAX_RUN_ID_LENGTH,
@@ -71,6 +71,9 @@ if TYPE_CHECKING:
     from deadweight.sidecar.history_queue import HistoryQueue
 
 log = structlog.get_logger("deadweight.registry")
+
+#: A run id's past in the journal: per detector its last incident, and its last incarnation.
+Numbering = tuple[dict[str, int], int]
 
 #: Actions listed per run in a Status answer (the newest; the journal keeps them all).
 MAX_STATUS_ACTIONS = 20
@@ -101,6 +104,8 @@ class Registry:
         max_ranks: int = 4096,
         history_queue: HistoryQueue | None = None,
         runbook_url_pattern: str = DEFAULT_RUNBOOK_URL_PATTERN,
+        max_runs_per_process: int = 64,
+        max_runs_per_uid: int = 256,
     ) -> None:
         self.actions = actions or LogOnlyActions()
         self.store = store or Store()
@@ -111,7 +116,7 @@ class Registry:
         self.policies.update(policies or {})
         self._lock = threading.RLock()
         self._table = RunTable(self.store, self.actions.forget, max_runs, ended_ttl_seconds,
-                               max_ranks)
+                               max_ranks, max_runs_per_process, max_runs_per_uid)
         self._gate = IdentityGate(self.store, attestor, allow_unattested, trainer_uids)
         self._events = EventApplier(self.store, history_queue)
         self.notices = VerdictNotices(self.detectors, runbook_url_pattern)
@@ -169,6 +174,20 @@ class Registry:
         return self._events.duplicate_events
 
     @property
+    def capacity_refusals(self) -> Counter[tuple[str, str]]:
+        """Runs refused for capacity, by (uid, reason: process, uid, table)."""
+        return self._table.refused
+
+    @property
+    def evicted_live_runs(self) -> int:
+        return self._table.evicted_live
+
+    @property
+    def steps_refused(self) -> Counter[str]:
+        """Step reports not applied, by reason (out_of_order, too_far)."""
+        return self._events.steps_refused
+
+    @property
     def watcher(self) -> CheckpointSink | None:
         return self._events.watcher
 
@@ -219,13 +238,28 @@ class Registry:
                 return None
             try:
                 current = self._table.get(request.run_id)
-                if current is not None and self._gate.starts_incarnation(current, request,
-                                                                         peer):
+                why = (self._gate.starts_incarnation(current, request, peer)
+                       if current is not None else "")
+                if current is not None and why:
                     closed = current
                     held = self._close_incarnation(current)
-                    self._table.succeed(current, request.rank).inherited_pages = held
+                    successor = self._table.succeed(current, request.rank)
+                    successor.inherited_pages = held
+                    if why == "unattested":
+                        note_collision(successor, request.rank, "unattested streams (TCP, or "
+                                       "the unix socket unattested) reported this rank "
+                                       "before this attested process; what they sent was "
+                                       "dropped with their incarnation")
                 self._table.make_room_for_rank(request.run_id, request.rank)
-                entry = self._admit(request, peer, numbering)
+                owner = self._table.get(request.run_id)
+                collisions = owner.state.collisions if owner is not None else 0
+                try:
+                    entry = self._admit(request, peer, numbering)
+                except IdentityRejected:
+                    if owner is not None and owner.state.collisions != collisions:
+                        self._lifecycle.evaluate(owner)  # run_id_in_use, on the owner's run
+                        entry = owner  # its outbox is done with the refusal's answer
+                    raise
                 if run_start_of(request) is not None or request.run_id not in peer.incarnations:
                     peer.incarnations[request.run_id] = entry.incarnation
                 ack = self._events.apply(entry, request, scanned)
@@ -255,21 +289,25 @@ class Registry:
                     old, finding, "incarnation closed", page=False)
         superseded = getattr(self.actions, "superseded", None)
         if callable(superseded):
-            old.outbox.add(functools.partial(superseded, old.state.run_id))
+            old.outbox.add(functools.partial(superseded, old.state.run_id, old.incarnation))
         self.incarnations_started += 1
         log.warning("run_incarnation_started", run_id=old.state.run_id,
                     incarnation=old.incarnation + 1, previous_step=old.state.step,
                     previous_end=old.state.end_reason)
         return held
 
-    def _numbering_if_new(self, request: pb.StreamRequest) -> dict[str, int] | None:
-        """For a batch that may register a run: its past incident numbers (read unlocked)."""
+    def _numbering_if_new(self, request: pb.StreamRequest) -> Numbering | None:
+        """For a batch that may register a run: its past incident numbers and its last
+        incarnation (read unlocked)."""
         if self._table.get(request.run_id) is not None or run_start_of(request) is None:
             return None
-        return self.store.last_incidents(request.run_id)
+        return self._numbering(request.run_id)
+
+    def _numbering(self, run_id: str) -> Numbering:
+        return self.store.last_incidents(run_id), self.store.last_incarnation(run_id)
 
     def _admit(self, request: pb.StreamRequest, peer: Peer,
-               numbering: dict[str, int] | None) -> RunEntry:
+               numbering: Numbering | None) -> RunEntry:
         """The batch's run (registered now if it starts here), its rank bound if it may be."""
         entry = self._table.get(request.run_id)
         binding = self._gate.admit(entry, request, peer)
@@ -277,8 +315,9 @@ class Registry:
             if run_start_of(request) is None:
                 raise IngestError(f"unknown run_id {request.run_id!r}: send run_start first")
             if numbering is None:  # the run expired since the unlocked look: read it now
-                numbering = self.store.last_incidents(request.run_id)
-            entry = self._table.admit(request.run_id, request.rank, numbering)
+                numbering = self._numbering(request.run_id)
+            entry = self._table.admit(request.run_id, request.rank, *numbering,
+                                      owner=owner_of(peer))
         if binding is not None:
             self._gate.bind(entry, request.rank, binding)
         return entry
@@ -390,11 +429,13 @@ class Registry:
         if IdentityGate.all_gone(entry):
             end_run(entry, self.store, "process_exited", now)
 
-    def mark_ended(self, run_id: str, reason: str) -> None:
-        """End a run from outside the stream (its processes were killed or are gone)."""
+    def mark_ended(self, run_id: str, reason: str, incarnation: int | None = None) -> None:
+        """End a run from outside the stream (its processes were killed or are gone); with
+        incarnation, only that life of the run id (a later one is not the one killed)."""
         with self._lock:
             entry = self._table.get(run_id)
-            if entry is None or entry.state.ended:
+            if entry is None or entry.state.ended or (
+                    incarnation is not None and entry.incarnation != incarnation):
                 return
             end_run(entry, self.store, reason, time.time())
             self._lifecycle.evaluate(entry)
@@ -429,19 +470,25 @@ class Registry:
             entry = self._table.get(run_id)
             return None if entry is None else entry.state
 
-    def progress(self, run_id: str) -> tuple[int, bool, frozenset[int]] | None:
-        """(step, ended, ranks) of a run, read under the lock (for the enforcer's thread)."""
+    def progress(self, run_id: str, incarnation: int | None = None
+                 ) -> tuple[int, bool, frozenset[int]] | None:
+        """(step, ended, ranks) of a run, read under the lock (for the enforcer's thread);
+        with incarnation, None when the run id lives in another one."""
         with self._lock:
             entry = self._table.get(run_id)
-            if entry is None:
+            if entry is None or (incarnation is not None and entry.incarnation != incarnation):
                 return None
             run = entry.state
             return run.step, run.ended, frozenset(run.ranks)
 
-    def identities(self, run_id: str) -> dict[int, ProcessIdentity]:
+    def identities(self, run_id: str, incarnation: int | None = None
+                   ) -> dict[int, ProcessIdentity]:
+        """rank -> bound process of the run (with incarnation: {} for another one)."""
         with self._lock:
             entry = self._table.get(run_id)
-            return {} if entry is None else dict(entry.identities)
+            if entry is None or (incarnation is not None and entry.incarnation != incarnation):
+                return {}
+            return dict(entry.identities)
 
     def direct(self, run_id: str, directive: pb.Directive) -> RunSnapshot | None:
         """Queue directive for every rank of a live run (an operator's STOP); the run then,
@@ -472,6 +519,21 @@ class Registry:
         actions = {run.run_id: self.store.actions(run_id=run.run_id)[-MAX_STATUS_ACTIONS:]
                    for run, _ in runs}
         return status_response(runs, actions, time.time())
+
+
+def owner_of(peer: Peer) -> Owner | None:
+    """Who registers a run, for the capacity caps: the attested process (pid and start time,
+    so a reused pid is another owner), else the unix peer's pid, else the TCP host (a new
+    connection does not make a new owner); None when the transport named nobody (a caller
+    in this process)."""
+    if not peer.address and not peer.pid and peer.identity is None:
+        return None
+    if peer.identity is not None:
+        return Owner(f"pid {peer.identity.pid} start {peer.identity.start_time}",
+                     peer.identity.uid)
+    if peer.pid:
+        return Owner(f"pid {peer.pid}", peer.uid)
+    return Owner(f"host {peer.address.rsplit(':', 1)[0]}", peer.uid)
 
 
 __all__ = [

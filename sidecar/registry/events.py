@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
@@ -50,7 +51,8 @@ def end_run(entry: RunEntry, store: Store, reason: str, now: float, step: int | 
     run.ended = True
     run.end_reason = reason
     run.ended_at = now
-    entry.outbox.add(functools.partial(store.end_run, run.run_id, reason, now))
+    entry.outbox.add(functools.partial(store.end_run, run.run_id, reason, now,
+                                       entry.incarnation))
     for finding in entry.findings.values():
         if finding.firing:  # firing at end: the journal keeps what it showed last
             entry.outbox.add(functools.partial(store.note_evidence, run.run_id,
@@ -69,6 +71,9 @@ class EventApplier:
         self.history_queue = history_queue
         self.watcher: CheckpointSink | None = None
         self.duplicate_events = 0
+        #: Step reports refused, by reason: out_of_order (no newer than the rank's newest,
+        #: with a new sequence number) and too_far (beyond ``limits.MAX_STEP_JUMP``).
+        self.steps_refused: Counter[str] = Counter()
         #: The batch's step history rows, written in one transaction after it (under the
         #: registry lock, so one list serves every run).
         self._history: list[tuple[int, float, bytes | str]] = []
@@ -121,8 +126,14 @@ class EventApplier:
                     point = from_report(report, now, found)
                     step = point.step
                     if newest is not None and step <= newest:
+                        # A new sequence number with an old step: not a re-send.
                         self.duplicate_events += 1
+                        self._bad_step(run, rank_id, step, newest, "out_of_order")
                         continue  # a repeated or out-of-order step changes nothing
+                    if step > (limits.MAX_FIRST_STEP if newest is None
+                               else newest + limits.MAX_STEP_JUMP):
+                        self._bad_step(run, rank_id, step, newest or 0, "too_far")
+                        continue  # refused: it would make every later step look old
                     steps.append(point)
                     newest = rank.step = step
                     rank.last_step_time = now
@@ -141,6 +152,19 @@ class EventApplier:
         finally:
             self._keep_history(entry)
         return rank.last_seq
+
+    def _bad_step(self, run: RunState, rank: int, step: int, newest: int, why: str) -> None:
+        """A step report not applied: counted on the run (the ``step_out_of_order`` finding)
+        and sidecar-wide (``deadweight_steps_refused_total``)."""
+        run.bad_step = (rank, step, newest, why)
+        if why == "too_far":
+            run.steps_too_far += 1
+        else:
+            run.steps_out_of_order += 1
+        self.steps_refused[why] += 1
+        if self.steps_refused[why] & (self.steps_refused[why] - 1) == 0:  # 1, 2, 4, ...
+            log.warning("step_refused", run_id=run.run_id, rank=rank, step=step,
+                        newest=newest, reason=why, count=self.steps_refused[why])
 
     def _keep_history(self, entry: RunEntry) -> None:
         """Hand the batch's step and log history to the queue (or the run's outbox)."""
@@ -177,7 +201,7 @@ class EventApplier:
         if run.start is None or rank == entry.leader:
             run.start = start
             entry.outbox.add(functools.partial(self.store.upsert_run, run.run_id, run.trainer,
-                                               start))
+                                               start, entry.incarnation))
         run.rank(rank).membership = start.membership
         if self.watcher is not None and start.output_dir:
             bound = entry.identities.get(rank)

@@ -2,8 +2,12 @@
 
 The transport says who is on the other end of a stream (``Peer``); a RunStart may redeem an
 attestation nonce so the kernel names the process (pid, uid, start time). A rank registered
-by an identified process is bound to it: only that process, or a replacement of the same uid
-once it is gone, may report for the rank. A pid in any message field counts for nothing.
+by an identified process is bound to it: only that process, or a replacement once it is
+gone, may report for the rank. Two live processes never own one rank of one run id: the
+second is refused (``RunIdInUse``, a clear error in its console) and the run it collided
+with gets the ``run_id_in_use`` finding; no turn-taking. An attested process taking a rank
+that only unattested streams reported starts a new incarnation, so nothing they sent
+(sequence numbers, steps) carries over. A pid in any message field counts for nothing.
 ``IdentityGate.admit`` decides; ``bind`` records the decision (the store write is queued).
 """
 
@@ -22,6 +26,7 @@ from deadweight.sidecar.registry.validation import (
     AttestationRequired,
     IdentityRejected,
     IngestError,
+    RunIdInUse,
     run_start_event,
     run_start_of,
 )
@@ -60,30 +65,37 @@ class IdentityGate:
         self.trainer_uids = frozenset(trainer_uids)
 
     def starts_incarnation(self, entry: RunEntry, request: pb.StreamRequest,
-                           peer: Peer) -> bool:
-        """True when a RunStart begins a new life of this run id rather than joining it.
+                           peer: Peer) -> str:
+        """Why a RunStart begins a new life of this run id rather than joining it ("": it
+        does not): ``ended``, ``gone``, ``unattested`` or ``restarted``.
 
-        That is a run that ended; a rank bound to another process of the same uid, or to one
-        that is gone (a restarted job, a run id used again: a live process of another uid
-        keeps its run, ``admit`` refuses); or, for unattested runs, a rank whose sequence
-        numbers start again from another stream (a new process)."""
+        That is a run that ended; a rank bound to a process that is gone (a restarted job, a
+        run id used again: a live process keeps its rank, ``admit`` refuses the newcomer); a
+        rank only unattested streams reported, taken by an attested process; or, for
+        unattested runs, a rank whose sequence numbers start again from another stream (a
+        new process)."""
         start_event = run_start_event(request)
         if start_event is None:
-            return False
+            return ""
         start_seq = start_event.seq
         if entry.state.ended:
-            return True
+            return "ended"
         self.redeem(request, peer)
         bound = entry.identities.get(request.rank)
         if bound is not None and peer.identity is not None:
-            return peer.identity != bound and (
-                peer.identity.uid == bound.uid or not is_alive(bound))
+            return "gone" if peer.identity != bound and not is_alive(bound) else ""
+        if (peer.identity is not None and not entry.identities
+                and request.rank in entry.state.ranks):
+            # The rank was reported by unattested streams only (a TCP token holder first):
+            # the attested process starts clean; the double use is a finding (the caller).
+            return "unattested"
         if entry.identities or peer.identity is not None:
-            return False  # a new rank of an attested run: admit decides
+            return ""  # a new rank of an attested run: admit decides
         rank = entry.state.ranks.get(request.rank)
-        return bool(rank is not None and rank.last_seq and start_seq
-                    and start_seq <= rank.last_seq
-                    and peer.incarnations.get(request.run_id) != entry.incarnation)
+        return "restarted" if (rank is not None and rank.last_seq and start_seq
+                               and start_seq <= rank.last_seq
+                               and peer.incarnations.get(request.run_id) != entry.incarnation
+                               ) else ""
 
     def redeem(self, request: pb.StreamRequest, peer: Peer) -> None:
         """Let the batch's RunStart prove the stream's process (unix socket only)."""
@@ -129,7 +141,10 @@ class IdentityGate:
             raise IdentityRejected(
                 f"run {request.run_id!r} started incarnation {entry.incarnation}; this stream "
                 f"belongs to incarnation {known}, which is closed: send run_start again")
+        registering = run_start_of(request) is not None
         if entry.identities and peer.identity is None:
+            if registering:
+                note_collision(entry, request.rank, f"an unattested stream ({peer.address})")
             raise IdentityRejected(
                 f"run {request.run_id!r} is written by attested processes only; this stream "
                 "did not attest")
@@ -138,6 +153,16 @@ class IdentityGate:
         if bound is not None:
             if peer.identity == bound:
                 return None
+            assert peer.identity is not None
+            if registering:
+                note_collision(entry, request.rank, peer.identity.describe())
+            if peer.identity.uid == bound.uid:
+                raise RunIdInUse(
+                    f"run id {request.run_id!r} rank {request.rank} is in use by another live "
+                    f"process, {bound.describe()}, that registered it first: two jobs cannot "
+                    "report as one run, so THIS job is not monitored. Give each job its own "
+                    "run id (DEADWEIGHT_RUN_ID, or run_id=); the other run is flagged "
+                    "run_id_in_use")
             raise IdentityRejected(
                 f"rank {request.rank} of run {request.run_id!r} is registered to another "
                 f"process (uid {bound.uid}); only that process may report for it"
@@ -154,7 +179,8 @@ class IdentityGate:
     def bind(self, entry: RunEntry, rank: int, identity: ProcessIdentity) -> None:
         """Bind rank to identity now; the store learns it when the outbox is flushed."""
         entry.identities[rank] = identity
-        entry.outbox.add(functools.partial(self.store.bind, entry.state.run_id, rank, identity))
+        entry.outbox.add(functools.partial(self.store.bind, entry.state.run_id, rank, identity,
+                                           entry.incarnation))
         log.info("rank_bound", run_id=entry.state.run_id, rank=rank, pid=identity.pid,
                  uid=identity.uid, start_time=identity.start_time)
 
@@ -163,3 +189,13 @@ class IdentityGate:
         """Whether every process that registered a rank of the run has exited."""
         return bool(entry.identities) and not any(
             is_alive(identity) for identity in entry.identities.values())
+
+
+def note_collision(entry: RunEntry, rank: int, who: str) -> None:
+    """Another party tried to register a rank of the run: counted on the run (the
+    ``run_id_in_use`` finding reads it) and logged, each time."""
+    run = entry.state
+    run.collisions += 1
+    run.collision = f"rank {rank}: {who}"
+    log.warning("run_id_in_use", run_id=run.run_id, rank=rank, newcomer=who,
+                incarnation=entry.incarnation, collisions=run.collisions)

@@ -127,8 +127,11 @@ class FindingLifecycle:
             severity=finding.severity, policy=finding.policy, step=verdict.step,
             summary=verdict.summary, evidence=verdict.evidence,
         )
-        entry.outbox.add(functools.partial(self._journal_and_act, entry, finding,
-                                           RunSnapshot.of(run), finding.copy()))
+        # The processes bound to this incarnation now: all an escalation may ever signal.
+        snapshot = RunSnapshot(run.run_id, run.trainer, run.step, entry.incarnation,
+                               tuple(sorted(entry.identities.items())))
+        entry.outbox.add(functools.partial(self._journal_and_act, entry, finding, snapshot,
+                                           finding.copy()))
 
     def _journal_and_act(self, entry: RunEntry, finding: Finding, run: RunSnapshot,
                          frozen: Finding) -> Sequence[pb.Directive] | None:
@@ -137,7 +140,7 @@ class FindingLifecycle:
             self.store.open_incident(
                 run.run_id, frozen.detector, frozen.incidents, frozen.severity, frozen.policy,
                 frozen.step, frozen.summary, dict(frozen.evidence), frozen.fired_at,
-                enforce=frozen.policy == Policy.KILL.value)
+                enforce=frozen.policy == Policy.KILL.value, incarnation=run.incarnation)
             return self.actions.fired(run, frozen)
         except StoreWriteFailed as err:
             with self.lock:
@@ -180,9 +183,10 @@ class FindingLifecycle:
         run = entry.state
         latest = {}
         for incident in incidents:
-            latest[incident.detector] = incident
             entry.last_incident[incident.detector] = max(
                 entry.last_incident.get(incident.detector, 0), incident.incident)
+            if incident.incarnation == entry.incarnation:  # an older life's stay its own
+                latest[incident.detector] = incident
         for detector, incident in latest.items():
             finding = Finding(
                 detector=detector, severity=incident.severity, policy=incident.policy,

@@ -17,7 +17,7 @@ import structlog
 
 from deadweight.sidecar.registry.events import end_run
 from deadweight.sidecar.registry.incidents import FindingLifecycle
-from deadweight.sidecar.registry.run_table import RunEntry, RunTable
+from deadweight.sidecar.registry.run_table import Owner, RunEntry, RunTable
 from deadweight.sidecar.state import RunState
 from deadweight.sidecar.store import RETENTION_SECONDS, Store, StoredIncident
 
@@ -42,8 +42,11 @@ def read_back(store: Store, now: float, ended_ttl_seconds: float,
     for stored in store.runs(ended_since=now - ended_ttl_seconds)[:limit]:
         run = RunState(stored.run_id, created=stored.created)
         run.start = stored.start
-        entry = RunEntry(run)
-        entry.identities = store.bindings(stored.run_id)
+        entry = RunEntry(run, incarnation=stored.incarnation)
+        entry.identities = store.bindings(stored.run_id, stored.incarnation)
+        first = entry.identities.get(min(entry.identities)) if entry.identities else None
+        if first is not None:  # the caps count a restored run for its process again
+            entry.owner = Owner(f"pid {first.pid} start {first.start_time}", first.uid)
         for rank in entry.identities:
             run.rank(rank).last_seen = now  # stall clocks restart with the sidecar
         run.ended, run.end_reason, run.ended_at = (
@@ -51,6 +54,7 @@ def read_back(store: Store, now: float, ended_ttl_seconds: float,
         points = store.checkpoints(stored.run_id)
         run.checkpoints.extend(points)
         run.checkpoints_total = len(points)
+        # Every incarnation's incidents: their numbers continue; only this one's stay live.
         restored.append(RestoredRun(entry, store.incidents(stored.run_id)))
     return restored
 

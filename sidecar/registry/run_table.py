@@ -2,13 +2,19 @@
 
 A run enters with its first RunStart (``admit``), or from the store after a restart
 (``restore``); it leaves when it ended longer than the TTL ago (``expire_ended``), or to make
-room when the table is full (the run that ended first goes). All methods are called under
-the registry lock; store writes go to the run's outbox.
+room when the table is full: the run that ended first goes, else the least recently heard
+live run of the process that holds the most live runs, when it holds more than the newcomer's
+process would after admission (never the newcomer's own, never a one-run job's).
+Capacity cannot be hoarded: each process (``max_runs_per_process``) and each uid
+(``max_runs_per_uid``) may hold only so many live runs; every refusal is counted by uid.
+All methods are called under the registry lock; store writes go to the run's outbox.
 """
 
 from __future__ import annotations
 
 import functools
+import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -23,6 +29,19 @@ from deadweight.sidecar.state import RunState
 from deadweight.sidecar.store import Store
 
 log = structlog.get_logger("deadweight.registry")
+
+
+#: How many distinct uids the refusal counter keeps by name (the rest count as "other").
+MAX_REFUSAL_UIDS = 64
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The process that registered a run, as the transport named it: an attested process
+    (pid and start time), a unix peer (pid), or a TCP host; and its uid (-1: unknown, TCP)."""
+
+    process: str
+    uid: int
 
 
 @dataclass
@@ -55,10 +74,13 @@ class RunEntry:
     #: once this incarnation proves healthy (``FindingLifecycle.settle_inherited``), carried
     #: on by a new incident of the same detector, else resolved when the run expires.
     inherited_pages: dict[str, Finding] = field(default_factory=dict)
+    #: Who registered the run (``Owner``): what the capacity caps count.
+    owner: Owner | None = None
     outbox: Outbox = field(init=False)
 
     def __post_init__(self) -> None:
         self.outbox = Outbox(self.state.run_id)
+        self.state.incarnation = self.incarnation
 
     def hold_firing(self) -> None:
         """Keep every firing finding firing until its detector confirms it or the run has
@@ -81,10 +103,17 @@ class RunTable:
     """Live and recently ended runs by id, bounded by ``max_runs``."""
 
     def __init__(self, store: Store, forget: Callable[[str], None], max_runs: int,
-                 ended_ttl_seconds: float, max_ranks: int = 4096) -> None:
+                 ended_ttl_seconds: float, max_ranks: int = 4096,
+                 max_runs_per_process: int = 64, max_runs_per_uid: int = 256) -> None:
         self.store = store
         self.forget = forget
         self.max_runs = max_runs
+        self.max_runs_per_process = max_runs_per_process
+        self.max_runs_per_uid = max_runs_per_uid
+        #: (uid, reason) -> refused registrations (reason: process, uid, table).
+        self.refused: Counter[tuple[str, str]] = Counter()
+        #: Live runs evicted to let another process in.
+        self.evicted_live = 0
         #: Ranks held across every run (ended ones too, until they expire): with max_runs,
         #: what bounds the sidecar's memory (each rank keeps a window of steps).
         self.max_ranks = max_ranks
@@ -100,16 +129,67 @@ class RunTable:
     def __len__(self) -> int:
         return len(self._runs)
 
-    def admit(self, run_id: str, rank: int, last_incident: dict[str, int]) -> RunEntry:
-        """A new run; last_incident (read from the store) continues its incident numbers."""
-        if len(self._runs) >= self.max_runs and not self._evict_oldest_ended():
-            raise CapacityError(f"sidecar already tracks {self.max_runs} live runs")
-        entry = RunEntry(RunState(run_id), last_incident=dict(last_incident), leader=rank)
-        # A run id used again: the processes that registered it before count for nothing.
-        entry.outbox.add(functools.partial(self.store.forget_bindings, run_id))
+    def admit(self, run_id: str, rank: int, last_incident: dict[str, int],
+              last_incarnation: int = 0, owner: Owner | None = None) -> RunEntry:
+        """A new run; last_incident and last_incarnation (read from the store) continue its
+        incident and incarnation numbers, so no journal row of an earlier life is shared."""
+        evicted = self._make_room(owner)
+        entry = RunEntry(RunState(run_id), last_incident=dict(last_incident), leader=rank,
+                         incarnation=last_incarnation + 1, owner=owner)
+        if evicted is not None:  # journaled with the newcomer's batch (its outbox is done)
+            entry.outbox.add(functools.partial(self.store.end_run, evicted.state.run_id,
+                                               "evicted", time.time(), evicted.incarnation))
         self._runs[run_id] = entry
         log.info("run_registered", run_id=run_id, rank=rank)
         return entry
+
+    def _make_room(self, owner: Owner | None) -> RunEntry | None:
+        """Check the newcomer's caps and make room; the live run evicted for it, if any."""
+        if owner is not None:
+            live = [e.owner for e in self._runs.values() if not e.state.ended]
+            if sum(o is not None and o.process == owner.process for o in live) >= (
+                    self.max_runs_per_process):
+                self._refuse(owner, "process")
+                raise CapacityError(
+                    f"this process already holds {self.max_runs_per_process} live runs "
+                    "(--max-runs-per-process): end some (RunEnd) before starting more")
+            if owner.uid >= 0 and sum(o is not None and o.uid == owner.uid for o in live) >= (
+                    self.max_runs_per_uid):
+                self._refuse(owner, "uid")
+                raise CapacityError(
+                    f"uid {owner.uid} already holds {self.max_runs_per_uid} live runs "
+                    "(--max-runs-per-uid)")
+        if len(self._runs) < self.max_runs or self._evict_oldest_ended():
+            return None
+        held = self._held()
+        hoarder, most = held.most_common(1)[0] if held else (None, 0)
+        mine = held.get(owner.process, 0) if owner is not None else 0
+        # Only a process holding more than the newcomer would after admission gives one up:
+        # runs balance out across processes and a one-run job is never evicted for another.
+        if hoarder is None or most <= mine + 1:
+            self._refuse(owner, "table")
+            raise CapacityError(f"sidecar already tracks {self.max_runs} live runs")
+        victim = min((e for e in self._runs.values()
+                      if not e.state.ended and e.owner is not None
+                      and e.owner.process == hoarder), key=lambda e: e.state.last_seen)
+        self.evicted_live += 1
+        log.warning("run_evicted", run_id=victim.state.run_id, owner=hoarder,
+                    newcomer=owner.process if owner is not None else "unknown",
+                    reason="the table is full and this process holds the most live runs")
+        self._expire(victim.state.run_id, "evicted")
+        return victim
+
+    def _held(self) -> Counter[str]:
+        """Live runs by the process that registered them (runs of unknown owner: none)."""
+        return Counter(e.owner.process for e in self._runs.values()
+                       if not e.state.ended and e.owner is not None)
+
+    def _refuse(self, owner: Owner | None, reason: str) -> None:
+        uid = "unknown" if owner is None or owner.uid < 0 else str(owner.uid)
+        if (uid, reason) not in self.refused and len({u for u, _ in self.refused}) >= (
+                MAX_REFUSAL_UIDS):
+            uid = "other"
+        self.refused[(uid, reason)] += 1
 
     def make_room_for_rank(self, run_id: str, rank: int) -> None:
         """Raise CapacityError when a rank new to the run would exceed max_ranks, after
@@ -125,7 +205,6 @@ class RunTable:
         """A new incarnation of old's run id, started by rank; incident numbers continue."""
         entry = RunEntry(RunState(old.state.run_id), last_incident=dict(old.last_incident),
                          incarnation=old.incarnation + 1, leader=rank)
-        entry.outbox.add(functools.partial(self.store.forget_bindings, old.state.run_id))
         self._runs[old.state.run_id] = entry
         return entry
 

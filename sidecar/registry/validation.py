@@ -30,6 +30,11 @@ class AttestationRequired(IdentityRejected):
     is not a trainer uid)."""
 
 
+class RunIdInUse(IdentityRejected):
+    """A second live process of the same uid registering a rank another process owns: two
+    jobs with one run id (a job template's fixed id, a relaunch while the old one runs)."""
+
+
 class CapacityError(IngestError):
     """The sidecar holds as many runs as it may."""
 

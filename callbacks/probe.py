@@ -27,6 +27,9 @@ from deadweight.callbacks import layout as layouts
 from deadweight.callbacks.heads import HeadFacts
 from deadweight.callbacks.preflight import PreflightFacts
 from deadweight.callbacks.preflight import versions as preflight_versions
+from deadweight.callbacks.progress import StepProgress
+from deadweight.callbacks.replica import ReplicaSampler
+from deadweight.callbacks.replica import due as replica_due
 from deadweight.callbacks.resume import ResumeFacts
 from deadweight.callbacks.stop_token import StopTokenFacts
 from deadweight.callbacks.stream_client import ClientSettings, StreamClient
@@ -162,6 +165,10 @@ class RunProbe:
         self.update: UpdateProbe | None = None
         self.membership: membership.Membership | None = None
         self.layout: layouts.Layout | None = None
+        #: Step-begin marks and local seconds (forward hooks), and the replica sample: on
+        #: runs of several ranks only, replicas on unsharded layouts only.
+        self.progress: StepProgress | None = None
+        self.replicas: ReplicaSampler | None = None
         self._lr = 0.0
         #: The last two steps' (learning rate, figures): the newest readable one feeds
         #: ``movement_keys`` without waiting on a device.
@@ -218,6 +225,11 @@ class RunProbe:
         self.client = StreamClient(self.address, run_id, rank, to_event, token=self.token,
                                    settings=self.settings, tls_ca=self.tls_ca)
         self.client.start(record)
+        if world_size > 1:
+            self.progress = StepProgress(self.client, layouts.unwrap_model(model))
+            if not self.layout.sharded:
+                self.replicas = ReplicaSampler(self.membership.watched_names,
+                                               self.membership.watched)
         wait = self.start_timeout_seconds if may_be_listening(self.address) else 0.0
         if self.client.wait_connected(wait):
             self.client.wait_registered(self.start_timeout_seconds)
@@ -240,6 +252,7 @@ class RunProbe:
         """Measure and report the update of the step that just ran."""
         if self.update is None or self.client is None or self.membership is None:
             return
+        local_seconds = self.progress.step_done() if self.progress is not None else None
         stats = self.update.after_step_deferred()  # read later, by the sender thread
         if stats is None:
             return
@@ -257,8 +270,13 @@ class RunProbe:
                 grad_not_in_optimizer_params=params,
                 optimizer_step_skipped=optimizer_step_skipped,
                 adalora_rank_pattern_set=adalora_rank_pattern_set,
+                local_seconds=local_seconds,
             ),
         )
+        if self.replicas is not None and replica_due(step):
+            sample = self.replicas.sample(step)
+            if sample is not None:
+                self.client.submit(EventKind.REPLICA, sample)
 
     def tls_root(self) -> bytes | None:
         """The CA the stream client trusts for a TCP sidecar (None on a unix socket)."""
@@ -301,6 +319,10 @@ class RunProbe:
             self.client.close(timeout=timeout)
 
     def _release_update(self) -> None:
+        progress, self.progress = self.progress, None
+        if progress is not None:
+            progress.close()
+        self.replicas = None
         update, self.update = self.update, None
         if update is not None:
             update.close()

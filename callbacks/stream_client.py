@@ -136,8 +136,8 @@ class StreamClient:
         "_directives", "_evicted", "_inflight", "_inflight_dropped", "_last_taken", "_lock",
         "_marks", "_metadata", "_pending_resend", "_queue", "_ready", "_rejections",
         "_reported_dropped", "_run_start", "_seq", "_start_acked", "_stop", "_thread",
-        "_tls_root", "_to_event", "_wake", "_warned", "address", "connects", "firing",
-        "last_step", "rank", "run_id", "sent", "settings", "submitted",
+        "_tls_root", "_to_event", "_wake", "_warned", "address", "began_step", "connects",
+        "firing", "last_step", "rank", "run_id", "sent", "settings", "submitted",
     )
 
     def __init__(
@@ -177,6 +177,9 @@ class StreamClient:
         self._run_start: pb.Event | None = None
         self._pending_resend: list[pb.Event] = []
         self.last_step = 0
+        #: The newest step the loop has begun (written by the training thread, one int; the
+        #: heartbeats carry it, so a rank stuck before its next step can be named).
+        self.began_step = 0
         self._seq = 0
         self._warned = False
         self._closing = False
@@ -512,6 +515,7 @@ class StreamClient:
             seq=0,
             time_seconds=time.time(),
             heartbeat=pb.Heartbeat(
-                step=self.last_step, dropped_events=self.dropped, queued_events=len(self._queue)
+                step=self.last_step, dropped_events=self.dropped, queued_events=len(self._queue),
+                began_step=self.began_step,
             ),
         )

@@ -14,6 +14,7 @@ from deadweight.callbacks.digest import AdapterDigest
 from deadweight.callbacks.heads import HeadFacts
 from deadweight.callbacks.membership import Membership
 from deadweight.callbacks.preflight import PreflightFacts
+from deadweight.callbacks.replica import ReplicaRecord
 from deadweight.callbacks.resume import ResumeFacts
 from deadweight.callbacks.stop_token import StopTokenFacts
 from deadweight.callbacks.update_probe import PendingStats, UpdateStats
@@ -59,6 +60,8 @@ class StepRecord:
     grad_not_in_optimizer_params: int
     optimizer_step_skipped: bool = False
     adalora_rank_pattern_set: bool | None = None
+    #: The rank's own seconds in this step before its last forward ended (``progress``).
+    local_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -203,7 +206,14 @@ def _step(r: StepRecord) -> pb.StepReport:
     )
     if r.adalora_rank_pattern_set is not None:
         report.adalora_rank_pattern_set = r.adalora_rank_pattern_set
+    if r.local_seconds is not None:
+        report.local_seconds = r.local_seconds
     return report
+
+
+def _replica(r: ReplicaRecord) -> pb.ReplicaDigest:
+    return pb.ReplicaDigest(step=r.step, structure=r.structure, values=r.host_values(),
+                            sizes=r.sizes, names=r.names)
 
 
 def to_event(kind: str, record: Any) -> pb.Event:
@@ -226,4 +236,6 @@ def to_event(kind: str, record: Any) -> pb.Event:
         )
     if kind == EventKind.RUN_END:
         return pb.Event(run_end=pb.RunEnd(step=record.step, reason=record.reason))
+    if kind == EventKind.REPLICA:
+        return pb.Event(replica=_replica(record))
     raise ValueError(f"unknown record kind {kind!r}")

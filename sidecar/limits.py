@@ -158,4 +158,21 @@ def event_problem(event: pb.Event, kind: EventKind | None) -> str | None:
         )
     if kind == EventKind.RUN_END:
         return _text("run_end.reason", event.run_end.reason)
+    if kind == EventKind.REPLICA:
+        return _replica(event.replica)
+    return None
+
+
+def _replica(digest: pb.ReplicaDigest) -> str | None:
+    """A replica sample: bounded lists whose sizes add up to its values."""
+    problem = (_text("replica.structure", digest.structure, MAX_DIGEST_LENGTH)
+               or _list("replica.values", digest.values)
+               or _list("replica.sizes", digest.sizes)
+               or _list("replica.names", digest.names))
+    if problem is not None:
+        return problem
+    if any(n < 0 for n in digest.sizes) or sum(digest.sizes) != len(digest.values):
+        return "replica.sizes do not add up to the number of replica.values"
+    if len(digest.names) != len(digest.sizes):
+        return "replica.names and replica.sizes differ in length"
     return None

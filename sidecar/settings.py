@@ -38,3 +38,8 @@ class DetectorSettings:
     low_precision_steps: int = 3
     resume_loss_drop: float = 0.1
     resume_loss_regain: float = 0.5
+    rank_stalled_seconds: float = 300.0
+    straggler_steps: int = 8
+    straggler_ratio: float = 1.5
+    straggler_min_seconds: float = 0.05
+    replica_tolerance: float = 1e-5

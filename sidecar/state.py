@@ -35,6 +35,20 @@ CHECKPOINT_WINDOW = 64
 DIGEST_MAPS_KEPT = 2
 #: Refused checkpoint paths remembered per run (the count goes on).
 REFUSED_WINDOW = 16
+#: Per rank: steps whose local seconds are kept, and replica samples kept.
+LOCAL_SECONDS_WINDOW = 64
+REPLICA_WINDOW = 4
+
+
+@dataclass(frozen=True)
+class ReplicaSample:
+    """One rank's sample of its replicated weights at one step (``ReplicaDigest``)."""
+
+    step: int
+    structure: str
+    names: tuple[str, ...]
+    sizes: tuple[int, ...]
+    values: tuple[float, ...]
 
 
 @dataclass
@@ -80,6 +94,24 @@ class RankState:
     membership: pb.OptimizerMembership = field(default_factory=pb.OptimizerMembership)
     steps: deque[StepPoint] = field(default_factory=lambda: deque(maxlen=STEP_WINDOW))
     connected: bool = False
+    #: The newest step the rank's loop has begun (heartbeats), and when the sidecar learnt it.
+    began_step: int = 0
+    began_time: float = 0.0
+    #: (step, seconds of the rank's own work before its last forward ended), newest last.
+    local_seconds: deque[tuple[int, float]] = field(
+        default_factory=lambda: deque(maxlen=LOCAL_SECONDS_WINDOW))
+    #: The rank's newest replica samples, newest last.
+    replicas: deque[ReplicaSample] = field(default_factory=lambda: deque(maxlen=REPLICA_WINDOW))
+
+    @property
+    def progress(self) -> int:
+        """The furthest the rank got: its last optimizer step, or the step it began."""
+        return max(self.step, self.began_step)
+
+    @property
+    def progress_time(self) -> float:
+        """When the sidecar last saw the rank advance (0: never)."""
+        return max(self.last_step_time, self.began_time)
 
 
 @dataclass

@@ -25,6 +25,7 @@ from deadweight.sidecar.detectors.optimizer import (
     GradNotInOptimizer,
     InactiveAdapter,
 )
+from deadweight.sidecar.detectors.ranks import RankStalled, RankStraggler, ReplicasDiverged
 from deadweight.sidecar.detectors.rl import (
     CompletionsTruncated,
     KlMissing,
@@ -65,6 +66,9 @@ ALL: tuple[Detector, ...] = (
     DecayOnlyUpdate(),
     NonfiniteLoss(),
     Stalled(),
+    RankStalled(),
+    RankStraggler(),
+    ReplicasDiverged(),
     PartialTargetModules(),
     EmbeddingResized(),
     LoraLrTooLow(),

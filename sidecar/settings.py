@@ -43,3 +43,7 @@ class DetectorSettings:
     straggler_ratio: float = 1.5
     straggler_min_seconds: float = 0.05
     replica_tolerance: float = 1e-5
+    rollout_stale_logs: int = 3
+    rollout_logp_difference: float = 0.1
+    rollout_rise: float = 3.0
+    rollout_logp_ceiling: float = 0.5

@@ -32,6 +32,7 @@ from deadweight.sidecar.detectors.rl import (
     KlStuckZero,
     ZeroRewardVariance,
 )
+from deadweight.sidecar.detectors.rollout import RolloutStale
 from deadweight.sidecar.detectors.setup import (
     EmbeddingResized,
     LoraLrTooLow,
@@ -89,6 +90,7 @@ ALL: tuple[Detector, ...] = (
     ResumeLostAdapter(),
     AdaloraNotAllocated(),
     CompletionsTruncated(),
+    RolloutStale(),
     CheckpointUnchanged(),
     AdapterNeverTrained(),
     AdapterBloat(),

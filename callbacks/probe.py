@@ -226,7 +226,9 @@ class RunProbe:
                                    settings=self.settings, tls_ca=self.tls_ca)
         self.client.start(record)
         if world_size > 1:
-            self.progress = StepProgress(self.client, layouts.unwrap_model(model))
+            # On the model as given: a wrapper's forward hooks run before its own collectives
+            # (DDP's buffer broadcast), so a rank waiting there has already begun the step.
+            self.progress = StepProgress(self.client, model)
             if not self.layout.sharded:
                 self.replicas = ReplicaSampler(self.membership.watched_names,
                                                self.membership.watched)
@@ -239,6 +241,11 @@ class RunProbe:
                 f"deadweight: no sidecar answered at {self.address} within "
                 f"{self.start_timeout_seconds}s and require_sidecar=True"
             )
+
+    def began(self, step: int) -> None:
+        """The loop began optimizer step ``step`` (a driver's step-begin hook)."""
+        if self.progress is not None and self.client is not None:
+            self.client.began_step = max(self.client.began_step, step)
 
     def before_step(self, learning_rate: float) -> None:
         """Snapshot the watched tensors (at the optimizer's pre-step)."""

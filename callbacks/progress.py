@@ -6,8 +6,9 @@ marks tell them apart, both from forward hooks on the model (passes with gradien
 evaluation does not count), each one attribute write and one clock read on the training
 thread:
 
-- the step a rank has *begun* (its first forward pass after an optimizer step): the heartbeats
-  carry it, so the rank that never began the step the others are inside is the one named;
+- the step a rank has *begun* (its first forward pass after an optimizer step, or the
+  trainer's step begin): the heartbeats carry it, so the rank that never began the step the
+  others are inside is the one named;
 - the rank's *local seconds* per step: from the previous optimizer step's end to its last
   forward's end (data loading and forward passes, before the gradient all-reduce where the
   ranks wait for each other), so the rank the others consistently wait for shows.
@@ -39,7 +40,7 @@ class StepProgress:
     def _pre(self, module: Any, args: Any) -> None:
         if torch.is_grad_enabled():
             client = self._client
-            client.began_step = client.last_step + 1
+            client.began_step = max(client.began_step, client.last_step + 1)
 
     def _post(self, module: Any, args: Any, output: Any) -> None:
         if torch.is_grad_enabled():

@@ -31,6 +31,8 @@ MAX_LIST_ENTRIES = 1024
 MAX_DIGEST_TENSORS = 65536
 #: Longest adapter digest (xxh3-128 is 32 hex characters); it is exported as a label.
 MAX_DIGEST_LENGTH = 128
+#: Longest description of where a rank's training thread is (heartbeats).
+MAX_WHERE_LENGTH = 256
 #: Most ranks one run may report on one sidecar (one sidecar serves one node).
 MAX_RANKS_PER_RUN = 1024
 
@@ -160,6 +162,8 @@ def event_problem(event: pb.Event, kind: EventKind | None) -> str | None:
         return _text("run_end.reason", event.run_end.reason)
     if kind == EventKind.REPLICA:
         return _replica(event.replica)
+    if kind == EventKind.HEARTBEAT:
+        return _text("heartbeat.where", event.heartbeat.where, MAX_WHERE_LENGTH)
     return None
 
 

@@ -97,6 +97,8 @@ class RankState:
     #: The newest step the rank's loop has begun (heartbeats), and when the sidecar learnt it.
     began_step: int = 0
     began_time: float = 0.0
+    #: Where the rank's training thread was at its last heartbeat ("collective": waiting).
+    where: str = ""
     #: (step, seconds of the rank's own work before its last forward ended), newest last.
     local_seconds: deque[tuple[int, float]] = field(
         default_factory=lambda: deque(maxlen=LOCAL_SECONDS_WINDOW))
@@ -110,8 +112,10 @@ class RankState:
 
     @property
     def progress_time(self) -> float:
-        """When the sidecar last saw the rank advance (0: never)."""
-        return max(self.last_step_time, self.began_time)
+        """When the sidecar last saw the rank advance (0: never): its last step, or when it
+        learnt of a step begun past it (a heartbeat's news of a step already done is older
+        than that step's own report)."""
+        return self.began_time if self.began_step > self.step else self.last_step_time
 
 
 @dataclass

@@ -88,7 +88,7 @@ def test_rank_stalled_names_the_rank_that_never_began_the_step() -> None:
     finding = feed.registry.findings("r")["rank_stalled"]
     assert finding.firing and finding.evidence["rank"] == "1"
     assert finding.evidence["last_step"] == "3" and finding.evidence["waiting_in_step"] == "4"
-    assert "rank 1 stopped at step 3" in finding.summary
+    assert "rank 1 stopped after step 3" in finding.summary
     assert float(finding.evidence["seconds"]) >= 61
     feed.step(1, 4)  # rank 1 goes on: the verdict clears
     feed.step(0, 4)

@@ -24,7 +24,7 @@ from deadweight.demo.sidecar_process import free_port
 from deadweight.sidecar.detectors import Verdict
 from deadweight.sidecar.detectors.ranks import RankStraggler, ReplicasDiverged
 from deadweight.sidecar.settings import DetectorSettings
-from tests import rank_worker
+from tests import ddp_worker, rank_worker
 from tests.inprocess_sidecar import InProcessSidecar
 from tests.realprocs import wait_for
 
@@ -95,13 +95,49 @@ def test_stuck_rank_is_named_while_rank_0_waits(sidecar: InProcessSidecar,
     assert finding.evidence["waiting_ranks"] == "0"
     assert finding.evidence["waiting_in_step"] == str(rank_worker.STALL_AFTER + 1)
     assert float(finding.evidence["seconds"]) >= STALL_SECONDS
-    assert "rank 1 stopped at step 3" in finding.summary
+    assert "rank 1 stopped after step 3" in finding.summary
     stuck_since = reports[1]["step_times"][rank_worker.STALL_AFTER - 1]
     print(f"rank_stalled: named {seen_at - stuck_since:.1f} s after rank 1's last step "
           f"(limit {STALL_SECONDS} s)")
     final = sidecar.findings(run_id)
     assert not final["rank_stalled"].firing  # released: the run went on and ended
     assert "stalled" not in final or final["stalled"].incidents == 0
+
+
+def test_stuck_rank_is_named_under_the_trainer(sidecar: InProcessSidecar,
+                                               tiny: tuple[Path, Path], tmp_path: Path) -> None:
+    """The same fault under a real SFTTrainer with the callback (DDP, gloo): rank 1's data
+    loading hangs after step 2; rank 0 waits for it in a collective."""
+    model_dir, adapter_dir = tiny
+    run_id = f"ranks-trainer-stall-{tmp_path.name}"
+    env = {**os.environ, "DEADWEIGHT_ADDRESS": sidecar.address, "DEADWEIGHT_RUN_ID": run_id,
+           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": str(WORKER.parent.parent)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           str(WORKER.with_name("ddp_worker.py")), str(model_dir), str(adapter_dir),
+           str(tmp_path), "stall", "4"]
+    job = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    try:
+        def named() -> Any:
+            finding = sidecar.findings(run_id).get("rank_stalled")
+            return finding if finding is not None and finding.firing else None
+
+        finding = wait_for(named, 180, what="rank_stalled under the trainer")
+        run = sidecar.seen(run_id)
+        assert run.ranks[0].step == run.ranks[1].step == ddp_worker.STALL_AFTER
+    finally:
+        (tmp_path / "release").touch()
+    _, stderr = job.communicate(timeout=300)
+    assert job.returncode == 0, stderr[-4000:]
+    assert finding.evidence["rank"] == "1" and finding.evidence["waiting_ranks"] == "0"
+    assert finding.evidence["last_step"] == str(ddp_worker.STALL_AFTER)
+    # Rank 0 waits in the trainer's token-count gather, before step 3 begins: the training
+    # threads' places tell the ranks apart, and the stuck one's is quoted.
+    assert finding.evidence["where"].startswith("ddp_worker.py:"), finding.evidence
+    assert "collator" in finding.evidence["where"]
+    assert not sidecar.findings(run_id)["rank_stalled"].firing
 
 
 def test_straggler_is_reported(sidecar: InProcessSidecar, tmp_path: Path) -> None:

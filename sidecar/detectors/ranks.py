@@ -17,6 +17,10 @@ from deadweight.sidecar.detectors.spec import DetectorSpec, Evidence, Policy, Se
 from deadweight.sidecar.settings import DetectorSettings
 from deadweight.sidecar.state import RankState, ReplicaSample, RunState
 
+#: What a rank's heartbeat says when its training thread waits in a collective (the client's
+#: ``callbacks.where.COLLECTIVE``; the sidecar imports nothing from the callback).
+COLLECTIVE = "collective"
+
 
 def _ranks(ranks: list[RankState]) -> str:
     return ",".join(str(r.rank) for r in ranks)
@@ -28,7 +32,10 @@ class RankStalled(SpecDetector):
     Ranks of a synchronised job finish each optimizer step together, so the last step alone
     cannot tell the stuck rank from the ranks blocked in the next collective. The step each
     rank's loop *began* can: the waiting ranks began the next step, the stuck one never did.
-    A rank that went silent while the others still report is named the same way.
+    Where the waiting ranks block before a step begins (the trainer gathers the batch's token
+    count first), the heartbeats' description of each training thread does: the waiting ones
+    are inside a collective, the stuck one is not. A rank that went silent while the others
+    still report is named the same way.
     """
 
     spec = DetectorSpec(
@@ -36,11 +43,12 @@ class RankStalled(SpecDetector):
         severity=Severity.CRITICAL,
         summary="Run {run_id} has a rank that stopped while the others wait for it",
         meaning="one rank stopped making progress (it never began the step the other ranks "
-        "are inside, or it went silent) and no rank completed an optimizer step since: the "
-        "job is hung on that rank",
+        "are inside, sits in its own code while they wait in a collective, or went silent) "
+        "and no rank completed an optimizer step since: the job is hung on that rank",
         fires_when="on a run of several ranks, no optimizer step for `rank_stalled_seconds` "
-        "while a rank never began the step another rank is inside, or went silent while the "
-        "others still report; the verdict names the rank, its last step and the seconds",
+        "while a rank never began the step another rank is inside, sits outside any "
+        "collective while the others wait in one, or went silent while the others still "
+        "report; the verdict names the rank, its last step, the seconds and where it is",
         thresholds=(Threshold("rank_stalled_seconds", "seconds",
                               "seconds without an optimizer step on any rank, and without "
                               "progress of the stuck rank, before it is named"),),
@@ -62,8 +70,13 @@ class RankStalled(SpecDetector):
         behind = {r.rank for r in heard if r.progress < furthest
                   and now - (r.progress_time or r.first_seen) > limit}
         silent = {r.rank for r in heard if now - r.last_seen > limit}
-        stuck = [r for r in heard if r.rank in behind | silent]
-        waiting = [r for r in heard if r.rank not in behind | silent]
+        busy = set()
+        if not behind and not silent and any(r.where == COLLECTIVE for r in heard):
+            # Every rank at the same step: the ones waiting in a collective wait for the
+            # ones that are not (the trainer gathers before a step begins, too).
+            busy = {r.rank for r in heard if r.where not in ("", COLLECTIVE)}
+        stuck = [r for r in heard if r.rank in behind | silent | busy]
+        waiting = [r for r in heard if r.rank not in behind | silent | busy]
         if not stuck or not any(now - r.last_seen <= limit for r in waiting):
             return Verdict(False, step=run.step)  # nobody waits: the whole run is stalled
         first = stuck[0]
@@ -71,18 +84,21 @@ class RankStalled(SpecDetector):
         if first.rank in behind:
             why = (f"it never began step {furthest}, which rank(s) {_ranks(waiting)} began "
                    f"and wait in")
+        elif first.rank in busy:
+            why = (f"it is in its own code ({first.where}) while rank(s) {_ranks(waiting)} "
+                   f"wait for it in a collective")
         else:
             why = (f"it sent nothing for {now - first.last_seen:.0f} s while rank(s) "
                    f"{_ranks(waiting)} still report")
         return Verdict(
             True,
             step=first.step,
-            summary=(f"rank {first.rank} stopped at step {first.step} {seconds:.0f} s ago "
+            summary=(f"rank {first.rank} stopped after step {first.step}, {seconds:.0f} s ago "
                      f"(limit {limit:g} s): {why}"),
             evidence={"rank": str(first.rank), "stuck_ranks": _ranks(stuck),
                       "last_step": fmt(first.step), "began_step": fmt(first.began_step),
                       "seconds": fmt(round(seconds, 1)), "waiting_ranks": _ranks(waiting),
-                      "waiting_in_step": fmt(furthest),
+                      "waiting_in_step": fmt(furthest), "where": first.where or "n/a",
                       "seconds_since_last_message": fmt(round(now - first.last_seen, 1))},
         )
 

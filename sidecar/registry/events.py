@@ -209,6 +209,7 @@ class EventApplier:
         if beat.began_step > rank.began_step:
             rank.began_step = beat.began_step
             rank.began_time = now
+        rank.where = beat.where
 
     def _on_replica(self, entry: RunEntry, rank_id: int, event: pb.Event, now: float) -> None:
         digest = event.replica

@@ -332,16 +332,18 @@ class CheckpointReport(_message.Message):
     def __init__(self, step: _Optional[int] = ..., path: _Optional[str] = ..., adapter: _Optional[_Union[AdapterDigest, _Mapping]] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("step", "dropped_events", "queued_events", "began_step")
+    __slots__ = ("step", "dropped_events", "queued_events", "began_step", "where")
     STEP_FIELD_NUMBER: _ClassVar[int]
     DROPPED_EVENTS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_EVENTS_FIELD_NUMBER: _ClassVar[int]
     BEGAN_STEP_FIELD_NUMBER: _ClassVar[int]
+    WHERE_FIELD_NUMBER: _ClassVar[int]
     step: int
     dropped_events: int
     queued_events: int
     began_step: int
-    def __init__(self, step: _Optional[int] = ..., dropped_events: _Optional[int] = ..., queued_events: _Optional[int] = ..., began_step: _Optional[int] = ...) -> None: ...
+    where: str
+    def __init__(self, step: _Optional[int] = ..., dropped_events: _Optional[int] = ..., queued_events: _Optional[int] = ..., began_step: _Optional[int] = ..., where: _Optional[str] = ...) -> None: ...
 
 class ReplicaDigest(_message.Message):
     __slots__ = ("step", "structure", "values", "sizes", "names")

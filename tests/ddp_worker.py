@@ -7,9 +7,10 @@ the frozen base weights and handed to the trainer), so gradients reach the adapt
 and nothing moves; or ``stall``: healthy, but after step ``STALL_AFTER`` rank 1's data loading
 hangs (its collator waits) until the file OUT_DIR/release appears, while rank 0 waits for it in
 a collective (the trainer's token-count gather before the next step). (The pure F1 mistake, an
-adapter loaded without ``is_trainable``, is not silent under DDP: PyTorch refuses to wrap a model with nothing to train.) No run id is given:
-every rank must report under rank 0's id. Each rank writes ``rank<N>.json`` with its own figures
-so the test can compare them with what the sidecar shows.
+adapter loaded without ``is_trainable``, is not silent under DDP: PyTorch refuses to wrap a
+model with nothing to train.) No run id is given: every rank must report under rank 0's id.
+Each rank writes ``rank<N>.json`` with its own figures so the test can compare them with what
+the sidecar shows.
 """
 
 from __future__ import annotations

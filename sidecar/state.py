@@ -37,7 +37,7 @@ DIGEST_MAPS_KEPT = 2
 REFUSED_WINDOW = 16
 #: Per rank: steps whose local seconds are kept, and replica samples kept.
 LOCAL_SECONDS_WINDOW = 64
-REPLICA_WINDOW = 4
+REPLICA_WINDOW = 2
 
 
 @dataclass(frozen=True)
@@ -150,6 +150,10 @@ class RunState:
     _config: tuple[pb.RunStart, Mapping[str, float]] | None = field(
         default=None, repr=False, compare=False)
     _sharded: ShardedSteps | None = field(default=None, repr=False, compare=False)
+    #: The replica comparison of the newest common sample step, kept with the samples it
+    #: compared: samples come every 64 steps, detectors run at every batch.
+    replica_comparison: tuple[float, tuple[ReplicaSample, ...], object] | None = field(
+        default=None, repr=False, compare=False)
 
     # -- derived views ---------------------------------------------------------------------
 

@@ -204,14 +204,29 @@ class ReplicasDiverged(SpecDetector):
         if not common:
             return None
         step = max(common)
-        reference = by_rank[sampled[0].rank][step]
+        samples = tuple(by_rank[r.rank][step] for r in sampled)
+        tolerance = settings.replica_tolerance
+        kept = run.replica_comparison
+        if kept is not None and kept[0] == tolerance and len(kept[1]) == len(samples) and all(
+                a is b for a, b in zip(kept[1], samples, strict=True)):
+            verdict = kept[2]  # the same samples: the same verdict, not compared again
+            assert isinstance(verdict, Verdict)
+            return verdict
+        verdict = self._compare(sampled, samples, step, tolerance)
+        run.replica_comparison = (tolerance, samples, verdict)
+        return verdict
+
+    @staticmethod
+    def _compare(sampled: list[RankState], samples: tuple[ReplicaSample, ...], step: int,
+                 tolerance: float) -> Verdict:
+        """Every rank's sample against the lowest rank's, at one step."""
+        reference = samples[0]
         apart: list[tuple[int, int, float, str]] = []  # rank, tensors apart, largest, a name
-        for other in sampled[1:]:
-            sample = by_rank[other.rank][step]
+        for other, sample in zip(sampled[1:], samples[1:], strict=True):
             if sample.structure != reference.structure or sample.sizes != reference.sizes:
                 continue  # other tensors (pipeline stages): not replicas of each other
             differences = _differences(reference, sample)
-            over = [(d, name) for d, name in differences if d > settings.replica_tolerance]
+            over = [(d, name) for d, name in differences if d > tolerance]
             if over:
                 largest, name = max(over)
                 apart.append((other.rank, len(over), largest, name))

@@ -97,6 +97,7 @@ HEALTHY: dict[str, float] = {
     "frac_reward_zero_std": 0,
     "entropy": 1.9,
     "completion_mean_length": 118,
+    "sampling_logp_difference": 0.015,
 }
 # Evidence that is not one metric's value (PromQL with one %q for the run_id).
 DERIVED_EVIDENCE = {

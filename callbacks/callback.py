@@ -239,6 +239,11 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
         self._directives(control, state)
+        self._began(state.global_step + 1)
+
+    @shielded
+    def _began(self, step: int) -> None:
+        self._run.began(step)  # the rank's data is loaded and it begins the step
 
     @shielded
     def on_pre_optimizer_step(

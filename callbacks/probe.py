@@ -30,6 +30,9 @@ from deadweight.callbacks.console import Console
 from deadweight.callbacks.heads import HeadFacts
 from deadweight.callbacks.preflight import PreflightFacts
 from deadweight.callbacks.preflight import versions as preflight_versions
+from deadweight.callbacks.progress import StepProgress
+from deadweight.callbacks.replica import ReplicaSampler
+from deadweight.callbacks.replica import due as replica_due
 from deadweight.callbacks.resume import ResumeFacts
 from deadweight.callbacks.stop_token import StopTokenFacts
 from deadweight.callbacks.stream_client import ClientSettings, StreamClient
@@ -170,6 +173,10 @@ class RunProbe:
         self.update: UpdateProbe | None = None
         self.membership: membership.Membership | None = None
         self.layout: layouts.Layout | None = None
+        #: Step-begin marks and local seconds (forward hooks), and the replica sample: on
+        #: runs of several ranks only, replicas on unsharded layouts only.
+        self.progress: StepProgress | None = None
+        self.replicas: ReplicaSampler | None = None
         self._lr = 0.0
         #: The last two steps' (learning rate, figures): the newest readable one feeds
         #: ``movement_keys`` without waiting on a device.
@@ -248,6 +255,13 @@ class RunProbe:
                                    settings=self.settings, tls_ca=self.tls_ca)
         self.console = Console(self.console_logger, run_id, self.address, speaks=rank == 0)
         self.client.start(record)
+        if world_size > 1:
+            # On the model as given: a wrapper's forward hooks run before its own collectives
+            # (DDP's buffer broadcast), so a rank waiting there has already begun the step.
+            self.progress = StepProgress(self.client, model)
+            if not self.layout.sharded:
+                self.replicas = ReplicaSampler(self.membership.watched_names,
+                                               self.membership.watched)
         wait = self.start_timeout_seconds if may_be_listening(self.address) else 0.0
         connected = self.client.wait_connected(wait)
         if connected:
@@ -261,6 +275,11 @@ class RunProbe:
         elif not self.client.connects:
             self.client.unreachable_told = True  # said now, on the console, not at train end
         self.console.begin(connected, wait)
+
+    def began(self, step: int) -> None:
+        """The loop began optimizer step ``step`` (a driver's step-begin hook)."""
+        if self.progress is not None and self.client is not None:
+            self.client.began_step = max(self.client.began_step, step)
 
     def before_step(self, learning_rate: float) -> None:
         """Snapshot the watched tensors (at the optimizer's pre-step)."""
@@ -280,6 +299,7 @@ class RunProbe:
         """Measure and report the update of the step that just ran."""
         if self.update is None or self.client is None or self.membership is None:
             return
+        local_seconds = self.progress.step_done() if self.progress is not None else None
         stats = self.update.after_step_deferred()  # read later, by the sender thread
         if stats is None:
             return
@@ -300,8 +320,13 @@ class RunProbe:
                 grad_sq_sum=self._grad,
                 declared_frozen=(len(self._frozen.tensors), self._frozen.moved())
                 if self._frozen is not None else None,
+                local_seconds=local_seconds,
             ),
         )
+        if self.replicas is not None and replica_due(step):
+            sample = self.replicas.sample(step)
+            if sample is not None:
+                self.client.submit(EventKind.REPLICA, sample)
 
     def tls_root(self) -> bytes | None:
         """The CA the stream client trusts for a TCP sidecar (None on a unix socket)."""
@@ -350,6 +375,10 @@ class RunProbe:
                 self.console.end(step, reason, (*live_firing, *client.firing))
 
     def _release_update(self) -> None:
+        progress, self.progress = self.progress, None
+        if progress is not None:
+            progress.close()
+        self.replicas = None
         update, self.update = self.update, None
         if update is not None:
             update.close()

@@ -26,6 +26,7 @@ from typing import Any
 
 import grpc
 
+from deadweight.callbacks.where import where
 from deadweight.proto import monitor_stub, pb
 from deadweight.proto.transport import (
     attest_path,
@@ -139,8 +140,9 @@ class StreamClient:
         "_directives", "_evicted", "_inflight", "_inflight_dropped", "_last_taken", "_lock",
         "_marks", "_metadata", "_notices", "_pending_resend", "_queue", "_ready", "_rejections",
         "_reported_dropped", "_run_start", "_seq", "_start_acked", "_stop", "_thread",
-        "_tls_root", "_to_event", "_wake", "_warned", "address", "connects", "firing",
-        "last_step", "rank", "run_id", "sent", "settings", "submitted", "unreachable_told",
+        "_tls_root", "_to_event", "_trainer_thread", "_wake", "_warned", "address",
+        "began_step", "connects", "firing", "last_step", "rank", "run_id", "sent", "settings",
+        "submitted", "unreachable_told",
     )
 
     def __init__(
@@ -182,6 +184,11 @@ class StreamClient:
         self._run_start: pb.Event | None = None
         self._pending_resend: list[pb.Event] = []
         self.last_step = 0
+        #: The newest step the loop has begun (written by the training thread, one int; the
+        #: heartbeats carry it, so a rank stuck before its next step can be named).
+        self.began_step = 0
+        #: The training thread, whose stack heartbeats describe once ``began_step`` is set.
+        self._trainer_thread = threading.get_ident()
         self._seq = 0
         self._warned = False
         #: Set when the trainer's console already said that no sidecar answers: the sender
@@ -542,10 +549,12 @@ class StreamClient:
     def _heartbeat(self) -> pb.Event:
         """Heartbeats carry no seq: they are never resent or deduplicated."""
         self._reported_dropped = self.dropped
+        place = where(self._trainer_thread) if self.began_step else ""
         return pb.Event(
             seq=0,
             time_seconds=time.time(),
             heartbeat=pb.Heartbeat(
-                step=self.last_step, dropped_events=self.dropped, queued_events=len(self._queue)
+                step=self.last_step, dropped_events=self.dropped, queued_events=len(self._queue),
+                began_step=self.began_step, where=place,
             ),
         )

@@ -14,6 +14,7 @@ from deadweight.callbacks.digest import AdapterDigest
 from deadweight.callbacks.heads import HeadFacts
 from deadweight.callbacks.membership import Membership
 from deadweight.callbacks.preflight import PreflightFacts
+from deadweight.callbacks.replica import ReplicaRecord
 from deadweight.callbacks.resume import ResumeFacts
 from deadweight.callbacks.stop_token import StopTokenFacts
 from deadweight.callbacks.update_probe import PendingStats, UpdateStats
@@ -63,6 +64,8 @@ class StepRecord:
     grad_sq_sum: Any = None
     #: (declared-frozen tensors, those moved since train begin), when modules were declared.
     declared_frozen: tuple[int, int] | None = None
+    #: The rank's own seconds in this step before its last forward ended (``progress``).
+    local_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -211,7 +214,14 @@ def _step(r: StepRecord) -> pb.StepReport:
         report.grad_sq_sum, report.grad_measured = float(r.grad_sq_sum), True
     if r.declared_frozen is not None:
         report.declared_frozen_tensors, report.declared_frozen_moved_tensors = r.declared_frozen
+    if r.local_seconds is not None:
+        report.local_seconds = r.local_seconds
     return report
+
+
+def _replica(r: ReplicaRecord) -> pb.ReplicaDigest:
+    return pb.ReplicaDigest(step=r.step, structure=r.structure, values=r.host_values(),
+                            sizes=r.sizes, names=r.names)
 
 
 def to_event(kind: str, record: Any) -> pb.Event:
@@ -234,4 +244,6 @@ def to_event(kind: str, record: Any) -> pb.Event:
         )
     if kind == EventKind.RUN_END:
         return pb.Event(run_end=pb.RunEnd(step=record.step, reason=record.reason))
+    if kind == EventKind.REPLICA:
+        return pb.Event(replica=_replica(record))
     raise ValueError(f"unknown record kind {kind!r}")

@@ -18,6 +18,7 @@ class EventKind(StrEnum):
     CHECKPOINT = "checkpoint"
     HEARTBEAT = "heartbeat"
     RUN_END = "run_end"
+    REPLICA = "replica"
 
 
 #: Members by wire name: a dict lookup, not an enum call (the sidecar asks per event).

@@ -54,6 +54,10 @@ LOG_GAUGES = {
     "deadweight_entropy": ("entropy", "Mean token entropy as the trainer logged it."),
     "deadweight_completion_mean_length": (
         "completions/mean_length", "Mean completion length in tokens."),
+    "deadweight_sampling_logp_difference": (
+        "sampling/sampling_logp_difference/mean",
+        "Mean difference per token between the trainer's and the generation engine's "
+        "log-probabilities of the sampled tokens (logged with a separate engine only)."),
 }
 _LOG_KEYS = tuple(key for key, _ in LOG_GAUGES.values())
 

@@ -31,6 +31,8 @@ MAX_LIST_ENTRIES = 1024
 MAX_DIGEST_TENSORS = 65536
 #: Longest adapter digest (xxh3-128 is 32 hex characters); it is exported as a label.
 MAX_DIGEST_LENGTH = 128
+#: Longest description of where a rank's training thread is (heartbeats).
+MAX_WHERE_LENGTH = 256
 #: Most ranks one run may report on one sidecar (one sidecar serves one node).
 MAX_RANKS_PER_RUN = 1024
 #: Most optimizer steps one report may move a rank ahead of its newest: a step further on is
@@ -165,4 +167,23 @@ def event_problem(event: pb.Event, kind: EventKind | None) -> str | None:
         )
     if kind == EventKind.RUN_END:
         return _text("run_end.reason", event.run_end.reason)
+    if kind == EventKind.REPLICA:
+        return _replica(event.replica)
+    if kind == EventKind.HEARTBEAT:
+        return _text("heartbeat.where", event.heartbeat.where, MAX_WHERE_LENGTH)
+    return None
+
+
+def _replica(digest: pb.ReplicaDigest) -> str | None:
+    """A replica sample: bounded lists whose sizes add up to its values."""
+    problem = (_text("replica.structure", digest.structure, MAX_DIGEST_LENGTH)
+               or _list("replica.values", digest.values)
+               or _list("replica.sizes", digest.sizes)
+               or _list("replica.names", digest.names))
+    if problem is not None:
+        return problem
+    if any(n < 0 for n in digest.sizes) or sum(digest.sizes) != len(digest.values):
+        return "replica.sizes do not add up to the number of replica.values"
+    if len(digest.names) != len(digest.sizes):
+        return "replica.names and replica.sizes differ in length"
     return None

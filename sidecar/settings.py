@@ -52,3 +52,12 @@ class DetectorSettings:
     negligible_update_steps: int = 3
     negligible_relative_update: float = 1e-6
     out_of_order_steps: int = 3
+    rank_stalled_seconds: float = 300.0
+    straggler_steps: int = 8
+    straggler_ratio: float = 1.5
+    straggler_min_seconds: float = 0.05
+    replica_tolerance: float = 1e-5
+    rollout_stale_logs: int = 3
+    rollout_logp_difference: float = 0.1
+    rollout_rise: float = 3.0
+    rollout_logp_ceiling: float = 0.5

@@ -37,6 +37,20 @@ DIGEST_MAPS_KEPT = 2
 REFUSED_WINDOW = 16
 #: Logged steps remembered since the last optimizer step.
 UNSTEPPED_WINDOW = 256
+#: Per rank: steps whose local seconds are kept, and replica samples kept.
+LOCAL_SECONDS_WINDOW = 64
+REPLICA_WINDOW = 2
+
+
+@dataclass(frozen=True)
+class ReplicaSample:
+    """One rank's sample of its replicated weights at one step (``ReplicaDigest``)."""
+
+    step: int
+    structure: str
+    names: tuple[str, ...]
+    sizes: tuple[int, ...]
+    values: tuple[float, ...]
 
 
 @dataclass
@@ -82,6 +96,28 @@ class RankState:
     membership: pb.OptimizerMembership = field(default_factory=pb.OptimizerMembership)
     steps: deque[StepPoint] = field(default_factory=lambda: deque(maxlen=STEP_WINDOW))
     connected: bool = False
+    #: The newest step the rank's loop has begun (heartbeats), and when the sidecar learnt it.
+    began_step: int = 0
+    began_time: float = 0.0
+    #: Where the rank's training thread was at its last heartbeat ("collective": waiting).
+    where: str = ""
+    #: (step, seconds of the rank's own work before its last forward ended), newest last.
+    local_seconds: deque[tuple[int, float]] = field(
+        default_factory=lambda: deque(maxlen=LOCAL_SECONDS_WINDOW))
+    #: The rank's newest replica samples, newest last.
+    replicas: deque[ReplicaSample] = field(default_factory=lambda: deque(maxlen=REPLICA_WINDOW))
+
+    @property
+    def progress(self) -> int:
+        """The furthest the rank got: its last optimizer step, or the step it began."""
+        return max(self.step, self.began_step)
+
+    @property
+    def progress_time(self) -> float:
+        """When the sidecar last saw the rank advance (0: never): its last step, or when it
+        learnt of a step begun past it (a heartbeat's news of a step already done is older
+        than that step's own report)."""
+        return self.began_time if self.began_step > self.step else self.last_step_time
 
 
 @dataclass
@@ -132,6 +168,10 @@ class RunState:
     _config: tuple[pb.RunStart, Mapping[str, float]] | None = field(
         default=None, repr=False, compare=False)
     _sharded: ShardedSteps | None = field(default=None, repr=False, compare=False)
+    #: The replica comparison of the newest common sample step, kept with the samples it
+    #: compared: samples come every 64 steps, detectors run at every batch.
+    replica_comparison: tuple[float, tuple[ReplicaSample, ...], object] | None = field(
+        default=None, repr=False, compare=False)
 
     # -- derived views ---------------------------------------------------------------------
 

@@ -154,7 +154,6 @@ def test_healthy_run_ends_with_every_detector_at_zero(
     assert len({p.digest for p in run.checkpoints}) == 2
     assert all(p.inspection is not None and p.inspection.moved_modules > 0
                for p in run.checkpoints)
-    assert len(ALL) == 41
 
 
 @pytest.mark.parametrize(("arch", "saved_by"), [("qwen2", "trainable_token_indices"),

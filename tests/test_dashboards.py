@@ -170,7 +170,8 @@ def _exporter_registry() -> CollectorRegistry:
               "optimizer_params": 0, "trainable_params": 8, "grad_not_in_optimizer_params": 8,
               "loss": 1.25, "grad_norm": 0.41, "learning_rate": 2e-4, "kl": 0.0, "reward": 0.5,
               "reward_std": 0.2, "frac_reward_zero_std": 1.0, "entropy": 1.9,
-              "completion_mean_length": 12.0, "checkpoint_adapter_bytes": 41280.0}
+              "completion_mean_length": 12.0, "checkpoint_adapter_bytes": 41280.0,
+              "sampling_logp_difference": 0.2}
     for name, value in values.items():
         g = Gauge(f"deadweight_{name}", name, ranked, registry=reg)
         g.labels(RUN, "GRPOTrainer", "0").set(value)

@@ -33,12 +33,14 @@ from deadweight.sidecar.detectors.optimizer import (
     InactiveAdapter,
 )
 from deadweight.sidecar.detectors.reporting import RunIdInUse, StepOutOfOrder
+from deadweight.sidecar.detectors.ranks import RankStalled, RankStraggler, ReplicasDiverged
 from deadweight.sidecar.detectors.rl import (
     CompletionsTruncated,
     KlMissing,
     KlStuckZero,
     ZeroRewardVariance,
 )
+from deadweight.sidecar.detectors.rollout import RolloutStale
 from deadweight.sidecar.detectors.setup import (
     EmbeddingResized,
     LoraLrTooLow,
@@ -82,6 +84,9 @@ ALL: tuple[Detector, ...] = (
     GradientAccumulating(),
     DeclaredFrozenMoved(),
     Stalled(),
+    RankStalled(),
+    RankStraggler(),
+    ReplicasDiverged(),
     PartialTargetModules(),
     EmbeddingResized(),
     LoraLrTooLow(),
@@ -102,6 +107,7 @@ ALL: tuple[Detector, ...] = (
     ResumeLostAdapter(),
     AdaloraNotAllocated(),
     CompletionsTruncated(),
+    RolloutStale(),
     CheckpointUnchanged(),
     AdapterNeverTrained(),
     AdapterBloat(),

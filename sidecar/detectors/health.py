@@ -113,6 +113,8 @@ class Stalled(SpecDetector):
                               "(a hung loop whose sender thread is alive); long enough for slow "
                               "steps and evaluations")),
         evidence=(Evidence("seconds_since_last_step"), Evidence("step")),
+        # The rank that stopped, named, is the root cause of a stall of the whole run.
+        inhibited_by=("rank_stalled",),
     )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:

@@ -117,9 +117,10 @@ CAUSES_FIRST: tuple[str, ...] = (
     "lora_lr_too_low", "embedding_resized", "unsaved_head", "stop_token_untrained",
     "dataset_shrunk", "adalora_not_allocated", "sharding_fallback", "kl_missing", "no_kl_anchor",
     # what the steps show that stops learning
-    "no_optimizer_step", "nonfinite_loss", "loss_divergence", "grad_norm_spike",
+    "no_optimizer_step", "replicas_diverged", "nonfinite_loss", "loss_divergence",
+    "grad_norm_spike", "rollout_stale",
     "gradient_accumulating", "optimizer_steps_skipped", "zero_gradient", "low_precision_update",
-    "stalled",
+    "rank_stalled", "stalled", "rank_straggler",
     # the headline verdict, then its symptoms
     "grad_not_in_optimizer", "frozen_weights", "negligible_updates", "zero_reward_variance",
     "decay_only_update",

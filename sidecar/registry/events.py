@@ -22,7 +22,7 @@ from deadweight.sidecar import history, limits
 from deadweight.sidecar.detectors import checkpoints
 from deadweight.sidecar.registry.run_table import RunEntry
 from deadweight.sidecar.registry.validation import IngestError, Scanned
-from deadweight.sidecar.state import CheckpointPoint, RunState
+from deadweight.sidecar.state import CheckpointPoint, ReplicaSample, RunState
 from deadweight.sidecar.step_point import StepPoint
 from deadweight.sidecar.store import Store
 
@@ -86,6 +86,7 @@ class EventApplier:
             EventKind.CHECKPOINT: self._on_checkpoint,
             EventKind.HEARTBEAT: self._on_heartbeat,
             EventKind.RUN_END: self._on_run_end,
+            EventKind.REPLICA: self._on_replica,
         }
 
     def apply(self, entry: RunEntry, request: pb.StreamRequest,
@@ -138,6 +139,8 @@ class EventApplier:
                     newest = rank.step = step
                     rank.last_step_time = now
                     run.stepped()
+                    if report.HasField("local_seconds"):
+                        rank.local_seconds.append((step, report.local_seconds))
                     if newest_is_own:  # the run's newest combined step is this one
                         if step > entry.history_step:
                             entry.history_step = step
@@ -231,7 +234,20 @@ class EventApplier:
 
     def _on_heartbeat(self, entry: RunEntry, rank_id: int, event: pb.Event, now: float) -> None:
         rank = entry.state.rank(rank_id)
-        rank.dropped_events = max(rank.dropped_events, event.heartbeat.dropped_events)
+        beat = event.heartbeat
+        rank.dropped_events = max(rank.dropped_events, beat.dropped_events)
+        if beat.began_step > rank.began_step:
+            rank.began_step = beat.began_step
+            rank.began_time = now
+        rank.where = beat.where
+
+    def _on_replica(self, entry: RunEntry, rank_id: int, event: pb.Event, now: float) -> None:
+        digest = event.replica
+        replicas = entry.state.rank(rank_id).replicas
+        if replicas and digest.step <= replicas[-1].step:
+            return  # a repeated or older sample changes nothing
+        replicas.append(ReplicaSample(digest.step, digest.structure, tuple(digest.names),
+                                      tuple(digest.sizes), tuple(digest.values)))
 
     def _on_run_end(self, entry: RunEntry, rank: int, event: pb.Event, now: float) -> None:
         if rank != entry.leader:  # only the rank that started the run ends it

@@ -18,7 +18,7 @@ class StreamRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ...) -> None: ...
 
 class Event(_message.Message):
-    __slots__ = ("seq", "time_seconds", "run_start", "step", "log", "checkpoint", "heartbeat", "run_end")
+    __slots__ = ("seq", "time_seconds", "run_start", "step", "log", "checkpoint", "heartbeat", "run_end", "replica")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RUN_START_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class Event(_message.Message):
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     RUN_END_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
     seq: int
     time_seconds: float
     run_start: RunStart
@@ -35,7 +36,8 @@ class Event(_message.Message):
     checkpoint: CheckpointReport
     heartbeat: Heartbeat
     run_end: RunEnd
-    def __init__(self, seq: _Optional[int] = ..., time_seconds: _Optional[float] = ..., run_start: _Optional[_Union[RunStart, _Mapping]] = ..., step: _Optional[_Union[StepReport, _Mapping]] = ..., log: _Optional[_Union[LogReport, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointReport, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., run_end: _Optional[_Union[RunEnd, _Mapping]] = ...) -> None: ...
+    replica: ReplicaDigest
+    def __init__(self, seq: _Optional[int] = ..., time_seconds: _Optional[float] = ..., run_start: _Optional[_Union[RunStart, _Mapping]] = ..., step: _Optional[_Union[StepReport, _Mapping]] = ..., log: _Optional[_Union[LogReport, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointReport, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., run_end: _Optional[_Union[RunEnd, _Mapping]] = ..., replica: _Optional[_Union[ReplicaDigest, _Mapping]] = ...) -> None: ...
 
 class RunStart(_message.Message):
     __slots__ = ("trainer", "world_size", "output_dir", "config", "config_text", "versions", "membership", "preflight", "initial_adapter", "attestation", "sharded", "host", "wrapper", "requested_wrapper", "stop_token", "heads", "resume", "trainable_params_by_dtype", "dataset_rows")
@@ -243,7 +245,7 @@ class AdapterDigest(_message.Message):
     def __init__(self, combined: _Optional[str] = ..., tensors: _Optional[_Mapping[str, str]] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class StepReport(_message.Message):
-    __slots__ = ("step", "learning_rate", "update_sq_sum", "param_sq_sum", "watched_tensors", "watched_params", "optimizer_params", "unchanged_tensors", "grad_not_in_optimizer_tensors", "nonfinite_update_tensors", "grad_sq_sum", "groups", "sampled", "grad_not_in_optimizer_params", "unchanged_elements", "optimizer_step_skipped", "adalora_rank_pattern_set", "grad_measured", "declared_frozen_tensors", "declared_frozen_moved_tensors")
+    __slots__ = ("step", "learning_rate", "update_sq_sum", "param_sq_sum", "watched_tensors", "watched_params", "optimizer_params", "unchanged_tensors", "grad_not_in_optimizer_tensors", "nonfinite_update_tensors", "grad_sq_sum", "groups", "sampled", "grad_not_in_optimizer_params", "unchanged_elements", "optimizer_step_skipped", "adalora_rank_pattern_set", "grad_measured", "declared_frozen_tensors", "declared_frozen_moved_tensors", "local_seconds")
     STEP_FIELD_NUMBER: _ClassVar[int]
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     UPDATE_SQ_SUM_FIELD_NUMBER: _ClassVar[int]
@@ -264,6 +266,7 @@ class StepReport(_message.Message):
     GRAD_MEASURED_FIELD_NUMBER: _ClassVar[int]
     DECLARED_FROZEN_TENSORS_FIELD_NUMBER: _ClassVar[int]
     DECLARED_FROZEN_MOVED_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     step: int
     learning_rate: float
     update_sq_sum: float
@@ -284,7 +287,8 @@ class StepReport(_message.Message):
     grad_measured: bool
     declared_frozen_tensors: int
     declared_frozen_moved_tensors: int
-    def __init__(self, step: _Optional[int] = ..., learning_rate: _Optional[float] = ..., update_sq_sum: _Optional[float] = ..., param_sq_sum: _Optional[float] = ..., watched_tensors: _Optional[int] = ..., watched_params: _Optional[int] = ..., optimizer_params: _Optional[int] = ..., unchanged_tensors: _Optional[int] = ..., grad_not_in_optimizer_tensors: _Optional[int] = ..., nonfinite_update_tensors: _Optional[int] = ..., grad_sq_sum: _Optional[float] = ..., groups: _Optional[_Iterable[_Union[GroupUpdate, _Mapping]]] = ..., sampled: _Optional[bool] = ..., grad_not_in_optimizer_params: _Optional[int] = ..., unchanged_elements: _Optional[int] = ..., optimizer_step_skipped: _Optional[bool] = ..., adalora_rank_pattern_set: _Optional[bool] = ..., grad_measured: _Optional[bool] = ..., declared_frozen_tensors: _Optional[int] = ..., declared_frozen_moved_tensors: _Optional[int] = ...) -> None: ...
+    local_seconds: float
+    def __init__(self, step: _Optional[int] = ..., learning_rate: _Optional[float] = ..., update_sq_sum: _Optional[float] = ..., param_sq_sum: _Optional[float] = ..., watched_tensors: _Optional[int] = ..., watched_params: _Optional[int] = ..., optimizer_params: _Optional[int] = ..., unchanged_tensors: _Optional[int] = ..., grad_not_in_optimizer_tensors: _Optional[int] = ..., nonfinite_update_tensors: _Optional[int] = ..., grad_sq_sum: _Optional[float] = ..., groups: _Optional[_Iterable[_Union[GroupUpdate, _Mapping]]] = ..., sampled: _Optional[bool] = ..., grad_not_in_optimizer_params: _Optional[int] = ..., unchanged_elements: _Optional[int] = ..., optimizer_step_skipped: _Optional[bool] = ..., adalora_rank_pattern_set: _Optional[bool] = ..., grad_measured: _Optional[bool] = ..., declared_frozen_tensors: _Optional[int] = ..., declared_frozen_moved_tensors: _Optional[int] = ..., local_seconds: _Optional[float] = ...) -> None: ...
 
 class GroupUpdate(_message.Message):
     __slots__ = ("name", "kind", "update_sq_sum", "tensors", "unchanged_tensors", "optimizer_tensors", "elements", "unchanged_elements", "dtype")
@@ -336,14 +340,32 @@ class CheckpointReport(_message.Message):
     def __init__(self, step: _Optional[int] = ..., path: _Optional[str] = ..., adapter: _Optional[_Union[AdapterDigest, _Mapping]] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("step", "dropped_events", "queued_events")
+    __slots__ = ("step", "dropped_events", "queued_events", "began_step", "where")
     STEP_FIELD_NUMBER: _ClassVar[int]
     DROPPED_EVENTS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    BEGAN_STEP_FIELD_NUMBER: _ClassVar[int]
+    WHERE_FIELD_NUMBER: _ClassVar[int]
     step: int
     dropped_events: int
     queued_events: int
-    def __init__(self, step: _Optional[int] = ..., dropped_events: _Optional[int] = ..., queued_events: _Optional[int] = ...) -> None: ...
+    began_step: int
+    where: str
+    def __init__(self, step: _Optional[int] = ..., dropped_events: _Optional[int] = ..., queued_events: _Optional[int] = ..., began_step: _Optional[int] = ..., where: _Optional[str] = ...) -> None: ...
+
+class ReplicaDigest(_message.Message):
+    __slots__ = ("step", "structure", "values", "sizes", "names")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURE_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    structure: str
+    values: _containers.RepeatedScalarFieldContainer[float]
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step: _Optional[int] = ..., structure: _Optional[str] = ..., values: _Optional[_Iterable[float]] = ..., sizes: _Optional[_Iterable[int]] = ..., names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RunEnd(_message.Message):
     __slots__ = ("step", "reason")

@@ -1,0 +1,271 @@
+"""Detectors across the ranks of one run: a rank stuck while the others wait, a rank the others
+consistently wait for, and replicas of the same weights that disagree.
+
+Each rank is judged against the others, from what each reported of itself: the step its loop
+began (heartbeats), its own seconds of work per step (step reports) and a fixed sample of its
+replicated weights (replica digests). A run of one rank gives none of them.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+from deadweight.sidecar.detectors.base import SpecDetector, Verdict, fmt
+from deadweight.sidecar.detectors.spec import DetectorSpec, Evidence, Policy, Severity, Threshold
+from deadweight.sidecar.settings import DetectorSettings
+from deadweight.sidecar.state import RankState, ReplicaSample, RunState
+
+#: What a rank's heartbeat says when its training thread waits in a collective (the client's
+#: ``callbacks.where.COLLECTIVE``; the sidecar imports nothing from the callback).
+COLLECTIVE = "collective"
+
+
+def _ranks(ranks: list[RankState]) -> str:
+    return ",".join(str(r.rank) for r in ranks)
+
+
+class RankStalled(SpecDetector):
+    """One rank stopped while the others wait for it: named, with its last step and seconds.
+
+    Ranks of a synchronised job finish each optimizer step together, so the last step alone
+    cannot tell the stuck rank from the ranks blocked in the next collective. The step each
+    rank's loop *began* can: the waiting ranks began the next step, the stuck one never did.
+    Where the waiting ranks block before a step begins (the trainer gathers the batch's token
+    count first), the heartbeats' description of each training thread does: the waiting ones
+    are inside a collective, the stuck one is not. A rank that went silent while the others
+    still report is named the same way.
+    """
+
+    spec = DetectorSpec(
+        id="rank_stalled",
+        severity=Severity.CRITICAL,
+        summary="Run {run_id} has a rank that stopped while the others wait for it",
+        meaning="one rank stopped making progress (it never began the step the other ranks "
+        "are inside, sits in its own code while they wait in a collective, or went silent) "
+        "and no rank completed an optimizer step since: the job is hung on that rank",
+        fix="look at the named rank: a stuck data loader (lower `dataloader_num_workers`, check "
+        "its data shard) or control flow that differs between ranks (a save or evaluation on one)",
+        fires_when="on a run of several ranks, no optimizer step for `rank_stalled_seconds` "
+        "while a rank never began the step another rank is inside, sits outside any "
+        "collective while the others wait in one, or went silent while the others still "
+        "report; the verdict names the rank, its last step, the seconds and where it is",
+        thresholds=(Threshold("rank_stalled_seconds", "seconds",
+                              "seconds without an optimizer step on any rank, and without "
+                              "progress of the stuck rank, before it is named"),),
+        evidence=(Evidence("seconds_since_last_step"), Evidence("step")),
+    )
+
+    def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
+        if run.start is None or run.ended:
+            return None
+        heard = sorted((r for r in run.ranks.values() if r.first_seen), key=lambda r: r.rank)
+        if len(heard) < 2:
+            return None
+        now = run.evaluated_at or time.time()
+        limit = settings.rank_stalled_seconds
+        newest_step = max(r.last_step_time or r.first_seen for r in heard)
+        if now - newest_step <= limit:
+            return Verdict(False, step=run.step)
+        furthest = max(r.progress for r in heard)
+        behind = {r.rank for r in heard if r.progress < furthest
+                  and now - (r.progress_time or r.first_seen) > limit}
+        silent = {r.rank for r in heard if now - r.last_seen > limit}
+        busy = set()
+        if not behind and not silent and any(r.where == COLLECTIVE for r in heard):
+            # Every rank at the same step: the ones waiting in a collective wait for the
+            # ones that are not (the trainer gathers before a step begins, too).
+            busy = {r.rank for r in heard if r.where not in ("", COLLECTIVE)}
+        stuck = [r for r in heard if r.rank in behind | silent | busy]
+        waiting = [r for r in heard if r.rank not in behind | silent | busy]
+        if not stuck or not any(now - r.last_seen <= limit for r in waiting):
+            return Verdict(False, step=run.step)  # nobody waits: the whole run is stalled
+        first = stuck[0]
+        seconds = now - (first.progress_time or first.first_seen)
+        if first.rank in behind:
+            why = (f"it never began step {furthest}, which rank(s) {_ranks(waiting)} began "
+                   f"and wait in")
+        elif first.rank in busy:
+            why = (f"it is in its own code ({first.where}) while rank(s) {_ranks(waiting)} "
+                   f"wait for it in a collective")
+        else:
+            why = (f"it sent nothing for {now - first.last_seen:.0f} s while rank(s) "
+                   f"{_ranks(waiting)} still report")
+        return Verdict(
+            True,
+            step=first.step,
+            summary=(f"rank {first.rank} stopped after step {first.step}, {seconds:.0f} s ago "
+                     f"(limit {limit:g} s): {why}"),
+            evidence={"rank": str(first.rank), "stuck_ranks": _ranks(stuck),
+                      "last_step": fmt(first.step), "began_step": fmt(first.began_step),
+                      "seconds": fmt(round(seconds, 1)), "waiting_ranks": _ranks(waiting),
+                      "waiting_in_step": fmt(furthest), "where": first.where or "n/a",
+                      "seconds_since_last_message": fmt(round(now - first.last_seen, 1))},
+        )
+
+
+class RankStraggler(SpecDetector):
+    """A rank the others consistently wait for: its own work per step takes longest.
+
+    Each rank times its own part of a step (from the previous optimizer step's end to its last
+    forward pass's end: data loading and forward, before the gradient all-reduce where the
+    ranks meet). A rank much slower than the others in most recent steps slows every rank.
+    """
+
+    spec = DetectorSpec(
+        id="rank_straggler",
+        severity=Severity.WARNING,
+        summary="Run {run_id} has a rank that every other rank waits for",
+        meaning="one rank's own work per step (data loading and forward passes) is "
+        "consistently longer than the other ranks': every step waits for it",
+        fix="give the slow rank's data loading what the others have (workers, a local copy of "
+        "the data) and balance the shards, or move the job off a throttled device",
+        fires_when="over the last `straggler_steps` steps every rank timed, one rank's median "
+        "local seconds is at least `straggler_ratio` times the next rank's (and "
+        "`straggler_min_seconds` more), and it was the slowest in 3 of 4 of those steps",
+        policy=Policy.OBSERVE,
+        thresholds=(Threshold("straggler_steps", "optimizer steps",
+                              "recent steps timed on every rank that the verdict reads"),
+                    Threshold("straggler_ratio", "ratio",
+                              "the slowest rank's median against the next slowest rank's"),
+                    Threshold("straggler_min_seconds", "seconds",
+                              "least difference of the medians that counts")),
+        evidence=(Evidence("step"),),
+    )
+
+    def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
+        timed = [r for r in run.ranks.values() if r.local_seconds]
+        if len(timed) < 2:
+            return None
+        per_rank = {r.rank: dict(r.local_seconds) for r in timed}
+        common = set.intersection(*(set(times) for times in per_rank.values()))
+        window = sorted(common)[-settings.straggler_steps:]
+        if len(window) < settings.straggler_steps:
+            return Verdict(False)
+        medians = {rank: statistics.median(times[s] for s in window)
+                   for rank, times in per_rank.items()}
+        slowest = max(medians, key=lambda rank: medians[rank])
+        others = max(m for rank, m in medians.items() if rank != slowest)
+        slowest_in = sum(1 for s in window
+                         if max(per_rank, key=lambda rank: per_rank[rank][s]) == slowest)
+        slow = medians[slowest]
+        if not (slow >= settings.straggler_ratio * others
+                and slow - others >= settings.straggler_min_seconds
+                and 4 * slowest_in >= 3 * len(window)):
+            return Verdict(False, step=window[-1])
+        ratio = slow / others if others > 0 else math.inf
+        return Verdict(
+            True,
+            step=window[-1],
+            summary=(f"rank {slowest} takes {slow:.3g} s of its own per step against "
+                     f"{others:.3g} s on the next rank ({ratio:.3g}x, the slowest in "
+                     f"{slowest_in} of {len(window)} steps): every step waits about "
+                     f"{slow - others:.3g} s for it"),
+            evidence={"rank": str(slowest), "local_seconds": fmt(slow),
+                      "next_rank_seconds": fmt(others), "ratio": fmt(ratio),
+                      "slowest_in_steps": f"{slowest_in}/{len(window)}",
+                      "steps": f"{window[0]}-{window[-1]}", "step": fmt(window[-1])},
+        )
+
+
+class ReplicasDiverged(SpecDetector):
+    """Replicated weights that differ between ranks: the ranks train different models.
+
+    Every rank of an unsharded multi-rank run samples the same elements of the same tensors
+    at the same steps; the sidecar compares each rank's sample with the lowest rank's. A model
+    never wrapped in DDP (each rank trains on its own data), a rank restored from another
+    checkpoint, a gradient sync that did not run: each rank's loss looks fine, the model saved
+    by rank 0 holds a fraction of the training. Sharded runs are never compared.
+    """
+
+    spec = DetectorSpec(
+        id="replicas_diverged",
+        severity=Severity.CRITICAL,
+        summary="Run {run_id} has ranks whose copies of the same weights disagree",
+        meaning="the ranks' copies of the replicated weights differ: each rank trains its own "
+        "model (no gradient sync, a rank started from other weights), so the saved model "
+        "holds only one rank's share of the training",
+        fix="wrap the model (`DistributedDataParallel(model)`, `accelerator.prepare(model)`) "
+        "before building the optimizer, and load the same checkpoint on every rank",
+        fires_when="an unsharded run of several ranks, at a step every rank sampled: a "
+        "sampled tensor whose values on a rank differ from rank 0's by more than "
+        "`replica_tolerance` (relative L2); samples at steps 1, 2, 4, ..., 64, then every 64",
+        thresholds=(Threshold("replica_tolerance", "relative L2",
+                              "largest relative difference between two ranks' samples of a "
+                              "tensor that still counts as equal"),),
+        evidence=(Evidence("step"),),
+    )
+
+    def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
+        if run.start is None:
+            return None
+        if run.start.sharded:
+            return Verdict(False)  # shards differ by design
+        sampled = sorted((r for r in run.ranks.values() if r.replicas), key=lambda r: r.rank)
+        if len(sampled) < 2:
+            return None
+        by_rank = {r.rank: {s.step: s for s in r.replicas} for r in sampled}
+        common = set.intersection(*(set(steps) for steps in by_rank.values()))
+        if not common:
+            return None
+        step = max(common)
+        samples = tuple(by_rank[r.rank][step] for r in sampled)
+        tolerance = settings.replica_tolerance
+        kept = run.replica_comparison
+        if kept is not None and kept[0] == tolerance and len(kept[1]) == len(samples) and all(
+                a is b for a, b in zip(kept[1], samples, strict=True)):
+            verdict = kept[2]  # the same samples: the same verdict, not compared again
+            assert isinstance(verdict, Verdict)
+            return verdict
+        verdict = self._compare(sampled, samples, step, tolerance)
+        run.replica_comparison = (tolerance, samples, verdict)
+        return verdict
+
+    @staticmethod
+    def _compare(sampled: list[RankState], samples: tuple[ReplicaSample, ...], step: int,
+                 tolerance: float) -> Verdict:
+        """Every rank's sample against the lowest rank's, at one step."""
+        reference = samples[0]
+        apart: list[tuple[int, int, float, str]] = []  # rank, tensors apart, largest, a name
+        for other, sample in zip(sampled[1:], samples[1:], strict=True):
+            if sample.structure != reference.structure or sample.sizes != reference.sizes:
+                continue  # other tensors (pipeline stages): not replicas of each other
+            differences = _differences(reference, sample)
+            over = [(d, name) for d, name in differences if d > tolerance]
+            if over:
+                largest, name = max(over)
+                apart.append((other.rank, len(over), largest, name))
+        if not apart:
+            return Verdict(False, step=step)
+        rank, count, largest, name = apart[0]
+        tensors = len(reference.sizes)
+        return Verdict(
+            True,
+            step=step,
+            summary=(f"at step {step} rank {rank}'s weights differ from rank "
+                     f"{sampled[0].rank}'s in {count} of {tensors} sampled tensors (largest "
+                     f"relative difference {largest:.3g}, {name}): the ranks train apart"),
+            evidence={"rank": str(rank), "ranks_apart": ",".join(str(a[0]) for a in apart),
+                      "reference_rank": str(sampled[0].rank), "step": fmt(step),
+                      "tensors_apart": f"{count}/{tensors}",
+                      "largest_relative_difference": fmt(largest), "tensor": name},
+        )
+
+
+def _differences(a: ReplicaSample, b: ReplicaSample) -> list[tuple[float, str]]:
+    """Per sampled tensor: the relative L2 difference of the two samples, and its name."""
+    out: list[tuple[float, str]] = []
+    start = 0
+    for size, name in zip(a.sizes, a.names, strict=True):
+        x, y = a.values[start:start + size], b.values[start:start + size]
+        start += size
+        diff = math.sqrt(sum((p - q) ** 2 for p, q in zip(x, y, strict=True)))
+        scale = max(math.sqrt(sum(p * p for p in x)), math.sqrt(sum(q * q for q in y)))
+        if not math.isfinite(diff):
+            out.append((math.inf, name))
+        elif diff > 0:
+            out.append((diff / scale, name))
+        else:
+            out.append((0.0, name))
+    return out

@@ -19,7 +19,7 @@ import logging
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
-from deadweight.proto import pb
+from ..proto import pb
 
 #: Verdict lines printed per run at most; past it, one line says how many more the report has.
 MAX_VERDICT_LINES = 20

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from deadweight.callbacks.stream_client import StreamClient
+from .stream_client import StreamClient
 
 
 class StepProgress:

@@ -26,15 +26,15 @@ from typing import Any
 
 import grpc
 
-from deadweight.callbacks.where import where
-from deadweight.proto import monitor_stub, pb
-from deadweight.proto.transport import (
+from ..proto import monitor_stub, pb
+from ..proto.transport import (
     attest_path,
     bearer_metadata,
     grpc_target,
     open_channel,
     unix_socket_path,
 )
+from .where import where
 
 log = logging.getLogger("deadweight")
 

@@ -38,8 +38,11 @@ from typing import Any
 
 import torch
 
-from deadweight.callbacks import digest, layout, preflight, promotion
-from deadweight.callbacks.probe import (
+from ..proto import pb
+from . import digest, layout
+from . import summary_writer as promotion
+from .facts import preflight
+from .run_probe import (
     DeadweightAbort,
     RunProbe,
     default_run_id,
@@ -48,9 +51,8 @@ from deadweight.callbacks.probe import (
     shared_run_id,
     shielded,
 )
-from deadweight.callbacks.stop_agreement import StopAgreement
-from deadweight.callbacks.stream_client import ClientSettings, StreamClient
-from deadweight.proto import pb
+from .stop_agreement import StopAgreement
+from .stream_client import ClientSettings, StreamClient
 
 log = logging.getLogger("deadweight")
 

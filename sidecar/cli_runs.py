@@ -12,15 +12,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from deadweight.sidecar.cli import Commands
+    from .cli import Commands
 
 
 def _runs(args: argparse.Namespace) -> int:
-    from deadweight.sidecar import runs_listing
+    from . import runs_listing
 
     if args.state_dir is not None:
-        from deadweight.sidecar.state_db import DB_NAME, StateDirUnsafe
-        from deadweight.sidecar.store import Store
+        from .store.files import DB_NAME, StateDirUnsafe
+        from .store.journal import Store
 
         if not (Path(args.state_dir) / DB_NAME).is_file():
             print(f"deadweight runs: no state database in {args.state_dir} (the sidecar's "
@@ -38,7 +38,7 @@ def _runs(args: argparse.Namespace) -> int:
     else:
         import grpc
 
-        from deadweight.sidecar import status
+        from . import status
 
         try:
             tls_ca = Path(args.tls_ca).read_bytes() if args.tls_ca else None

@@ -22,15 +22,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from deadweight.sidecar import report_plots, runbook_pages, verdict_order
-from deadweight.sidecar.alert_links import DEFAULT_RUNBOOK_URL_PATTERN, runbook_url
-from deadweight.sidecar.detectors import BY_ID
-from deadweight.sidecar.finding import evidence_pairs
-from deadweight.sidecar.runbook_pages import fix_sentence
-from deadweight.sidecar.store import ActionRow, Store, StoredIncident, StoredRun
+from . import verdicts as verdict_order
+from .actions.links import DEFAULT_RUNBOOK_URL_PATTERN, runbook_url
+from .detectors import BY_ID
+from .exposition import report_plots, runbook_pages
+from .exposition.runbook_pages import fix_sentence
+from .model.finding import evidence_pairs
+from .store.journal import ActionRow, Store, StoredIncident, StoredRun
 
 if TYPE_CHECKING:
-    from deadweight.sidecar.state import CheckpointPoint
+    from .model.run_state import CheckpointPoint
 
 
 class ReportUnavailable(RuntimeError):

@@ -20,10 +20,11 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from deadweight.proto import pb
-from deadweight.sidecar import status_json, verdict_order
-from deadweight.sidecar.status import OMITTED_PREFIX
-from deadweight.sidecar.store import Store
+from ..proto import pb
+from . import status_json
+from . import verdicts as verdict_order
+from .status import OMITTED_PREFIX
+from .store.journal import Store
 
 SCHEMA = "deadweight.runs/v1"
 

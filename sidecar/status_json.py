@@ -17,9 +17,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from deadweight.proto import pb
-from deadweight.sidecar.detectors.spec import root_causes_first
-from deadweight.sidecar.status import OMITTED_PREFIX, run_state
+from ..proto import pb
+from .detectors.spec import root_causes_first
+from .status import OMITTED_PREFIX, run_state
 
 SCHEMA = "deadweight.status/v1"
 RUN_KEYS = ("run_id", "trainer", "ranks", "step", "last_seen_seconds", "ended", "end_reason",

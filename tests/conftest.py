@@ -72,7 +72,7 @@ def stopping_sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sidec
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """An in-process sidecar (real gRPC on a unix socket) whose findings a test reads directly."""
-    from tests.inprocess_sidecar import InProcessSidecar
+    from tests.support.inprocess_sidecar import InProcessSidecar
 
     sidecar = InProcessSidecar.live(tmp_path_factory.mktemp("live"))
     yield sidecar

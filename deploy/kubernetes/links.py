@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from alerts.rules import Patterns
-from deadweight.sidecar import alert_links
+from deadweight.sidecar.actions import links as alert_links
 
 LINKS_FILE = Path(__file__).resolve().parent / "links.env"
 #: The ConfigMap kustomization.yaml generates from LINKS_FILE (no hash suffix: the Job names it).

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import math
 
-from deadweight.sidecar.detectors.base import SpecDetector, Verdict, finite_history, fmt
-from deadweight.sidecar.detectors.spec import DetectorSpec, Evidence, Policy, Severity, Threshold
-from deadweight.sidecar.settings import DetectorSettings
-from deadweight.sidecar.state import RunState
+from ..model.run_state import RunState
+from ..model.settings import DetectorSettings
+from .base import SpecDetector, Verdict, finite_history, fmt
+from .spec import DetectorSpec, Evidence, Policy, Severity, Threshold
 
 
 class LossDivergence(SpecDetector):

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from itertools import pairwise
 
-from deadweight.sidecar.detectors.base import SpecDetector, Verdict, finite_history, fmt
-from deadweight.sidecar.detectors.divergence import grad_norm_series
-from deadweight.sidecar.detectors.spec import DetectorSpec, Evidence, Policy, Severity, Threshold
-from deadweight.sidecar.settings import DetectorSettings
-from deadweight.sidecar.state import RunState
+from ..model.run_state import RunState
+from ..model.settings import DetectorSettings
+from .base import SpecDetector, Verdict, finite_history, fmt
+from .divergence import grad_norm_series
+from .spec import DetectorSpec, Evidence, Policy, Severity, Threshold
 
 NO_STEP_LOGS = Threshold("no_step_logs", "log reports",
                          "log reports without an optimizer step before it fires (twice the "

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import math
 
-from deadweight.sidecar.detectors.base import SpecDetector, Verdict, fmt, trailing_streak
-from deadweight.sidecar.detectors.spec import DetectorSpec, Evidence, Severity, Threshold
-from deadweight.sidecar.settings import DetectorSettings
-from deadweight.sidecar.state import RunState
-from deadweight.sidecar.step_point import StepPoint
+from ..model.run_state import RunState
+from ..model.settings import DetectorSettings
+from ..model.step_point import StepPoint
+from .base import SpecDetector, Verdict, fmt, trailing_streak
+from .spec import DetectorSpec, Evidence, Severity, Threshold
 
 
 def relative_update(point: StepPoint) -> float | None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from deadweight.sidecar.step_point import StepPoint
+from ..model.step_point import StepPoint
 
 ADAM, SGD, ADAFACTOR, UNKNOWN = "adam", "sgd", "adafactor", "unknown"
 #: Adafactor's ``eps[1]``/``eps2``: the smallest weight scale it moves an element by.

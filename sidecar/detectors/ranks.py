@@ -12,10 +12,10 @@ import math
 import statistics
 import time
 
-from deadweight.sidecar.detectors.base import SpecDetector, Verdict, fmt
-from deadweight.sidecar.detectors.spec import DetectorSpec, Evidence, Policy, Severity, Threshold
-from deadweight.sidecar.settings import DetectorSettings
-from deadweight.sidecar.state import RankState, ReplicaSample, RunState
+from ..model.run_state import RankState, ReplicaSample, RunState
+from ..model.settings import DetectorSettings
+from .base import SpecDetector, Verdict, fmt
+from .spec import DetectorSpec, Evidence, Policy, Severity, Threshold
 
 #: What a rank's heartbeat says when its training thread waits in a collective (the client's
 #: ``callbacks.where.COLLECTIVE``; the sidecar imports nothing from the callback).

@@ -7,16 +7,16 @@ reporting as one. Neither is a training failure, both make the other verdicts bl
 
 from __future__ import annotations
 
-from deadweight.sidecar.detectors.base import SpecDetector, Verdict, fmt
-from deadweight.sidecar.detectors.spec import (
+from ..model.run_state import RunState
+from ..model.settings import DetectorSettings
+from .base import SpecDetector, Verdict, fmt
+from .spec import (
     DetectorSpec,
     Evidence,
     Policy,
     Severity,
     Threshold,
 )
-from deadweight.sidecar.settings import DetectorSettings
-from deadweight.sidecar.state import RunState
 
 
 class StepOutOfOrder(SpecDetector):

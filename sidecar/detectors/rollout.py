@@ -15,10 +15,10 @@ from __future__ import annotations
 import math
 import statistics
 
-from deadweight.sidecar.detectors.base import SpecDetector, Verdict, fmt, trailing_streak
-from deadweight.sidecar.detectors.spec import DetectorSpec, Evidence, Severity, Threshold
-from deadweight.sidecar.settings import DetectorSettings
-from deadweight.sidecar.state import RunState
+from ..model.run_state import RunState
+from ..model.settings import DetectorSettings
+from .base import SpecDetector, Verdict, fmt, trailing_streak
+from .spec import DetectorSpec, Evidence, Severity, Threshold
 
 LOGP_DIFFERENCE = "sampling/sampling_logp_difference/mean"
 LOGP_DIFFERENCE_MAX = "sampling/sampling_logp_difference/max"

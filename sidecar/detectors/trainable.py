@@ -3,16 +3,16 @@
 The client reports, beside the optimizer membership, the optimizer's parameters that a PEFT
 save leaves out (``unsaved_trainable_params``), the model's size, the band of trainable
 percent the user expects (``expected_trainable_pct_low/high``) and the modules the user
-declared frozen; see ``callbacks/trainable.py``.
+declared frozen; see ``callbacks/facts/trainable.py``.
 """
 
 from __future__ import annotations
 
-from deadweight.proto import pb
-from deadweight.sidecar.detectors.base import SpecDetector, Verdict, fmt, start_facts_or_silent
-from deadweight.sidecar.detectors.spec import DetectorSpec, Evidence, Policy, Severity
-from deadweight.sidecar.settings import DetectorSettings
-from deadweight.sidecar.state import RunState
+from ...proto import pb
+from ..model.run_state import RunState
+from ..model.settings import DetectorSettings
+from .base import SpecDetector, Verdict, fmt, start_facts_or_silent
+from .spec import DetectorSpec, Evidence, Policy, Severity
 
 
 def _pct(part: float, whole: float) -> float:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from deadweight.proto import pb
-from deadweight.sidecar.alert_links import DEFAULT_RUNBOOK_URL_PATTERN, runbook_url
-from deadweight.sidecar.detectors.base import Detector
-from deadweight.sidecar.detectors.spec import DetectorSpec, cause_rank
-from deadweight.sidecar.registry.run_table import RunEntry
+from ...proto import pb
+from ..actions.links import DEFAULT_RUNBOOK_URL_PATTERN, runbook_url
+from ..detectors.base import Detector
+from ..detectors.spec import DetectorSpec, cause_rank
+from .run_table import RunEntry
 
 
 def _sentence(text: str) -> str:

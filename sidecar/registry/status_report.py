@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from deadweight.proto import pb
-from deadweight.sidecar.detectors.spec import root_causes_first
-from deadweight.sidecar.finding import SEVERITY_ORDER, Finding, verdict_state
-from deadweight.sidecar.state import RunState
-from deadweight.sidecar.store import ActionRow
+from ...proto import pb
+from ..detectors.spec import root_causes_first
+from ..model.finding import SEVERITY_ORDER, Finding, verdict_state
+from ..model.run_state import RunState
+from ..store.journal import ActionRow
 
 
 def ordered(findings: list[Finding]) -> list[Finding]:

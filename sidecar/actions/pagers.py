@@ -1,0 +1,62 @@
+"""Every pager target behind one ``Pager``: the Alertmanager push and each webhook.
+
+The actions page once per incident (the journal decides that); this fans the page out to every
+target, settles the page's journal row from all their outcomes (``PageOutcome``) and gives
+``/metrics`` each target's health.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Protocol
+
+from .pager_health import Outcome, PageOutcome, TargetHealth
+
+
+class PagerTarget(Protocol):
+    """One place pages go (``AlertmanagerPusher``, ``WebhookNotifier``)."""
+
+    health: TargetHealth
+    #: Where its runbook links point (set again once /metrics' real port is known).
+    runbook_url_pattern: str
+
+    def fire(
+        self, run_id: str, detector: str, severity: str, summary: str, description: str,
+        evidence: dict[str, str] | None = None, starts_at: float | datetime | None = None,
+        on_result: Outcome | None = None, reassert: bool = False,
+    ) -> None: ...
+
+    def resolve(self, run_id: str, detector: str, severity: str,
+                ends_at: float | datetime | None = None) -> None: ...
+
+    def close(self, flush_timeout: float = 2.0) -> None: ...
+
+
+class PagerSet:
+    """Fans pages out to targets; a page is delivered once every target took it."""
+
+    def __init__(self, targets: Sequence[PagerTarget]) -> None:
+        self.targets = tuple(targets)
+
+    def health(self) -> list[TargetHealth]:
+        return [t.health for t in self.targets]
+
+    def fire(
+        self, run_id: str, detector: str, severity: str, summary: str, description: str,
+        evidence: dict[str, str] | None = None, starts_at: float | None = None,
+        on_result: Outcome | None = None, reassert: bool = False,
+    ) -> None:
+        outcome = PageOutcome(len(self.targets), on_result) if on_result is not None else None
+        for index, target in enumerate(self.targets):
+            target.fire(run_id, detector, severity, summary, description, evidence,
+                        starts_at, on_result=None if outcome is None
+                        else outcome.for_target(index), reassert=reassert)
+
+    def resolve(self, run_id: str, detector: str, severity: str) -> None:
+        for target in self.targets:
+            target.resolve(run_id, detector, severity)
+
+    def close(self, flush_timeout: float = 2.0) -> None:
+        for target in self.targets:
+            target.close(flush_timeout)

@@ -1,0 +1,301 @@
+"""Turn a verdict into what its policy asks for: a log line, a page, a STOP, a kill.
+
+Policies are levels, each including the ones before: ``observe`` logs, ``page`` also pages
+on-call, ``stop`` also sends STOP over the run's stream, ``kill`` also hands the incident to the
+enforcer, which escalates to SIGTERM and SIGKILL. Every action is journaled in the store,
+counted by (action, result) for ``deadweight_actions_total`` and logged with its evidence;
+``dry_run`` logs and journals what would have been done and does nothing. An incident is paged
+and stopped at most once, also across restarts (the journal is checked first). A detector
+silenced on the run (``silences``) does not page: the page is journaled ``silenced`` and sent
+when the silence expires if the verdict still stands (``unsilenced``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import structlog
+
+from ...proto import pb
+from ..detectors import BY_ID
+from ..detectors.base import Policy
+from ..model.finding import Finding, RunFacts, RunSnapshot
+from ..store.journal import Store, StoreWriteFailed
+from .silences import Silences
+
+log = structlog.get_logger("deadweight.actions")
+
+LEVEL = {Policy.OBSERVE: 0, Policy.PAGE: 1, Policy.STOP: 2, Policy.KILL: 3}
+
+
+class Pager(Protocol):
+    """Where pages go (``pagers.PagerSet``: the Alertmanager push and the webhooks).
+
+    on_result hears "delivered" or "failed" (after the targets' retry budget); reassert marks
+    the same page sent again after a restart (a webhook posts nothing for it)."""
+
+    def fire(
+        self, run_id: str, detector: str, severity: str, summary: str, description: str,
+        evidence: dict[str, str], starts_at: float | None = None,
+        on_result: Callable[[str], None] | None = None, reassert: bool = False,
+    ) -> None: ...
+
+    def resolve(self, run_id: str, detector: str, severity: str) -> None: ...
+
+
+#: Takes over an incident whose policy is ``kill`` once STOP went out (``Enforcer.begin``):
+#: called with the run as it was when the verdict fired (its incarnation and the processes
+#: bound to it), the finding, when STOP went out and the run's step then.
+Escalate = Callable[[RunSnapshot, Finding, float, int], None]
+#: Ends the open escalations of one closed incarnation of a run id (``Enforcer.supersede``).
+Supersede = Callable[[str, int], None]
+
+
+@dataclass(frozen=True)
+class ActionKey:
+    """The labels of ``deadweight_actions_total``."""
+
+    run_id: str
+    trainer: str
+    detector: str
+    action: str
+    result: str
+
+
+@dataclass(frozen=True)
+class ActionEvent:
+    """One action on one incident (and, for signals, one rank's process)."""
+
+    run_id: str
+    trainer: str
+    detector: str
+    incident: int
+    action: str
+    result: str
+    rank: int | None = None
+    pid: int | None = None
+    evidence: dict[str, str] = field(default_factory=dict)
+    detail: dict[str, Any] = field(default_factory=dict)
+    incarnation: int = 1
+
+
+def policy_level(policy: str) -> int:
+    return LEVEL[Policy(policy)]
+
+
+class Actions:
+    """The action sink the registry calls on every verdict transition."""
+
+    def __init__(self, pager: Pager | None = None, dry_run: bool = False,
+                 store: Store | None = None, escalate: Escalate | None = None,
+                 supersede: Supersede | None = None,
+                 silences: Silences | None = None) -> None:
+        self.pager = pager
+        #: Detectors silenced by hand per run (``deadweight silence``): they do not page.
+        self.silences = silences or Silences()
+        self.dry_run = dry_run
+        self.store = store or Store()
+        self.escalate = escalate
+        self.supersede = supersede
+        self.counts: Counter[ActionKey] = Counter()
+        #: run_id -> detector -> severity of the pages this sidecar holds firing: resolved
+        #: when the verdict resolves, the run restarts, or the run expires; never at run end.
+        self._held_pages: dict[str, dict[str, str]] = {}
+        #: Page action id -> its run and the result it was last settled to (pager thread).
+        self._settled: dict[int, tuple[str, str]] = {}
+        self._lock = threading.Lock()
+
+    # -- the journal -----------------------------------------------------------------------
+
+    def record(self, event: ActionEvent, at: float | None = None) -> int:
+        """Journal, count and log one action with its result."""
+        action_id = self.store.add_action(
+            event.run_id, event.trainer, event.detector, event.incident, event.action,
+            event.result, event.rank, event.pid, self.dry_run, event.detail, at=at,
+            incarnation=event.incarnation,
+        )
+        self._count_and_log(event)
+        return action_id
+
+    def intend(self, event: ActionEvent) -> int:
+        """Journal an action as pending before doing it (a crash then counts it as done)."""
+        return self.store.add_action(
+            event.run_id, event.trainer, event.detector, event.incident, event.action,
+            "pending", event.rank, event.pid, self.dry_run, event.detail,
+            incarnation=event.incarnation,
+        )
+
+    def settle(self, action_id: int, event: ActionEvent) -> None:
+        """Write the result of an action journaled as pending."""
+        self.store.set_result(action_id, event.result)
+        self._count_and_log(event)
+
+    def superseded(self, run_id: str, incarnation: int) -> None:
+        """The run id started a new incarnation: escalations of the old one end here, so
+        its processes' successors are never signalled for it."""
+        if self.supersede is not None:
+            self.supersede(run_id, incarnation)
+
+    def forget(self, run_id: str) -> None:
+        """Drop an expired run's counters, so memory and /metrics stay bounded, and resolve
+        the pages its verdicts still held (the run left the sidecar's memory: the one
+        resolution a run that ended with a firing verdict gets without an operator)."""
+        with self._lock:
+            for key in [k for k in self.counts if k.run_id == run_id]:
+                del self.counts[key]
+            for action_id in [a for a, (r, _) in self._settled.items() if r == run_id]:
+                del self._settled[action_id]
+            paged = self._held_pages.pop(run_id, {})
+        if self.pager is not None:
+            for detector, severity in sorted(paged.items()):
+                self.pager.resolve(run_id, detector, severity)  # queued: never blocks
+                log.info("page_resolved", run_id=run_id, detector=detector,
+                         reason="the ended run expired from the sidecar's memory")
+
+    def _count_and_log(self, event: ActionEvent) -> None:
+        with self._lock:
+            self.counts[ActionKey(event.run_id, event.trainer, event.detector, event.action,
+                                  event.result)] += 1
+        log.warning(
+            "action", action=event.action, result=event.result, run_id=event.run_id,
+            detector=event.detector, incident=f"{event.detector}#{event.incident}",
+            rank=event.rank, pid=event.pid, evidence=event.evidence, dry_run=self.dry_run,
+            **event.detail,
+        )
+
+    def _event(self, run: RunFacts, finding: Finding, action: str, result: str,
+               **detail: Any) -> ActionEvent:
+        return ActionEvent(run.run_id, run.trainer, finding.detector, finding.incidents,
+                           action, result, evidence=dict(finding.evidence), detail=detail,
+                           incarnation=run.incarnation)
+
+    def _done(self, run: RunFacts, finding: Finding, action: str) -> bool:
+        return self.store.has_action(run.run_id, finding.detector, finding.incidents, action)
+
+    def _paged(self, run: RunFacts, finding: Finding) -> bool:
+        """A page went out for the incident (one held back by a silence does not count)."""
+        return any(a.action == "page" and a.result != "silenced" for a in
+                   self.store.actions(run.run_id, finding.detector, finding.incidents))
+
+    def _silenced(self, run: RunFacts, finding: Finding) -> bool:
+        return self.silences.active(run.run_id, finding.detector)
+
+    # -- verdict transitions ---------------------------------------------------------------
+
+    def fired(self, run: RunFacts, finding: Finding) -> list[pb.Directive]:
+        level = policy_level(finding.policy)
+        directives: list[pb.Directive] = []
+        if level >= LEVEL[Policy.PAGE] and not self._paged(run, finding):
+            if self._silenced(run, finding):
+                self.record(self._event(run, finding, "page", "silenced"))
+            else:
+                self._page(run, finding)
+        if level >= LEVEL[Policy.STOP] and not self._done(run, finding, "stop"):
+            now = time.time()
+            if self.dry_run:
+                self.record(self._event(run, finding, "stop", "dry_run", step=run.step), at=now)
+            else:
+                directives.append(self._stop_directive(finding))
+                self.record(self._event(run, finding, "stop", "sent", step=run.step), at=now)
+            if level >= LEVEL[Policy.KILL] and self.escalate is not None:
+                self.escalate(RunSnapshot.of(run), finding, now, run.step)
+        return directives
+
+    def resumed(self, run: RunFacts, finding: Finding) -> list[pb.Directive]:
+        """A firing incident read back after a restart: re-assert, never repeat.
+
+        The page is re-asserted with its original start time (Alertmanager sees the same
+        alert, not a new one) and STOP is queued again for ranks that reconnect; both are
+        journaled as such, not as new actions. The enforcer resumes escalations itself.
+        """
+        level = policy_level(finding.policy)
+        directives: list[pb.Directive] = []
+        if (level >= LEVEL[Policy.PAGE] and self.pager is not None and not self.dry_run
+                and not self._silenced(run, finding) and self._paged(run, finding)):
+            self._fire_pager(run, finding, reassert=True)
+            self.record(self._event(run, finding, "page", "reasserted"))
+        if level >= LEVEL[Policy.STOP] and not self.dry_run and self._done(run, finding, "stop"):
+            directives.append(self._stop_directive(finding))
+            self.record(self._event(run, finding, "stop", "requeued"))
+        return directives
+
+    def silenced(self, run: RunFacts, finding: Finding) -> None:
+        """A silence began on a firing incident: the page already out resolves (on-call's
+        pager quiets; the rules leave silenced detectors out too)."""
+        if (policy_level(finding.policy) >= LEVEL[Policy.PAGE] and self.pager is not None
+                and not self.dry_run and self._paged(run, finding)):
+            self.pager.resolve(run.run_id, finding.detector, finding.severity)
+
+    def unsilenced(self, run: RunFacts, finding: Finding) -> None:
+        """A silence ended on a firing incident: page it now (journaled once), or, if it was
+        paged before the silence, assert that page again."""
+        if policy_level(finding.policy) < LEVEL[Policy.PAGE]:
+            return
+        if not self._paged(run, finding):
+            self._page(run, finding)
+        elif self.pager is not None and not self.dry_run:
+            self._fire_pager(run, finding, reassert=True)
+            self.record(self._event(run, finding, "page", "reasserted"))
+
+    def resolved(self, run: RunFacts, finding: Finding) -> None:
+        paged = policy_level(finding.policy) >= LEVEL[Policy.PAGE]
+        if paged and self.pager is not None and not self.dry_run:
+            with self._lock:
+                self._held_pages.get(run.run_id, {}).pop(finding.detector, None)
+            self.pager.resolve(run.run_id, finding.detector, finding.severity)
+
+    @staticmethod
+    def _stop_directive(finding: Finding) -> pb.Directive:
+        return pb.Directive(action=pb.Directive.ACTION_STOP, detector=finding.detector,
+                            reason=finding.summary)
+
+    def _page(self, run: RunFacts, finding: Finding) -> None:
+        if self.dry_run:
+            self.record(self._event(run, finding, "page", "dry_run"))
+            return
+        if self.pager is None:
+            self.record(self._event(run, finding, "page", "no_pager"))
+            return
+        event = self._event(run, finding, "page", "queued")
+        action_id = self.record(event)
+        self._fire_pager(run, finding, on_result=functools.partial(
+            self._page_settled, action_id, event))
+
+    def _page_settled(self, action_id: int, queued: ActionEvent, result: str) -> None:
+        """A page's targets told what became of it (from their thread): the journal row goes
+        from "queued" (or an earlier result) to result, and result is counted too (a counter
+        never goes down: ``queued`` stays counted as what happened first)."""
+        with self._lock:
+            before = self._settled.get(action_id, (queued.run_id, queued.result))[1]
+            self._settled[action_id] = (queued.run_id, result)
+        # A failed write is counted and logged by the store; the counters still move.
+        with contextlib.suppress(StoreWriteFailed):
+            self.store.set_result(action_id, result)
+        self._count_and_log(dataclasses.replace(queued, result=result,
+                                                detail={**queued.detail, "was": before}))
+
+    def _fire_pager(self, run: RunFacts, finding: Finding,
+                    on_result: Callable[[str], None] | None = None,
+                    reassert: bool = False) -> None:
+        assert self.pager is not None
+        with self._lock:
+            self._held_pages.setdefault(run.run_id, {})[finding.detector] = finding.severity
+        # The wording the Prometheus rule carries too (a detector outside ALL has none).
+        detector = BY_ID.get(finding.detector)
+        summary = (detector.spec.render_summary(run.run_id) if detector is not None
+                   else f"{finding.detector} on run {run.run_id}")
+        meaning = f"{detector.spec.meaning} " if detector is not None else ""
+        self.pager.fire(  # the pager appends the evidence to the description
+            run.run_id, finding.detector, finding.severity, summary=summary,
+            description=f"Run {run.run_id}: {meaning}({finding.summary}).",
+            evidence=dict(sorted(finding.evidence.items())),
+            starts_at=finding.fired_at or None, on_result=on_result, reassert=reassert,
+        )

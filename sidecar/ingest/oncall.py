@@ -1,0 +1,177 @@
+"""On-call's hands on a running sidecar: stop one run, silence one detector on one run.
+
+Both arrive as RPCs (``Stop``, ``Silence``) on the unix socket and are allowed only to the
+sidecar's own uid or root, as the kernel names the caller: the command fetches a nonce from
+the attestation socket (``SO_PEERCRED``) and sends it with the request; a nonce is redeemed
+once, so nothing in a message can claim a uid. Every command is journaled like a verdict's
+action: STOP under the detector ``operator`` (once per run: a second ``deadweight stop``
+answers that STOP already went out), a silence as ``silence``/``set`` and, at its end,
+``silence``/``expired``. ``SilenceClock`` ends silences on time and pages what still fires.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterable
+
+import structlog
+
+from ...proto import pb
+from ..actions.policy import ActionEvent, Actions
+from ..actions.silences import (
+    ACTION,
+    MAX_SILENCE_SECONDS,
+    Silence,
+    Silences,
+)
+from ..detectors import BY_ID
+from ..registry import Registry
+from .attestation import Attestor, ProcessIdentity
+
+log = structlog.get_logger("deadweight.oncall")
+
+#: The ``detector`` label of actions on-call took by hand (not a detector's verdict).
+OPERATOR = "operator"
+#: Longest reason kept (journal, console line, status).
+MAX_REASON_CHARS = 512
+#: How often the clock looks for silences whose time is up.
+CLOCK_SECONDS = 0.25
+
+
+class Refused(Exception):
+    """The caller may not do this (or the request is malformed); the message says why."""
+
+    def __init__(self, message: str, permission: bool = False) -> None:
+        super().__init__(message)
+        #: True: who is asking is the problem (PERMISSION_DENIED), not what (INVALID_ARGUMENT).
+        self.permission = permission
+
+
+def operator_uids() -> frozenset[int]:
+    """Who may stop and silence: the sidecar's own uid and root."""
+    return frozenset({os.geteuid(), 0})
+
+
+class Oncall:
+    """Carries out ``Stop`` and ``Silence`` for an attested caller."""
+
+    def __init__(self, registry: Registry, actions: Actions, attestor: Attestor | None,
+                 allowed_uids: Iterable[int] | None = None) -> None:
+        self.registry = registry
+        self.actions = actions
+        self.attestor = attestor
+        self.allowed_uids = frozenset(operator_uids() if allowed_uids is None
+                                      else allowed_uids)
+        self._lock = threading.Lock()  # one command at a time: exactly-once checks hold
+
+    @property
+    def silences(self) -> Silences:
+        return self.actions.silences
+
+    def caller(self, nonce: str, over_unix: bool) -> ProcessIdentity:
+        """The kernel's identity of the caller; Refused unless it is an operator uid."""
+        if not over_unix:
+            raise Refused("stop and silence are allowed over the unix socket only (the "
+                          "caller's uid must come from the kernel)", permission=True)
+        identity = self.attestor.redeem(nonce) if self.attestor is not None else None
+        if identity is None:
+            raise Refused("no valid attestation: run the command on the sidecar's host as "
+                          "the sidecar's uid or root", permission=True)
+        if identity.uid not in self.allowed_uids:
+            raise Refused(f"uid {identity.uid} may not stop or silence runs (only uids "
+                          f"{sorted(self.allowed_uids)})", permission=True)
+        return identity
+
+    def stop(self, request: pb.StopRequest, caller: ProcessIdentity) -> pb.StopResponse:
+        reason = (request.reason or "stopped by hand").strip()[:MAX_REASON_CHARS]
+        with self._lock:
+            state = self.registry.run(request.run_id)
+            if state is None:
+                raise Refused(f"unknown run {request.run_id!r}")
+            done = [a for a in self.actions.store.actions(request.run_id, OPERATOR)
+                    if a.action == "stop" and a.time >= state.created]
+            if done:
+                return pb.StopResponse(already=True, step=int(done[0].detail.get("step", 0)),
+                                       message=f"STOP already went out for {request.run_id}")
+            directive = pb.Directive(action=pb.Directive.ACTION_STOP, detector=OPERATOR,
+                                     reason=f"stopped by on-call: {reason}")
+            run = self.registry.direct(request.run_id, directive)
+            if run is None:
+                raise Refused(f"run {request.run_id!r} has ended; nothing to stop")
+            self.actions.record(ActionEvent(
+                run.run_id, run.trainer, OPERATOR, 1, "stop", "sent",
+                detail={"step": run.step, "reason": reason, "by_uid": caller.uid,
+                        "by_pid": caller.pid}))
+        return pb.StopResponse(step=run.step, message=(
+            f"STOP queued for {run.run_id} at step {run.step}: every rank gets it with its "
+            "next acknowledgement and ends training after the current step"))
+
+    def silence(self, request: pb.SilenceRequest, caller: ProcessIdentity
+                ) -> pb.SilenceResponse:
+        if request.detector not in BY_ID:
+            raise Refused(f"unknown detector {request.detector!r}")
+        if not 0 < request.seconds <= MAX_SILENCE_SECONDS:
+            raise Refused(f"a silence lasts more than 0 and at most {MAX_SILENCE_SECONDS:.0f}s")
+        if not request.run_id:
+            raise Refused("a silence names one run")
+        reason = request.reason.strip()[:MAX_REASON_CHARS]
+        until = time.time() + request.seconds
+        with self._lock:
+            found = self.registry.finding_of(request.run_id, request.detector)
+            trainer = found[0].trainer if found is not None else ""
+            replaced = self.silences.set(Silence(request.run_id, request.detector, until,
+                                                 reason))
+            if replaced is not None:
+                self._journal(replaced, trainer, "replaced")
+            self.actions.record(ActionEvent(
+                request.run_id, trainer, request.detector, 0, ACTION, "set",
+                detail={"until": until, "seconds": request.seconds, "reason": reason,
+                        "by_uid": caller.uid, "by_pid": caller.pid}))
+        if found is not None and found[1] is not None and found[1].firing:
+            self.actions.silenced(found[0], found[1])
+        return pb.SilenceResponse(until=until, message=(
+            f"{request.detector} silenced on {request.run_id} for {request.seconds:g}s: it "
+            "does not page until then, and pages then if it still fires"))
+
+    def expire(self, now: float | None = None) -> int:
+        """End the silences whose time is up; page what still fires. Returns how many."""
+        ended = self.silences.expired(now)
+        for silence in ended:
+            found = self.registry.finding_of(silence.run_id, silence.detector)
+            self._journal(silence, found[0].trainer if found else "", "expired")
+            if found is not None and found[1] is not None and found[1].firing:
+                self.actions.unsilenced(found[0], found[1])
+        return len(ended)
+
+    def _journal(self, silence: Silence, trainer: str, result: str) -> None:
+        self.actions.record(ActionEvent(silence.run_id, trainer, silence.detector, 0, ACTION,
+                                        result, detail={"until": silence.until,
+                                                        "reason": silence.reason}))
+
+
+class SilenceClock:
+    """A thread that ends silences on time (``Oncall.expire``)."""
+
+    def __init__(self, oncall: Oncall, interval: float = CLOCK_SECONDS) -> None:
+        self.oncall = oncall
+        self.interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="deadweight-silences",
+                                        daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.oncall.expire()
+            except Exception:  # a failed journal write: tried again at the next turn
+                log.exception("silence_expiry_failed")

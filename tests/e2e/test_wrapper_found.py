@@ -1,0 +1,45 @@
+"""``deadweight status`` names the wrapper really found on a 2-rank raw loop.
+
+Two real gloo ranks under torchrun against the in-process sidecar: a model never wrapped in
+DDP is reported as ``wrapper none`` (it was reported as ``ddp`` because the job had two
+ranks); the same loop wrapped in DDP as ``wrapper ddp``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from deadweight.demo.sidecar_process import free_port
+from tests.support.inprocess_sidecar import InProcessSidecar
+from tests.support.realprocs import wait_for
+
+pytestmark = pytest.mark.slow
+
+WORKER = Path(__file__).resolve().parents[1] / "support" / "unwrapped_worker.py"
+
+
+@pytest.mark.parametrize(("mode", "wrapper"), [("unwrapped", "none"), ("ddp", "ddp")])
+def test_status_reports_the_wrapper_really_found(mode: str, wrapper: str,
+                                                 live: InProcessSidecar) -> None:
+    run_id = f"two-ranks-{mode}"
+    env = {**os.environ, "DEADWEIGHT_ADDRESS": live.address, "DEADWEIGHT_RUN_ID": run_id,
+           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": str(WORKER.parents[2])}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                           "2", "--master-addr", "127.0.0.1", "--master-port",
+                           str(free_port()), str(WORKER), mode],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    wait_for(lambda: (run := live.run(run_id)) is not None and run.ended
+             and sorted(run.ranks) == [0, 1], 15, what=f"both ranks of {run_id}")
+    status = subprocess.run([sys.executable, "-m", "deadweight.cli", "status", "--address",
+                             live.address], env=env, capture_output=True, text=True,
+                            timeout=60)
+    assert status.returncode == 0, status.stderr[-2000:]
+    block = status.stdout.split(run_id, 1)[1].split("\n\n", 1)[0]
+    assert f"wrapper {wrapper}" in block, block

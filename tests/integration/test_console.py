@@ -1,0 +1,305 @@
+"""The trainer's console tells: what a person at the terminal sees, from real training runs.
+
+Real SFT runs in a subprocess (``console_worker``) against real sidecar processes over a real
+unix socket, under the default policy: the frozen run (adapter loaded without
+``is_trainable``) prints one line per verdict with its cause, fix and runbook link, and a
+summary with the root cause first; its healthy twin prints no verdict line. Without a sidecar
+the run says at once that it is NOT monitored and its loggers never read "0 findings". A STOP
+names the root cause and leaves a mark the script reads. A raw loop's exit never warns that
+a sidecar which received everything was unreachable.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import re
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from deadweight.callbacks.console import Console
+from deadweight.demo.sidecar_process import SidecarProcess
+from deadweight.proto import pb
+from deadweight.sidecar.registry import Registry
+from tests.support import raw_loop_worker
+from tests.unit.test_registry import _send, _start
+
+WORKER = Path(__file__).resolve().parents[1] / "support" / "console_worker.py"
+
+
+def _train(tiny: tuple[Path, Path], out: Path, mode: str, address: str, run_id: str,
+           steps: int = 8) -> tuple[list[str], dict[str, Any]]:
+    """(the console's lines, the worker's report) of one real SFT run in a subprocess."""
+    model_dir, adapter_dir = tiny
+    done = subprocess.run(
+        [sys.executable, str(WORKER), str(model_dir), str(adapter_dir), str(out), mode, address,
+         run_id, str(steps)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stderr.splitlines(), json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _verdict_lines(lines: list[str]) -> list[str]:
+    return [line for line in lines
+            if any(f"deadweight {s} " in line for s in ("CRITICAL", "WARNING", "INFO"))]
+
+
+def _detector(line: str) -> str:
+    found = re.search(r"deadweight (?:CRITICAL|WARNING|INFO) (\w+) ", line)
+    assert found is not None, line
+    return found.group(1)
+
+
+def _index(lines: list[str], needle: str) -> int:
+    return next(i for i, line in enumerate(lines) if needle in line)
+
+
+@pytest.mark.slow
+def test_a_frozen_run_prints_each_verdict_once_and_its_healthy_twin_none(
+    sidecar: SidecarProcess, tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    lines, report = _train(tiny, tmp_path / "frozen", "frozen", sidecar.address, "console-f1")
+    begin = _index(lines, "deadweight: run console-f1 reports to the sidecar at")
+    assert sidecar.address in lines[begin] and "deadweight report console-f1" in lines[begin]
+    assert begin < _index(lines, "worker: step 1")
+
+    verdicts = _verdict_lines(lines)
+    detectors = [_detector(line) for line in verdicts]
+    assert len(detectors) == len(set(detectors)), verdicts  # one line per incident
+    assert detectors[:2] == ["empty_optimizer", "frozen_weights"], verdicts
+    empty = verdicts[0]
+    assert "deadweight CRITICAL empty_optimizer (step 0): The optimizer was built with zero " \
+        "parameters" in empty
+    assert "Fix: Load the adapter with `PeftModel.from_pretrained(base, path, " \
+        "is_trainable=True)`" in empty
+    link = empty.split("Runbook: ")[1].strip()
+    assert link == f"http://127.0.0.1:{sidecar.metrics_port}/runbooks/empty_optimizer"
+    import urllib.request
+    with urllib.request.urlopen(link, timeout=5) as page:  # the link opens the runbook
+        assert "is_trainable=True" in page.read().decode()
+    # empty_optimizer at step 0, before the first optimizer step ends
+    assert _index(lines, "deadweight CRITICAL empty_optimizer") < _index(lines, "worker: step 1")
+
+    summary = lines[_index(lines, "deadweight: run console-f1 ended (completed) at step 8")]
+    order = [summary.index(d) for d in ("empty_optimizer (critical, step 0, firing at end)",
+                                        "frozen_weights (critical", "checkpoint_unchanged")]
+    assert order == sorted(order), summary
+    assert report["stopped_by_deadweight"] is None and report["steps"] == 8
+    assert report["logged"]["deadweight/monitored"][-1] == 1.0
+    assert report["logged"]["deadweight/findings"][-1] >= 2
+
+    lines, report = _train(tiny, tmp_path / "healthy", "healthy", sidecar.address,
+                           "console-ok")
+    assert _verdict_lines(lines) == [], lines
+    assert any("deadweight: run console-ok reports to the sidecar" in line for line in lines)
+    assert any("deadweight: run console-ok ended (completed) at step 8; no verdict" in line
+               for line in lines), lines
+    assert set(report["logged"]["deadweight/findings"]) == {0.0}
+
+
+@pytest.mark.slow
+def test_without_a_sidecar_the_run_says_at_once_it_is_not_monitored(
+    tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    address = f"unix://{tmp_path}/no-sidecar.sock"
+    lines, report = _train(tiny, tmp_path / "out", "frozen", address, "console-alone", steps=4)
+    said = _index(lines, f"deadweight: no sidecar answers at {address}")
+    assert "run console-alone is NOT monitored" in lines[said]
+    assert said < _index(lines, "worker: step 1")  # at train begin, not at train end
+    assert not [line for line in lines if "unreachable" in line], lines  # said once, at begin
+    assert any("console-alone ended (completed) at step 4 NOT monitored" in line
+               for line in lines)
+    logged = report["logged"]
+    assert "deadweight/findings" not in logged  # "0 findings" would read as judged healthy
+    assert set(logged["deadweight/monitored"]) == {0.0}
+    assert not [k for k in logged if k.startswith("deadweight/firing/")]
+
+
+@pytest.mark.slow
+def test_a_stop_names_the_root_cause_and_marks_the_run(
+    stopping_sidecar: SidecarProcess, tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    lines, report = _train(tiny, tmp_path / "out", "frozen", stopping_sidecar.address,
+                           "console-stop", steps=30)
+    assert report["steps"] < 30
+    stop = lines[_index(lines, "deadweight STOPPED run console-stop")]
+    # the trigger is frozen_weights (the stop policy), the root cause the empty optimizer
+    assert "root cause empty_optimizer: The optimizer was built with zero parameters" in stop
+    assert "(stop triggered by frozen_weights)" in stop
+    assert "Fix: Load the adapter with `PeftModel.from_pretrained(" in stop
+    mark = report["stopped_by_deadweight"]
+    assert mark.startswith("empty_optimizer: ") and "frozen_weights" in mark
+    assert report["history"] == [{"deadweight/stopped_by": "empty_optimizer",
+                                  "deadweight/stop_reason": mark,
+                                  "step": report["history"][0]["step"]}]
+    assert 1 <= report["history"][0]["step"] <= report["steps"]
+    summary = lines[_index(lines, "deadweight: run console-stop ended (stopped)")]
+    assert "STOPPED by deadweight, root cause empty_optimizer" in summary
+
+
+@pytest.fixture
+def deadweight_log() -> Iterator[io.StringIO]:
+    """What the ``deadweight`` logger prints, at every level."""
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    logger = logging.getLogger("deadweight")
+    logger.addHandler(handler)
+    try:
+        yield out
+    finally:
+        logger.removeHandler(handler)
+
+
+@pytest.mark.slow
+def test_watch_exit_never_calls_a_sidecar_that_received_everything_unreachable(
+    sidecar: SidecarProcess, deadweight_log: io.StringIO
+) -> None:
+    """The race: close() closed the channel while the fully acknowledged stream was still
+    ending, cancelling it (a false "unreachable (CANCELLED)"). A busy Python thread in the
+    training process (a data loader, a tokenizer) widens the window: before the fix, 3 of 20
+    exits here warned."""
+    import deadweight
+
+    busy = threading.Event()
+
+    def spin() -> None:
+        while not busy.is_set():
+            sum(range(1000))
+
+    spinner = threading.Thread(target=spin, daemon=True)
+    spinner.start()
+    runs = 20
+    try:
+        for i in range(runs):
+            model = raw_loop_worker._net()
+            optimizer = torch.optim.AdamW(model.parameters(), lr=raw_loop_worker.LR)
+            with deadweight.watch(model, optimizer, run_id=f"race-{i}",
+                                  address=sidecar.address) as monitor:
+                for step in range(1, 7):
+                    loss = model(torch.randn(4, 8)).pow(2).mean()
+                    loss.backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    monitor.log(step, loss=loss)
+            assert monitor.client is not None and monitor.client.connects == 1
+    finally:
+        busy.set()
+        spinner.join()
+    said = deadweight_log.getvalue()
+    assert "unreachable" not in said and "not delivered" not in said, said
+    for i in range(runs):  # and the sidecar did receive everything
+        run = sidecar.run_status(f"race-{i}")
+        assert run is not None and run.ended and run.step == 6
+
+
+def _notice(detector: str, incident: int = 1, rank: int = 0) -> pb.VerdictNotice:
+    return pb.VerdictNotice(detector=detector, severity="critical", incident=incident,
+                            cause="It broke", fix="mend it", cause_rank=rank)
+
+
+def test_the_console_prints_each_incident_once_and_at_most_its_cap() -> None:
+    out = io.StringIO()
+    logger = logging.getLogger("deadweight.test-console")
+    logger.addHandler(logging.StreamHandler(out))
+    logger.propagate = False
+    console = Console(logger, "r", "unix:///s", max_lines=2)
+    console.begin(True, 1.0)
+    console.notices([_notice("b", rank=5), _notice("b", rank=5)])
+    console.notices([_notice("b", rank=5), _notice("a", rank=1), _notice("c", rank=9)])
+    console.notices([_notice("b", incident=2, rank=5)])  # fired again: a new incident
+    lines = out.getvalue().splitlines()
+    assert [_detector(line) for line in lines[1:3]] == ["b", "a"]  # the cap: 2 lines
+    assert console.held == 2
+    console.end(3, "completed", ["b"])
+    tail = out.getvalue().splitlines()[3:]
+    assert "2 more verdict lines were not printed (at most 2 a run)" in tail[0]
+    assert "a (critical, step 0), b (critical, step 0, firing at end), c (" in tail[1]
+
+
+def test_the_sidecar_sends_each_incident_once_a_stream_and_again_after_a_reconnect() -> None:
+    registry = Registry(runbook_url_pattern="https://runbooks.example/{detector}")
+    first = _send(registry, _start(optimizer_tensors=0, optimizer_params=0))
+    [notice] = [n for n in first.verdicts if n.detector == "empty_optimizer"]
+    assert notice.severity == "critical" and notice.incident == 1 and notice.step == 0
+    assert notice.cause.startswith("The optimizer was built with zero parameters")
+    assert "0 parameters" in notice.evidence
+    assert "is_trainable=True" in notice.fix
+    assert notice.runbook_url == "https://runbooks.example/empty_optimizer"
+    again = _send(registry, pb.Event(seq=0, heartbeat=pb.Heartbeat(step=0)))
+    assert "empty_optimizer" in again.firing and not again.verdicts
+    reconnected = _send(registry, _start(optimizer_tensors=0, optimizer_params=0))
+    assert sorted(n.detector for n in reconnected.verdicts) == sorted(
+        n.detector for n in first.verdicts) == ["empty_optimizer", "no_kl_anchor"]
+
+
+def test_a_console_line_is_never_glued_to_a_live_progress_bar(
+    capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tqdm import tqdm
+
+    logger = logging.getLogger("deadweight.test-bars")
+    logger.addHandler(logging.StreamHandler())  # the stderr the bar draws on
+    logger.propagate = False
+    bar = tqdm(total=8, file=sys.stderr, mininterval=0)
+    bar.update(3)
+    Console(logger, "r", "unix:///s").notices([_notice("frozen_weights")])
+    bar.update(1)
+    bar.close()
+    err = capsys.readouterr().err
+    before = err[:err.index("deadweight CRITICAL frozen_weights")]
+    # the bar was wiped (carriage return, blanks, carriage return) before the line was written
+    assert re.search(r"it/s\]\r +\r$", before), repr(before[-80:])
+
+
+def test_a_sidecar_that_comes_up_later_judges_the_run_from_then_on(
+    tmp_path: Path, deadweight_log: io.StringIO
+) -> None:
+    """Not monitored at start, said at once; the sidecar starts while the loop trains: the
+    console says the run is monitored from then on, and the end summary is no longer
+    "NOT monitored"."""
+    import deadweight
+    from deadweight.callbacks.stream_client import ClientSettings
+    from tests.support.inprocess_sidecar import InProcessSidecar
+    from tests.support.realprocs import wait_for
+
+    socket_path = tmp_path / "late.sock"
+    model = raw_loop_worker._net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=raw_loop_worker.LR)
+    settings = ClientSettings(backoff_initial_seconds=0.05, backoff_max_seconds=0.2,
+                              connect_timeout_seconds=0.5)
+    late = None
+    try:
+        with deadweight.watch(model, optimizer, run_id="late-sidecar",
+                              address=f"unix://{socket_path}", settings=settings) as monitor:
+            assert "run late-sidecar is NOT monitored" in deadweight_log.getvalue()
+            late = InProcessSidecar(socket_path).start()
+            step = 0
+            client = monitor.client
+            assert client is not None
+
+            def one_step() -> bool:
+                nonlocal step
+                step += 1
+                optimizer.zero_grad()
+                model(torch.randn(4, 8)).pow(2).mean().backward()
+                optimizer.step()
+                monitor.log(step, loss=1.0)
+                return client.connects > 0
+
+            wait_for(one_step, 20, what="the late sidecar's first answer")
+        said = deadweight_log.getvalue()
+        assert "reachable again; run late-sidecar is monitored from here on" in said, said
+        assert "unreachable" not in said
+        assert "deadweight: run late-sidecar ended (completed)" in said
+        assert "NOT monitored: no verdict" not in said
+        assert late.seen("late-sidecar").ended
+    finally:
+        if late is not None:
+            late.stop()

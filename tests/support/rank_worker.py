@@ -1,0 +1,107 @@
+"""One rank of a 2-rank raw PyTorch loop (``torchrun --nproc-per-node 2``, gloo on CPU) with
+``deadweight.watch``, for the per-rank detectors.
+
+Usage: ``torchrun --nproc-per-node 2 tests/support/rank_worker.py MODE OUT_DIR STEPS`` with
+``DEADWEIGHT_ADDRESS`` set. MODE:
+
+- ``healthy``: DDP, every rank at full speed (the twin of the three below).
+- ``stall``: DDP; after optimizer step ``STALL_AFTER`` rank 1 stays in its own loop (as a
+  rank stuck on its data or in user code would) until the file OUT_DIR/release appears, while
+  rank 0 goes on into the next step and blocks in its gradient all-reduce.
+- ``straggler``: DDP; rank 1 spends ``STRAGGLE_SECONDS`` of its own before every forward pass
+  (a slow data loader), so rank 0 waits for it at every all-reduce.
+- ``unwrapped``: the model is never wrapped in DDP; each rank trains on its own data, so the
+  two replicas drift apart from the first step.
+- ``init``: DDP without its initial broadcast (``init_sync=False``, as when each rank restores
+  its own checkpoint) and rank 1 starts from other weights: the gradients are averaged, the
+  replicas stay apart.
+
+The replica modes wait after each step until the sidecar acknowledged what the rank sent, as a
+step of a real model gives it time to (a loop of six 1 ms steps ends before the first batch
+leaves); the timing modes do not, so nothing but the loop itself is timed.
+
+Each rank writes ``rank<N>.json``: run id, steps, and the wall time of each optimizer step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+STALL_AFTER = 3
+STRAGGLE_SECONDS = 0.15
+#: Longest rank 1 stays stuck when nobody releases it (the test releases it far sooner).
+STALL_LIMIT_SECONDS = 120.0
+LR = 1e-2
+
+
+def _net(seed: int) -> Any:
+    import torch
+    from torch import nn
+
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def _acknowledged(monitor: Any) -> None:
+    """Until the sidecar acknowledged every event this rank queued (a condition, not a sleep)."""
+    client = monitor.client
+    deadline = time.monotonic() + 10
+    while client is not None and (client.queued or client._inflight):
+        if time.monotonic() > deadline:
+            raise TimeoutError("the sidecar never acknowledged this rank's events")
+        time.sleep(0.005)  # poll interval of the condition wait
+
+
+def main(mode: str, out: Path, steps: int) -> int:
+    import torch
+    import torch.distributed as dist
+
+    import deadweight
+    from deadweight.callbacks.stream_client import ClientSettings
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(100 + rank)  # each rank its own shard of the data
+    batches = [(torch.randn(4, 8), torch.randn(4, 4)) for _ in range(steps)]
+    model: Any = _net(seed=1 if mode == "init" and rank == 1 else 0)
+    if mode != "unwrapped":
+        model = torch.nn.parallel.DistributedDataParallel(model, init_sync=mode != "init")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    step_times: list[float] = []
+    settings = ClientSettings(heartbeat_seconds=0.2)
+    with deadweight.watch(model, optimizer, settings=settings,
+                          start_timeout_seconds=5.0) as monitor:
+        for step, (x, y) in enumerate(batches, start=1):
+            if mode == "straggler" and rank == 1:
+                time.sleep(STRAGGLE_SECONDS)  # the slow rank's own work: not a test wait
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            monitor.log(step, loss=loss)
+            step_times.append(time.time())
+            if mode in ("unwrapped", "init"):
+                _acknowledged(monitor)
+            if mode == "stall" and rank == 1 and step == STALL_AFTER:
+                release = out / "release"
+                deadline = time.monotonic() + STALL_LIMIT_SECONDS
+                while not release.exists() and time.monotonic() < deadline:
+                    time.sleep(0.05)  # the stuck rank: its loop makes no progress
+        report = {"rank": rank, "run_id": monitor.run_id, "steps": monitor.step,
+                  "step_times": step_times,
+                  "dropped": monitor.client.dropped if monitor.client else -1}
+    (out / f"rank{rank}.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])))

@@ -1,0 +1,355 @@
+"""Detector edge cases fed as wire events into a Registry: the healthy facts that must not alarm.
+
+The real-trainer tests (``test_catalogue_*``) prove each detector on the real failure; these
+pin the boundaries cheaply: windows, warmup, single flat steps, relative (not absolute)
+trends, the stall clock, and artifact verdicts that outlive their run.
+"""
+
+from __future__ import annotations
+
+from deadweight.proto import pb
+from deadweight.sidecar.checkpoints.inspector import CheckpointInspection
+from deadweight.sidecar.model.settings import DetectorSettings
+from deadweight.sidecar.registry import Registry
+
+
+class Feed:
+    """One run on a registry, fed event by event."""
+
+    def __init__(self, registry: Registry, trainer: str = "GRPOTrainer",
+                 config: dict[str, float] | None = None, run_id: str = "r",
+                 **start: object) -> None:
+        self.registry, self.run_id, self.seq = registry, run_id, 0
+        membership = pb.OptimizerMembership(optimizer_tensors=8, optimizer_params=1024,
+                                            adapter_params=1024, adapter_tensors=8)
+        self.send(run_start=pb.RunStart(trainer=trainer, config=config or {},
+                                        membership=membership, **start))  # type: ignore[arg-type]
+
+    def send(self, **body: object) -> pb.StreamResponse:
+        self.seq += 1
+        event = pb.Event(seq=self.seq, **body)  # type: ignore[arg-type]
+        return self.registry.ingest(pb.StreamRequest(run_id=self.run_id, rank=0,
+                                                     events=[event]))
+
+    def step(self, step: int, lr: float = 1e-4, update_sq: float = 1e-6, **kw: object) -> None:
+        self.send(step=pb.StepReport(step=step, learning_rate=lr, update_sq_sum=update_sq,
+                                     watched_params=1024, optimizer_params=1024,
+                                     watched_tensors=8, **kw))  # type: ignore[arg-type]
+
+    def log(self, step: int, **values: float) -> None:
+        self.send(log=pb.LogReport(step=step, values=values))
+
+    def fired(self) -> set[str]:
+        return {k for k, f in self.registry.findings(self.run_id).items() if f.incidents}
+
+
+GRPO = {"beta": 0.04, "num_generations": 2.0, "learning_rate": 1e-4, "total_steps": 20}
+
+
+def test_a_single_flat_reward_step_is_healthy_a_window_is_not() -> None:
+    feed = Feed(Registry(settings=DetectorSettings(zero_reward_logs=3)), config=GRPO)
+    for step, frac in enumerate([0, 1, 0, 1, 0, 1, 1], start=1):
+        feed.log(step, frac_reward_zero_std=float(frac), reward_std=0.3, kl=0.01)
+    assert "zero_reward_variance" not in feed.fired()
+    feed.log(8, frac_reward_zero_std=1.0, reward_std=0.3, kl=0.01)
+    finding = feed.registry.findings("r")["zero_reward_variance"]
+    assert finding.firing and finding.evidence["frac_reward_zero_std"] == "1"
+    assert finding.evidence["reward_std"] == "0.3"
+
+
+def test_reward_std_alone_never_trips_zero_reward_variance() -> None:
+    feed = Feed(Registry(), config=GRPO)
+    for step in range(1, 10):
+        feed.log(step, reward_std=0.0, frac_reward_zero_std=0.0, **{"rewards/f/std": 0.2})
+    assert "zero_reward_variance" not in feed.fired()
+
+
+def test_kl_zero_at_step_one_and_during_warmup_is_expected() -> None:
+    config = {**GRPO, "resolved_warmup_steps": 2.0}
+    feed = Feed(Registry(settings=DetectorSettings(kl_zero_logs=3)), config=config)
+    for step, kl in [(1, 0.0), (2, 0.0), (3, 0.0), (4, 1e-5), (5, 0.0), (6, 0.0)]:
+        feed.log(step, kl=kl, loss=0.0)
+    assert "kl_stuck_zero" not in feed.fired()
+    feed.log(7, kl=0.0, loss=0.0)
+    assert feed.registry.findings("r")["kl_stuck_zero"].evidence["steps"] == "5-7"
+
+
+def test_constant_entropy_never_collapses_a_relative_drop_does() -> None:
+    feed = Feed(Registry(settings=DetectorSettings(trend_logs=3)), config=GRPO)
+    for step in range(1, 13):
+        feed.log(step, entropy=5.75)
+    assert "entropy_collapse" not in feed.fired()
+    for step, value in [(13, 3.0), (14, 2.9), (15, 2.8)]:
+        feed.log(step, entropy=value)
+    evidence = feed.registry.findings("r")["entropy_collapse"].evidence
+    assert evidence["baseline"] == "5.75" and evidence["current"] == "2.9"
+
+
+def test_decay_only_needs_weight_decay_and_exactly_zero_gradients() -> None:
+    feed = Feed(Registry(settings=DetectorSettings(decay_only_steps=3)),
+                config={**GRPO, "weight_decay": 0.0})
+    for step in range(1, 6):
+        feed.step(step)
+        feed.log(step, grad_norm=0.0, loss=0.0)
+    assert "decay_only_update" not in feed.fired()  # Adam momentum, not decay
+
+    feed = Feed(Registry(settings=DetectorSettings(decay_only_steps=3)),
+                config={**GRPO, "weight_decay": 0.1}, run_id="wd")
+    for step in range(1, 4):
+        feed.step(step)
+        feed.log(step, grad_norm=0.0 if step > 1 else 1e-3, loss=0.0)
+    assert "decay_only_update" not in feed.fired()
+    feed.step(4)
+    feed.log(4, grad_norm=0.0, loss=0.0)
+    assert feed.registry.findings("wd")["decay_only_update"].evidence["steps"] == "2-4"
+
+
+def test_stalled_follows_the_clock_and_heartbeats() -> None:
+    registry = Registry(settings=DetectorSettings(stalled_seconds=60, stalled_step_seconds=600))
+    feed = Feed(registry, config=GRPO)
+    feed.step(1)
+    run = registry.run("r")
+    assert run is not None
+    now = run.last_seen
+    registry.tick(now + 30)
+    assert "stalled" not in feed.fired()
+    registry.tick(now + 61)
+    assert registry.findings("r")["stalled"].firing  # silence
+    feed.send(heartbeat=pb.Heartbeat(step=1))
+    registry.tick(run.last_seen + 1)
+    assert not registry.findings("r")["stalled"].firing  # alive again
+    run.ranks[0].last_step_time -= 601  # the last step is 601 s old, the heartbeat fresh
+    registry.tick(run.last_seen + 1)  # heartbeats alone do not hide a loop that stopped stepping
+    assert registry.findings("r")["stalled"].firing
+    assert "no optimizer step" in registry.findings("r")["stalled"].summary
+
+
+def test_lr_zero_after_warmup_flags_but_warmup_does_not() -> None:
+    config = {"learning_rate": 1e-4, "resolved_warmup_steps": 2.0, "total_steps": 10.0}
+    feed = Feed(Registry(), trainer="SFTTrainer", config=config)
+    for step in (1, 2):
+        feed.step(step, lr=0.0, update_sq=0.0)
+    assert "lora_lr_too_low" not in feed.fired()
+    for step in (3, 4, 5, 6):
+        feed.step(step, lr=0.0, update_sq=0.0)
+    assert feed.registry.findings("r")["lora_lr_too_low"].evidence["step"] == "6"
+
+
+def test_dpo_margin_growing_with_chosen_rising_is_healthy() -> None:
+    feed = Feed(Registry(settings=DetectorSettings(dpo_window=4)), trainer="DPOTrainer")
+    for step in range(1, 8):
+        feed.log(step, **{"rewards/chosen": 0.1 * step, "rewards/rejected": -0.1 * step,
+                          "rewards/margins": 0.2 * step})
+    assert "dpo_likelihood_collapse" not in feed.fired()
+    for step in range(8, 12):
+        feed.log(step, **{"rewards/chosen": -0.1 * step, "rewards/rejected": -0.3 * step,
+                          "rewards/margins": 0.2 * step})
+    assert "dpo_likelihood_collapse" in feed.fired()
+
+
+#: An adapter digest "d0" (a real digest names the tensors behind it).
+D0 = pb.AdapterDigest(combined="d0", tensors={"a.lora_B.weight": "t0"})
+
+
+def _inspection(path: str, digest: str, lora_b_nonzero: int = 1,
+                pickles: tuple[str, ...] = ()) -> CheckpointInspection:
+    return CheckpointInspection(path=path, weights_file="adapter_model.safetensors",
+                                is_adapter=True, adapter_digest=digest,
+                                tensor_digests={"a.lora_B.weight": digest}, tensor_bytes=64,
+                                method="LORA", adapter_tensors=1, adapter_params=16,
+                                identity_modules=1, moved_modules=lora_b_nonzero,
+                                pickle_files=pickles)
+
+
+def test_checkpoint_at_warmups_lr_zero_step_is_not_unchanged() -> None:
+    config = {"learning_rate": 1e-4, "resolved_warmup_steps": 2.0, "total_steps": 10.0}
+    initial = D0
+    feed = Feed(Registry(), trainer="SFTTrainer", config=config, initial_adapter=initial)
+    feed.step(1, lr=0.0, update_sq=0.0)
+    feed.send(checkpoint=pb.CheckpointReport(step=1, path="/c/checkpoint-1",
+                                             adapter=D0))
+    assert "checkpoint_unchanged" not in feed.fired()
+    feed.step(2, lr=5e-5)
+    feed.send(checkpoint=pb.CheckpointReport(step=2, path="/c/checkpoint-2",
+                                             adapter=D0))
+    finding = feed.registry.findings("r")["checkpoint_unchanged"]
+    assert finding.firing and finding.evidence["same_as"] == "previous (step 1)"
+    run = feed.registry.run("r")
+    assert run is not None and run.checkpoints_unchanged == 1
+
+
+def test_artifact_verdicts_outlive_the_run_and_files_overrule_memory() -> None:
+    registry = Registry()
+    feed = Feed(registry, trainer="SFTTrainer", config={"learning_rate": 1e-4},
+                initial_adapter=D0)
+    feed.step(1)
+    feed.send(checkpoint=pb.CheckpointReport(step=1, path="/c/checkpoint-1",
+                                             adapter=D0))
+    feed.send(run_end=pb.RunEnd(step=1, reason="completed"))
+    assert registry.findings("r")["checkpoint_unchanged"].firing  # still, after the end
+    # The watcher then reads the files: they differ from the initial adapter after all.
+    registry.record_inspection("r", _inspection("/c/checkpoint-1", "d1", lora_b_nonzero=0,
+                                                pickles=("adapter_model.bin",)), 1)
+    findings = registry.findings("r")
+    assert not findings["checkpoint_unchanged"].firing
+    assert findings["adapter_never_trained"].firing
+    assert findings["pickle_checkpoint"].evidence["pickle_files"] == "adapter_model.bin"
+    run = registry.run("r")
+    assert run is not None and run.checkpoints_total == 1
+    assert run.checkpoints_unchanged == 1  # a counter never goes down
+    assert not findings.get("frozen_weights")  # run-scoped verdicts stay resolved
+
+
+def test_reference_adapter_is_not_idle_but_a_second_adapter_is() -> None:
+    adapters = [pb.AdapterCoverage(name="default", tensors=8, params=1024,
+                                   in_optimizer_tensors=8, active=True),
+                pb.AdapterCoverage(name="ref", tensors=8, params=1024, in_optimizer_tensors=0)]
+    membership = pb.OptimizerMembership(optimizer_tensors=8, optimizer_params=1024,
+                                        adapters=adapters)
+    registry = Registry()
+    registry.ingest(pb.StreamRequest(run_id="grpo", events=[pb.Event(seq=1, run_start=pb.RunStart(
+        trainer="GRPOTrainer", membership=membership))]))
+    assert "inactive_adapter" not in registry.findings("grpo")
+    registry.ingest(pb.StreamRequest(run_id="sft", events=[pb.Event(seq=1, run_start=pb.RunStart(
+        trainer="SFTTrainer", membership=membership))]))
+    assert registry.findings("sft")["inactive_adapter"].evidence["idle_adapters"] == "ref"
+
+
+def test_stall_clock_starts_when_the_rank_is_heard_not_at_run_creation() -> None:
+    registry = Registry(settings=DetectorSettings(stalled_seconds=60, stalled_step_seconds=600))
+    feed = Feed(registry, config=GRPO)
+    run = registry.run("r")
+    assert run is not None
+    run.created -= 3600  # a run restored from the store after a sidecar restart
+    registry.tick(run.last_seen + 30)
+    assert "stalled" not in feed.fired()
+    run.ranks.clear()  # restored, no rank reconnected yet: no clock to judge by
+    registry.tick(run.created + 7200)
+    assert "stalled" not in feed.fired()
+
+
+def test_a_resize_fires_unless_its_new_rows_train_on_purpose() -> None:
+    """Only the embedding's own module counts: saving lm_head alone leaves the rows random."""
+    cases = {"none": {}, "lm_head_only": {"modules_to_save": ["lm_head"]},
+             "saved": {"modules_to_save": ["embed_tokens", "lm_head"]},
+             "trainable_tokens": {"trainable_token_modules": ["embed_tokens"]}}
+    fired = {}
+    for name, covered in cases.items():
+        preflight = pb.Preflight(is_peft=True, embedding_rows=322, base_vocab_size=320,
+                                 embedding_module="embed_tokens", **covered)
+        feed = Feed(Registry(), trainer="SFTTrainer", run_id=name, preflight=preflight)
+        fired[name] = "embedding_resized" in feed.fired()
+    assert fired == {"none": True, "lm_head_only": True, "saved": False,
+                     "trainable_tokens": False}
+
+
+def test_digests_over_no_tensors_are_never_compared() -> None:
+    """A full fine-tune has no adapter: its (empty) digests are all equal and mean nothing."""
+    empty = pb.AdapterDigest(combined="e")  # what a digest of no tensors looks like
+    feed = Feed(Registry(), trainer="SFTTrainer", config={"learning_rate": 1e-4},
+                initial_adapter=empty)
+    for step in (1, 2):
+        feed.step(step)
+        feed.send(checkpoint=pb.CheckpointReport(step=step, path=f"/c/checkpoint-{step}",
+                                                 adapter=empty))
+    assert "checkpoint_unchanged" not in feed.fired()
+
+
+def _bf16_step(feed: Feed, step: int, unchanged: int, lr: float = 2e-4,
+               dtype: str = "bfloat16", update_sq: float = 1e-6) -> None:
+    group = pb.GroupUpdate(name="q_proj", kind="module", tensors=2, elements=1000,
+                           unchanged_elements=unchanged, dtype=dtype)
+    feed.step(step, lr=lr, update_sq=update_sq, groups=[group])
+
+
+def test_low_precision_counts_only_steps_that_should_move_every_element() -> None:
+    """Warmup, lr 0, a zero gradient and a frozen step neither
+    count nor fire; three counted steps that keep a quarter of a bf16 kind do."""
+    settings = DetectorSettings(low_precision_fraction=0.25, low_precision_steps=3)
+    config = {"learning_rate": 2e-4, "warmup_steps": 2.0}
+    held = {"bfloat16": 1000}
+    feed = Feed(Registry(settings=settings), trainer="SFTTrainer", config=config,
+                trainable_params_by_dtype=held)
+    _bf16_step(feed, 1, 1000, lr=0.0)  # warmup's lr 0
+    _bf16_step(feed, 2, 900, lr=1e-5)  # warmup
+    _bf16_step(feed, 3, 500)
+    feed.log(3, grad_norm=0.0, loss=0.69)  # no gradient: zero_gradient's case
+    _bf16_step(feed, 4, 500)
+    _bf16_step(feed, 5, 1000, update_sq=0.0)  # nothing moved: frozen_weights' case
+    _bf16_step(feed, 6, 500)
+    assert "low_precision_update" not in feed.fired()
+    _bf16_step(feed, 7, 400)
+    finding = feed.registry.findings("r")["low_precision_update"]
+    assert finding.firing and finding.step == 7 and finding.evidence["dtype"] == "bfloat16"
+    assert finding.evidence["module_kind"] == "q_proj"
+    _bf16_step(feed, 8, 10)  # updates land again (a larger lr): the verdict recovers
+    assert not feed.registry.findings("r")["low_precision_update"].firing
+
+
+def test_low_precision_needs_low_precision_weights_in_the_optimizer() -> None:
+    """The same counts in fp32 (a healthy LoRA's first step), or in bf16 copies of fp32 master
+    weights the optimizer holds, lose nothing."""
+    settings = DetectorSettings(low_precision_fraction=0.25, low_precision_steps=2)
+    fired = {}
+    for name, dtype, held in (("fp32", "float32", {"float32": 1000}),
+                              ("master", "bfloat16", {"float32": 1000}),
+                              ("bf16", "bfloat16", {"bfloat16": 1000})):
+        feed = Feed(Registry(settings=settings), trainer="SFTTrainer", run_id=name,
+                    config={"learning_rate": 2e-4}, trainable_params_by_dtype=held)
+        for step in (1, 2, 3):
+            _bf16_step(feed, step, 600, dtype=dtype)
+        fired[name] = "low_precision_update" in feed.fired()
+    assert fired == {"fp32": False, "master": False, "bf16": True}
+
+
+def test_resume_loss_sign_needs_a_run_that_had_learned() -> None:
+    """Back at the first loss fires only when the checkpoint's run had learned, once a loss
+    after the resume arrives, and never for RL losses (GRPO's sits near 0 by design)."""
+    resume = pb.Resume(checkpoint="/c/checkpoint-8", step=8, first_loss=5.8, last_loss=3.6)
+    fired = {}
+    for name, trainer, first, after in (("restarted", "SFTTrainer", 5.8, 5.7),
+                                        ("went_on", "SFTTrainer", 5.8, 3.7),
+                                        ("never_learned", "SFTTrainer", 3.7, 3.7),
+                                        ("rl", "GRPOTrainer", 5.8, 5.7)):
+        resume.first_loss = first
+        feed = Feed(Registry(), trainer=trainer, run_id=name, resume=resume)
+        assert "resume_lost_adapter" not in feed.fired()  # no loss since the resume yet
+        feed.log(9, loss=after)
+        fired[name] = "resume_lost_adapter" in feed.fired()
+    assert fired == {"restarted": True, "went_on": False, "never_learned": False, "rl": False}
+
+
+def test_a_streak_names_the_item_where_it_reached_its_length() -> None:
+    from deadweight.sidecar.detectors.base import trailing_streak
+
+    streak = trailing_streak([1, 0, 0, 0, 0], lambda v: v == 0)
+    assert streak.items == (0, 0, 0, 0) and len(streak) == 4
+    assert streak.reached(3) == 0 and streak.reached(5) is None and streak.reached(0) is None
+    steps = trailing_streak([(1, 0.0), (2, 1.0), (3, 0.0), (4, 0.0)], lambda p: p[1] == 0)
+    assert steps.reached(2) == (4, 0.0) and steps.reached(1) == (3, 0.0)
+    assert not trailing_streak([0, 1], lambda v: v == 0).items  # the newest breaks it
+
+
+def test_start_fact_detectors_wait_for_the_start_and_stay_silent_without_their_fact() -> None:
+    """Before the RunStart a start-fact detector has nothing to judge (no verdict at all); a
+    RunStart without the optional fact (the client could not gather it) is a silent verdict,
+    while the same fact present and bad fires."""
+    from deadweight.sidecar.detectors.base import Verdict
+    from deadweight.sidecar.detectors.start_facts import (
+        DatasetShrunk,
+        ResumeLostAdapter,
+        StopTokenUntrained,
+        UnsavedHead,
+    )
+    from deadweight.sidecar.model.run_state import RunState
+
+    settings = DetectorSettings()
+    detectors = (StopTokenUntrained(), UnsavedHead(), DatasetShrunk(), ResumeLostAdapter())
+    run = RunState("r")
+    assert [d.evaluate(run, settings) for d in detectors] == [None] * 4
+    run.start = pb.RunStart(trainer="SFTTrainer")
+    assert [d.evaluate(run, settings) for d in detectors] == [Verdict(False)] * 4
+    run.start = pb.RunStart(trainer="SFTTrainer", dataset_rows=pb.DatasetRows(given=32, kept=2),
+                            stop_token=pb.StopTokenCheck(sequences=4, in_labels=0, token="<eos>"))
+    fired = [d.spec.id for d in detectors if (v := d.evaluate(run, settings)) and v.firing]
+    assert fired == ["stop_token_untrained", "dataset_shrunk"]

@@ -1,0 +1,204 @@
+"""Boundaries of the per-rank and rollout detectors, fed as wire events into a real Registry.
+
+The real runs (``test_ranks``, ``test_rollout_staleness``) prove each detector on the failure;
+these pin what must not alarm: ranks that are all inside a long step, noise in the ranks'
+timings, replicas equal to rounding, other tensors on another rank (pipeline stages), sharded
+runs, a run that samples with truncation from its first step.
+"""
+
+from __future__ import annotations
+
+from deadweight.proto import pb
+from deadweight.sidecar.model.settings import DetectorSettings
+from deadweight.sidecar.registry import Registry
+
+
+class Ranks:
+    """One run of several ranks on a registry, fed event by event."""
+
+    def __init__(self, registry: Registry, ranks: int = 2, sharded: bool = False) -> None:
+        self.registry, self.seq = registry, dict.fromkeys(range(ranks), 0)
+        for rank in range(ranks):
+            self.send(rank, run_start=pb.RunStart(trainer="SFTTrainer", world_size=ranks,
+                                                  sharded=sharded))
+
+    def send(self, rank: int, **body: object) -> pb.StreamResponse:
+        self.seq[rank] += 1
+        seq = 0 if "heartbeat" in body else self.seq[rank]  # heartbeats carry no seq
+        event = pb.Event(seq=seq, **body)  # type: ignore[arg-type]
+        return self.registry.ingest(pb.StreamRequest(run_id="r", rank=rank, events=[event]))
+
+    def step(self, rank: int, step: int, local: float | None = None) -> None:
+        report = pb.StepReport(step=step, learning_rate=1e-4, update_sq_sum=1e-6,
+                               watched_params=8, optimizer_params=8, watched_tensors=2)
+        if local is not None:
+            report.local_seconds = local
+        self.send(rank, step=report)
+
+    def began(self, rank: int, step: int) -> None:
+        self.send(rank, heartbeat=pb.Heartbeat(step=step - 1, began_step=step))
+
+    def replica(self, rank: int, step: int, values: list[float], structure: str = "s",
+                names: tuple[str, ...] = ("a.weight", "b.weight")) -> pb.StreamResponse:
+        half = len(values) // 2
+        return self.send(rank, replica=pb.ReplicaDigest(
+            step=step, structure=structure, values=values, sizes=[half, len(values) - half],
+            names=list(names)))
+
+    def finding(self, detector: str) -> object | None:
+        return self.registry.findings("r").get(detector)
+
+    def firing(self, detector: str) -> bool:
+        finding = self.registry.findings("r").get(detector)
+        return finding is not None and finding.firing
+
+
+STALL = DetectorSettings(rank_stalled_seconds=60)
+
+
+def _stalled_at_3() -> Ranks:
+    feed = Ranks(Registry(settings=STALL))
+    for rank in (0, 1):
+        for step in (1, 2, 3):
+            feed.step(rank, step)
+    return feed
+
+
+def _age(feed: Ranks, seconds: float, silent: tuple[int, ...] = ()) -> None:
+    """Move the run's past back by seconds: its steps and step begins, and the last messages
+    of the silent ranks (the others have just sent one)."""
+    run = feed.registry.run("r")
+    assert run is not None
+    for rank in run.ranks.values():
+        rank.last_step_time -= seconds
+        rank.began_time -= seconds
+        if rank.rank in silent:
+            rank.last_seen -= seconds
+
+
+def test_rank_stalled_names_the_rank_that_never_began_the_step() -> None:
+    feed = _stalled_at_3()
+    feed.began(0, 4)  # rank 0 is inside step 4 (waiting); rank 1 never began it
+    feed.began(1, 3)
+    _age(feed, 30)
+    feed.registry.tick()
+    assert not feed.firing("rank_stalled")  # within the limit
+    _age(feed, 31)
+    feed.registry.tick()
+    finding = feed.registry.findings("r")["rank_stalled"]
+    assert finding.firing and finding.evidence["rank"] == "1"
+    assert finding.evidence["last_step"] == "3" and finding.evidence["waiting_in_step"] == "4"
+    assert "rank 1 stopped after step 3" in finding.summary
+    assert float(finding.evidence["seconds"]) >= 61
+    feed.step(1, 4)  # rank 1 goes on: the verdict clears
+    feed.step(0, 4)
+    feed.registry.tick()
+    assert not feed.firing("rank_stalled")
+
+
+def test_every_rank_inside_a_long_step_is_not_a_stuck_rank() -> None:
+    feed = _stalled_at_3()
+    for rank in (0, 1):
+        feed.began(rank, 4)
+    _age(feed, 600)
+    feed.registry.tick()
+    assert feed.finding("rank_stalled") is None
+
+
+def test_rank_stalled_names_a_silent_rank_while_the_other_reports() -> None:
+    feed = _stalled_at_3()
+    _age(feed, 61, silent=(0, 1))
+    feed.registry.tick()
+    assert feed.finding("rank_stalled") is None  # every rank silent: the run's stall
+    feed.began(0, 4)  # rank 0 reports again; rank 1's process froze after step 3
+    feed.registry.tick()
+    finding = feed.registry.findings("r")["rank_stalled"]
+    assert finding.firing and finding.evidence["rank"] == "1"
+    assert "never began step 4" in finding.summary
+    feed.began(1, 4)  # rank 1 got to step 4 (it began it), then went silent inside it
+    feed.began(0, 4)
+    _age(feed, 61, silent=(1,))
+    feed.registry.tick()
+    finding = feed.registry.findings("r")["rank_stalled"]
+    assert finding.firing and finding.evidence["rank"] == "1"
+    assert "sent nothing" in finding.summary
+
+
+STRAGGLE = DetectorSettings(straggler_steps=6)
+
+
+def test_straggler_needs_a_consistent_and_large_lead() -> None:
+    feed = Ranks(Registry(settings=STRAGGLE))
+    noisy = [(0.10, 0.12), (0.13, 0.10), (0.11, 0.12), (0.12, 0.10), (0.10, 0.13), (0.12, 0.11)]
+    for step, (a, b) in enumerate(noisy, start=1):
+        feed.step(0, step, a)
+        feed.step(1, step, b)
+    assert feed.finding("rank_straggler") is None  # noise: neither rank always the slowest
+    tiny = Ranks(Registry(settings=STRAGGLE))
+    for step in range(1, 7):  # twice as slow, but 4 ms: below straggler_min_seconds
+        tiny.step(0, step, 0.004)
+        tiny.step(1, step, 0.008)
+    assert tiny.finding("rank_straggler") is None
+    slow = Ranks(Registry(settings=STRAGGLE))
+    for step in range(1, 7):
+        slow.step(0, step, 0.10)
+        slow.step(1, step, 0.25)
+    finding = slow.registry.findings("r")["rank_straggler"]
+    assert finding.firing and finding.evidence["rank"] == "1" and finding.step == 6
+    assert finding.policy == "observe"
+
+
+def test_replicas_equal_to_the_bit_or_rounding_are_silent_apart_they_fire() -> None:
+    feed = Ranks(Registry())
+    feed.replica(0, 1, [0.5, -0.25, 1.0, 2.0])
+    feed.replica(1, 1, [0.5, -0.25, 1.0, 2.0 * (1 + 1e-7)])
+    assert feed.finding("replicas_diverged") is None
+    feed.replica(0, 2, [0.5, -0.25, 1.0, 2.0])
+    feed.replica(1, 2, [0.5, -0.25, 1.1, 2.0])
+    finding = feed.registry.findings("r")["replicas_diverged"]
+    assert finding.firing and finding.step == 2
+    assert finding.evidence["tensors_apart"] == "1/2" and finding.evidence["tensor"] == "b.weight"
+
+
+def test_other_tensors_on_another_rank_and_sharded_runs_are_not_compared() -> None:
+    stages = Ranks(Registry())  # pipeline stages: each rank holds other tensors
+    stages.replica(0, 1, [0.5, 1.0], structure="stage0")
+    stages.replica(1, 1, [3.0, 4.0], structure="stage1", names=("c.weight", "d.weight"))
+    assert stages.finding("replicas_diverged") is None
+    sharded = Ranks(Registry(), sharded=True)
+    sharded.replica(0, 1, [0.5, 1.0])
+    sharded.replica(1, 1, [3.0, 4.0])
+    assert sharded.finding("replicas_diverged") is None
+
+
+def test_a_replica_sample_whose_sizes_do_not_add_up_is_refused() -> None:
+    feed = Ranks(Registry())
+    response = feed.send(0, replica=pb.ReplicaDigest(step=1, structure="s", values=[1.0, 2.0],
+                                                     sizes=[5], names=["a"]))
+    assert "do not add up" in response.error
+    run = feed.registry.run("r")
+    assert run is not None and not run.ranks[0].replicas
+
+
+def _rollout(values: list[float]) -> Ranks:
+    feed = Ranks(Registry(), ranks=1)
+    for step, value in enumerate(values, start=1):
+        feed.send(0, log=pb.LogReport(step=step, values={
+            "sampling/sampling_logp_difference/mean": value,
+            "sampling/importance_sampling_ratio/mean": 1.0}))
+    return feed
+
+
+def test_rollout_stale_against_the_run_s_own_start() -> None:
+    # Truncated sampling (top_p 0.8) starts near 0.11 and stays there: its normal.
+    assert _rollout([0.11, 0.112, 0.108, 0.11, 0.113, 0.109]).finding("rollout_stale") is None
+    # An engine stale from the first step: far above any sampling setting.
+    stale = _rollout([0.8, 0.81, 0.79])
+    assert stale.firing("rollout_stale")
+    # A rise of the same size as noise on a tiny baseline stays under the absolute floor.
+    assert _rollout([0.01, 0.012, 0.011, 0.05, 0.06, 0.07]).finding("rollout_stale") is None
+    rising = _rollout([0.015, 0.016, 0.015, 0.12, 0.15])
+    assert not rising.firing("rollout_stale")  # two reports above the limit: not yet
+    rising.send(0, log=pb.LogReport(step=6, values={
+        "sampling/sampling_logp_difference/mean": 0.2}))
+    assert rising.registry.findings("r")["rollout_stale"].step == 6

@@ -28,8 +28,8 @@ COPY --from=build /opt/deadweight /opt/deadweight
 # A non-root container receives an added capability in its bounding set only, so the
 # interpreter the entry point runs becomes a copy carrying cap_kill as a permitted file
 # capability (no effective bit: the image still starts where KILL is not granted); the
-# sidecar raises it at start (sidecar/signal_capability.py).
-RUN /opt/deadweight/bin/python -m deadweight.sidecar.signal_capability /opt/deadweight/bin/deadweight
+# sidecar raises it at start (sidecar/actions/signal_capability.py).
+RUN /opt/deadweight/bin/python -m deadweight.sidecar.actions.signal_capability /opt/deadweight/bin/deadweight
 RUN groupadd --system --gid 10001 deadweight \
     && useradd --system --uid 10001 --gid deadweight --no-create-home \
         --home-dir /var/lib/deadweight --shell /usr/sbin/nologin deadweight \

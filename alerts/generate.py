@@ -31,9 +31,9 @@ from alerts.rules import (
     SPECS,
     Patterns,
 )
-from deadweight.sidecar import alert_links
-from deadweight.sidecar.alert_links import alert_name
-from deadweight.sidecar.settings import DetectorSettings
+from deadweight.sidecar.actions import links as alert_links
+from deadweight.sidecar.actions.links import alert_name
+from deadweight.sidecar.model.settings import DetectorSettings
 from deploy.kubernetes import prometheusrule
 
 ROOT = Path(__file__).resolve().parent.parent

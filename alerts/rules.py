@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from deadweight.sidecar.alert_links import (
+from deadweight.sidecar.actions.links import (
     alert_name,
     dashboard_url,
     dashboard_url_template,

@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# deadweight bench ({'quick' if args.quick else 'full'}), torch {torch.__version__}, "
           f"{platform.processor() or platform.machine()}, threads={torch.get_num_threads()}, "
           f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}")
-    from deadweight.callbacks import update_native
+    from deadweight.callbacks.update import native as update_native
 
     print(f"native kernel: {update_native.describe()}")
     copy_bw, read_bw = measure_bandwidth(repeats)

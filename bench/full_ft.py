@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from deadweight.callbacks.update_probe import UpdateProbe
+from deadweight.callbacks.update.probe import UpdateProbe
 
 from .common import flush_cache, fmt_time, table
 

@@ -24,10 +24,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from deadweight.callbacks.digest import AdapterDigest
-from deadweight.callbacks.membership import Membership
-from deadweight.callbacks.preflight import PreflightFacts
+from deadweight.callbacks.facts.membership import Membership
+from deadweight.callbacks.facts.preflight import PreflightFacts
 from deadweight.callbacks.stream_client import ClientSettings, StreamClient
-from deadweight.callbacks.update_probe import GroupStats, UpdateStats
+from deadweight.callbacks.update.probe import GroupStats, UpdateStats
 from deadweight.callbacks.wire import LogRecord, RunStartRecord, StepRecord, to_event
 from deadweight.demo.sidecar_process import SidecarProcess
 from deadweight.proto import pb
@@ -373,9 +373,9 @@ def render_in_process(repeats: int) -> tuple[float, float, float, int]:
     """
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from deadweight.sidecar.exporter import DeadweightCollector
+    from deadweight.sidecar.exposition.collector import DeadweightCollector
+    from deadweight.sidecar.exposition.http import render as render_text
     from deadweight.sidecar.logs import configure
-    from deadweight.sidecar.metrics_http import render as render_text
     from deadweight.sidecar.registry import Registry
 
     configure(level="warning")  # 50 "run_registered" lines would drown the tables

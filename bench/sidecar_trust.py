@@ -24,12 +24,12 @@ from pathlib import Path
 
 from deadweight.demo.sidecar_process import SidecarProcess
 from deadweight.proto import pb
-from deadweight.sidecar import step_point
+from deadweight.sidecar.model import step_point
 
 from .common import attested_stream, fmt_time, in_threads, table
 from .sidecar_load import RUNS, _pct, _requests
 
-#: The caps of sidecar/limits.py: the most adapters and groups one client may send.
+#: The caps of sidecar/model/limits.py: the most adapters and groups one client may send.
 ADAPTERS = 1024
 SCRAPERS = 50
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from deadweight.callbacks.update_probe import PendingStats, UpdateProbe
+from deadweight.callbacks.update.probe import PendingStats, UpdateProbe
 
 from .common import fmt_time, table, verdict
 from .update_pass import EagerForeach, NaiveLoop, _count_syncs

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from deadweight.proto import add_monitor_servicer, pb, pb_grpc
-from deadweight.sidecar.server import ServerConfig
+from deadweight.sidecar.ingest.server import ServerConfig
 
 
 def _ack(request: pb.StreamRequest) -> pb.StreamResponse:

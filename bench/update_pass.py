@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from deadweight.callbacks.update_probe import PendingStats, UpdateProbe, _ChunkedKernel
+from deadweight.callbacks.update.probe import PendingStats, UpdateProbe, _ChunkedKernel
 
 from .common import Timing, flush_cache, fmt_time, table, verdict
 from .shapes import ALL, QWEN3_06B_R16, ModelShape, make_adapter

@@ -9,14 +9,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from deadweight.callbacks.callback import DeadweightAbort, DeadweightCallback
+    from .callback import DeadweightAbort, DeadweightCallback
 
 __all__ = ["DeadweightAbort", "DeadweightCallback"]
 
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
-        from deadweight.callbacks import callback
+        from . import callback
 
         return getattr(callback, name)
     raise AttributeError(name)

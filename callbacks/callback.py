@@ -35,19 +35,11 @@ from typing import Any, TypeVar
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from deadweight.callbacks import (
-    dataset_rows,
-    digest,
-    heads,
-    layout,
-    membership,
-    preflight,
-    promotion,
-    resume,
-    stop_token,
-    trainer_logs,
-)
-from deadweight.callbacks.probe import (
+from ..proto import pb
+from . import digest, layout, trainer_logs
+from . import summary_writer as promotion
+from .facts import dataset_rows, heads, membership, preflight, resume, stop_token
+from .run_probe import (
     DEFAULT_ADDRESS,
     DeadweightAbort,
     RunProbe,
@@ -57,10 +49,9 @@ from deadweight.callbacks.probe import (
     shared_run_id,
     shielded,
 )
-from deadweight.callbacks.stop_agreement import StopAgreement
-from deadweight.callbacks.stream_client import ClientSettings, StreamClient
-from deadweight.callbacks.update_probe import UpdateProbe
-from deadweight.proto import pb
+from .stop_agreement import StopAgreement
+from .stream_client import ClientSettings, StreamClient
+from .update.probe import UpdateProbe
 
 log = logging.getLogger("deadweight")
 

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback
 
-from deadweight.callbacks.stream_client import ClientSettings
-from deadweight.callbacks.watch import Monitor
+from .stream_client import ClientSettings
+from .watch import Monitor
 
 
 def _grad_norm(module: torch.nn.Module) -> float:

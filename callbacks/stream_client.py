@@ -26,8 +26,8 @@ from typing import Any
 
 import grpc
 
-from deadweight.proto import monitor_stub, pb
-from deadweight.proto.transport import (
+from ..proto import monitor_stub, pb
+from ..proto.transport import (
     attest_path,
     bearer_metadata,
     grpc_target,

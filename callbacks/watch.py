@@ -35,8 +35,10 @@ from typing import Any
 
 import torch
 
-from deadweight.callbacks import layout, preflight
-from deadweight.callbacks.probe import (
+from ..proto import pb
+from . import layout
+from .facts import preflight
+from .run_probe import (
     DeadweightAbort,
     RunProbe,
     default_run_id,
@@ -45,9 +47,8 @@ from deadweight.callbacks.probe import (
     shared_run_id,
     shielded,
 )
-from deadweight.callbacks.stop_agreement import StopAgreement
-from deadweight.callbacks.stream_client import ClientSettings, StreamClient
-from deadweight.proto import pb
+from .stop_agreement import StopAgreement
+from .stream_client import ClientSettings, StreamClient
 
 log = logging.getLogger("deadweight")
 

@@ -10,15 +10,15 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from deadweight.callbacks.digest import AdapterDigest
-from deadweight.callbacks.heads import HeadFacts
-from deadweight.callbacks.membership import Membership
-from deadweight.callbacks.preflight import PreflightFacts
-from deadweight.callbacks.resume import ResumeFacts
-from deadweight.callbacks.stop_token import StopTokenFacts
-from deadweight.callbacks.update_probe import PendingStats, UpdateStats
-from deadweight.proto import pb
-from deadweight.proto.kinds import EventKind
+from ..proto import pb
+from ..proto.kinds import EventKind
+from .digest import AdapterDigest
+from .facts.heads import HeadFacts
+from .facts.membership import Membership
+from .facts.preflight import PreflightFacts
+from .facts.resume import ResumeFacts
+from .facts.stop_token import StopTokenFacts
+from .update.probe import PendingStats, UpdateStats
 
 #: Most numeric keys one log report carries; the rest are counted as dropped.
 MAX_LOG_KEYS = 256

@@ -12,7 +12,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from deadweight.callbacks.watch import Monitor, watch
+    from .callbacks.watch import Monitor, watch
 
 try:
     __version__ = version("deadweight")
@@ -24,7 +24,7 @@ __all__ = ["Monitor", "__version__", "watch"]
 
 def __getattr__(name: str) -> Any:
     if name in ("watch", "Monitor"):
-        from deadweight.callbacks import watch as watch_module
+        from .callbacks import watch as watch_module
 
         return getattr(watch_module, name)
     raise AttributeError(name)

@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from deadweight.sidecar import cli as sidecar_cli
+from .sidecar import cli as sidecar_cli
 
 if TYPE_CHECKING:
-    from deadweight.sidecar.cli import Commands
+    from .sidecar.cli import Commands
 
 #: What the demo trains with: the ``train`` extra.
 TRAINING_MODULES = ("torch", "transformers", "trl", "peft")
@@ -46,7 +46,7 @@ def _demo(args: argparse.Namespace) -> int:
     if why is not None:
         print(f"deadweight demo: {why}", file=sys.stderr)
         return 2
-    from deadweight.demo import scenario
+    from .demo import scenario
 
     return scenario.main(workdir=Path(args.workdir) if args.workdir else None,
                          steps=args.steps)

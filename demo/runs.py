@@ -21,7 +21,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 
-from deadweight.demo.tiny_models import build_model, sample_lines
+from .tiny_models import build_model, sample_lines
 
 LORA_TARGETS = ["q_proj", "v_proj"]
 

@@ -61,10 +61,10 @@ def _adapter_changed(initial: Path, checkpoint_root: Path) -> tuple[str, bool] |
 def _write_reports(state_dir: Path, workdir: Path) -> None:
     """One HTML report per run, from the sidecar's state dir (needs the report extra)."""
     try:
-        from deadweight.sidecar import report
+        from ..sidecar import report
     except ImportError:
         return
-    from deadweight.sidecar.store import Store
+    from ..sidecar.store.journal import Store
 
     store = Store(state_dir)
     try:
@@ -91,10 +91,10 @@ def main(workdir: Path | None = None, steps: int = 12) -> int:
     from transformers import PrinterCallback
 
     torch.set_num_threads(1)
-    from deadweight.callbacks import DeadweightCallback
-    from deadweight.demo import runs
-    from deadweight.demo.sidecar_process import SidecarProcess
-    from deadweight.sidecar import status
+    from ..callbacks import DeadweightCallback
+    from ..sidecar import status
+    from . import runs
+    from .sidecar_process import SidecarProcess
 
     _say("deadweight demo: a LoRA run that reports a healthy loss while its weights stay frozen")
     _say(f"      every file goes to {workdir} and stays there (choose it with --workdir DIR)")

@@ -18,8 +18,8 @@ from types import TracebackType
 
 import grpc
 
-from deadweight.proto import pb
-from deadweight.sidecar import status
+from ..proto import pb
+from ..sidecar import status
 
 
 def free_port() -> int:

@@ -6,9 +6,9 @@ Import the messages as ``from deadweight.proto import pb`` and the service stubs
 
 from typing import Any
 
-from deadweight.proto.deadweight.v1 import deadweight_pb2 as pb
-from deadweight.proto.deadweight.v1 import deadweight_pb2_grpc as pb_grpc
-from deadweight.proto.transport import MAX_MESSAGE_BYTES
+from .deadweight.v1 import deadweight_pb2 as pb
+from .deadweight.v1 import deadweight_pb2_grpc as pb_grpc
+from .transport import MAX_MESSAGE_BYTES
 
 
 def monitor_stub(channel: Any) -> Any:

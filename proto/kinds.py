@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from deadweight.proto import pb
+from . import pb
 
 
 class EventKind(StrEnum):

@@ -14,17 +14,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from deadweight import __version__
-from deadweight.sidecar import alert_links
-from deadweight.sidecar.detectors import BY_ID
-from deadweight.sidecar.detectors.base import Policy
+from .. import __version__
+from .actions import links as alert_links
+from .detectors import BY_ID
+from .detectors.base import Policy
 
 if TYPE_CHECKING:
     from typing import TypeAlias
 
-    from deadweight.sidecar.app import SidecarConfig
-    from deadweight.sidecar.server import ServerConfig
-    from deadweight.sidecar.settings import DetectorSettings
+    from .ingest.server import ServerConfig
+    from .model.settings import DetectorSettings
+    from .serve import SidecarConfig
 
     Commands: TypeAlias = argparse._SubParsersAction[argparse.ArgumentParser]
 
@@ -45,7 +45,7 @@ def _host_port(text: str) -> str:
 
 def _cpu(text: str) -> str:
     """An argparse type: none, auto or a CPU number (``cpu_pin``)."""
-    from deadweight.sidecar import cpu_pin
+    from .tuning import cpu_pin
 
     try:
         return cpu_pin.spec(text)
@@ -83,9 +83,13 @@ def _url_pattern(allowed: frozenset[str]) -> Callable[[str], str]:
 def _serve(args: argparse.Namespace) -> int:
     import structlog
 
-    from deadweight.sidecar import app, cpu_pin, gc_tuning, logs, signal_capability
-    from deadweight.sidecar.server import InsecureTransport, check_transport
-    from deadweight.sidecar.state_db import StateDirUnsafe
+    from . import logs
+    from . import serve as app
+    from .actions import signal_capability
+    from .ingest.server import InsecureTransport, check_transport
+    from .store.files import StateDirUnsafe
+    from .tuning import cpu_pin
+    from .tuning import gc_settings as gc_tuning
 
     logs.configure(args.log_level)
     # Before any thread exists: capabilities and CPU affinity are per thread, later threads
@@ -133,7 +137,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _sidecar_config(args: argparse.Namespace) -> SidecarConfig:
     """The whole sidecar's configuration from the serve flags."""
-    from deadweight.sidecar.app import SidecarConfig
+    from .serve import SidecarConfig
 
     return SidecarConfig(
         server=_server_config(args), state_dir=args.state_dir,
@@ -159,7 +163,7 @@ def default_trainer_uids() -> tuple[int, ...]:
 
 def _server_config(args: argparse.Namespace) -> ServerConfig:
     """Transport settings from the serve flags (files are read here, once)."""
-    from deadweight.sidecar.server import ServerConfig
+    from .ingest.server import ServerConfig
 
     token = None
     if args.token_file:
@@ -180,7 +184,7 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
 def _status(args: argparse.Namespace) -> int:
     import grpc
 
-    from deadweight.sidecar import status
+    from . import status
 
     try:
         tls_ca = Path(args.tls_ca).read_bytes() if args.tls_ca else None
@@ -197,7 +201,7 @@ def _setting(text: str) -> tuple[str, float]:
     """NAME=VALUE for one DetectorSettings field (thresholds, windows, seconds)."""
     import dataclasses
 
-    from deadweight.sidecar.settings import DetectorSettings
+    from .model.settings import DetectorSettings
 
     name, sep, value = text.partition("=")
     fields = {f.name: f for f in dataclasses.fields(DetectorSettings)}
@@ -213,7 +217,7 @@ def _setting(text: str) -> tuple[str, float]:
 def _settings(pairs: list[tuple[str, float]] | None) -> DetectorSettings:
     import dataclasses
 
-    from deadweight.sidecar.settings import DetectorSettings
+    from .model.settings import DetectorSettings
 
     defaults = DetectorSettings()
     values = {name: type(getattr(defaults, name))(value) for name, value in pairs or []}
@@ -221,8 +225,8 @@ def _settings(pairs: list[tuple[str, float]] | None) -> DetectorSettings:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from deadweight.sidecar.checkpoint_audit import audit, render
-    from deadweight.sidecar.checkpoint_inspector import NotACheckpoint
+    from .checkpoints.inspector import NotACheckpoint
+    from .inspect import audit, render
 
     try:
         results = audit([Path(p) for p in args.paths],
@@ -236,10 +240,10 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from deadweight.sidecar import report
-    from deadweight.sidecar.settings import DetectorSettings
-    from deadweight.sidecar.state_db import DB_NAME
-    from deadweight.sidecar.store import Store
+    from . import report
+    from .model.settings import DetectorSettings
+    from .store.files import DB_NAME
+    from .store.journal import Store
 
     if not (Path(args.state_dir) / DB_NAME).is_file():
         print(f"deadweight report: no state database in {args.state_dir} (the sidecar's "

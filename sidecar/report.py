@@ -20,12 +20,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from deadweight.sidecar.store import ActionRow, Store, StoredIncident, StoredRun
+from .store.journal import ActionRow, Store, StoredIncident, StoredRun
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-    from deadweight.sidecar.state import CheckpointPoint
+    from .model.run_state import CheckpointPoint
 
 #: Keys of the RL panel, in the order they are drawn; a run that logged none gets no panel.
 RL_KEYS = ("reward_std", "frac_reward_zero_std", "kl", "entropy", "completions/mean_length",

@@ -8,8 +8,8 @@ to that size (the stream's 4 MB limit is for training clients).
 
 from __future__ import annotations
 
-from deadweight.proto import monitor_stub, pb
-from deadweight.proto.transport import bearer_metadata, grpc_target, open_channel
+from ..proto import monitor_stub, pb
+from ..proto.transport import bearer_metadata, grpc_target, open_channel
 
 #: Largest Status answer the sidecar sends and ``deadweight status`` accepts.
 STATUS_MAX_BYTES = 16 * 1024 * 1024

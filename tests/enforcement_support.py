@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from deadweight.demo.sidecar_process import SidecarProcess
-from deadweight.sidecar.store import Store
+from deadweight.sidecar.store.journal import Store
 from tests.realprocs import wait_for
 
 TESTS = Path(__file__).resolve().parent

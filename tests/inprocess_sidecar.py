@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from deadweight.callbacks import DeadweightCallback
-from deadweight.sidecar.app import Sidecar
-from deadweight.sidecar.finding import Finding
+from deadweight.sidecar.ingest.server import ServerConfig
+from deadweight.sidecar.model.finding import Finding
+from deadweight.sidecar.model.run_state import RunState
+from deadweight.sidecar.model.settings import DetectorSettings
 from deadweight.sidecar.registry import Registry
-from deadweight.sidecar.server import ServerConfig
-from deadweight.sidecar.settings import DetectorSettings
-from deadweight.sidecar.state import RunState
+from deadweight.sidecar.serve import Sidecar
 from tests.realprocs import wait_for
 
 #: Short windows so a handful of real steps can show a trend (defaults are in the README).

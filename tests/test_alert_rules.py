@@ -15,7 +15,7 @@ import yaml
 
 from alerts import generate, rules
 from alerts.rules import MONITORING, SIDECAR_DOWN, SPECS, Patterns
-from deadweight.sidecar.alert_links import (
+from deadweight.sidecar.actions.links import (
     BadPattern,
     alert_name,
     dashboard_url,
@@ -24,7 +24,7 @@ from deadweight.sidecar.alert_links import (
 from deadweight.sidecar.detectors import ALL, BY_ID
 from deadweight.sidecar.detectors.base import SpecDetector, Verdict
 from deadweight.sidecar.detectors.spec import DetectorSpec, Evidence, Severity, Threshold
-from deadweight.sidecar.settings import DetectorSettings
+from deadweight.sidecar.model.settings import DetectorSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 ALERTS = ROOT / "alerts"

@@ -12,7 +12,7 @@ import yaml
 
 from alerts import rules
 from alerts.rules import SPECS
-from deadweight.sidecar.alertmanager import AlertmanagerPusher, alert_name
+from deadweight.sidecar.actions.alertmanager import AlertmanagerPusher, alert_name
 from tests.realprocs import start_alertmanager, wait_for
 
 CONFIG = Path(__file__).resolve().parent.parent / "alerts" / rules.ALERTMANAGER_FILE

@@ -13,12 +13,12 @@ from typing import Any
 
 import pytest
 
-from deadweight.sidecar.alert_links import DEFAULT_RUNBOOK_URL_PATTERN
-from deadweight.sidecar.alertmanager import (
+from deadweight.sidecar.actions.alertmanager import (
     AlertmanagerPusher,
     alert_name,
     runbook_url,
 )
+from deadweight.sidecar.actions.links import DEFAULT_RUNBOOK_URL_PATTERN
 from tests.realprocs import (
     Alertmanager,
     free_port,
@@ -165,7 +165,7 @@ def test_dead_alertmanager_never_blocks_fire() -> None:
 
 
 def test_evidence_is_quoted_once() -> None:
-    from deadweight.sidecar.alertmanager import format_description
+    from deadweight.sidecar.actions.alertmanager import format_description
 
     assert format_description("Frozen.", {"a": "1", "b": "2"}) == "Frozen. Evidence: a=1, b=2."
     quoted = "Frozen. Evidence: a=1"

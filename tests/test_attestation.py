@@ -19,8 +19,7 @@ import pytest
 from deadweight.callbacks.stream_client import fetch_attestation
 from deadweight.proto import monitor_stub, pb
 from deadweight.proto.transport import attest_path, unix_socket_path
-from deadweight.sidecar.app import Sidecar
-from deadweight.sidecar.attestation import (
+from deadweight.sidecar.ingest.attestation import (
     AttestationServer,
     Attestor,
     ProcessIdentity,
@@ -28,8 +27,9 @@ from deadweight.sidecar.attestation import (
     is_alive,
     start_time,
 )
+from deadweight.sidecar.ingest.server import ServerConfig
 from deadweight.sidecar.registry import Peer, Registry
-from deadweight.sidecar.server import ServerConfig
+from deadweight.sidecar.serve import Sidecar
 from tests.raw_client import frozen_events, run_start
 
 UNIX = "unix:"

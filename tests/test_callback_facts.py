@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from deadweight.callbacks import dataset_rows, resume
 from deadweight.callbacks.callback import _optional_fact
+from deadweight.callbacks.facts import dataset_rows, resume
 
 ROOT = Path(__file__).resolve().parents[1]
 OTHER_UID = 12345  # a job's uid that owns nothing here

@@ -40,7 +40,7 @@ def _metrics(live: InProcessSidecar, run_id: str) -> dict[str, float]:
     """The run's checkpoint series as /metrics renders them (name, plus digest if any)."""
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from deadweight.sidecar.exporter import DeadweightCollector
+    from deadweight.sidecar.exposition.collector import DeadweightCollector
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(DeadweightCollector(live.registry, None, live.registry.detectors))
@@ -402,7 +402,7 @@ def test_f11_stalled(tmp_path: Path, qwen: tuple[Path, Path], mode: str) -> None
     from transformers import TrainerCallback
 
     from deadweight.callbacks.stream_client import ClientSettings
-    from deadweight.sidecar.settings import DetectorSettings
+    from deadweight.sidecar.model.settings import DetectorSettings
 
     settings = (DetectorSettings(stalled_step_seconds=1.0) if mode == "hung_loop"
                 else DetectorSettings(stalled_seconds=1.0))

@@ -26,7 +26,7 @@ import pytest
 
 from deadweight.demo import runs
 from deadweight.sidecar.detectors import ALL
-from deadweight.sidecar.state import RunState
+from deadweight.sidecar.model.run_state import RunState
 from tests.inprocess_sidecar import TEST_SETTINGS, InProcessSidecar
 
 pytestmark = pytest.mark.slow

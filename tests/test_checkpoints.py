@@ -14,14 +14,14 @@ from safetensors.torch import save_file
 
 from deadweight.callbacks import digest
 from deadweight.demo import runs
-from deadweight.sidecar.adapter_methods import Value
-from deadweight.sidecar.checkpoint_inspector import (
+from deadweight.sidecar.checkpoints.adapter_methods import Value
+from deadweight.sidecar.checkpoints.inspector import (
     CheckpointInspection,
     NotACheckpoint,
     hash_file,
     inspect_path,
 )
-from deadweight.sidecar.checkpoint_watcher import CheckpointWatcher
+from deadweight.sidecar.checkpoints.watcher import CheckpointWatcher
 from tests.realprocs import wait_for
 
 

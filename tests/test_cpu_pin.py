@@ -13,7 +13,7 @@ import pytest
 
 from deadweight.demo.sidecar_process import SidecarProcess
 from deadweight.proto import pb
-from deadweight.sidecar import cpu_pin
+from deadweight.sidecar.tuning import cpu_pin
 from tests.faults import Pipe
 from tests.raw_client import healthy_events, run_start
 

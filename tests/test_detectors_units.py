@@ -8,9 +8,9 @@ trends, the stall clock, and artifact verdicts that outlive their run.
 from __future__ import annotations
 
 from deadweight.proto import pb
-from deadweight.sidecar.checkpoint_inspector import CheckpointInspection
+from deadweight.sidecar.checkpoints.inspector import CheckpointInspection
+from deadweight.sidecar.model.settings import DetectorSettings
 from deadweight.sidecar.registry import Registry
-from deadweight.sidecar.settings import DetectorSettings
 
 
 class Feed:
@@ -341,7 +341,7 @@ def test_start_fact_detectors_wait_for_the_start_and_stay_silent_without_their_f
         StopTokenUntrained,
         UnsavedHead,
     )
-    from deadweight.sidecar.state import RunState
+    from deadweight.sidecar.model.run_state import RunState
 
     settings = DetectorSettings()
     detectors = (StopTokenUntrained(), UnsavedHead(), DatasetShrunk(), ResumeLostAdapter())

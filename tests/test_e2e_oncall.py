@@ -32,7 +32,7 @@ from alerts.rules import Patterns
 from deadweight.callbacks import DeadweightCallback
 from deadweight.demo import runs
 from deadweight.demo.sidecar_process import SidecarProcess
-from deadweight.sidecar.alert_links import dashboard_url, runbook_url
+from deadweight.sidecar.actions.links import dashboard_url, runbook_url
 from deadweight.sidecar.detectors import BY_ID
 from tests import promql
 from tests.realprocs import (

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from deadweight.sidecar.enforcer import STEPS_IN_FLIGHT
-from deadweight.sidecar.store import Store
+from deadweight.sidecar.actions.enforcer import STEPS_IN_FLIGHT
+from deadweight.sidecar.store.journal import Store
 from tests.enforcement_support import (
     enforcement_outcome,
     journal,

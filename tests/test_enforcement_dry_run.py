@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from deadweight.sidecar.store import Store
+from deadweight.sidecar.store.journal import Store
 from tests.enforcement_support import (
     assert_never_signalled,
     enforcement_outcome,

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from deadweight.demo.sidecar_process import SidecarProcess
-from deadweight.sidecar.attestation import start_time
-from deadweight.sidecar.state_db import DB_NAME
-from deadweight.sidecar.store import Store
+from deadweight.sidecar.ingest.attestation import start_time
+from deadweight.sidecar.store.files import DB_NAME
+from deadweight.sidecar.store.journal import Store
 from tests.enforcement_support import (
     assert_never_signalled,
     enforcement_outcome,

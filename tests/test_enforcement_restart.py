@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from deadweight.sidecar.store import Store
+from deadweight.sidecar.store.journal import Store
 from tests.enforcement_support import (
     enforcement_outcome,
     journal,

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from deadweight.sidecar.attestation import ProcessIdentity, boot_id, start_time
-from deadweight.sidecar.enforcer import send_signal
+from deadweight.sidecar.actions.enforcer import send_signal
+from deadweight.sidecar.ingest.attestation import ProcessIdentity, boot_id, start_time
 from tests.enforcement_support import assert_never_signalled
 
 

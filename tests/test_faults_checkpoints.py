@@ -24,7 +24,7 @@ from safetensors.numpy import save_file
 
 from deadweight.demo.sidecar_process import SidecarProcess
 from deadweight.proto import pb
-from deadweight.sidecar.checkpoint_inspector import inspect_path
+from deadweight.sidecar.checkpoints.inspector import inspect_path
 from tests.checkpoint_files import Watched, adapter, sparse_safetensors
 from tests.faults import Pipe
 from tests.realprocs import wait_for

@@ -22,10 +22,15 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from deadweight.proto import pb
-from deadweight.sidecar import limits
-from deadweight.sidecar.exporter import DeadweightCollector
+from deadweight.sidecar.exposition.collector import DeadweightCollector
+from deadweight.sidecar.model import limits
+from deadweight.sidecar.model.run_state import (
+    CHECKPOINT_WINDOW,
+    LOG_WINDOW,
+    MAX_LOG_KEYS,
+    STEP_WINDOW,
+)
 from deadweight.sidecar.registry import MAX_RUN_ID_LENGTH, Peer, Registry
-from deadweight.sidecar.state import CHECKPOINT_WINDOW, LOG_WINDOW, MAX_LOG_KEYS, STEP_WINDOW
 from tests import wire_strategies as ws
 
 #: Random examples every run (conftest.py draws the seed and prints it on a failure; pass

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from deadweight.proto import pb
-from deadweight.sidecar import history
-from deadweight.sidecar.history_queue import HistoryQueue
-from deadweight.sidecar.step_point import StepPoint
-from deadweight.sidecar.store import Store
+from deadweight.sidecar.model.step_point import StepPoint
+from deadweight.sidecar.store import history
+from deadweight.sidecar.store.history_queue import HistoryQueue
+from deadweight.sidecar.store.journal import Store
 from tests.realprocs import wait_for
 
 
@@ -119,7 +119,7 @@ def test_dropped_rows_are_exported() -> None:
     from prometheus_client import generate_latest
     from prometheus_client.registry import CollectorRegistry
 
-    from deadweight.sidecar.exporter import DeadweightCollector
+    from deadweight.sidecar.exposition.collector import DeadweightCollector
     from deadweight.sidecar.registry import Registry
     from tests.raw_client import healthy_events, run_start
 

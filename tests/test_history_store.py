@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from deadweight.proto import pb
-from deadweight.sidecar import history_tables
-from deadweight.sidecar.step_point import StepPoint
-from deadweight.sidecar.store import Store
+from deadweight.sidecar.model.step_point import StepPoint
+from deadweight.sidecar.store import history_tables
+from deadweight.sidecar.store.journal import Store
 
 
 def _row(step: int) -> tuple[int, float, bytes]:
@@ -77,7 +77,7 @@ def test_a_negative_sum_of_squares_is_kept_as_nan_not_refused(tmp_path: Path) ->
     history, its module norm as NaN; it used to raise from a complex square root."""
     import math
 
-    from deadweight.sidecar import history
+    from deadweight.sidecar.store import history
 
     report = pb.StepReport(step=1, learning_rate=1e-4, update_sq_sum=1e-6, groups=[
         pb.GroupUpdate(name="q_proj", kind="module", update_sq_sum=-1.0, tensors=2),

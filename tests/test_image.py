@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import tomllib
 
-from deadweight.sidecar.state_db import DB_NAME
+from deadweight.sidecar.store.files import DB_NAME
 
 pytestmark = pytest.mark.slow
 

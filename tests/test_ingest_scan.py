@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from deadweight.proto import pb
-from deadweight.sidecar import limits
+from deadweight.sidecar.model import limits
 from deadweight.sidecar.registry import Registry
-from deadweight.sidecar.store import Store
+from deadweight.sidecar.store.journal import Store
 
 
 def _start(sharded: bool = False, world_size: int = 1) -> pb.Event:

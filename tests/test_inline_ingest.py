@@ -16,11 +16,11 @@ import grpc
 import pytest
 
 from deadweight.proto import pb
-from deadweight.sidecar.app import Sidecar
-from deadweight.sidecar.history_queue import HistoryQueue
+from deadweight.sidecar.ingest.server import ServerConfig
 from deadweight.sidecar.registry import Registry
-from deadweight.sidecar.server import ServerConfig
-from deadweight.sidecar.store import Store
+from deadweight.sidecar.serve import Sidecar
+from deadweight.sidecar.store.history_queue import HistoryQueue
+from deadweight.sidecar.store.journal import Store
 from tests.faults import Pipe
 from tests.raw_client import frozen_events, healthy_events, run_start
 from tests.realprocs import wait_for

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from deadweight.callbacks.membership import measure
+from deadweight.callbacks.facts.membership import measure
 from deadweight.demo import runs
 
 

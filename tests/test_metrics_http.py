@@ -20,8 +20,8 @@ from deadweight.demo.sidecar_process import SidecarProcess
 from deadweight.proto import pb
 from deadweight.proto.transport import attest_path
 from deadweight.sidecar.detectors.frozen import _frozen_streak
-from deadweight.sidecar.exporter import DeadweightCollector
-from deadweight.sidecar.metrics_http import MetricsServer, render
+from deadweight.sidecar.exposition.collector import DeadweightCollector
+from deadweight.sidecar.exposition.http import MetricsServer, render
 from deadweight.sidecar.registry import Registry
 from tests.trust_client import attest_as
 

@@ -25,7 +25,7 @@ PROBE = """
 import logging, sys
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
 import deadweight, torch
-from deadweight.callbacks.update_probe import UpdateProbe
+from deadweight.callbacks.update.probe import UpdateProbe
 print("module", deadweight.__file__)
 t = torch.zeros(1000)
 p = UpdateProbe([t])

@@ -136,7 +136,7 @@ def test_inspect_labels_checkpoints_with_their_own_steps(tiny: tuple[Path, Path]
                                                          tmp_path: Path) -> None:
     import shutil
 
-    from deadweight.sidecar.checkpoint_audit import audit, render
+    from deadweight.sidecar.inspect import audit, render
 
     _, adapter = tiny
     for step in (2, 10):  # 10 sorts after 2 although "checkpoint-10" < "checkpoint-2"

@@ -104,7 +104,7 @@ def test_run_end_resolves_standing_verdicts() -> None:
 
 
 def test_expired_runs_leave_the_action_counters() -> None:
-    from deadweight.sidecar.actions import Actions
+    from deadweight.sidecar.actions.policy import Actions
 
     actions = Actions()
     registry = Registry(actions, ended_ttl_seconds=0.0)

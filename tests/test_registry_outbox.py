@@ -7,9 +7,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from deadweight.proto import pb
-from deadweight.sidecar.actions import Actions
+from deadweight.sidecar.actions.policy import Actions
 from deadweight.sidecar.registry import Registry
-from deadweight.sidecar.store import Store
+from deadweight.sidecar.store.journal import Store
 from tests.raw_client import frozen_events, healthy_events, run_start
 
 #: Generous bound on waits that only fail when something is blocked (a deadlock, not speed).

@@ -90,7 +90,7 @@ def test_report_pages_for_a_frozen_and_a_healthy_run(tiny: tuple[Path, Path],
     # The per-module panel: the frozen adapter never moved, element for element; the healthy
     # one moved everywhere (GRPO's frozen "ref" copy of the adapter is not counted).
     from deadweight.sidecar import report
-    from deadweight.sidecar.store import Store
+    from deadweight.sidecar.store.journal import Store
 
     store = Store(state)
     stood = report.module_movement(report.load(store, "report-frozen"))

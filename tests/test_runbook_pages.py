@@ -15,7 +15,7 @@ import pytest
 
 from alerts.rules import MONITORING
 from deadweight.demo.sidecar_process import SidecarProcess
-from deadweight.sidecar.alert_links import alert_name
+from deadweight.sidecar.actions.links import alert_name
 from deadweight.sidecar.detectors import ALL
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deadweight.proto import pb
+from deadweight.sidecar.model.run_state import RankState, RunState
+from deadweight.sidecar.model.sharded_steps import combine
+from deadweight.sidecar.model.step_point import StepGroups, StepPoint
 from deadweight.sidecar.registry import Registry
-from deadweight.sidecar.sharded_steps import combine
-from deadweight.sidecar.state import RankState, RunState
-from deadweight.sidecar.step_point import StepGroups, StepPoint
 
 WINDOW = 6
 

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PREPARE = """
 import stat, sys
 from pathlib import Path
-from deadweight.sidecar.server import _prepare_socket
+from deadweight.sidecar.ingest.server import _prepare_socket
 path = Path(sys.argv[1])
 _prepare_socket(path)
 print("mode", oct(stat.S_IMODE(path.parent.stat().st_mode)), flush=True)

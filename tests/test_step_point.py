@@ -7,10 +7,10 @@ import json
 import pytest
 
 from deadweight.proto import pb
-from deadweight.sidecar import history
+from deadweight.sidecar.model.run_state import STEP_WINDOW
+from deadweight.sidecar.model.step_point import MAX_ADAPTERS_PER_STEP, NO_GROUPS, StepPoint
 from deadweight.sidecar.registry import Registry
-from deadweight.sidecar.state import STEP_WINDOW
-from deadweight.sidecar.step_point import MAX_ADAPTERS_PER_STEP, NO_GROUPS, StepPoint
+from deadweight.sidecar.store import history
 
 
 def _report() -> pb.StepReport:

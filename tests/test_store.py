@@ -6,13 +6,13 @@ import os
 from pathlib import Path
 
 from deadweight.proto import pb
-from deadweight.sidecar.actions import Actions
-from deadweight.sidecar.attestation import ProcessIdentity, boot_id
+from deadweight.sidecar.actions.policy import Actions
 from deadweight.sidecar.detectors.base import Policy
+from deadweight.sidecar.ingest.attestation import ProcessIdentity, boot_id
+from deadweight.sidecar.model.run_state import CheckpointPoint
 from deadweight.sidecar.registry import Registry
-from deadweight.sidecar.state import CheckpointPoint
-from deadweight.sidecar.state_db import DB_NAME
-from deadweight.sidecar.store import Store
+from deadweight.sidecar.store.files import DB_NAME
+from deadweight.sidecar.store.journal import Store
 from tests.raw_client import checkpoint_event, frozen_events, healthy_events, run_start
 
 

@@ -19,7 +19,7 @@ from deadweight.callbacks.stream_client import StreamClient
 from deadweight.demo.sidecar_process import SidecarProcess, free_port
 from deadweight.proto import monitor_stub, pb
 from deadweight.proto.transport import AUTHORIZATION_KEY, bearer_metadata
-from deadweight.sidecar.store import Store
+from deadweight.sidecar.store.journal import Store
 from tests.realprocs import wait_for
 
 TOKEN = "s3cret-token-for-tests"

@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 
 from deadweight.proto import pb
-from deadweight.sidecar import server
+from deadweight.sidecar.ingest import server
+from deadweight.sidecar.ingest.server import tick_in_turn
+from deadweight.sidecar.model.run_state import RunState
 from deadweight.sidecar.registry import Registry
 from deadweight.sidecar.registry.run_table import RunEntry
-from deadweight.sidecar.server import tick_in_turn
-from deadweight.sidecar.state import RunState
-from deadweight.sidecar.store import Store
+from deadweight.sidecar.store.journal import Store
 from tests.faults import Pipe
 from tests.inprocess_sidecar import InProcessSidecar
 from tests.realprocs import wait_for

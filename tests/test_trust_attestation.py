@@ -19,8 +19,8 @@ import pytest
 
 from deadweight.demo.sidecar_process import SidecarProcess
 from deadweight.proto.transport import attest_path
-from deadweight.sidecar.attestation import _peer_pidfd, peer_identity
-from deadweight.sidecar.store import Store
+from deadweight.sidecar.ingest.attestation import _peer_pidfd, peer_identity
+from deadweight.sidecar.store.journal import Store
 from tests.realprocs import wait_for
 from tests.trust_client import attest_as, flood_command
 

@@ -20,7 +20,7 @@ import pytest
 
 from deadweight.demo.sidecar_process import SidecarProcess
 from deadweight.proto import pb
-from deadweight.sidecar.checkpoint_inspector import (
+from deadweight.sidecar.checkpoints.inspector import (
     MAX_TENSORS,
     CheckpointRefused,
     inspect_file,

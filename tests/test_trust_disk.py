@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from deadweight.demo.sidecar_process import SidecarProcess
-from deadweight.sidecar.store import Store
+from deadweight.sidecar.store.journal import Store
 from tests.realprocs import wait_for
 from tests.test_trust_runs import Client
 

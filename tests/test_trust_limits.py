@@ -19,7 +19,7 @@ import pytest
 from deadweight.demo.sidecar_process import SidecarProcess
 from deadweight.proto import pb
 from deadweight.sidecar import status
-from deadweight.sidecar.metrics_http import MAX_CONNECTIONS
+from deadweight.sidecar.exposition.http import MAX_CONNECTIONS
 from tests.faults import Pipe
 from tests.realprocs import wait_for
 

@@ -18,8 +18,8 @@ import pytest
 
 from deadweight.demo.sidecar_process import SidecarProcess
 from deadweight.proto import pb
-from deadweight.sidecar.limits import MAX_LIST_ENTRIES
-from deadweight.sidecar.metrics_http import MAX_CONNECTIONS
+from deadweight.sidecar.exposition.http import MAX_CONNECTIONS
+from deadweight.sidecar.model.limits import MAX_LIST_ENTRIES
 from tests.faults import Pipe
 from tests.raw_client import frozen_events
 from tests.realprocs import wait_for
@@ -197,8 +197,8 @@ def test_a_scrape_is_served_or_cleanly_refused_while_idle_connections_fill_the_c
 def test_steps_of_a_1024_adapter_run_keep_64_adapters_in_memory() -> None:
     """The detector work per event is bounded because the state is: a step's adapter groups
     beyond the cap are not kept (read back through the in-process registry)."""
+    from deadweight.sidecar.model.step_point import MAX_ADAPTERS_PER_STEP
     from deadweight.sidecar.registry import Registry
-    from deadweight.sidecar.step_point import MAX_ADAPTERS_PER_STEP
 
     registry = Registry()
     groups = [pb.GroupUpdate(name=f"adapter-{i}", kind="adapter", tensors=4)

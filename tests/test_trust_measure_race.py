@@ -25,8 +25,8 @@ from collections.abc import Iterator
 import pytest
 
 from deadweight.proto import pb
-from deadweight.sidecar.exporter import DeadweightCollector
-from deadweight.sidecar.metrics_http import render
+from deadweight.sidecar.exposition.collector import DeadweightCollector
+from deadweight.sidecar.exposition.http import render
 from deadweight.sidecar.registry import Registry
 
 pytestmark = pytest.mark.slow  # thousands of renders under churn: about 30 s

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from deadweight.sidecar.metrics_http import SharedRender
+from deadweight.sidecar.exposition.http import SharedRender
 from tests.realprocs import wait_for
 
 

@@ -16,9 +16,9 @@ import pytest
 
 from bench import sidecar_memory
 from deadweight.proto import pb
-from deadweight.sidecar.checkpoint_inspector import CheckpointInspection
+from deadweight.sidecar.checkpoints.inspector import CheckpointInspection
+from deadweight.sidecar.model.run_state import CheckpointPoint, RunState
 from deadweight.sidecar.registry import Registry
-from deadweight.sidecar.state import CheckpointPoint, RunState
 
 pytestmark = pytest.mark.slow
 

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from deadweight.demo.sidecar_process import SidecarProcess
-from deadweight.sidecar.store import Store
+from deadweight.sidecar.store.journal import Store
 from tests.realprocs import wait_for
 
 pytestmark = pytest.mark.slow

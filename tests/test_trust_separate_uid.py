@@ -29,8 +29,8 @@ import pytest
 
 from deadweight.demo.sidecar_process import SidecarProcess
 from deadweight.proto.transport import attest_path
-from deadweight.sidecar.signal_capability import CAP_KILL, grant_to_interpreter
-from deadweight.sidecar.store import Store
+from deadweight.sidecar.actions.signal_capability import CAP_KILL, grant_to_interpreter
+from deadweight.sidecar.store.journal import Store
 from tests.enforcement_support import assert_never_signalled, start_job, stop_all
 from tests.realprocs import wait_for
 

@@ -18,8 +18,8 @@ import pytest
 
 from deadweight.demo.sidecar_process import SidecarProcess
 from deadweight.proto import pb
-from deadweight.sidecar.state_db import DB_NAME, StateDirUnsafe
-from deadweight.sidecar.store import Store
+from deadweight.sidecar.store.files import DB_NAME, StateDirUnsafe
+from deadweight.sidecar.store.journal import Store
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from deadweight.callbacks.update_probe import UpdateProbe
+from deadweight.callbacks.update.probe import UpdateProbe
 
 PATHS = ["native", "torch"]
 _GATES: list[threading.Event] = []

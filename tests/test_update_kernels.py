@@ -13,8 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deadweight.callbacks import update_native
-from deadweight.callbacks.update_probe import (
+from deadweight.callbacks.update import native as update_native
+from deadweight.callbacks.update.probe import (
     PendingStats,
     TensorGroup,
     UpdateProbe,
@@ -225,7 +225,7 @@ def test_the_kernel_is_the_installed_extension_and_nothing_is_compiled(
     assert Path(path).parent.resolve() == Path(update_native.__file__).parent.resolve()
     code = (
         "import torch\n"
-        "from deadweight.callbacks.update_probe import UpdateProbe\n"
+        "from deadweight.callbacks.update.probe import UpdateProbe\n"
         "t = torch.zeros(3)\n"
         "p = UpdateProbe([t], path='native')\n"
         "p.before_step(); t.add_(1.0)\n"
@@ -410,7 +410,7 @@ def test_long_tensors_cut_into_rows_and_strided_ones_are_counted_exactly(
     # The CPU torch kernel cuts a tensor longer than a row into rows (plus a shorter last one)
     # and lays tensors of one length out as a block; a transposed (non-contiguous) tensor is
     # copied whole. Every element count must still be exact, against the bytes.
-    from deadweight.callbacks.update_probe import MAX_ROW
+    from deadweight.callbacks.update.probe import MAX_ROW
 
     gen = torch.Generator().manual_seed(7)
     tensors = [torch.randn(2 * MAX_ROW + 13, generator=gen).to(dtype),

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from deadweight.callbacks.update_probe import TensorGroup, UpdateProbe
+from deadweight.callbacks.update.probe import TensorGroup, UpdateProbe
 
 
 def _tensors(seed: int = 0) -> list[torch.nn.Parameter]:

@@ -163,7 +163,7 @@ def test_deepspeed_loop_is_not_an_empty_optimizer(stage: int, sidecar: SidecarPr
 def _module_unchanged(state: Path, run_id: str) -> list[dict[str, float]]:
     """Per step, the share of each module kind's elements the step left unchanged, as the
     sidecar recorded it (its per-step history in the state database)."""
-    from deadweight.sidecar.store import Store
+    from deadweight.sidecar.store.journal import Store
 
     store = Store(state)
     try:
@@ -324,7 +324,7 @@ def test_a_failure_of_ours_turns_monitoring_off_not_training(
     import logging
 
     import deadweight
-    from deadweight.callbacks import membership
+    from deadweight.callbacks.facts import membership
 
     def broken(*args: object, **kwargs: object) -> object:
         raise ValueError("a probe bug")

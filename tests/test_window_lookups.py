@@ -14,11 +14,11 @@ import pytest
 
 from deadweight.proto import pb
 from deadweight.sidecar.detectors.base import step_at, steps_after
+from deadweight.sidecar.model.run_state import RunState
+from deadweight.sidecar.model.settings import DetectorSettings
+from deadweight.sidecar.model.step_point import StepPoint
 from deadweight.sidecar.registry import Registry
-from deadweight.sidecar.settings import DetectorSettings
-from deadweight.sidecar.state import RunState
-from deadweight.sidecar.step_point import StepPoint
-from deadweight.sidecar.store import Store
+from deadweight.sidecar.store.journal import Store
 from tests.test_detectors_units import Feed
 
 

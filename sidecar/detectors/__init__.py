@@ -9,8 +9,8 @@ index and the README table follow from the spec.
 
 from __future__ import annotations
 
-from deadweight.sidecar.detectors.base import Detector, SpecDetector, Verdict
-from deadweight.sidecar.detectors.checkpoints import (
+from .base import Detector, SpecDetector, Verdict
+from .checkpoints import (
     AdapterBloat,
     AdapterNeverTrained,
     CheckpointRefused,
@@ -18,40 +18,40 @@ from deadweight.sidecar.detectors.checkpoints import (
     EmptyAdapter,
     PickleCheckpoint,
 )
-from deadweight.sidecar.detectors.frozen import FrozenWeights
-from deadweight.sidecar.detectors.health import DecayOnlyUpdate, NonfiniteLoss, Stalled
-from deadweight.sidecar.detectors.optimizer import (
+from .frozen import FrozenWeights
+from .health import DecayOnlyUpdate, NonfiniteLoss, Stalled
+from .optimizer import (
     EmptyOptimizer,
     GradNotInOptimizer,
     InactiveAdapter,
 )
-from deadweight.sidecar.detectors.rl import (
+from .rl import (
     CompletionsTruncated,
     KlMissing,
     KlStuckZero,
     ZeroRewardVariance,
 )
-from deadweight.sidecar.detectors.setup import (
+from .setup import (
     EmbeddingResized,
     LoraLrTooLow,
     NoKlAnchor,
     PartialTargetModules,
     ShardingFallback,
 )
-from deadweight.sidecar.detectors.spec import DetectorSpec, Policy, Severity
-from deadweight.sidecar.detectors.start_facts import (
+from .spec import DetectorSpec, Policy, Severity
+from .start_facts import (
     AdaloraNotAllocated,
     DatasetShrunk,
     ResumeLostAdapter,
     StopTokenUntrained,
     UnsavedHead,
 )
-from deadweight.sidecar.detectors.step_figures import (
+from .step_figures import (
     LowPrecisionUpdate,
     OptimizerStepsSkipped,
     ZeroGradient,
 )
-from deadweight.sidecar.detectors.trends import (
+from .trends import (
     CompletionLengthCollapse,
     DpoLikelihoodCollapse,
     EntropyCollapse,

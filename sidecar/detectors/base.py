@@ -15,15 +15,15 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import ClassVar, Generic, NamedTuple, Protocol, TypeVar
 
-from deadweight.proto import pb
+from ...proto import pb
+from ..model.run_state import RunState
+from ..model.settings import DetectorSettings
+from ..model.step_point import StepPoint
 
 # Policy and Severity are re-exported: the registry, actions and CLI import them from here.
-from deadweight.sidecar.detectors.spec import DetectorSpec, Scope
-from deadweight.sidecar.detectors.spec import Policy as Policy
-from deadweight.sidecar.detectors.spec import Severity as Severity
-from deadweight.sidecar.settings import DetectorSettings
-from deadweight.sidecar.state import RunState
-from deadweight.sidecar.step_point import StepPoint
+from .spec import DetectorSpec, Scope
+from .spec import Policy as Policy
+from .spec import Severity as Severity
 
 #: A verdict's evidence when it names none (shared: read-only).
 NO_EVIDENCE: Mapping[str, str] = MappingProxyType({})

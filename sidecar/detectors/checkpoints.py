@@ -6,17 +6,17 @@ and they only look at checkpoints written after an optimizer step at lr > 0.
 
 from __future__ import annotations
 
-from deadweight.sidecar.checkpoint_inspector import CheckpointInspection
-from deadweight.sidecar.detectors.base import SpecDetector, Verdict, fmt, trained_before
-from deadweight.sidecar.detectors.spec import (
+from ..checkpoints.inspector import CheckpointInspection
+from ..model.run_state import CheckpointPoint, RunState
+from ..model.settings import DetectorSettings
+from .base import SpecDetector, Verdict, fmt, trained_before
+from .spec import (
     ROOT_CAUSES,
     DetectorSpec,
     Evidence,
     Severity,
     Threshold,
 )
-from deadweight.sidecar.settings import DetectorSettings
-from deadweight.sidecar.state import CheckpointPoint, RunState
 
 
 def _tensor_count(point: CheckpointPoint) -> int:

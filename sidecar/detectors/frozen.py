@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import math
 
-from deadweight.sidecar.detectors.base import SpecDetector, Streak, Verdict, fmt, trailing_streak
-from deadweight.sidecar.detectors.spec import DetectorSpec, Evidence, Severity, Threshold
-from deadweight.sidecar.settings import DetectorSettings
-from deadweight.sidecar.state import RunState
-from deadweight.sidecar.step_point import StepPoint
+from ..model.run_state import RunState
+from ..model.settings import DetectorSettings
+from ..model.step_point import StepPoint
+from .base import SpecDetector, Streak, Verdict, fmt, trailing_streak
+from .spec import DetectorSpec, Evidence, Severity, Threshold
 
 #: Also read by lora_lr_too_low (K steps at lr 0 after the warmup).
 FROZEN_STEPS = Threshold("frozen_steps", "optimizer steps",

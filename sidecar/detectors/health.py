@@ -5,17 +5,17 @@ from __future__ import annotations
 import math
 import time
 
-from deadweight.sidecar.detectors.base import SpecDetector, Verdict, fmt, step_at
-from deadweight.sidecar.detectors.spec import (
+from ..model.run_state import RunState
+from ..model.settings import DetectorSettings
+from ..model.step_point import StepPoint
+from .base import SpecDetector, Verdict, fmt, step_at
+from .spec import (
     ROOT_CAUSES,
     DetectorSpec,
     Evidence,
     Severity,
     Threshold,
 )
-from deadweight.sidecar.settings import DetectorSettings
-from deadweight.sidecar.state import RunState
-from deadweight.sidecar.step_point import StepPoint
 
 
 class NonfiniteLoss(SpecDetector):

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-from deadweight.proto import pb
-from deadweight.sidecar.detectors.base import SpecDetector, Verdict, fmt, start_facts_or_silent
-from deadweight.sidecar.detectors.spec import (
+from ...proto import pb
+from ..model.run_state import RunState
+from ..model.settings import DetectorSettings
+from ..model.step_point import StepPoint
+from .base import SpecDetector, Verdict, fmt, start_facts_or_silent
+from .spec import (
     ROOT_CAUSES,
     DetectorSpec,
     Evidence,
     Severity,
     Threshold,
 )
-from deadweight.sidecar.settings import DetectorSettings
-from deadweight.sidecar.state import RunState
-from deadweight.sidecar.step_point import StepPoint
 
 #: ``OptimizerMembership.layout`` when the client could not map the optimizer's partitions.
 MEMBERSHIP_UNKNOWN = "unknown"

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from deadweight.sidecar.detectors.base import (
+from ..model.run_state import RunState
+from ..model.settings import DetectorSettings
+from .base import (
     SpecDetector,
     Verdict,
     finite_history,
@@ -11,15 +13,13 @@ from deadweight.sidecar.detectors.base import (
     trailing_streak,
     warmup_steps,
 )
-from deadweight.sidecar.detectors.spec import (
+from .spec import (
     ROOT_CAUSES,
     DetectorSpec,
     Evidence,
     Severity,
     Threshold,
 )
-from deadweight.sidecar.settings import DetectorSettings
-from deadweight.sidecar.state import RunState
 
 
 def _beta(run: RunState) -> float:

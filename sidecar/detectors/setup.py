@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from deadweight.sidecar.detectors.base import (
+from ..model.run_state import RunState
+from ..model.settings import DetectorSettings
+from .base import (
     SpecDetector,
     Verdict,
     fmt,
@@ -10,16 +12,14 @@ from deadweight.sidecar.detectors.base import (
     steps_after,
     warmup_steps,
 )
-from deadweight.sidecar.detectors.frozen import FROZEN_STEPS
-from deadweight.sidecar.detectors.spec import (
+from .frozen import FROZEN_STEPS
+from .spec import (
     DetectorSpec,
     Evidence,
     Policy,
     Severity,
     Threshold,
 )
-from deadweight.sidecar.settings import DetectorSettings
-from deadweight.sidecar.state import RunState
 
 
 class PartialTargetModules(SpecDetector):

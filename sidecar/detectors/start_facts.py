@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import math
 
-from deadweight.proto import pb
-from deadweight.sidecar.detectors.base import (
+from ...proto import pb
+from ..model.run_state import RunState
+from ..model.settings import DetectorSettings
+from .base import (
     SpecDetector,
     Verdict,
     finite_history,
@@ -18,9 +20,7 @@ from deadweight.sidecar.detectors.base import (
     is_rl,
     start_facts_or_silent,
 )
-from deadweight.sidecar.detectors.spec import DetectorSpec, Evidence, Severity, Threshold
-from deadweight.sidecar.settings import DetectorSettings
-from deadweight.sidecar.state import RunState
+from .spec import DetectorSpec, Evidence, Severity, Threshold
 
 
 class StopTokenUntrained(SpecDetector):

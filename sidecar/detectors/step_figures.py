@@ -9,7 +9,10 @@ from __future__ import annotations
 import functools
 import math
 
-from deadweight.sidecar.detectors.base import (
+from ..model.run_state import RunState
+from ..model.settings import DetectorSettings
+from ..model.step_point import StepPoint
+from .base import (
     SpecDetector,
     Verdict,
     fmt,
@@ -17,10 +20,7 @@ from deadweight.sidecar.detectors.base import (
     trailing_streak,
     warmup_steps,
 )
-from deadweight.sidecar.detectors.spec import DetectorSpec, Evidence, Severity, Threshold
-from deadweight.sidecar.settings import DetectorSettings
-from deadweight.sidecar.state import RunState
-from deadweight.sidecar.step_point import StepPoint
+from .spec import DetectorSpec, Evidence, Severity, Threshold
 
 #: Dtypes in which an optimizer step loses every update below half a unit in the last place.
 LOW_PRECISION = frozenset({"bfloat16", "float16"})

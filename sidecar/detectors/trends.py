@@ -6,7 +6,9 @@ absolute floor: a tiny model's entropy sits near 5.75 for a whole healthy run.
 
 from __future__ import annotations
 
-from deadweight.sidecar.detectors.base import (
+from ..model.run_state import RunState
+from ..model.settings import DetectorSettings
+from .base import (
     SpecDetector,
     Verdict,
     finite_history,
@@ -14,9 +16,7 @@ from deadweight.sidecar.detectors.base import (
     is_rl,
     mean,
 )
-from deadweight.sidecar.detectors.spec import DetectorSpec, Evidence, Severity, Threshold
-from deadweight.sidecar.settings import DetectorSettings
-from deadweight.sidecar.state import RunState
+from .spec import DetectorSpec, Evidence, Severity, Threshold
 
 #: Shared by the two collapse detectors: how many log reports each average covers.
 TREND_LOGS = Threshold("trend_logs", "log reports",

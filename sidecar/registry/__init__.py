@@ -36,20 +36,23 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from deadweight.proto import pb
-from deadweight.sidecar import detectors
-from deadweight.sidecar.attestation import Attestor, ProcessIdentity
-from deadweight.sidecar.detectors.base import Detector, Policy
-from deadweight.sidecar.detectors.frozen import FrozenWeights
-from deadweight.sidecar.finding import ActionSink, Finding, LogOnlyActions
-from deadweight.sidecar.registry import restart
-from deadweight.sidecar.registry.batch import AppliedBatch, CheckedBatch
-from deadweight.sidecar.registry.events import CheckpointSink, EventApplier, end_run
-from deadweight.sidecar.registry.identity import IdentityGate, Peer
-from deadweight.sidecar.registry.incidents import RESUME_HOLD_STEPS, FindingLifecycle
-from deadweight.sidecar.registry.run_table import RunEntry, RunTable
-from deadweight.sidecar.registry.status_report import status_response
-from deadweight.sidecar.registry.validation import (
+from ...proto import pb
+from .. import detectors
+from ..detectors.base import Detector, Policy
+from ..detectors.frozen import FrozenWeights
+from ..ingest.attestation import Attestor, ProcessIdentity
+from ..model.finding import ActionSink, Finding, LogOnlyActions
+from ..model.run_state import RunState
+from ..model.settings import DetectorSettings
+from ..store.journal import Store
+from . import restart
+from .batch import AppliedBatch, CheckedBatch
+from .events import CheckpointSink, EventApplier, end_run
+from .identity import IdentityGate, Peer
+from .incidents import RESUME_HOLD_STEPS, FindingLifecycle
+from .run_table import RunEntry, RunTable
+from .status_report import status_response
+from .validation import (
     MAX_RUN_ID_LENGTH,
     IdentityRejected,
     IngestError,
@@ -59,13 +62,10 @@ from deadweight.sidecar.registry.validation import (
     run_start_of,
     validate,
 )
-from deadweight.sidecar.settings import DetectorSettings
-from deadweight.sidecar.state import RunState
-from deadweight.sidecar.store import Store
 
 if TYPE_CHECKING:
-    from deadweight.sidecar.checkpoint_inspector import CheckpointInspection
-    from deadweight.sidecar.history_queue import HistoryQueue
+    from ..checkpoints.inspector import CheckpointInspection
+    from ..store.history_queue import HistoryQueue
 
 log = structlog.get_logger("deadweight.registry")
 

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from deadweight.proto import pb
-from deadweight.sidecar.registry.identity import Peer
-from deadweight.sidecar.registry.run_table import RunEntry
-from deadweight.sidecar.registry.validation import (
+from ...proto import pb
+from .identity import Peer
+from .run_table import RunEntry
+from .validation import (
     MAX_RUN_ID_LENGTH,
     IdentityRejected,
     IngestError,
@@ -24,7 +24,7 @@ from deadweight.sidecar.registry.validation import (
 )
 
 if TYPE_CHECKING:
-    from deadweight.sidecar.registry import Registry
+    from . import Registry
 
 log = structlog.get_logger("deadweight.registry")
 

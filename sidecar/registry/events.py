@@ -15,19 +15,20 @@ from typing import TYPE_CHECKING, Protocol
 
 import structlog
 
-from deadweight.proto import pb
-from deadweight.proto.kinds import EventKind
-from deadweight.sidecar import history, limits
-from deadweight.sidecar.detectors import checkpoints
-from deadweight.sidecar.registry.run_table import RunEntry
-from deadweight.sidecar.registry.validation import IngestError, Scanned
-from deadweight.sidecar.state import CheckpointPoint, RunState
-from deadweight.sidecar.step_point import StepPoint
-from deadweight.sidecar.store import Store
+from ...proto import pb
+from ...proto.kinds import EventKind
+from ..detectors import checkpoints
+from ..model import limits
+from ..model.run_state import CheckpointPoint, RunState
+from ..model.step_point import StepPoint
+from ..store import history
+from ..store.journal import Store
+from .run_table import RunEntry
+from .validation import IngestError, Scanned
 
 if TYPE_CHECKING:
-    from deadweight.sidecar.checkpoint_inspector import CheckpointInspection
-    from deadweight.sidecar.history_queue import HistoryQueue
+    from ..checkpoints.inspector import CheckpointInspection
+    from ..store.history_queue import HistoryQueue
 
 log = structlog.get_logger("deadweight.registry")
 

@@ -15,17 +15,17 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from deadweight.proto import pb
-from deadweight.sidecar.attestation import Attestor, ProcessIdentity, is_alive
-from deadweight.sidecar.registry.run_table import RunEntry
-from deadweight.sidecar.registry.validation import (
+from ...proto import pb
+from ..ingest.attestation import Attestor, ProcessIdentity, is_alive
+from ..store.journal import Store
+from .run_table import RunEntry
+from .validation import (
     AttestationRequired,
     IdentityRejected,
     IngestError,
     run_start_event,
     run_start_of,
 )
-from deadweight.sidecar.store import Store
 
 log = structlog.get_logger("deadweight.registry")
 

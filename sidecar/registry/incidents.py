@@ -20,13 +20,13 @@ from collections.abc import Iterable, Sequence
 
 import structlog
 
-from deadweight.proto import pb
-from deadweight.sidecar import detectors
-from deadweight.sidecar.detectors.base import Detector, Policy, Verdict
-from deadweight.sidecar.finding import ActionSink, Finding, RunSnapshot
-from deadweight.sidecar.registry.run_table import RunEntry
-from deadweight.sidecar.settings import DetectorSettings
-from deadweight.sidecar.store import Store, StoredIncident, StoreWriteFailed
+from ...proto import pb
+from .. import detectors
+from ..detectors.base import Detector, Policy, Verdict
+from ..model.finding import ActionSink, Finding, RunSnapshot
+from ..model.settings import DetectorSettings
+from ..store.journal import Store, StoredIncident, StoreWriteFailed
+from .run_table import RunEntry
 
 log = structlog.get_logger("deadweight.registry")
 

@@ -16,8 +16,8 @@ from collections.abc import Callable, Sequence
 
 import structlog
 
-from deadweight.proto import pb
-from deadweight.sidecar.store import StoreWriteFailed
+from ...proto import pb
+from ..store.journal import StoreWriteFailed
 
 log = structlog.get_logger("deadweight.registry")
 

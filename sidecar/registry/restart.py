@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import structlog
 
-from deadweight.sidecar.registry.events import end_run
-from deadweight.sidecar.registry.incidents import FindingLifecycle
-from deadweight.sidecar.registry.run_table import RunEntry, RunTable
-from deadweight.sidecar.state import RunState
-from deadweight.sidecar.store import RETENTION_SECONDS, Store, StoredIncident
+from ..model.run_state import RunState
+from ..store.journal import RETENTION_SECONDS, Store, StoredIncident
+from .events import end_run
+from .incidents import FindingLifecycle
+from .run_table import RunEntry, RunTable
 
 log = structlog.get_logger("deadweight.registry")
 

@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from deadweight.proto import pb
-from deadweight.sidecar.attestation import ProcessIdentity
-from deadweight.sidecar.finding import Finding
-from deadweight.sidecar.registry.pending import Outbox
-from deadweight.sidecar.registry.validation import CapacityError
-from deadweight.sidecar.state import RunState
-from deadweight.sidecar.store import Store
+from ...proto import pb
+from ..ingest.attestation import ProcessIdentity
+from ..model.finding import Finding
+from ..model.run_state import RunState
+from ..store.journal import Store
+from .pending import Outbox
+from .validation import CapacityError
 
 log = structlog.get_logger("deadweight.registry")
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from deadweight.proto import pb
-from deadweight.sidecar.finding import Finding
-from deadweight.sidecar.state import RunState
-from deadweight.sidecar.store import ActionRow
+from ...proto import pb
+from ..model.finding import Finding
+from ..model.run_state import RunState
+from ..store.journal import ActionRow
 
 
 def status_response(runs: list[tuple[RunState, list[Finding]]],

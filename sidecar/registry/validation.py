@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import threading
 
-from deadweight.proto import pb
-from deadweight.proto.kinds import KIND_BY_NAME, EventKind
-from deadweight.sidecar import limits
+from ...proto import pb
+from ...proto.kinds import KIND_BY_NAME, EventKind
+from ..model import limits
 
 MAX_RUN_ID_LENGTH = 128
 MAX_EVENTS_PER_BATCH = 4096

@@ -1,0 +1,276 @@
+"""Push deadweight's own pages to the Alertmanager API v2, off the ingest path.
+
+The sidecar pages even when no Prometheus scrapes it. The labels are exactly the ones the
+Prometheus rules in alerts/ produce ({alertname, run_id, detector, severity}) and the
+annotations carry the same summary, runbook_url and dashboard_url (``alert_links``), so
+Alertmanager sees one alert whichever path delivers it first. Callers only touch a dict under
+a lock; one background thread does all network I/O, retries with backoff, and re-sends firing
+alerts periodically because Alertmanager resolves an alert whose endsAt passes without one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+from .links import (
+    DASHBOARD_PLACEHOLDERS,
+    DEFAULT_DASHBOARD_URL_PATTERN,
+    DEFAULT_RUNBOOK_URL_PATTERN,
+    RUNBOOK_PLACEHOLDERS,
+    alert_name,
+    check_pattern,
+    dashboard_url,
+    runbook_url,
+)
+
+__all__ = ["AlertmanagerPusher", "alert_name", "dashboard_url", "format_description",
+           "runbook_url"]
+
+_log = logging.getLogger(__name__)
+
+
+def _rfc3339(ts: float) -> str:
+    return datetime.fromtimestamp(ts, tz=timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _coerce_ts(value: float | datetime | None) -> float:
+    if value is None:
+        return time.time()
+    if isinstance(value, datetime):
+        return value.timestamp()
+    return float(value)
+
+
+@dataclass
+class _Alert:
+    labels: dict[str, str]
+    annotations: dict[str, str]
+    starts_at: float
+    ends_at: float | None  # None while firing: set to now + validity at each send
+
+    def payload(self, now: float, validity: float) -> dict[str, object]:
+        ends = self.ends_at if self.ends_at is not None else now + validity
+        return {
+            "labels": self.labels,
+            "annotations": self.annotations,
+            "startsAt": _rfc3339(self.starts_at),
+            "endsAt": _rfc3339(ends),
+        }
+
+
+def format_description(description: str, evidence: dict[str, str]) -> str:
+    """Append the evidence as `key=value` pairs, in the order given, unless already quoted."""
+    if not evidence or "Evidence:" in description:
+        return description
+    pairs = ", ".join(f"{k}={v}" for k, v in evidence.items())
+    return f"{description} Evidence: {pairs}."
+
+
+class AlertmanagerPusher:
+    """Send firing/resolved alerts to `<url>/api/v2/alerts` from a background thread.
+
+    `fire` and `resolve` never block on the network: they record the alert and wake the
+    thread. Pending updates coalesce per (run_id, detector), so the backlog is bounded by the
+    number of distinct alerts (and by `max_pending`, beyond which the oldest are dropped and
+    counted). A failed POST is retried with exponential backoff; firing alerts are re-sent every
+    `resend_interval` seconds with endsAt = now + `validity_factor` * resend_interval.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        runbook_url_pattern: str = DEFAULT_RUNBOOK_URL_PATTERN,
+        dashboard_url_pattern: str = DEFAULT_DASHBOARD_URL_PATTERN,
+        *,
+        resend_interval: float = 60.0,
+        validity_factor: float = 4.0,
+        timeout: float = 5.0,
+        backoff_initial: float = 0.5,
+        backoff_max: float = 30.0,
+        max_pending: int = 10_000,
+    ) -> None:
+        self.url = url.rstrip("/") + "/api/v2/alerts"
+        self.runbook_url_pattern = check_pattern(runbook_url_pattern, RUNBOOK_PLACEHOLDERS)
+        self.dashboard_url_pattern = check_pattern(dashboard_url_pattern, DASHBOARD_PLACEHOLDERS)
+        self.resend_interval = resend_interval
+        self.validity = validity_factor * resend_interval
+        self.timeout = timeout
+        self.backoff_initial = backoff_initial
+        self.backoff_max = backoff_max
+        self.max_pending = max_pending
+        self._final_timeout = timeout
+        self.sent_batches = 0
+        self.failed_posts = 0
+        self.dropped = 0
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._firing: dict[tuple[str, str], _Alert] = {}
+        self._pending: dict[tuple[str, str], _Alert] = {}
+        self._thread = threading.Thread(target=self._run, name="deadweight-alertmanager",
+                                        daemon=True)
+        self._thread.start()
+
+    # -- caller side (never blocks on I/O) ------------------------------------------------
+
+    def fire(
+        self,
+        run_id: str,
+        detector: str,
+        severity: str,
+        summary: str,
+        description: str,
+        evidence: dict[str, str] | None = None,
+        starts_at: float | datetime | None = None,
+    ) -> None:
+        """Record a firing alert and schedule its delivery."""
+        annotations = {
+            "summary": summary,
+            "description": format_description(description, evidence or {}),
+            **self._links(run_id, detector),
+        }
+        alert = _Alert(self._labels(run_id, detector, severity), annotations,
+                       _coerce_ts(starts_at), None)
+        key = (run_id, detector)
+        with self._lock:
+            previous = self._firing.get(key)
+            if previous is not None:
+                alert.starts_at = min(alert.starts_at, previous.starts_at)
+            self._firing[key] = alert
+            self._enqueue(key, alert)
+        self._wake.set()
+
+    def resolve(
+        self,
+        run_id: str,
+        detector: str,
+        severity: str,
+        ends_at: float | datetime | None = None,
+    ) -> None:
+        """Mark an alert resolved; Alertmanager gets it with endsAt = ends_at (default now)."""
+        key = (run_id, detector)
+        ends = _coerce_ts(ends_at)
+        with self._lock:
+            previous = self._firing.pop(key, None)
+            if previous is not None:
+                annotations, starts = previous.annotations, previous.starts_at
+            else:
+                annotations = self._links(run_id, detector)
+                starts = ends
+            alert = _Alert(self._labels(run_id, detector, severity), annotations,
+                           min(starts, ends), ends)
+            self._enqueue(key, alert)
+        self._wake.set()
+
+    def firing(self) -> list[tuple[str, str]]:
+        """(run_id, detector) of the alerts currently firing from this pusher."""
+        with self._lock:
+            return sorted(self._firing)
+
+    def pending_count(self) -> int:
+        """Updates waiting for delivery (bounded by max_pending)."""
+        with self._lock:
+            return len(self._pending)
+
+    def close(self, flush_timeout: float = 2.0) -> None:
+        """Stop the thread after one last attempt (bounded by `flush_timeout`) to deliver."""
+        self._final_timeout = min(self.timeout, flush_timeout)
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=flush_timeout + self.timeout + 1.0)
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _links(self, run_id: str, detector: str) -> dict[str, str]:
+        """The annotations the rules carry too: the runbook and the run's dashboard."""
+        return {"runbook_url": runbook_url(self.runbook_url_pattern, detector),
+                "dashboard_url": dashboard_url(self.dashboard_url_pattern, run_id)}
+
+    @staticmethod
+    def _labels(run_id: str, detector: str, severity: str) -> dict[str, str]:
+        return {"alertname": alert_name(detector), "run_id": run_id,
+                "detector": detector, "severity": severity}
+
+    def _enqueue(self, key: tuple[str, str], alert: _Alert) -> None:
+        self._pending.pop(key, None)
+        self._pending[key] = alert
+        while len(self._pending) > self.max_pending:
+            oldest = next(iter(self._pending))
+            del self._pending[oldest]
+            self.dropped += 1
+
+    def _take_batch(self, include_firing: bool) -> dict[tuple[str, str], _Alert]:
+        with self._lock:
+            batch = dict(self._pending)
+            self._pending.clear()
+            if include_firing:
+                for key, alert in self._firing.items():
+                    batch.setdefault(key, alert)
+        return batch
+
+    def _restore(self, batch: dict[tuple[str, str], _Alert]) -> None:
+        with self._lock:
+            for key, alert in batch.items():
+                # A newer update for the same key supersedes the failed one.
+                if key not in self._pending:
+                    if alert.ends_at is None and key not in self._firing:
+                        continue  # resolved meanwhile
+                    self._pending[key] = alert
+            while len(self._pending) > self.max_pending:
+                del self._pending[next(iter(self._pending))]
+                self.dropped += 1
+
+    def _post(self, batch: dict[tuple[str, str], _Alert], timeout: float) -> bool:
+        now = time.time()
+        body = []
+        for alert in batch.values():
+            item = alert.payload(now, self.validity)
+            # Where the alert came from: the run's dashboard (Prometheus links its graph).
+            item["generatorURL"] = dashboard_url(self.dashboard_url_pattern,
+                                                 alert.labels["run_id"])
+            body.append(item)
+        request = urllib.request.Request(
+            self.url, data=json.dumps(body).encode(), method="POST",
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                response.read()
+            self.sent_batches += 1
+            return True
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            self.failed_posts += 1
+            _log.warning("alertmanager push failed: %s", exc)
+            return False
+
+    def _run(self) -> None:
+        next_resend = time.monotonic() + self.resend_interval
+        backoff = 0.0
+        while True:
+            self._wake.wait(max(0.0, next_resend - time.monotonic()))
+            self._wake.clear()
+            stopping = self._stop.is_set()
+            resend_due = time.monotonic() >= next_resend
+            batch = self._take_batch(include_firing=resend_due)
+            if resend_due:
+                next_resend = time.monotonic() + self.resend_interval
+            if batch:
+                timeout = self._final_timeout if stopping else self.timeout
+                if self._post(batch, timeout):
+                    backoff = 0.0
+                else:
+                    self._restore(batch)
+                    backoff = min(self.backoff_max, max(self.backoff_initial, backoff * 2))
+                    if not stopping:
+                        # Sleep out the backoff unless asked to stop.
+                        self._stop.wait(backoff)
+                        self._wake.set()
+            if stopping:
+                return

@@ -1,0 +1,1 @@
+"""Checkpoints on disk: the watcher, the safetensors inspector, the promotion gate."""

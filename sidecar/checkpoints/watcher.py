@@ -1,0 +1,338 @@
+"""Watch each run's output folder and inspect every checkpoint once it is complete.
+
+A checkpoint folder (``checkpoint-<step>``) is complete when the callback reported it (its
+``on_save`` fires after the files are on disk) or when its files kept the same names, sizes
+and modification times for ``settle_seconds``. watchdog events make the watcher react at
+once; a periodic scan of the watched folders covers missed events and folders that did not
+exist yet when the run registered (the Trainer creates ``output_dir`` at its first save).
+
+Every path comes from a client, so none is trusted: a folder is watched and read only while
+its resolved path lies under one of the operator's ``--watch-root`` folders (no root: nothing
+is read), and a checkpoint folder of an attested run must belong to the run's uid (another
+uid cannot make the sidecar read a folder its own uid could not). Refusals reach the sink as
+findings. One watchdog observer serves every run; each scheduled folder costs it one kernel
+watch thread, so at most ``max_watches`` folders get one (the others are polled by the scan),
+and a run may name at most ``max_folders_per_run`` folders.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import structlog
+from watchdog.events import FileSystemEvent, FileSystemEventHandler
+from watchdog.observers import Observer
+from watchdog.observers.api import ObservedWatch
+
+from .inspector import (
+    CheckpointInspection,
+    CheckpointRefused,
+    NotACheckpoint,
+    inspect_path,
+)
+
+log = structlog.get_logger("deadweight.checkpoints")
+
+CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
+#: Give up on a folder that never becomes a complete checkpoint after this long.
+PENDING_TIMEOUT_SECONDS = 600.0
+#: Folders that get a kernel watch (one observer thread each); more are polled by the scan.
+MAX_WATCHES = 64
+#: Output folders one run may name (a run has one; a client naming thousands is refused).
+MAX_FOLDERS_PER_RUN = 4
+
+
+class InspectionSink(Protocol):
+    def record_inspection(self, run_id: str, inspection: CheckpointInspection,
+                          step: int = 0) -> bool: ...
+
+
+def under_roots(path: Path, roots: Iterable[Path]) -> bool:
+    """True when path, with every symlink resolved, lies in (or is) one of the roots."""
+    real = Path(os.path.realpath(path))
+    return any(real == root or root in real.parents for root in roots)
+
+
+@dataclass
+class _Pending:
+    run_id: str
+    path: Path
+    since: float
+    trusted: bool = False
+    signature: tuple[tuple[str, int, int], ...] = ()
+    stable_since: float = 0.0
+
+
+@dataclass
+class _Watched:
+    run_id: str
+    folder: Path
+    owner_uid: int | None = None
+    watch: ObservedWatch | None = None
+    seen: dict[str, tuple[tuple[str, int, int], ...]] = field(default_factory=dict)
+
+
+def _signature(folder: Path) -> tuple[tuple[str, int, int], ...]:
+    try:
+        entries = sorted(folder.iterdir())
+        return tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in entries
+                     if p.is_file())
+    except OSError:
+        return ()
+
+
+def _step(path: Path) -> int:
+    match = CHECKPOINT_DIR.match(path.name)
+    return int(match.group(1)) if match else 0
+
+
+def _leaves_folder(path: Path) -> str | None:
+    """Why a checkpoint must not be read: a symlink out of its folder could make the sidecar
+    read files the run's user cannot, or block forever on a FIFO. None when it stays inside."""
+    try:
+        real = path.resolve(strict=True)
+        if real.parent != path.parent.resolve():
+            return f"the folder is a symlink to {real}, outside the output folder"
+        for entry in path.iterdir():
+            if entry.is_symlink() and entry.resolve().parent != real:
+                return (f"{entry.name} is a symlink to {entry.resolve()}, outside the "
+                        "checkpoint folder")
+    except OSError:
+        return None  # gone or unreadable: the inspector reports it
+    return None
+
+
+class _Handler(FileSystemEventHandler):  # type: ignore[misc]
+    def __init__(self, wake: threading.Event) -> None:
+        self.wake = wake
+
+    def on_any_event(self, event: FileSystemEvent) -> None:
+        self.wake.set()
+
+
+class CheckpointWatcher:
+    """Finds complete checkpoints of registered runs and feeds their inspection to a sink."""
+
+    def __init__(self, sink: InspectionSink, settle_seconds: float = 2.0,
+                 scan_seconds: float = 1.0, roots: Iterable[str | Path] = (),
+                 max_watches: int = MAX_WATCHES,
+                 max_folders_per_run: int = MAX_FOLDERS_PER_RUN) -> None:
+        self.sink = sink
+        #: Resolved allowed roots; empty: every client-named path is refused.
+        self.roots = tuple(Path(os.path.realpath(r)) for r in roots)
+        self.max_watches = max_watches
+        self.max_folders_per_run = max_folders_per_run
+        #: Paths refused (outside the roots, wrong owner, over a cap, not a regular file).
+        self.refused = 0
+        self.settle_seconds = settle_seconds
+        self.scan_seconds = scan_seconds
+        self.inspected = 0
+        #: Completed passes of the worker (drain, scan, settle): lets a caller wait for the
+        #: watcher to have looked again, rather than for a length of time.
+        self.passes = 0
+        self._requests: queue.Queue[tuple[str, str, str, int | None]] = queue.Queue()
+        self._watched: dict[tuple[str, str], _Watched] = {}
+        self._pending: dict[Path, _Pending] = {}
+        self._done: dict[Path, tuple[tuple[str, int, int], ...]] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._observer = Observer()
+        self._handler = _Handler(self._wake)
+        self._thread: threading.Thread | None = None
+
+    # -- called by the registry (under its lock): never block ----------------------------
+
+    def watch(self, run_id: str, output_dir: str, owner_uid: int | None = None) -> None:
+        """Watch a run's output folder; owner_uid: the uid the kernel named for the run."""
+        self._requests.put(("watch", run_id, output_dir, owner_uid))
+        self._wake.set()
+
+    def submit(self, run_id: str, path: str) -> None:
+        self._requests.put(("submit", run_id, path, None))
+        self._wake.set()
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._observer.start()
+        self._thread = threading.Thread(target=self._loop, name="deadweight-checkpoints",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(10)
+        self._observer.stop()
+        self._observer.join(10)
+
+    # -- the worker ------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.scan_seconds)
+            self._wake.clear()
+            try:
+                self._drain()
+                self._scan()
+                self._settle()
+            except Exception:  # the watcher must outlive one bad folder
+                log.exception("checkpoint_watcher_failed")
+            self.passes += 1
+
+    def _refuse(self, run_id: str, path: Path, reason: str) -> None:
+        """Count, log and report a path that is not read; the run gets a finding for it."""
+        self.refused += 1
+        log.warning("checkpoint_refused", run_id=run_id, path=str(path)[:512], reason=reason)
+        record = getattr(self.sink, "record_refusal", None)
+        if callable(record):
+            record(run_id, str(path)[:512], reason)
+
+    def _outside(self, path: Path) -> str | None:
+        """Why path may not be read (outside every root), or None."""
+        if not self.roots:
+            return "no --watch-root is configured: the sidecar reads no client-named path"
+        if not under_roots(path, self.roots):
+            return ("outside the allowed roots "
+                    f"({', '.join(str(r) for r in self.roots)})")
+        return None
+
+    def _foreign(self, pending: _Pending) -> str | None:
+        """Why a checkpoint folder is not the run's own: owned by another uid than the one
+        the kernel named for the run (a root client, or an unattested one, is not checked)."""
+        owners = {w.owner_uid for w in self._watched.values()
+                  if w.run_id == pending.run_id and w.owner_uid not in (None, 0)}
+        if not owners:
+            return None
+        try:
+            owner = pending.path.lstat().st_uid
+        except OSError:
+            return None  # gone: the inspector reports it
+        if owner not in owners:
+            return f"owned by uid {owner}, not by the run's uid {min(owners)}"
+        return None
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                kind, run_id, where, owner_uid = self._requests.get_nowait()
+            except queue.Empty:
+                return
+            path = Path(where)
+            if not path.is_absolute():
+                self._refuse(run_id, path, "not an absolute path")
+                continue
+            outside = self._outside(path)
+            if outside is not None:
+                self._refuse(run_id, path, outside)
+                continue
+            if kind == "watch":
+                key = (run_id, str(path))
+                if key in self._watched:
+                    continue
+                folders = sum(1 for w in self._watched.values() if w.run_id == run_id)
+                if folders >= self.max_folders_per_run:
+                    self._refuse(run_id, path, f"the run already names {folders} output "
+                                 f"folders (cap {self.max_folders_per_run})")
+                    continue
+                self._watched[key] = _Watched(run_id, path, owner_uid)
+            else:
+                pending = self._pending.setdefault(path, _Pending(run_id, path, time.time()))
+                pending.trusted = True
+
+    def _forget_expired(self) -> None:
+        """Stop watching folders of runs the registry no longer knows."""
+        known = getattr(self.sink, "run", None)
+        if not callable(known):
+            return
+        for key, watched in list(self._watched.items()):
+            if known(watched.run_id) is None:
+                if watched.watch is not None:
+                    self._observer.unschedule(watched.watch)
+                del self._watched[key]
+                for path in [p for p in self._done if p.parent == watched.folder]:
+                    del self._done[path]
+
+    def _scan(self) -> None:
+        self._forget_expired()
+        watches = sum(1 for w in self._watched.values() if w.watch is not None)
+        for watched in self._watched.values():
+            folder = watched.folder
+            if self._outside(folder) is not None:  # a symlink swapped in since registration
+                continue
+            if watched.watch is None and folder.is_dir() and watches < self.max_watches:
+                try:  # not recursive: new checkpoint folders wake us, their files are polled
+                    watched.watch = self._observer.schedule(self._handler, str(folder),
+                                                            recursive=False)
+                    watches += 1
+                except OSError as err:
+                    log.warning("watch_failed", folder=str(folder), error=str(err))
+            if not folder.is_dir():
+                continue
+            for child in folder.iterdir():
+                if not CHECKPOINT_DIR.match(child.name) or not child.is_dir():
+                    continue
+                signature = _signature(child)
+                if watched.seen.get(child.name) == signature:
+                    continue
+                watched.seen[child.name] = signature
+                self._pending.setdefault(child, _Pending(watched.run_id, child, time.time()))
+
+    def _settle(self) -> None:
+        now = time.time()
+        for path, pending in list(self._pending.items()):
+            signature = _signature(path)
+            if signature != pending.signature:
+                pending.signature, pending.stable_since = signature, now
+            complete = pending.trusted or (
+                signature and now - pending.stable_since >= self.settle_seconds
+            )
+            if not complete:
+                if now - pending.since > PENDING_TIMEOUT_SECONDS:
+                    del self._pending[path]
+                    log.warning("checkpoint_never_completed", path=str(path))
+                continue
+            del self._pending[path]
+            if self._done.get(path) == signature:
+                continue  # these exact files were inspected already
+            self._done[path] = signature
+            self._inspect(pending)
+
+    def _inspect(self, pending: _Pending) -> None:
+        outside = self._outside(pending.path)
+        if outside is not None:
+            self._refuse(pending.run_id, pending.path, outside)
+            return
+        foreign = self._foreign(pending)
+        if foreign is not None:
+            self._refuse(pending.run_id, pending.path, foreign)
+            return
+        escape = _leaves_folder(pending.path)
+        if escape is not None:
+            log.warning("checkpoint_skipped", run_id=pending.run_id, path=str(pending.path),
+                        reason=escape)
+            return
+        try:
+            inspection = inspect_path(pending.path)
+        except CheckpointRefused as err:
+            self._refuse(pending.run_id, pending.path, str(err))
+            return
+        except (NotACheckpoint, OSError) as err:
+            log.warning("checkpoint_not_inspected", path=str(pending.path), error=str(err))
+            return
+        self.inspected += 1
+        for watched in self._watched.values():
+            if watched.run_id == pending.run_id and pending.path.parent == watched.folder:
+                watched.seen[pending.path.name] = _signature(pending.path)
+        log.info("checkpoint_inspected", run_id=pending.run_id, path=str(pending.path),
+                 digest=inspection.adapter_digest, bytes=inspection.tensor_bytes)
+        self.sink.record_inspection(pending.run_id, inspection, _step(pending.path))

@@ -1,0 +1,1 @@
+"""What the sidecar shows: /metrics, its HTTP server, the runbook pages."""

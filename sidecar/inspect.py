@@ -1,0 +1,93 @@
+"""``deadweight inspect``: the sidecar's checkpoint verdicts, offline, for a promotion gate.
+
+The paths are audited in the order given (``checkpoint-<step>`` folders by step, so a shell
+glob's ``checkpoint-10`` before ``checkpoint-2`` does not matter): each one
+is compared with the one before it and, with ``--initial``, with the adapter the run started
+from. The same detector classes as the live sidecar decide, so a gate and a page agree.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..proto import pb
+from .checkpoints import summary_gate as promotion
+from .checkpoints.inspector import CheckpointInspection, inspect_path
+from .checkpoints.watcher import CHECKPOINT_DIR
+from .detectors import ALL, ARTIFACT_IDS
+from .detectors.base import Verdict
+from .detectors.checkpoints import judge
+from .model.run_state import CheckpointPoint, RunState
+from .model.settings import DetectorSettings
+
+
+@dataclass(frozen=True)
+class AuditResult:
+    """One path: what it holds and the verdicts that fired on it."""
+
+    inspection: CheckpointInspection
+    findings: list[tuple[str, str, Verdict]]
+    #: False when the paths are not all ``checkpoint-<step>`` folders: steps are positions.
+    real_steps: bool = True
+
+
+def audit(paths: list[Path], initial: Path | None = None,
+          settings: DetectorSettings | None = None) -> list[AuditResult]:
+    """Inspect every path and run the checkpoint detectors on it (raises NotACheckpoint)."""
+    settings = settings or DetectorSettings()
+    matches = [CHECKPOINT_DIR.match(p.name) for p in paths]
+    real_steps = all(matches)
+    # checkpoint-<step> folders are labelled with their own steps; other paths by position.
+    steps = ([int(m.group(1)) for m in matches if m] if real_steps
+             else list(range(1, len(paths) + 1)))
+    numbered = sorted(zip(steps, paths, strict=True), key=lambda sp: sp[0])
+    paths = [p for _, p in numbered]
+    inspections = [inspect_path(p) for p in paths]  # fail on a bad path before any output
+    run = RunState("inspect")
+    if initial is not None:
+        start = inspect_path(initial)
+        run.start = pb.RunStart(initial_adapter=pb.AdapterDigest(
+            combined=start.adapter_digest, tensors=start.tensor_digests))
+    detectors = [d for d in ALL if d.id in ARTIFACT_IDS]
+    results = []
+    for (step, _), inspection in zip(numbered, inspections, strict=True):
+        point = CheckpointPoint(step=step, path=inspection.path, combined_digest="",
+                                tensor_digests={}, adapter_bytes=inspection.tensor_bytes,
+                                time=time.time(), inspection=inspection)
+        run.add_checkpoint(point)
+        judge(run, point)
+        fired = []
+        for detector in detectors:
+            verdict = detector.evaluate(run, settings)
+            if verdict is not None and verdict.firing:
+                fired.append((detector.id, detector.severity.value, verdict))
+        summary = promotion.summary_for(Path(inspection.path))
+        if summary is not None:
+            fired += promotion.check(inspection, summary)
+        results.append(AuditResult(inspection, fired, real_steps))
+    return results
+
+
+def render(results: list[AuditResult]) -> str:
+    """Readable report: one block per path, one line per finding with its evidence."""
+    lines = []
+    if results and not results[0].real_steps:
+        lines.append("note: the paths are not all checkpoint-<step> folders; \"step N\" below "
+                     "means the N-th path given")
+    for result in results:
+        ins = result.inspection
+        what = (f"{ins.weights_file}, {len(ins.tensor_digests)} tensors, {ins.tensor_bytes} "
+                f"bytes, digest {ins.adapter_digest[:16]}" if ins.weights_file
+                else "no safetensors weights")
+        status = "FAIL" if result.findings else "ok"
+        lines.append(f"{status:4}  {ins.path}  ({what})")
+        for detector, severity, verdict in result.findings:
+            lines.append(f"      {detector} [{severity}]: {verdict.summary}")
+            evidence = ", ".join(f"{k}={v}" for k, v in sorted(verdict.evidence.items())
+                                 if k not in {"checkpoint", "step"})
+            lines.append(f"        evidence: {evidence}")
+    failed = sum(1 for r in results if r.findings)
+    lines.append(f"{len(results)} checkpoint(s) inspected, {failed} with findings")
+    return "\n".join(lines)

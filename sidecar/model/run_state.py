@@ -1,0 +1,250 @@
+"""What the sidecar knows about one run: its start facts, per-rank steps, logs and checkpoints.
+
+State is plain data, changed only by the registry (``registry.events`` applies wire events,
+``registry.restart`` reads a run back from the store) and read by detectors, the exporter and
+``deadweight status``. Every collection is bounded: a hostile or buggy client
+cannot grow the sidecar's memory without limit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from bisect import bisect_right
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from ...proto import pb
+from ..checkpoints.inspector import CheckpointInspection
+from .sharded_steps import ShardedSteps
+from .step_point import StepPoint
+
+#: Optimizer steps kept per rank for windowed detectors.
+STEP_WINDOW = 256
+#: Values kept per log key.
+LOG_WINDOW = 256
+#: Distinct log keys kept per run; further keys are counted, not stored.
+MAX_LOG_KEYS = 512
+#: Checkpoints remembered per run.
+CHECKPOINT_WINDOW = 64
+#: Newest checkpoints of a run that keep their per-tensor digest maps (up to 65536 names
+#: each): the newest is compared with the one before it, tensor by tensor.
+DIGEST_MAPS_KEPT = 2
+#: Refused checkpoint paths remembered per run (the count goes on).
+REFUSED_WINDOW = 16
+
+
+@dataclass
+class CheckpointPoint:
+    """A checkpoint the run reported (and, later, that the watcher inspected).
+
+    The digest fields come from the callback's in-memory digest; ``inspection`` holds what
+    the sidecar found in the files on disk once the folder was complete.
+    """
+
+    step: int
+    path: str
+    combined_digest: str
+    tensor_digests: dict[str, str]
+    adapter_bytes: int
+    time: float
+    inspection: CheckpointInspection | None = None
+    #: What it equals ("initial" or "previous (step N)"), "" when it differs or is unknown.
+    unchanged_from: str = ""
+    #: Whether deadweight_checkpoint_unchanged_total already counted this checkpoint.
+    counted_unchanged: bool = False
+
+    @property
+    def digest(self) -> str:
+        """The files' digest once inspected, else the callback's."""
+        if self.inspection is not None and self.inspection.adapter_digest:
+            return self.inspection.adapter_digest
+        return self.combined_digest
+
+
+@dataclass
+class RankState:
+    """One rank of a run."""
+
+    rank: int
+    last_seq: int = 0
+    last_seen: float = 0.0
+    #: When this sidecar first heard from the rank (stall clocks start here, not at run start).
+    first_seen: float = 0.0
+    step: int = 0
+    last_step_time: float = 0.0
+    dropped_events: int = 0
+    membership: pb.OptimizerMembership = field(default_factory=pb.OptimizerMembership)
+    steps: deque[StepPoint] = field(default_factory=lambda: deque(maxlen=STEP_WINDOW))
+    connected: bool = False
+
+
+@dataclass
+class RunState:
+    """One training run across its ranks."""
+
+    run_id: str
+    created: float = field(default_factory=time.time)
+    start: pb.RunStart | None = None
+    ranks: dict[int, RankState] = field(default_factory=dict)
+    logs: dict[str, float] = field(default_factory=dict)
+    log_history: dict[str, deque[tuple[int, float]]] = field(default_factory=dict)
+    log_steps: int = 0
+    dropped_log_keys: int = 0
+    checkpoints: deque[CheckpointPoint] = field(
+        default_factory=lambda: deque(maxlen=CHECKPOINT_WINDOW)
+    )
+    checkpoints_total: int = 0
+    checkpoints_unchanged: int = 0
+    #: Client-named checkpoint paths the sidecar refused to read: (path, reason), latest last.
+    refused_paths: deque[tuple[str, str]] = field(
+        default_factory=lambda: deque(maxlen=REFUSED_WINDOW))
+    refused_total: int = 0
+    ended: bool = False
+    end_reason: str = ""
+    ended_at: float = 0.0
+    #: The registry's clock at the latest evaluation (time-based detectors read it).
+    evaluated_at: float = 0.0
+    #: Log keys whose history is not in step order (a log went back): ``logged_at`` scans
+    #: them instead of bisecting.
+    unordered_log_keys: set[str] = field(default_factory=set)
+    _config: tuple[pb.RunStart, Mapping[str, float]] | None = field(
+        default=None, repr=False, compare=False)
+    _sharded: ShardedSteps | None = field(default=None, repr=False, compare=False)
+
+    # -- derived views ---------------------------------------------------------------------
+
+    @property
+    def trainer(self) -> str:
+        return self.start.trainer if self.start is not None else ""
+
+    @property
+    def config(self) -> Mapping[str, float]:
+        """The RunStart's config, read off the message once per RunStart (detectors ask for
+        it many times a batch)."""
+        start = self.start
+        if start is None:
+            return _NO_CONFIG
+        cached = self._config
+        if cached is None or cached[0] is not start:
+            cached = self._config = (start, MappingProxyType(dict(start.config)))
+        return cached[1]
+
+    @property
+    def step(self) -> int:
+        return max((r.step for r in self.ranks.values()), default=0)
+
+    @property
+    def last_seen(self) -> float:
+        return max((r.last_seen for r in self.ranks.values()), default=self.created)
+
+    def rank(self, rank: int) -> RankState:
+        if rank not in self.ranks:
+            self.ranks[rank] = RankState(rank)
+        return self.ranks[rank]
+
+    def combined_steps(self) -> list[StepPoint]:
+        """Per optimizer step, one figure for the whole run.
+
+        Replicated parameters (DDP) are identical on every rank: the lowest rank stands for
+        all, so nothing is counted twice. Sharded parameters (FSDP, ZeRO-3) are split: squares
+        are summed over ranks, for steps every rank has reported.
+        """
+        if not self.ranks:
+            return []
+        ordered = sorted(self.ranks)
+        if self.start is None or not self.start.sharded or len(ordered) == 1:
+            return list(self.ranks[ordered[0]].steps)
+        return list(self._sharded_steps(ordered))
+
+    def _sharded_steps(self, ordered: list[int]) -> deque[StepPoint]:
+        """The combined steps of a sharded run of several ranks, kept between asks (see
+        ``sharded_steps``; a new set of ranks starts them afresh)."""
+        kept = self._sharded
+        if kept is None or kept.ranks != tuple(ordered):
+            kept = self._sharded = ShardedSteps(tuple(ordered))
+        return kept.steps(self.ranks)
+
+    def newest_combined_step(self) -> StepPoint | None:
+        """``combined_steps()[-1]`` without building the list (asked for every step received):
+        unsharded, the lowest rank's newest step."""
+        if not self.ranks:
+            return None
+        if self.start is None or not self.start.sharded or len(self.ranks) == 1:
+            steps = self.ranks[min(self.ranks)].steps
+            return steps[-1] if steps else None
+        combined = self._sharded_steps(sorted(self.ranks))
+        return combined[-1] if combined else None
+
+    def add_checkpoint(self, point: CheckpointPoint) -> None:
+        """Remember a new checkpoint; the total is a counter, the window is bounded."""
+        self.checkpoints.append(point)
+        self.checkpoints_total += 1
+        for older in list(self.checkpoints)[:-DIGEST_MAPS_KEPT]:
+            if older.tensor_digests:
+                older.tensor_digests = {}
+            if older.inspection is not None and older.inspection.tensor_digests:
+                older.inspection = dataclasses.replace(older.inspection, tensor_digests={})
+
+    def checkpoint(self, path: str) -> CheckpointPoint | None:
+        """The remembered checkpoint at path, if any."""
+        for point in self.checkpoints:
+            if point.path == path:
+                return point
+        return None
+
+    def log_value(self, key: str) -> float | None:
+        return self.logs.get(key)
+
+    def history(self, key: str) -> list[tuple[int, float]]:
+        return list(self.log_history.get(key, ()))
+
+    def last_logged(self, key: str) -> tuple[int, float] | None:
+        """The newest (step, value) logged for key, without copying its history."""
+        entries = self.log_history.get(key)
+        return entries[-1] if entries else None
+
+    def logged_at(self, key: str, step: int) -> float | None:
+        """The last finite value logged for key at step, or None.
+
+        Detectors ask this for the few newest steps at every batch: a bisection of the
+        history (a trainer logs in step order), where a map of the whole window per batch
+        cost more than the rest of their work; a key logged out of order is scanned."""
+        entries = self.log_history.get(key)
+        if not entries:
+            return None
+        if key in self.unordered_log_keys:
+            found = [v for s, v in entries if s == step and math.isfinite(v)]
+            return found[-1] if found else None
+        index = bisect_right(entries, step, key=_logged_step) - 1
+        while index >= 0 and entries[index][0] == step:
+            if math.isfinite(value := entries[index][1]):
+                return value
+            index -= 1
+        return None
+
+    # -- updates ---------------------------------------------------------------------------
+
+    def record_log(self, step: int, values: dict[str, float]) -> None:
+        self.log_steps += 1
+        for key, value in values.items():
+            if key not in self.log_history:
+                if len(self.log_history) >= MAX_LOG_KEYS:
+                    self.dropped_log_keys += 1
+                    continue
+                self.log_history[key] = deque(maxlen=LOG_WINDOW)
+            entries = self.log_history[key]
+            if entries and step < entries[-1][0]:
+                self.unordered_log_keys.add(key)
+            entries.append((step, value))
+            self.logs[key] = value
+
+
+_NO_CONFIG: Mapping[str, float] = MappingProxyType({})
+
+
+def _logged_step(entry: tuple[int, float]) -> int:
+    return entry[0]

@@ -1,0 +1,384 @@
+"""The sidecar's memory across restarts: one SQLite file (WAL) in ``--state-dir``.
+
+It holds the runs, which process registered each rank (pid, start time, boot id, as the kernel
+reported them), the checkpoint hashes, the incidents and every action with its result. A
+restarted sidecar reads it back, so it neither pages nor kills twice for the same incident and
+checkpoint comparisons continue. An action that signals a process is written as ``pending``
+before the signal and updated after it: a crash in between counts as done (at most once).
+Without a state dir the same schema lives in memory, so the code paths do not differ.
+
+Opening it (a private folder and files, damage moved aside) is ``state_db``'s job. A write
+that fails (a full disk) raises ``StoreWriteFailed`` and is counted; the caller keeps what it
+was about to record pending and tries again later.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from ...proto import pb
+from ..ingest.attestation import ProcessIdentity
+from ..model.run_state import CheckpointPoint
+from . import history
+from .files import open_state_db
+from .history_tables import HistoryTables
+
+log = structlog.get_logger("deadweight.store")
+
+#: One log kept for the report: (step, time, the figures worth a plot).
+LoggedFigures = tuple[int, float, dict[str, float]]
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS runs (
+    run_id TEXT PRIMARY KEY, trainer TEXT NOT NULL, start BLOB, created REAL NOT NULL,
+    ended INTEGER NOT NULL DEFAULT 0, end_reason TEXT NOT NULL DEFAULT '', ended_at REAL);
+CREATE TABLE IF NOT EXISTS bindings (
+    run_id TEXT NOT NULL, rank INTEGER NOT NULL, pid INTEGER NOT NULL, uid INTEGER NOT NULL,
+    gid INTEGER NOT NULL, start_time INTEGER NOT NULL, boot_id TEXT NOT NULL,
+    bound_at REAL NOT NULL, PRIMARY KEY (run_id, rank));
+CREATE TABLE IF NOT EXISTS checkpoints (
+    run_id TEXT NOT NULL, step INTEGER NOT NULL, path TEXT NOT NULL, digest TEXT NOT NULL,
+    tensors TEXT NOT NULL, bytes INTEGER NOT NULL, time REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS checkpoints_run ON checkpoints (run_id, time);
+CREATE TABLE IF NOT EXISTS incidents (
+    run_id TEXT NOT NULL, detector TEXT NOT NULL, incident INTEGER NOT NULL,
+    severity TEXT NOT NULL, policy TEXT NOT NULL, step INTEGER NOT NULL, summary TEXT NOT NULL,
+    evidence TEXT NOT NULL, fired_at REAL NOT NULL, resolved_at REAL,
+    enforcement TEXT NOT NULL DEFAULT 'none',
+    PRIMARY KEY (run_id, detector, incident));
+CREATE TABLE IF NOT EXISTS actions (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, time REAL NOT NULL, run_id TEXT NOT NULL,
+    trainer TEXT NOT NULL, detector TEXT NOT NULL, incident INTEGER NOT NULL,
+    action TEXT NOT NULL, result TEXT NOT NULL, rank INTEGER, pid INTEGER,
+    dry_run INTEGER NOT NULL, detail TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS actions_incident ON actions (run_id, detector, incident);
+CREATE TABLE IF NOT EXISTS history (
+    run_id TEXT NOT NULL, kind TEXT NOT NULL, step INTEGER NOT NULL, time REAL NOT NULL,
+    series TEXT NOT NULL, PRIMARY KEY (run_id, kind, step));
+CREATE TABLE IF NOT EXISTS step_batches (
+    run_id TEXT NOT NULL, first_step INTEGER NOT NULL, steps INTEGER NOT NULL,
+    packed BLOB NOT NULL, PRIMARY KEY (run_id, first_step));
+"""
+
+#: How long the journal of an ended run is kept (pruned when the sidecar starts).
+RETENTION_SECONDS = 30 * 86400
+#: incidents.enforcement while an escalation (STOP, SIGTERM, SIGKILL) is still in progress.
+ENFORCEMENT_OPEN = "open"
+
+
+class StoreWriteFailed(RuntimeError):
+    """A write did not reach the database (disk full, I/O error); nothing was recorded."""
+
+
+@dataclass(frozen=True)
+class StoredRun:
+    run_id: str
+    trainer: str
+    start: pb.RunStart | None
+    created: float
+    ended: bool
+    end_reason: str
+    ended_at: float
+
+
+@dataclass(frozen=True)
+class StoredIncident:
+    run_id: str
+    detector: str
+    incident: int
+    severity: str
+    policy: str
+    step: int
+    summary: str
+    evidence: dict[str, str]
+    fired_at: float
+    resolved_at: float | None
+    enforcement: str
+
+
+@dataclass(frozen=True)
+class ActionRow:
+    id: int
+    time: float
+    run_id: str
+    trainer: str
+    detector: str
+    incident: int
+    action: str
+    result: str
+    rank: int | None
+    pid: int | None
+    dry_run: bool
+    detail: dict[str, Any]
+
+
+class Store:
+    """Thread-safe access to the state database; every write commits before returning."""
+
+    def __init__(self, state_dir: str | Path | None = None) -> None:
+        self._lock = threading.RLock()
+        #: Writes that failed (disk full, I/O error): exported on /metrics.
+        self.write_failures = 0
+        opened = open_state_db(None if state_dir is None else Path(state_dir), SCHEMA)
+        self._db = opened.connection
+        #: The database file (None: memory only).
+        self.path: Path | None = opened.path
+        #: Where a corrupt database was moved at start (None: it was sound or new).
+        self.moved_aside: Path | None = opened.moved_aside
+        #: The report's history tables (written inside this store's transactions).
+        self._history = HistoryTables(self._db)
+
+    @property
+    def persistent(self) -> bool:
+        return self.path is not None
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def _write(self, sql: str, args: tuple[Any, ...] = ()) -> int:
+        with self._lock:
+            try:
+                cursor = self._db.execute(sql, args)
+            except (sqlite3.OperationalError, OSError) as err:
+                self.write_failures += 1
+                log.error("state_write_failed", error=str(err), failures=self.write_failures)
+                raise StoreWriteFailed(str(err)) from err
+            return int(cursor.lastrowid or 0)
+
+    @contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """BEGIN ... COMMIT, ROLLBACK on an error: the writes inside commit together or not at
+        all. A write that fails raises StoreWriteFailed, counted once."""
+        with self._lock:
+            try:
+                self._db.execute("BEGIN")
+                try:
+                    yield
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+                self._db.execute("COMMIT")
+            except (sqlite3.OperationalError, OSError) as err:
+                self.write_failures += 1
+                log.error("state_write_failed", error=str(err), failures=self.write_failures)
+                raise StoreWriteFailed(str(err)) from err
+
+    def _read(self, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        with self._lock:
+            return list(self._db.execute(sql, args).fetchall())
+
+    # -- runs ------------------------------------------------------------------------------
+
+    def upsert_run(self, run_id: str, trainer: str, start: pb.RunStart) -> None:
+        clean = pb.RunStart()
+        clean.CopyFrom(start)
+        clean.attestation = ""  # redeemed already; worthless and not worth keeping
+        self._write(
+            "INSERT INTO runs (run_id, trainer, start, created) VALUES (?, ?, ?, ?) "
+            "ON CONFLICT(run_id) DO UPDATE SET trainer=excluded.trainer, start=excluded.start,"
+            " ended=0, end_reason='', ended_at=NULL",
+            (run_id, trainer, clean.SerializeToString(), time.time()),
+        )
+
+    def end_run(self, run_id: str, reason: str, at: float) -> None:
+        self._write("UPDATE runs SET ended=1, end_reason=?, ended_at=? WHERE run_id=?",
+                    (reason, at, run_id))
+
+    def runs(self, ended_since: float = 0.0) -> list[StoredRun]:
+        """Live runs, and ended runs that ended after ended_since."""
+        rows = self._read(
+            "SELECT run_id, trainer, start, created, ended, end_reason, ended_at FROM runs "
+            "WHERE ended=0 OR ended_at >= ? ORDER BY created", (ended_since,))
+        found = []
+        for run_id, trainer, blob, created, ended, reason, ended_at in rows:
+            start = pb.RunStart.FromString(blob) if blob else None
+            found.append(StoredRun(run_id, trainer, start, created, bool(ended), reason,
+                                   ended_at or 0.0))
+        return found
+
+    # -- who registered each rank ----------------------------------------------------------
+
+    def bind(self, run_id: str, rank: int, identity: ProcessIdentity) -> None:
+        self._write(
+            "INSERT OR REPLACE INTO bindings VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (run_id, rank, identity.pid, identity.uid, identity.gid, identity.start_time,
+             identity.boot_id, time.time()),
+        )
+
+    def bindings(self, run_id: str) -> dict[int, ProcessIdentity]:
+        rows = self._read(
+            "SELECT rank, pid, uid, gid, start_time, boot_id FROM bindings WHERE run_id=?",
+            (run_id,))
+        return {rank: ProcessIdentity(pid, uid, gid, start, boot)
+                for rank, pid, uid, gid, start, boot in rows}
+
+    def forget_bindings(self, run_id: str) -> None:
+        self._write("DELETE FROM bindings WHERE run_id=?", (run_id,))
+
+    # -- checkpoints -----------------------------------------------------------------------
+
+    def add_checkpoint(self, run_id: str, point: CheckpointPoint) -> None:
+        self._write(
+            "INSERT INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (run_id, point.step, point.path, point.combined_digest,
+             json.dumps(point.tensor_digests, sort_keys=True), point.adapter_bytes, point.time),
+        )
+
+    def checkpoints(self, run_id: str, limit: int = 10_000) -> list[CheckpointPoint]:
+        rows = self._read(
+            "SELECT step, path, digest, tensors, bytes, time FROM checkpoints WHERE run_id=? "
+            "ORDER BY time DESC, rowid DESC LIMIT ?", (run_id, limit))
+        return [CheckpointPoint(step, path, digest, json.loads(tensors), size, at)
+                for step, path, digest, tensors, size, at in reversed(rows)]
+
+    # -- incidents -------------------------------------------------------------------------
+
+    def open_incident(
+        self, run_id: str, detector: str, incident: int, severity: str, policy: str,
+        step: int, summary: str, evidence: dict[str, str], fired_at: float, enforce: bool,
+    ) -> None:
+        self._write(
+            "INSERT OR IGNORE INTO incidents VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, ?)",
+            (run_id, detector, incident, severity, policy, step, summary,
+             json.dumps(evidence, sort_keys=True), fired_at,
+             ENFORCEMENT_OPEN if enforce else "none"),
+        )
+
+    def resolve_incident(self, run_id: str, detector: str, incident: int, at: float) -> None:
+        self._write(
+            "UPDATE incidents SET resolved_at=? WHERE run_id=? AND detector=? AND incident=? "
+            "AND resolved_at IS NULL", (at, run_id, detector, incident))
+
+    def close_enforcement(self, run_id: str, detector: str, incident: int,
+                          outcome: str) -> None:
+        self._write(
+            "UPDATE incidents SET enforcement=? WHERE run_id=? AND detector=? AND incident=?",
+            (outcome, run_id, detector, incident))
+
+    def _incidents(self, where: str, args: tuple[Any, ...]) -> list[StoredIncident]:
+        rows = self._read(
+            "SELECT run_id, detector, incident, severity, policy, step, summary, evidence, "
+            f"fired_at, resolved_at, enforcement FROM incidents WHERE {where} "
+            "ORDER BY fired_at, incident", args)
+        return [StoredIncident(r[0], r[1], r[2], r[3], r[4], r[5], r[6], json.loads(r[7]),
+                               r[8], r[9], r[10]) for r in rows]
+
+    def last_incidents(self, run_id: str) -> dict[str, int]:
+        """Per detector, the highest incident number journaled for a run (absent: none)."""
+        rows = self._read("SELECT detector, MAX(incident) FROM incidents WHERE run_id=? "
+                          "GROUP BY detector", (run_id,))
+        return {detector: int(number) for detector, number in rows}
+
+    def incidents(self, run_id: str) -> list[StoredIncident]:
+        return self._incidents("run_id=?", (run_id,))
+
+    def open_enforcements(self) -> list[StoredIncident]:
+        return self._incidents("enforcement=?", (ENFORCEMENT_OPEN,))
+
+    # -- per-step history (for the run report) ---------------------------------------------
+
+    def add_history(self, run_id: str, kind: str, step: int, series: dict[str, float],
+                    at: float) -> None:
+        """Keep one step's figures of one kind ("step" or "log"); bounded per run and kind."""
+        with self._transaction():
+            self._history.insert(run_id, kind, [(step, at, json.dumps(series, sort_keys=True))])
+
+    def add_logs(self, run_id: str, logs: Sequence[LoggedFigures]) -> None:
+        """Keep a batch's logs, (step, time, figures) each, in one transaction."""
+        self.write_history(logs=[(run_id, logs)])
+
+    def add_step_history(self, run_id: str, rows: Sequence[history.StoredStep]) -> None:
+        """Keep a batch of steps (``history.encode_step``) as one row (``history.pack_steps``);
+        past ``history_tables.MAX_HISTORY_ROWS`` steps of the run, every other older batch
+        is dropped (a batch is a few steps in a real run; the run's whole span stays, at a
+        coarser grain)."""
+        self.write_history(steps=[(run_id, rows)])
+
+    def write_history(self, steps: Sequence[tuple[str, Sequence[history.StoredStep]]] = (),
+                      logs: Sequence[tuple[str, Sequence[LoggedFigures]]] = ()) -> None:
+        """Steps and logs of any number of runs in one transaction: a commit per batch cost
+        more than the rest of a small batch's ingest (``HistoryQueue`` gathers them)."""
+        if not any(rows for _, rows in steps) and not any(rows for _, rows in logs):
+            return
+        with self._transaction():
+            for run_id, rows in steps:
+                if rows:
+                    self._history.insert_steps(run_id, rows)
+            for run_id, entries in logs:
+                if entries:
+                    self._history.insert(run_id, "log", [
+                        (step, at, json.dumps(series, sort_keys=True))
+                        for step, at, series in entries])
+
+    def history(self, run_id: str, kind: str) -> list[tuple[int, float, dict[str, float]]]:
+        """(step, time, figures) of a run's history of one kind ("step" or "log"), by step."""
+        with self._lock:
+            return self._history.read(run_id, kind)
+
+    def run(self, run_id: str) -> StoredRun | None:
+        """One run by id, ended or not."""
+        return next((r for r in self.runs() if r.run_id == run_id), None)
+
+    # -- the action journal ----------------------------------------------------------------
+
+    def add_action(
+        self, run_id: str, trainer: str, detector: str, incident: int, action: str,
+        result: str, rank: int | None = None, pid: int | None = None, dry_run: bool = False,
+        detail: dict[str, Any] | None = None, at: float | None = None,
+    ) -> int:
+        return self._write(
+            "INSERT INTO actions (time, run_id, trainer, detector, incident, action, result, "
+            "rank, pid, dry_run, detail) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (time.time() if at is None else at, run_id, trainer, detector, incident, action,
+             result, rank, pid, int(dry_run), json.dumps(detail or {}, sort_keys=True)),
+        )
+
+    def set_result(self, action_id: int, result: str) -> None:
+        self._write("UPDATE actions SET result=? WHERE id=?", (result, action_id))
+
+    def actions(self, run_id: str | None = None, detector: str | None = None,
+                incident: int | None = None) -> list[ActionRow]:
+        clauses, args = [], []
+        for column, value in (("run_id", run_id), ("detector", detector),
+                              ("incident", incident)):
+            if value is not None:
+                clauses.append(f"{column}=?")
+                args.append(value)
+        where = " AND ".join(clauses) or "1=1"
+        rows = self._read(
+            "SELECT id, time, run_id, trainer, detector, incident, action, result, rank, pid, "
+            f"dry_run, detail FROM actions WHERE {where} ORDER BY id", tuple(args))
+        return [ActionRow(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9],
+                          bool(r[10]), json.loads(r[11])) for r in rows]
+
+    def prune(self, ended_before: float) -> int:
+        """Forget runs that ended before a time, with everything recorded about them."""
+        with self._lock:
+            ids = [r[0] for r in self._db.execute(
+                "SELECT run_id FROM runs WHERE ended=1 AND ended_at < ?", (ended_before,))]
+            try:
+                for run_id in ids:
+                    for table in ("bindings", "checkpoints", "incidents", "actions", "history",
+                                  "step_batches", "runs"):
+                        self._write(f"DELETE FROM {table} WHERE run_id=?", (run_id,))
+            except StoreWriteFailed:
+                return 0  # a full disk: pruning waits for the next start
+        return len(ids)
+
+    def has_action(self, run_id: str, detector: str, incident: int, action: str) -> bool:
+        rows = self._read(
+            "SELECT 1 FROM actions WHERE run_id=? AND detector=? AND incident=? AND action=? "
+            "LIMIT 1", (run_id, detector, incident, action))
+        return bool(rows)

@@ -1,0 +1,1 @@
+"""Process tuning for the sidecar: CPU pinning, garbage-collector settings."""

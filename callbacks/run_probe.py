@@ -34,7 +34,8 @@ from .facts.preflight import versions as preflight_versions
 from .facts.resume import ResumeFacts
 from .facts.stop_token import StopTokenFacts
 from .stream_client import ClientSettings, StreamClient
-from .update.probe import PendingStats, UpdateProbe
+from .update.probe import UpdateProbe
+from .update.stats import PendingStats
 from .wire import (
     CheckpointRecord,
     RunEndRecord,

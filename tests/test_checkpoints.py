@@ -16,12 +16,12 @@ from deadweight.callbacks import digest
 from deadweight.demo import runs
 from deadweight.sidecar.checkpoints.adapter_methods import Value
 from deadweight.sidecar.checkpoints.inspector import (
-    CheckpointInspection,
     NotACheckpoint,
     hash_file,
     inspect_path,
 )
 from deadweight.sidecar.checkpoints.watcher import CheckpointWatcher
+from deadweight.sidecar.model.inspection import CheckpointInspection
 from tests.realprocs import wait_for
 
 

@@ -8,7 +8,7 @@ trends, the stall clock, and artifact verdicts that outlive their run.
 from __future__ import annotations
 
 from deadweight.proto import pb
-from deadweight.sidecar.checkpoints.inspector import CheckpointInspection
+from deadweight.sidecar.model.inspection import CheckpointInspection
 from deadweight.sidecar.model.settings import DetectorSettings
 from deadweight.sidecar.registry import Registry
 

@@ -16,7 +16,7 @@ import pytest
 
 from bench import sidecar_memory
 from deadweight.proto import pb
-from deadweight.sidecar.checkpoints.inspector import CheckpointInspection
+from deadweight.sidecar.model.inspection import CheckpointInspection
 from deadweight.sidecar.model.run_state import CheckpointPoint, RunState
 from deadweight.sidecar.registry import Registry
 

@@ -22,8 +22,8 @@ from typing import Protocol
 
 import structlog
 
-from ..ingest.attestation import ProcessIdentity, is_alive, reused
 from ..model.finding import Finding, RunFacts
+from ..model.process import ProcessIdentity, is_alive, reused
 from ..store.journal import ActionRow, Store, StoredIncident
 from .policy import ActionEvent, Actions
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ...proto import run_summary
 from ..detectors.base import Verdict
-from .inspector import CheckpointInspection
+from ..model.inspection import CheckpointInspection
 
 #: Gate outcomes as (id, severity) in the audit's findings; not detectors of a live run.
 CHANGED = "adapter_not_what_the_run_produced"

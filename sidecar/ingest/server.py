@@ -26,7 +26,7 @@ from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 from ...proto import MAX_MESSAGE_BYTES, add_monitor_servicer, pb, pb_grpc
 from ...proto.transport import bearer_matches
 from ..registry import CheckedBatch, Peer, Registry
-from ..status import STATUS_MAX_BYTES, bounded
+from ..registry.status_report import STATUS_MAX_BYTES, bounded
 from .socket_access import grant, secure_folder
 
 log = structlog.get_logger("deadweight.server")

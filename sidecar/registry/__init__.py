@@ -40,8 +40,9 @@ from ...proto import pb
 from .. import detectors
 from ..detectors.base import Detector, Policy
 from ..detectors.frozen import FrozenWeights
-from ..ingest.attestation import Attestor, ProcessIdentity
 from ..model.finding import ActionSink, Finding, LogOnlyActions
+from ..model.nonces import Attestor
+from ..model.process import ProcessIdentity
 from ..model.run_state import RunState
 from ..model.settings import DetectorSettings
 from ..store.journal import Store
@@ -64,7 +65,7 @@ from .validation import (
 )
 
 if TYPE_CHECKING:
-    from ..checkpoints.inspector import CheckpointInspection
+    from ..model.inspection import CheckpointInspection
     from ..store.history_queue import HistoryQueue
 
 log = structlog.get_logger("deadweight.registry")

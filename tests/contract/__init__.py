@@ -1,0 +1,1 @@
+"""What ships stays true: generated files, rules, manifests, wire schema, import layers, wheel."""

@@ -1,0 +1,1 @@
+"""Whole systems: real Prometheus and Alertmanager, the image, torchrun ranks, the demo."""

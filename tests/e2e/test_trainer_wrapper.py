@@ -1,0 +1,52 @@
+"""The Trainer reports the wrapper that really runs, so a silent fallback is visible.
+
+On CPU, a Trainer config asking for FSDP2 (``fsdp="full_shard"``, ``fsdp_config.version=2``)
+trains under DDP without a word: accelerate wraps the model in ``DistributedDataParallel``.
+The callback reports the wrapper it finds on the objects next to the one the config asked
+for; the sidecar turns a mismatch into the ``sharding_fallback`` finding (info), visible in
+``deadweight status`` and ``/metrics``. The control is the same job without the FSDP config.
+Real ``torchrun --nproc-per-node 2`` jobs (gloo) and a real ``deadweight serve``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from deadweight.demo.sidecar_process import SidecarProcess
+from tests.conftest import firing_values
+from tests.e2e.test_multirank import _torchrun
+
+# torchrun ranks: one heavy file at a time (conftest.HEAVY_GROUP)
+pytestmark = pytest.mark.xdist_group("multiprocess")
+
+FSDP2_CONFIG = {"fsdp": "full_shard", "fsdp_config": {"version": 2}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["fsdp2", "none"])
+def test_fsdp_config_that_fell_back_to_ddp_is_visible(
+    config: str, sidecar: SidecarProcess, tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    out = tmp_path / "job"
+    overrides = FSDP2_CONFIG if config == "fsdp2" else {}
+    reports = _torchrun(sidecar, tiny, out, "healthy", 2, json.dumps(overrides))
+    assert {(r["wrapper"], r["sharded"]) for r in reports} == {("ddp", False)}
+    run_id = reports[0]["run_id"]
+    run = sidecar.run_status(run_id)
+    assert run is not None and sorted(run.ranks) == [0, 1] and run.step == 2
+    assert (run.wrapper, run.sharded) == ("ddp", False)
+    findings = {f.detector: f for f in run.findings}
+    firing = firing_values(sidecar.metrics(), run_id)
+    if config == "fsdp2":
+        fallback = findings["sharding_fallback"]
+        assert fallback.severity == "info" and fallback.firing
+        assert (fallback.evidence["requested_wrapper"], fallback.evidence["wrapper"]) == (
+            "fsdp2", "ddp")
+        assert firing["sharding_fallback"] == 1.0
+        assert set(findings) == {"sharding_fallback"}  # nothing else: the run is healthy
+    else:
+        assert findings == {}, {k: f.summary for k, f in findings.items()}
+        assert firing["sharding_fallback"] == 0.0

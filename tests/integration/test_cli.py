@@ -1,0 +1,121 @@
+"""The ``deadweight`` command as a user runs it."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tomllib
+
+from deadweight.demo.sidecar_process import SidecarProcess
+
+#: The installed ``deadweight`` script runs this entry point.
+CLI = [sys.executable, "-m", "deadweight.cli"]
+
+
+def _run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_status_shows_runs_and_verdicts(sidecar: SidecarProcess) -> None:
+    from deadweight.proto import pb
+    from deadweight.sidecar.status import render
+    from tests.support.faults import Pipe
+
+    pipe = Pipe(sidecar.address)  # a live run at step 3 that the command must list
+    try:
+        for event in (pb.Event(run_start=pb.RunStart(trainer="SFTTrainer")),
+                      pb.Event(seq=1, step=pb.StepReport(step=3, learning_rate=1e-4))):
+            assert not pipe.send(pb.StreamRequest(run_id="cli-status", events=[event])).error
+        result = _run("status", "--address", sidecar.address)
+    finally:
+        pipe.close()
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[0].split() == ["RUN", "TRAINER", "RANKS", "STEP", "SEEN",
+                                                     "STATE"]
+    # A start without optimizer membership reads as an empty optimizer: a live verdict.
+    assert re.search(r"^cli-status +SFTTrainer +1 +3 +\d+s  running; FIRING empty_optimizer$",
+                     result.stdout, re.MULTILINE), result.stdout
+    assert "  FIRING   empty_optimizer [critical, policy page] fired at step 0: " in result.stdout
+    assert "      optimizer_params = 0\n" in result.stdout
+    text = render(pb.StatusResponse(runs=[pb.RunStatus(
+        run_id="r1", trainer="SFTTrainer", ranks=[0], step=7, wrapper="fsdp2", sharded=True,
+        findings=[pb.Finding(
+            detector="frozen_weights", severity="critical", firing=True, step=3,
+            summary="weights unchanged", evidence={"update_norm": "0"}, policy="page")])]))
+    assert "r1" in text and "FIRING frozen_weights" in text and "update_norm = 0" in text
+    assert "wrapper fsdp2, sharded" in text
+
+
+def test_status_against_a_dead_socket_is_a_clear_error(tmp_path: Path) -> None:
+    result = _run("status", "--address", f"unix://{tmp_path}/absent.sock")
+    assert result.returncode == 2
+    assert "cannot reach the sidecar" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("policy", "message"),
+    [("frozen_weights", "expected DETECTOR=ACTION"), ("nope=page", "unknown detector"),
+     ("frozen_weights=explode", "unknown action")],
+)
+def test_bad_policy_flags_are_rejected(policy: str, message: str, tmp_path: Path) -> None:
+    result = _run("serve", "--socket", str(tmp_path / "s.sock"), "--policy", policy)
+    assert result.returncode == 2
+    assert message in result.stderr
+
+
+def test_version() -> None:
+    result = _run("--version")
+    assert result.returncode == 0 and result.stdout.startswith("deadweight ")
+
+
+@pytest.mark.parametrize(
+    ("absent", "message"),
+    [("deadweight.demo", "this install holds no demo"), ("torch", "needs 'torch'")],
+)
+def test_demo_without_its_code_or_the_training_stack_says_what_it_needs(
+    absent: str, message: str
+) -> None:
+    """As in the sidecar image: the demo (or torch) is missing, the command says so."""
+    script = (f"import sys; sys.modules[{absent!r}] = None; "  # importing it now fails
+              "from deadweight.cli import main; sys.exit(main(['demo']))")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert message in result.stderr and "pip install 'deadweight[train]'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_the_sidecar_commands_alone_have_no_demo() -> None:
+    result = subprocess.run([sys.executable, "-m", "deadweight.sidecar.cli", "demo"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "invalid choice: 'demo'" in result.stderr
+    assert "demo" in _run("--help").stdout
+
+
+def test_the_script_runs_the_entry_point_with_the_demo() -> None:
+    scripts = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    assert scripts["project"]["scripts"] == {"deadweight": "deadweight.cli:main"}
+
+
+@pytest.mark.slow
+def test_demo_catches_the_frozen_run_and_spares_the_control(tmp_path: Path) -> None:
+    result = _run("demo", "--workdir", str(tmp_path), timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "RESULT: frozen run caught and stopped" in result.stdout
+    assert "frozen_weights [critical, policy stop]" in result.stdout
+    assert "differs from the initial adapter: False" in result.stdout
+    noise = [line for line in (result.stdout + result.stderr).splitlines()
+             if "[WARNING]" in line or "Warning:" in line]
+    assert not noise, noise  # a newcomer's first run prints only what the demo says
+
+
+def test_serve_refuses_a_link_pattern_with_an_unknown_placeholder(tmp_path: Path) -> None:
+    result = _run("serve", "--socket", str(tmp_path / "s.sock"),
+                  "--runbook-url-pattern", "https://wiki.example.com/{runbook}")
+    assert result.returncode == 2
+    assert "unknown placeholder(s) ['runbook']" in result.stderr
+    assert "{alertname}, {detector}" in result.stderr

@@ -1,0 +1,1 @@
+"""Helpers the tiers share: tiny models, sidecars, raw clients, faults, subprocess entries."""

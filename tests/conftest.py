@@ -145,18 +145,3 @@ def pytest_sessionstart(session: pytest.Session) -> None:
             f"programs the tests need are not installed: {', '.join(missing)} "
             "(run `bash .ci/run`, which installs them)"
         )
-
-
-#: Files that start process groups (torchrun ranks, DeepSpeed, many sidecars) or measure
-#: time under load: under ``pytest -n 2`` they share one worker, one after another, so two of
-#: them never compete for the two cores.
-HEAVY_GROUP = "multiprocess"
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under ``--dist loadgroup`` a file's tests stay together, in order, on one worker (some
-    read what the file's earlier tests left); a file marked ``xdist_group(HEAVY_GROUP)``
-    joins the other heavy files."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))

@@ -26,8 +26,8 @@ from tests.support.faults import Pipe, metric_value
 from tests.support.inprocess_sidecar import InProcessSidecar
 from tests.support.realprocs import start_prometheus, wait_for
 
-# torchrun ranks: one heavy file at a time (conftest.HEAVY_GROUP)
-pytestmark = pytest.mark.xdist_group("multiprocess")
+# torchrun ranks take both cores: .ci/run runs these files alone, after the rest
+pytestmark = pytest.mark.multiprocess
 
 WORKER = Path(__file__).resolve().parents[1] / "support" / "ddp_worker.py"
 STEPS = 4  # ddp_worker.STEPS

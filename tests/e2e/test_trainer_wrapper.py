@@ -19,8 +19,8 @@ from deadweight.demo.sidecar_process import SidecarProcess
 from tests.conftest import firing_values
 from tests.e2e.test_multirank import _torchrun
 
-# torchrun ranks: one heavy file at a time (conftest.HEAVY_GROUP)
-pytestmark = pytest.mark.xdist_group("multiprocess")
+# torchrun ranks take both cores: .ci/run runs these files alone, after the rest
+pytestmark = pytest.mark.multiprocess
 
 FSDP2_CONFIG = {"fsdp": "full_shard", "fsdp_config": {"version": 2}}
 

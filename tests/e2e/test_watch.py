@@ -25,8 +25,8 @@ from deadweight.proto import pb
 from tests.support import raw_loop_worker
 from tests.support.faults import metric_value
 
-# torchrun ranks: one heavy file at a time (conftest.HEAVY_GROUP)
-pytestmark = pytest.mark.xdist_group("multiprocess")
+# torchrun ranks take both cores: .ci/run runs these files alone, after the rest
+pytestmark = pytest.mark.multiprocess
 
 WORKER = Path(__file__).resolve().parents[1] / "support" / "raw_loop_worker.py"
 STEPS = 6  # raw_loop_worker.STEPS

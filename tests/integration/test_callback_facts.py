@@ -90,7 +90,7 @@ def _config_as_another_uid(folder: Path) -> None:
     (private / "base" / "config.json").write_text('{"vocab_size": 320}')
     private.chmod(0o700)
     script = ("import sys\n"
-              "from deadweight.callbacks import preflight\n"
+              "from deadweight.callbacks.facts import preflight\n"
               "path = sys.argv[1]\n"
               "print(preflight.config_file(path), preflight._base_vocab_size(path))\n")
     argv = ["setpriv", "--reuid", str(OTHER_UID), "--regid", str(OTHER_UID), "--clear-groups",

@@ -29,8 +29,8 @@ from deadweight.sidecar.exposition.collector import DeadweightCollector
 from deadweight.sidecar.exposition.http import render
 from deadweight.sidecar.registry import Registry
 
-# thousands of renders under churn, about 30 s: one heavy file at a time (conftest.HEAVY_GROUP)
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multiprocess")]
+# thousands of renders under churn, about 30 s: timed, so run alone (.ci/run)
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 #: Renders the test requires (each one a full /metrics page).
 RENDERS = 3000

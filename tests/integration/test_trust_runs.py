@@ -35,7 +35,7 @@ class Client:
 
     def __init__(self, sidecar: SidecarProcess, run_id: str, rank: int = 0,
                  uid: int | None = None, attest: bool = True) -> None:
-        argv = [sys.executable, str(ROOT / "tests" / "trust_client.py"),
+        argv = [sys.executable, str(ROOT / "tests" / "support" / "trust_client.py"),
                 str(sidecar.socket_path), run_id, str(rank)]
         if not attest:
             argv.append("--no-attest")

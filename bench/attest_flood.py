@@ -3,7 +3,7 @@
 A real ``deadweight serve`` (as root, this machine's test setup) and FLOODERS processes of
 another uid (``setpriv --reuid``, in the socket's group) that connect to the ``.attest``
 socket in a loop from several threads each, reading each reply, some holding their
-connections (``tests/trust_client.py --flood --read-replies``). The trainer (this
+connections (``tests/support/trust_client.py --flood --read-replies``). The trainer (this
 process) then asks for a nonce, SAMPLES times, exactly as the callback does
 (``fetch_attestation``). Two sidecars are compared: one that admits the flooding uid as a
 trainer uid (every connection costs a ``/proc`` read, a pidfd and a nonce: the old cost for
@@ -23,7 +23,7 @@ from pathlib import Path
 from deadweight.callbacks.stream_client import fetch_attestation
 from deadweight.demo.sidecar_process import SidecarProcess
 from deadweight.proto.transport import attest_path
-from tests.trust_client import flood_command
+from tests.support.trust_client import flood_command
 
 from .common import fmt_time, table
 

@@ -9,8 +9,8 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "deadweight.callbacks._update_kernel",
-            sources=["callbacks/_update_kernel.c"],
+            "deadweight.callbacks.update._update_kernel",
+            sources=["callbacks/update/_update_kernel.c"],
             extra_compile_args=["-O3", "-fopenmp-simd", "-fno-math-errno"],
             optional=True,
         )

@@ -6,9 +6,11 @@
   ``alerts/alertmanager.example.yml`` (routes and inhibitions);
 - ``deploy/kubernetes/prometheusrule.yaml`` (the same rules for the Prometheus Operator, with
   the links of ``deploy/kubernetes/links.env``, the one place the Kubernetes files take them);
-- ``alerts/runbooks/README.md`` (the runbook index) and the README's detector table;
-- ``sidecar/runbooks/`` (a copy of ``alerts/runbooks/``, the human-edited source, so the
-  runbooks ship in the package and the image and the sidecar serves them at ``/runbooks/``).
+- ``alerts/runbooks/README.md`` (the runbook index) and the README's detector table.
+
+The runbooks themselves are written by hand, once: in ``sidecar/runbooks/`` (package data, so
+they ship in the wheel and the image and the sidecar serves them at ``/runbooks/``), which
+``alerts/runbooks`` links to so that alerts, rules and runbooks read as one package.
 
 ``--check`` only compares and names every stale file. ``--runbook-url-pattern``,
 ``--dashboard-url-pattern``, ``--job-selector`` and ``--stale-seconds`` bake other values into
@@ -41,7 +43,6 @@ from deploy.kubernetes import links, prometheusrule
 ROOT = Path(__file__).resolve().parent.parent
 COMMAND = "python -m alerts.generate"
 RUNBOOKS = "alerts/runbooks"
-PACKAGED_RUNBOOKS = "sidecar/runbooks"
 RUNBOOK_INDEX = f"{RUNBOOKS}/README.md"
 PROMETHEUS_RULE = "deploy/kubernetes/prometheusrule.yaml"
 LINKS = "deploy/kubernetes/links.env"
@@ -154,10 +155,6 @@ def render(root: Path = ROOT, patterns: Patterns = DEFAULT_PATTERNS,
     out = deployable(patterns, job_selector, stale_seconds,
                      links.patterns(copy if copy.exists() else links.LINKS_FILE))
     out[RUNBOOK_INDEX] = runbook_index()
-    for source in sorted((root / RUNBOOKS).glob("*.md")):
-        if source.name != "README.md":
-            out[f"{PACKAGED_RUNBOOKS}/{source.name}"] = source.read_text()
-    out[f"{PACKAGED_RUNBOOKS}/README.md"] = out[RUNBOOK_INDEX]
     out[README] = with_table((root / README).read_text())
     return out
 
@@ -165,11 +162,8 @@ def render(root: Path = ROOT, patterns: Patterns = DEFAULT_PATTERNS,
 def stale(root: Path = ROOT) -> list[str]:
     """Generated files under root that differ from a fresh generation (or are missing/extra)."""
     expected = render(root)
-    found = [rel for rel, text in expected.items()
-             if not (root / rel).exists() or (root / rel).read_text() != text]
-    extra = [f"{PACKAGED_RUNBOOKS}/{p.name}" for p in (root / PACKAGED_RUNBOOKS).glob("*.md")
-             if f"{PACKAGED_RUNBOOKS}/{p.name}" not in expected]
-    return found + extra
+    return [rel for rel, text in expected.items()
+            if not (root / rel).exists() or (root / rel).read_text() != text]
 
 
 def main(argv: list[str] | None = None) -> int:

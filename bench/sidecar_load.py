@@ -27,7 +27,7 @@ from deadweight.callbacks.digest import AdapterDigest
 from deadweight.callbacks.facts.membership import Membership
 from deadweight.callbacks.facts.preflight import PreflightFacts
 from deadweight.callbacks.stream_client import ClientSettings, StreamClient
-from deadweight.callbacks.update.probe import GroupStats, UpdateStats
+from deadweight.callbacks.update.stats import GroupStats, UpdateStats
 from deadweight.callbacks.wire import LogRecord, RunStartRecord, StepRecord, to_event
 from deadweight.demo.sidecar_process import SidecarProcess
 from deadweight.proto import pb

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from deadweight.callbacks.update.probe import PendingStats, UpdateProbe
+from deadweight.callbacks.update.probe import UpdateProbe
+from deadweight.callbacks.update.stats import PendingStats
 
 from .common import fmt_time, table, verdict
 from .update_pass import EagerForeach, NaiveLoop, _count_syncs

@@ -19,7 +19,9 @@ from collections.abc import Callable
 
 import torch
 
-from deadweight.callbacks.update.probe import PendingStats, UpdateProbe, _ChunkedKernel
+from deadweight.callbacks.update.chunked import ChunkedKernel
+from deadweight.callbacks.update.probe import UpdateProbe
+from deadweight.callbacks.update.stats import PendingStats
 
 from .common import Timing, flush_cache, fmt_time, table, verdict
 from .shapes import ALL, QWEN3_06B_R16, ModelShape, make_adapter
@@ -123,7 +125,7 @@ def compute_only(probe: UpdateProbe, repeats: int) -> float:
     removes. Eager ops run one after another on one thread, so this adds to the memory time
     instead of hiding behind it."""
     kernel = probe._kernel
-    assert isinstance(kernel, _ChunkedKernel)
+    assert isinstance(kernel, ChunkedKernel)
     best = math.inf
     for _ in range(repeats):
         total = 0.0

@@ -38,9 +38,10 @@ from .facts.resume import ResumeFacts
 from .facts.stop_token import StopTokenFacts
 from .progress import StepProgress
 from .stream_client import ClientSettings, StreamClient
-from .update.probe import PendingStats, UpdateProbe
+from .update.probe import UpdateProbe
 from .update.replica import ReplicaSampler
 from .update.replica import due as replica_due
+from .update.stats import PendingStats
 from .wire import (
     CheckpointRecord,
     RunEndRecord,

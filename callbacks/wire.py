@@ -18,8 +18,8 @@ from .facts.membership import Membership
 from .facts.preflight import PreflightFacts
 from .facts.resume import ResumeFacts
 from .facts.stop_token import StopTokenFacts
-from .update.probe import PendingStats, UpdateStats
 from .update.replica import ReplicaRecord
+from .update.stats import PendingStats, UpdateStats
 
 #: Most numeric keys one log report carries; the rest are counted as dropped.
 MAX_LOG_KEYS = 256

@@ -16,11 +16,12 @@ from pathlib import Path
 
 from ..proto import pb
 from .checkpoints import summary_gate as promotion
-from .checkpoints.inspector import CheckpointInspection, inspect_path
+from .checkpoints.inspector import inspect_path
 from .checkpoints.watcher import CHECKPOINT_DIR
 from .detectors import ALL, ARTIFACT_IDS
 from .detectors.base import Verdict
 from .detectors.checkpoints import judge
+from .model.inspection import CheckpointInspection
 from .model.run_state import CheckpointPoint, RunState
 from .model.settings import DetectorSettings
 

@@ -23,7 +23,7 @@ from typing import Any
 from ..proto import pb
 from . import status_json
 from . import verdicts as verdict_order
-from .status import OMITTED_PREFIX
+from .registry.status_report import OMITTED_PREFIX
 from .store.journal import Store
 
 SCHEMA = "deadweight.runs/v1"

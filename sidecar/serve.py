@@ -34,7 +34,7 @@ from .checkpoints.watcher import CheckpointWatcher
 from .detectors.base import Policy
 from .exposition.collector import DeadweightCollector
 from .exposition.http import MetricsServer
-from .ingest.attestation import AttestationServer, Attestor
+from .ingest.attestation import AttestationServer
 from .ingest.oncall import Oncall, SilenceClock, operator_uids
 from .ingest.server import (
     ServerConfig,
@@ -43,6 +43,7 @@ from .ingest.server import (
     refuse_if_listening,
 )
 from .model.finding import Finding, RunSnapshot
+from .model.nonces import Attestor
 from .model.settings import DetectorSettings
 from .registry import Registry
 from .store.history_queue import HistoryQueue

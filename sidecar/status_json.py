@@ -19,7 +19,8 @@ from typing import Any
 
 from ..proto import pb
 from .detectors.spec import root_causes_first
-from .status import OMITTED_PREFIX, run_state
+from .registry.status_report import OMITTED_PREFIX
+from .status import run_state
 
 SCHEMA = "deadweight.status/v1"
 RUN_KEYS = ("run_id", "trainer", "ranks", "step", "last_seen_seconds", "ended", "end_reason",

@@ -17,12 +17,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest
 
-from tests import import_names
-
-import_names.install()  # before any test module imports the package
-
-from deadweight.demo.sidecar_process import SidecarProcess  # noqa: E402
-from tests.import_names import pytest_sessionfinish  # noqa: E402, F401  (a hook)
+from deadweight.demo.sidecar_process import SidecarProcess
 
 FIRING = re.compile(
     r'^deadweight_detector_firing\{(?P<labels>[^}]*)\} (?P<value>\S+)$', re.MULTILINE

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from .. import layout as layouts
-from ..update.probe import TensorGroup
+from ..update.stats import TensorGroup
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Eager torch needs several passes over the weights (copy, subtract, norms, compare); on CPU that
 costs a multiple of the memory-bandwidth bound. The kernel (``_update_kernel.c``, compiled by the
-build backend into ``deadweight/callbacks/_update_kernel*.so``) reads the new weights and the
+build backend into ``deadweight/callbacks/update/_update_kernel*.so``) reads the new weights and the
 snapshot once, accumulates the squared update and squared weights in float64, counts the
 elements whose bytes did not change, flags non-finite values, and writes the new weights into
 the snapshot in the same loop, so the snapshot is already refreshed for the next step.
@@ -19,18 +19,19 @@ import importlib.util
 import os
 import sys
 import threading
+from collections.abc import Callable
 
 import torch
 
+from .kernel import FIGURES, flat_snapshot
+from .stats import Fence
+
 #: dtype codes understood by the kernel.
 DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 0, torch.bfloat16: 1, torch.float64: 2}
-#: Figures per tensor in the output: update sq sum, weight sq sum, bytes differ, non-finite,
-#: elements whose bytes are unchanged.
-FIGURES = 5
 #: The layout version ``dw_abi()`` must return (bumped with FIGURES or the argument list).
 ABI = 2
 #: The extension module that holds the kernel.
-MODULE = "deadweight.callbacks._update_kernel"
+MODULE = "deadweight.callbacks.update._update_kernel"
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -153,3 +154,28 @@ class NativePass:
             t[4].data_ptr(), t[5].data_ptr(), self.out.data_ptr(),
         )
         return self.out
+
+
+class NativeKernel:
+    """The installed C kernel (CPU): one pass, snapshot refreshed in the same loop."""
+
+    def __init__(self, lib: ctypes.CDLL, sources: list[torch.Tensor]) -> None:
+        self._sources = sources
+        self._buffers, self.snapshot = flat_snapshot(sources)
+        self.snapshot_bytes = sum(b.numel() for b in self._buffers)
+        self._pass = NativePass(lib, sources, self.snapshot)
+
+    def refresh(self) -> None:
+        torch._foreach_copy_(self.snapshot, self._sources)
+
+    def run(self) -> tuple[Callable[[], torch.Tensor], list[Fence]]:
+        figures = self._pass.run().clone()  # the kernel's buffer is reused by the next step
+        return (lambda: figures), []
+
+
+def native_kernel(sources: list[torch.Tensor]) -> NativeKernel | None:
+    """The installed C kernel when every tensor suits it and the install carries it."""
+    if not sources or not NativePass.supports(sources):
+        return None
+    lib = load()
+    return None if lib is None else NativeKernel(lib, sources)

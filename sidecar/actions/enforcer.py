@@ -26,8 +26,8 @@ from typing import Protocol
 
 import structlog
 
-from ..ingest.attestation import ProcessIdentity, is_alive, reused
 from ..model.finding import Finding, RunSnapshot
+from ..model.process import ProcessIdentity, is_alive, reused
 from ..store.journal import ActionRow, Store, StoredIncident
 from .policy import ActionEvent, Actions
 

@@ -15,7 +15,6 @@ earlier checkpoint tells whether they trained.
 
 from __future__ import annotations
 
-import enum
 import json
 import os
 import stat
@@ -23,13 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-
-class Value(str, enum.Enum):
-    """An exact value every element of a tensor holds at initialisation."""
-
-    ZERO = "0"
-    ONE = "1"
-
+from ..model.inspection import Value
 
 #: One alternative of an identity: (tensor name segment, value) pairs that must all hold.
 Alternative = tuple[tuple[str, Value], ...]

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 from ...proto import run_summary
 from ..detectors import BY_ID
 from ..detectors.base import Verdict
+from ..model.inspection import CheckpointInspection
 from ..verdicts import causes_first
-from .inspector import CheckpointInspection
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey

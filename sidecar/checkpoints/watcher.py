@@ -34,8 +34,8 @@ from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 from watchdog.observers.api import ObservedWatch
 
+from ..model.inspection import CheckpointInspection
 from .inspector import (
-    CheckpointInspection,
     CheckpointRefused,
     NotACheckpoint,
     inspect_path,

@@ -6,7 +6,7 @@ and they only look at checkpoints written after an optimizer step at lr > 0.
 
 from __future__ import annotations
 
-from ..checkpoints.inspector import CheckpointInspection
+from ..model.inspection import CheckpointInspection
 from ..model.run_state import CheckpointPoint, RunState
 from ..model.settings import DetectorSettings
 from .base import SpecDetector, Verdict, fmt, trained_before

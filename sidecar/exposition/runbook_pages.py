@@ -1,7 +1,7 @@
 """The shipped runbooks as HTML pages, so a runbook link opens even where no wiki exists.
 
-The Markdown is package data (``deadweight/sidecar/runbooks/``, copied from the human-edited
-``alerts/runbooks/`` by ``python -m alerts.generate``) and is rendered by markdown-it-py with
+The Markdown is package data (``deadweight/sidecar/runbooks/``, written by hand there and
+linked from ``alerts/runbooks``) and is rendered by markdown-it-py with
 raw HTML off. Only names of shipped runbooks resolve, so no path can leave that folder.
 """
 

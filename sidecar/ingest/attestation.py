@@ -18,95 +18,27 @@ a real client's nonce by moments instead of denying it (the client also retries)
 
 from __future__ import annotations
 
-import functools
 import os
-import secrets
 import socket
 import stat
 import struct
 import threading
 import time
-from collections import OrderedDict
-from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 
+from ..model.nonces import Attestor
+from ..model.process import ProcessIdentity, boot_id, start_time
 from .socket_access import grant
 
 log = structlog.get_logger("deadweight.attestation")
 
-#: Seconds a nonce stays redeemable; a client redeems it within one connect.
-NONCE_TTL_SECONDS = 120.0
-#: Unredeemed nonces kept; a flood of connections evicts the oldest, it cannot grow memory.
-MAX_PENDING_NONCES = 4096
 _UCRED = struct.Struct("3i")  # struct ucred {pid_t pid; uid_t uid; gid_t gid;}
 #: SO_PEERPIDFD (Linux 6.5+); the socket module of older Pythons lacks the name.
 SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)
 #: Threads answering attestation connections.
 ACCEPT_THREADS = 4
-
-
-@dataclass(frozen=True)
-class ProcessIdentity:
-    """One process, identified so that a reused pid never matches it."""
-
-    pid: int
-    uid: int
-    gid: int
-    start_time: int  # clock ticks since boot (field 22 of /proc/<pid>/stat)
-    boot_id: str
-
-    def describe(self) -> str:
-        return f"pid {self.pid} (uid {self.uid}, start {self.start_time})"
-
-
-@functools.cache
-def boot_id() -> str:
-    """This boot's id: start times restart at every boot, so an identity carries it."""
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
-
-
-def _stat(pid: int) -> tuple[str, int] | None:
-    """(state, start time in clock ticks since boot) of pid, None when no such process."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except (OSError, ValueError):
-        return None
-    # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
-    fields = text[text.rfind(")") + 2:].split()
-    try:
-        return fields[0], int(fields[19])  # fields 3 and 22 of the whole line
-    except (IndexError, ValueError):
-        return None
-
-
-def start_time(pid: int) -> int | None:
-    """The start time of pid in clock ticks since boot, or None when no such process."""
-    found = _stat(pid)
-    return None if found is None else found[1]
-
-
-def is_alive(identity: ProcessIdentity) -> bool:
-    """True while identity's pid still runs the very process that was identified.
-
-    A zombie (exited, not yet reaped by its parent) counts as gone: it runs nothing.
-    """
-    if identity.boot_id and identity.boot_id != boot_id():
-        return False
-    found = _stat(identity.pid)
-    return found is not None and found[1] == identity.start_time and found[0] not in ("Z", "X")
-
-
-def reused(identity: ProcessIdentity) -> bool:
-    """True when identity's pid now belongs to another process (never signal it)."""
-    current = start_time(identity.pid)
-    return current is not None and (
-        current != identity.start_time or identity.boot_id not in ("", boot_id())
-    )
 
 
 def _peer_pidfd(conn: socket.socket) -> int | None:
@@ -160,43 +92,6 @@ def peer_identity(conn: socket.socket) -> ProcessIdentity | None:
         if pidfd is not None:
             os.close(pidfd)
     return ProcessIdentity(pid=pid, uid=uid, gid=gid, start_time=started, boot_id=boot_id())
-
-
-class Attestor:
-    """Issues one-time nonces bound to kernel identities and redeems them."""
-
-    def __init__(self, ttl_seconds: float = NONCE_TTL_SECONDS,
-                 max_pending: int = MAX_PENDING_NONCES) -> None:
-        self.ttl_seconds = ttl_seconds
-        self.max_pending = max_pending
-        self._pending: OrderedDict[str, tuple[ProcessIdentity, float]] = OrderedDict()
-        self._lock = threading.Lock()
-        self.issued = 0
-        self.redeemed = 0
-        self.refused = 0
-
-    def issue(self, identity: ProcessIdentity) -> str:
-        nonce = secrets.token_hex(24)
-        with self._lock:
-            self._pending[nonce] = (identity, time.monotonic())
-            while len(self._pending) > self.max_pending:
-                self._pending.popitem(last=False)
-            self.issued += 1
-        return nonce
-
-    def redeem(self, nonce: str) -> ProcessIdentity | None:
-        """The identity a nonce was issued to, once; None for unknown, used or stale ones."""
-        with self._lock:
-            found = self._pending.pop(nonce, None) if nonce else None
-        if found is None:
-            self.refused += 1
-            return None
-        identity, issued_at = found
-        if time.monotonic() - issued_at > self.ttl_seconds or not is_alive(identity):
-            self.refused += 1
-            return None
-        self.redeemed += 1
-        return identity
 
 
 class AttestationServer:

@@ -27,8 +27,9 @@ from ..actions.silences import (
     Silences,
 )
 from ..detectors import BY_ID
+from ..model.nonces import Attestor
+from ..model.process import ProcessIdentity
 from ..registry import Registry
-from .attestation import Attestor, ProcessIdentity
 
 log = structlog.get_logger("deadweight.oncall")
 

@@ -27,7 +27,6 @@ from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 from ...proto import MAX_MESSAGE_BYTES, add_monitor_servicer, pb, pb_grpc
 from ...proto.transport import bearer_matches
 from ..registry import CheckedBatch, Peer, Registry
-from ..status import STATUS_MAX_BYTES, bounded
 from .socket_access import grant, secure_folder
 from .summary_service import SummaryRefused, signed_summary
 
@@ -36,6 +35,7 @@ if TYPE_CHECKING:
 
 if TYPE_CHECKING:
     from .oncall import Oncall
+from ..registry.status_report import STATUS_MAX_BYTES, bounded
 
 log = structlog.get_logger("deadweight.server")
 
@@ -122,10 +122,8 @@ class MonitorServicer(pb_grpc.MonitorServiceServicer):  # type: ignore[misc]
         applied), the batch waits on the event loop, which goes on serving meanwhile, and
         is tried again every LOCK_POLL_SECONDS. Handing such batches to worker threads
         instead made them hold the lock in turn, so that nearly every batch of a busy
-        sidecar ended in a worker: with 256-step batches, 699 of 800.
-
-        Handing a small batch to a worker thread and back cost more than applying it: with
-        8-event batches, ingest went from 7,200 to 13,200 records per CPU-second inline."""
+        sidecar ended in a worker. Handing a small batch to a worker thread and back cost
+        more than applying it (``bench/README.md``, "Figures behind the design")."""
         checked = self.registry.check(request)
         if checked.run_start:
             return await asyncio.to_thread(self._apply_and_answer, checked, peer)
@@ -218,13 +216,11 @@ async def tick_in_turn(registry: Registry, now: float | None = None) -> None:
     does), and the writes the tick decided are done in a worker thread.
 
     Why: the tick in one go held the lock for every run's evaluation, and every stream
-    waited for all of it: with 1,000 runs of 256 steps, about 100 ms every second.
-
-    Yielding to the loop alone is not enough: gRPC's threads hand each message to the loop
-    and need the interpreter lock for it, which the loop's thread holds while it evaluates.
-    So after TICK_TURN_SECONDS of evaluation the tick waits for real (the lock is released
-    in the wait). Measured with 1,000 runs and a stream sending a batch every 5 ms: its
-    slowest answer 115-176 ms with yields alone, 11 ms with the waits."""
+    waited for all of it. Yielding to the loop alone is not enough: gRPC's threads hand each
+    message to the loop and need the interpreter lock for it, which the loop's thread holds
+    while it evaluates. So after TICK_TURN_SECONDS of evaluation the tick waits for real (the
+    lock is released in the wait). The bench row "answer during ticks of 1,000 runs"
+    measures it; ``bench/README.md`` has the figures of each variant."""
     now = time.time() if now is None else now
     while (entries := registry.tick_started(now, wait=False)) is None:
         await asyncio.sleep(LOCK_POLL_SECONDS)

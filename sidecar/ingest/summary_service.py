@@ -18,9 +18,9 @@ from ..model.finding import Finding
 from ..verdicts import causes_first
 
 if TYPE_CHECKING:
+    from ..model.process import ProcessIdentity
     from ..registry import Registry
     from ..store.signing_key import SummarySigner
-    from .attestation import ProcessIdentity
 
 #: Tensors a summary may carry (an adapter has hundreds; a request with millions is refused).
 MAX_TENSORS = 100_000

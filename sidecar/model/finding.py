@@ -14,7 +14,7 @@ from typing import Protocol
 import structlog
 
 from ...proto import pb
-from ..ingest.attestation import ProcessIdentity
+from .process import ProcessIdentity
 
 log = structlog.get_logger("deadweight.registry")
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from ...proto import pb
-from ..checkpoints.inspector import CheckpointInspection
+from .inspection import CheckpointInspection
 from .sharded_steps import ShardedSteps
 from .step_point import StepPoint
 

@@ -2,9 +2,9 @@
 
 Sharded parameters (FSDP, ZeRO-3) are split over the ranks, so the run's figure for a step is
 the sum of every rank's, for steps every rank reported (``RunState.combined_steps``). Built
-afresh at every ask, that grouped every rank's whole window and decoded every step's groups:
-8.8 ms for 8 ranks of 256 steps, asked several times for every step received (48 ms of
-sidecar CPU for each one-step batch). ``ShardedSteps`` keeps what it combined and, at each
+afresh at every ask, that grouped every rank's whole window and decoded every step's groups,
+several times for every step received (``bench/README.md``, "Figures behind the design",
+has what it cost). ``ShardedSteps`` keeps what it combined and, at each
 ask, combines only the steps reported since.
 
 Why that gives the same steps: each rank reports steps in increasing order (the registry

@@ -42,8 +42,9 @@ from .. import detectors
 from ..actions.links import DEFAULT_RUNBOOK_URL_PATTERN
 from ..detectors.base import Detector, Policy
 from ..detectors.frozen import FrozenWeights
-from ..ingest.attestation import Attestor, ProcessIdentity
 from ..model.finding import ActionSink, Finding, LogOnlyActions, RunSnapshot
+from ..model.nonces import Attestor
+from ..model.process import ProcessIdentity
 from ..model.run_state import RunState
 from ..model.settings import DetectorSettings
 from ..store.journal import Store
@@ -67,7 +68,7 @@ from .validation import (
 )
 
 if TYPE_CHECKING:
-    from ..checkpoints.inspector import CheckpointInspection
+    from ..model.inspection import CheckpointInspection
     from ..store.history_queue import HistoryQueue
 
 log = structlog.get_logger("deadweight.registry")

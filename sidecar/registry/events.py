@@ -28,7 +28,7 @@ from .run_table import RunEntry
 from .validation import IngestError, Scanned
 
 if TYPE_CHECKING:
-    from ..checkpoints.inspector import CheckpointInspection
+    from ..model.inspection import CheckpointInspection
     from ..store.history_queue import HistoryQueue
 
 log = structlog.get_logger("deadweight.registry")

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 import structlog
 
 from ...proto import pb
-from ..ingest.attestation import Attestor, ProcessIdentity, is_alive
+from ..model.nonces import Attestor
+from ..model.process import ProcessIdentity, is_alive
 from ..store.journal import Store
 from .run_table import RunEntry
 from .validation import (

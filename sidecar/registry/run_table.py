@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import structlog
 
 from ...proto import pb
-from ..ingest.attestation import ProcessIdentity
 from ..model.finding import Finding
+from ..model.process import ProcessIdentity
 from ..model.run_state import RunState
 from ..store.journal import Store
 from .pending import Outbox

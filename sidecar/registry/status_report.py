@@ -1,4 +1,9 @@
-"""The registry's runs as the ``Status`` RPC's answer (what ``deadweight status`` prints)."""
+"""The registry's runs as the ``Status`` RPC's answer (what ``deadweight status`` prints).
+
+The answer is bounded (``bounded``): texts and evidence are cut, and past ``STATUS_MAX_BYTES``
+the least recently seen runs are left out and counted in a last line, so many runs or a
+hostile client's long strings never make Status fail.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +19,50 @@ def ordered(findings: list[Finding]) -> list[Finding]:
     by_id = {f.detector: f for f in findings}
     ids = sorted(by_id, key=lambda d: (SEVERITY_ORDER.get(by_id[d].severity, 3), d))
     return [by_id[d] for d in root_causes_first(ids)]
+
+
+#: Largest Status answer the sidecar sends and ``deadweight status`` accepts.
+STATUS_MAX_BYTES = 16 * 1024 * 1024
+#: Longest summary or evidence value shown per finding.
+MAX_STATUS_TEXT = 512
+#: Most evidence entries shown per finding.
+MAX_STATUS_EVIDENCE = 32
+#: Marks the line that counts runs left out of a bounded answer.
+OMITTED_PREFIX = "(omitted)"
+
+
+def _cut(text: str, limit: int = MAX_STATUS_TEXT) -> str:
+    return text if len(text) <= limit else text[:limit] + f"... (+{len(text) - limit} chars)"
+
+
+def bounded(response: pb.StatusResponse, limit: int = STATUS_MAX_BYTES) -> pb.StatusResponse:
+    """The same answer with cut texts, and no more runs than fit in limit bytes."""
+    runs = []
+    for run in response.runs:
+        clean = pb.RunStatus()
+        clean.CopyFrom(run)
+        clean.run_id, clean.trainer = _cut(run.run_id), _cut(run.trainer)
+        for finding in clean.findings:
+            finding.summary = _cut(finding.summary)
+            for evidence in (finding.evidence, finding.evidence_at_firing):
+                pairs = sorted(evidence.items())
+                evidence.clear()
+                for key, value in pairs[:MAX_STATUS_EVIDENCE]:
+                    evidence[_cut(key, 128)] = _cut(value)
+        runs.append(clean)
+    runs.sort(key=lambda r: (r.ended, r.last_seen_seconds))  # live and recent first
+    out, size = pb.StatusResponse(), 0
+    budget = limit - 1024  # room for the line that counts what was left out
+    for index, run in enumerate(runs):
+        cost = run.ByteSize() + 8
+        if size + cost > budget:
+            out.runs.append(pb.RunStatus(
+                run_id=f"{OMITTED_PREFIX} {len(runs) - index} more runs: the answer is "
+                f"capped at {limit} bytes", ended=True))
+            break
+        out.runs.append(run)
+        size += cost
+    return out
 
 
 def status_response(runs: list[tuple[RunState, list[Finding]]],

@@ -27,7 +27,7 @@ from typing import Any
 import structlog
 
 from ...proto import pb
-from ..ingest.attestation import ProcessIdentity
+from ..model.process import ProcessIdentity
 from ..model.run_state import CheckpointPoint
 from . import history
 from .files import open_state_db

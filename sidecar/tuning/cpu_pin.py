@@ -2,12 +2,10 @@
 
 The sidecar's work is Python, run one thread at a time under the interpreter lock. When its
 threads are spread over cores, the lock and the batches move between cores' caches (the event
-loop, gRPC's threads, the history writer). Measured with 50 runs streaming 256-step batches
-into a real sidecar while most batches went to worker threads, pinned ingest took
-83,000-91,000 records per CPU-second against 63,000-65,000 unpinned in the same runs. Since
-the event loop answers the batches itself the two overlap (medians of 3 fresh sidecars:
-90,780 pinned, 99,611 unpinned), as they did at the callback's own small batches. One CPU is
-all that Python can use anyway.
+loop, gRPC's threads, the history writer). Pinning paid while most batches went to worker
+threads; since the event loop answers the batches itself, pinned and unpinned ingest overlap
+(``python -m bench --only sidecar`` measures both side by side; ``bench/README.md`` keeps the
+figures). One CPU is all that Python can use anyway.
 
 ``auto`` takes the CPU the sidecar runs on when it starts, where the scheduler placed it, so
 the sidecars of several pods on one node spread the way the scheduler spreads them. Pinning

@@ -3,9 +3,10 @@
 The sidecar holds up to 256 steps per rank of every live run (hundreds of thousands of small
 objects that live for minutes) and allocates a few objects per step report it receives. With
 CPython's default thresholds (a young collection every 700 allocations) the collector ran
-several times per batch of step reports and took a measured 7% of the process's CPU under
-the ingest bench. Collecting less often changes no result: garbage in reference cycles is
-still freed, a little later (the sidecar's state is freed by reference counting).
+several times per batch of step reports and took a noticeable share of the process's CPU
+under the ingest bench (``bench/README.md``). Collecting less often changes no result:
+garbage in reference cycles is still freed, a little later (the sidecar's state is freed by
+reference counting).
 """
 
 from __future__ import annotations

@@ -1,1 +1,1 @@
-"""What ships stays true: generated files, alert rules, manifests, the wire schema, the import layers, the wheel."""
+"""What ships stays true: generated files, rules, manifests, wire schema, import layers, wheel."""

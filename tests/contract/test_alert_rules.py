@@ -52,18 +52,18 @@ def test_committed_files_equal_a_fresh_generation() -> None:
 
 def test_the_staleness_check_names_the_command(
         tmp_path: Path, monkeypatch: Any, capsys: Any) -> None:
-    """A runbook edited without regenerating is caught, and the message says what to run."""
+    """A generated file edited by hand is caught, and the message says what to run."""
     for rel in [*generate.render(), *(f"{generate.RUNBOOKS}/{p.name}"
                                        for p in RUNBOOKS.glob("*.md"))]:
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / rel, tmp_path / rel)
     assert generate.stale(tmp_path) == []
-    edited = tmp_path / generate.RUNBOOKS / "stalled.md"
-    edited.write_text(edited.read_text() + "\nOne more hint.\n")
-    assert generate.stale(tmp_path) == [f"{generate.PACKAGED_RUNBOOKS}/stalled.md"]
+    edited = tmp_path / generate.RUNBOOK_INDEX
+    edited.write_text(edited.read_text() + "\nOne more line.\n")
+    assert generate.stale(tmp_path) == [generate.RUNBOOK_INDEX]
     monkeypatch.setattr(generate, "ROOT", tmp_path)
     assert generate.main(["--check"]) == 1
-    assert ("stale: sidecar/runbooks/stalled.md (run python -m alerts.generate)"
+    assert ("stale: alerts/runbooks/README.md (run python -m alerts.generate)"
             in capsys.readouterr().err)
     assert generate.main([]) == 0 and generate.stale(tmp_path) == []
 

@@ -197,7 +197,8 @@ def test_image_interpreter_carries_kill_as_a_permitted_file_capability() -> None
     runs = [line for line in (ROOT / "Dockerfile").read_text().splitlines()
             if line.startswith("RUN ") and "signal_capability" in line]
     entrypoint = json.loads(dockerfile_instruction("ENTRYPOINT"))[0]
-    assert runs == ["RUN /opt/deadweight/bin/python -m deadweight.sidecar.actions.signal_capability "
+    assert runs == ["RUN /opt/deadweight/bin/python -m "
+                    "deadweight.sidecar.actions.signal_capability "
                     f"/opt/deadweight/bin/{entrypoint}"]
 
 

@@ -63,7 +63,7 @@ def test_wheel_runs_the_native_kernel_without_a_compiler(tmp_path: Path) -> None
     with zipfile.ZipFile(wheel) as archive:
         kernels = [n for n in archive.namelist() if "_update_kernel" in n and n.endswith(".so")]
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
-    assert kernels == [f"deadweight/callbacks/_update_kernel{suffix}"]
+    assert kernels == [f"deadweight/callbacks/update/_update_kernel{suffix}"]
 
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,

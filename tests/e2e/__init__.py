@@ -1,1 +1,1 @@
-"""Whole systems: real Prometheus and Alertmanager, the image, torchrun ranks, the demo and a newcomer's path."""
+"""Whole systems: real Prometheus and Alertmanager, the image, torchrun ranks, the demo."""

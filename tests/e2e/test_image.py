@@ -29,7 +29,7 @@ import tomllib
 
 from deadweight.sidecar.store.files import DB_NAME
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 ROOT = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("DEADWEIGHT_BASE_CACHE", "/var/tmp/deadweight-base"))

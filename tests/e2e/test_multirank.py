@@ -26,6 +26,9 @@ from tests.support.faults import Pipe, metric_value
 from tests.support.inprocess_sidecar import InProcessSidecar
 from tests.support.realprocs import start_prometheus, wait_for
 
+# torchrun ranks take both cores: .ci/run runs these files alone, after the rest
+pytestmark = pytest.mark.multiprocess
+
 WORKER = Path(__file__).resolve().parents[1] / "support" / "ddp_worker.py"
 STEPS = 4  # ddp_worker.STEPS
 

@@ -19,6 +19,9 @@ from deadweight.demo.sidecar_process import SidecarProcess
 from tests.conftest import firing_values
 from tests.e2e.test_multirank import _torchrun
 
+# torchrun ranks take both cores: .ci/run runs these files alone, after the rest
+pytestmark = pytest.mark.multiprocess
+
 FSDP2_CONFIG = {"fsdp": "full_shard", "fsdp_config": {"version": 2}}
 
 

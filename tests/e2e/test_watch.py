@@ -25,6 +25,9 @@ from deadweight.proto import pb
 from tests.support import raw_loop_worker
 from tests.support.faults import metric_value
 
+# torchrun ranks take both cores: .ci/run runs these files alone, after the rest
+pytestmark = pytest.mark.multiprocess
+
 WORKER = Path(__file__).resolve().parents[1] / "support" / "raw_loop_worker.py"
 STEPS = 6  # raw_loop_worker.STEPS
 DISTRIBUTED = ("ddp", "fsdp2", "fsdp1-orig", "fsdp1-flat", "deepspeed", "deepspeed3",

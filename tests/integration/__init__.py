@@ -1,1 +1,1 @@
-"""Real parts together: a real sidecar over a real socket, real trainers, real faults and attacks."""
+"""Real parts together: a real sidecar over a real socket, real trainers, faults, attacks."""

@@ -19,15 +19,10 @@ import pytest
 from deadweight.callbacks.stream_client import fetch_attestation
 from deadweight.proto import monitor_stub, pb
 from deadweight.proto.transport import attest_path, unix_socket_path
-from deadweight.sidecar.ingest.attestation import (
-    AttestationServer,
-    Attestor,
-    ProcessIdentity,
-    boot_id,
-    is_alive,
-    start_time,
-)
+from deadweight.sidecar.ingest.attestation import AttestationServer
 from deadweight.sidecar.ingest.server import ServerConfig
+from deadweight.sidecar.model.nonces import Attestor
+from deadweight.sidecar.model.process import ProcessIdentity, boot_id, is_alive, start_time
 from deadweight.sidecar.registry import Peer, Registry
 from deadweight.sidecar.serve import Sidecar
 from tests.support.raw_client import frozen_events, run_start

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from deadweight.demo.sidecar_process import SidecarProcess
-from deadweight.sidecar.ingest.attestation import start_time
+from deadweight.sidecar.model.process import start_time
 from deadweight.sidecar.store.files import DB_NAME
 from deadweight.sidecar.store.journal import Store
 from tests.support.enforcement_support import (

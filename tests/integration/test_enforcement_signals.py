@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from deadweight.sidecar.actions.enforcer import send_signal
-from deadweight.sidecar.ingest.attestation import ProcessIdentity, boot_id, start_time
+from deadweight.sidecar.model.process import ProcessIdentity, boot_id, start_time
 from tests.support.enforcement_support import assert_never_signalled
 
 

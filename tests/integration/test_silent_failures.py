@@ -158,7 +158,9 @@ def test_dora_magnitude_in_bf16_never_moves(
     kinds = live.seen("dora-fp32").combined_steps()[-1].module_elements
     assert {k for k, _, _, _ in kinds} == {"q_proj", "q_proj.lora_magnitude_vector",
                                            "v_proj", "v_proj.lora_magnitude_vector"}
-    assert all(d == "float32" and u == 0 for _, d, _, u in kinds)  # all moved
+    # fp32 moves (nearly) every element: on one CPU kind here 1 of q_proj's 1024 kept its
+    # bytes at step 4 (its gradient rounds to nothing); the bf16 magnitude above kept all.
+    assert all(d == "float32" and u <= n // 100 for _, d, n, u in kinds), kinds
 
 
 def test_pure_bf16_full_fine_tune_loses_its_updates(

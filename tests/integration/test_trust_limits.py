@@ -18,8 +18,8 @@ import pytest
 
 from deadweight.demo.sidecar_process import SidecarProcess
 from deadweight.proto import pb
-from deadweight.sidecar import status
 from deadweight.sidecar.exposition.http import MAX_CONNECTIONS
+from deadweight.sidecar.registry import status_report as status
 from tests.support.faults import Pipe
 from tests.support.realprocs import wait_for
 

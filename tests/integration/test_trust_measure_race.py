@@ -29,7 +29,8 @@ from deadweight.sidecar.exposition.collector import DeadweightCollector
 from deadweight.sidecar.exposition.http import render
 from deadweight.sidecar.registry import Registry
 
-pytestmark = pytest.mark.slow  # thousands of renders under churn: about 30 s
+# thousands of renders under churn, about 30 s: timed, so run alone (.ci/run)
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 #: Renders the test requires (each one a full /metrics page).
 RENDERS = 3000

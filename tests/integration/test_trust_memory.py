@@ -16,11 +16,11 @@ import pytest
 
 from bench import sidecar_memory
 from deadweight.proto import pb
-from deadweight.sidecar.checkpoints.inspector import CheckpointInspection
+from deadweight.sidecar.model.inspection import CheckpointInspection
 from deadweight.sidecar.model.run_state import CheckpointPoint, RunState
 from deadweight.sidecar.registry import Registry
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 
 def test_peak_memory_at_every_cap_stays_under_the_manifest_limit(tmp_path: Path) -> None:

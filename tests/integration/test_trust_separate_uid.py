@@ -6,7 +6,8 @@ runs under ``setpriv`` the way a container runtime starts a non-root container w
 ``capabilities: {drop: [ALL], add: [KILL]}`` and ``allowPrivilegeEscalation: false``: bounding
 set KILL alone, no-new-privs, no ambient set, and an interpreter that carries cap_kill as a
 permitted file capability, made by the very function the image build runs. The trainer is the
-real frozen SFT job of ``tests/support/enforcement_job.py`` (it drops STOP, so only a signal ends it).
+real frozen SFT job of ``tests/support/enforcement_job.py`` (it drops STOP, so only a signal
+ends it).
 
 With KILL the other-uid sidecar ends the trainer with SIGTERM; the control, the same sidecar
 without KILL in its bounding set, journals the kernel's refusal (``permission_denied``), says

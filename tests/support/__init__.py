@@ -1,1 +1,1 @@
-"""Helpers the tiers share: tiny models, sidecar processes, raw clients, fault injection, subprocess entry points."""
+"""Helpers the tiers share: tiny models, sidecars, raw clients, faults, subprocess entries."""

@@ -1,8 +1,9 @@
 """A hand-built deadweight.v1 client that reports a frozen run, for the enforcement tests.
 
-Imported for its message builders, or run as its own process (``python tests/support/raw_client.py``)
-to play a client the sidecar must not trust: it can claim another process's pid in every
-field it controls, ignores STOP, and never sends a run end. With ``--attest`` it first fetches
+Imported for its message builders, or run as its own process
+(``python tests/support/raw_client.py``) to play a client the sidecar must not trust: it can
+claim another process's pid in every field it controls, ignores STOP, and never sends a run
+end. With ``--attest`` it first fetches
 a nonce for itself, as the real callback does.
 """
 

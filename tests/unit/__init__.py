@@ -1,1 +1,1 @@
-"""Pure in-process units: detectors, registry, store, probes and kernels, no process or socket of their own."""
+"""Pure in-process units: detectors, registry, store, probes, kernels; no process of their own."""

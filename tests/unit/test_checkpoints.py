@@ -15,13 +15,9 @@ from safetensors.torch import save_file
 from deadweight.callbacks import digest
 from deadweight.demo import runs
 from deadweight.sidecar.checkpoints.adapter_methods import Value
-from deadweight.sidecar.checkpoints.inspector import (
-    CheckpointInspection,
-    NotACheckpoint,
-    hash_file,
-    inspect_path,
-)
+from deadweight.sidecar.checkpoints.inspector import NotACheckpoint, hash_file, inspect_path
 from deadweight.sidecar.checkpoints.watcher import CheckpointWatcher
+from deadweight.sidecar.model.inspection import CheckpointInspection
 from tests.support.realprocs import wait_for
 
 

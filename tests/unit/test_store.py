@@ -8,7 +8,7 @@ from pathlib import Path
 from deadweight.proto import pb
 from deadweight.sidecar.actions.policy import Actions
 from deadweight.sidecar.detectors.base import Policy
-from deadweight.sidecar.ingest.attestation import ProcessIdentity, boot_id
+from deadweight.sidecar.model.process import ProcessIdentity, boot_id
 from deadweight.sidecar.model.run_state import CheckpointPoint
 from deadweight.sidecar.registry import Registry
 from deadweight.sidecar.store.files import DB_NAME

@@ -14,13 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deadweight.callbacks.update import native as update_native
-from deadweight.callbacks.update.probe import (
-    PendingStats,
-    TensorGroup,
-    UpdateProbe,
-    UpdateStats,
-    _DeviceKernel,
-)
+from deadweight.callbacks.update.device import DeviceKernel
+from deadweight.callbacks.update.probe import UpdateProbe
+from deadweight.callbacks.update.stats import PendingStats, TensorGroup, UpdateStats
 
 NATIVE = update_native.load() is not None
 PATHS = ["torch", "native"]  # the install (pip install -e . in .ci/run) builds the kernel
@@ -267,7 +263,7 @@ def accelerator_probe(tensors: list[torch.Tensor],
                       groups: Sequence[TensorGroup] = ()) -> UpdateProbe:
     """A probe running the accelerator (CUDA) code path of the torch kernel, here on CPU."""
     probe = UpdateProbe(tensors, groups, path="torch")
-    probe._kernel = _DeviceKernel(probe._sources)
+    probe._kernel = DeviceKernel(probe._sources)
     return probe
 
 
@@ -410,7 +406,7 @@ def test_long_tensors_cut_into_rows_and_strided_ones_are_counted_exactly(
     # The CPU torch kernel cuts a tensor longer than a row into rows (plus a shorter last one)
     # and lays tensors of one length out as a block; a transposed (non-contiguous) tensor is
     # copied whole. Every element count must still be exact, against the bytes.
-    from deadweight.callbacks.update.probe import MAX_ROW
+    from deadweight.callbacks.update.chunked import MAX_ROW
 
     gen = torch.Generator().manual_seed(7)
     tensors = [torch.randn(2 * MAX_ROW + 13, generator=gen).to(dtype),

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from deadweight.callbacks.update.probe import TensorGroup, UpdateProbe
+from deadweight.callbacks.update.probe import UpdateProbe
+from deadweight.callbacks.update.stats import TensorGroup
 
 
 def _tensors(seed: int = 0) -> list[torch.nn.Parameter]:

@@ -22,16 +22,18 @@ class Feed:
                                         membership=membership or MEMBERSHIP,
                                         **start))  # type: ignore[arg-type]
 
-    def send(self, **body: object) -> pb.StreamResponse:
+    def send(self, rank: int = 0, **body: object) -> pb.StreamResponse:
         self.seq += 1
-        event = pb.Event(seq=self.seq, **body)  # type: ignore[arg-type]
-        return self.registry.ingest(pb.StreamRequest(run_id=self.run_id, rank=0,
+        seq = 0 if "heartbeat" in body else self.seq  # heartbeats carry no sequence number
+        event = pb.Event(seq=seq, **body)  # type: ignore[arg-type]
+        return self.registry.ingest(pb.StreamRequest(run_id=self.run_id, rank=rank,
                                                      events=[event]))
 
-    def step(self, step: int, lr: float = 1e-4, update_sq: float = 1e-6, **kw: object) -> None:
-        self.send(step=pb.StepReport(step=step, learning_rate=lr, update_sq_sum=update_sq,
-                                     watched_params=1024, optimizer_params=1024,
-                                     watched_tensors=8, **kw))  # type: ignore[arg-type]
+    def step(self, step: int, lr: float = 1e-4, update_sq: float = 1e-6, rank: int = 0,
+             **kw: object) -> None:
+        self.send(rank, step=pb.StepReport(step=step, learning_rate=lr, update_sq_sum=update_sq,
+                                           watched_params=1024, optimizer_params=1024,
+                                           watched_tensors=8, **kw))  # type: ignore[arg-type]
 
     def log(self, step: int, **values: float) -> None:
         self.send(log=pb.LogReport(step=step, values=values))

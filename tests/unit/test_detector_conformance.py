@@ -10,6 +10,7 @@ failures, on real trainers, are proved in ``tests/integration/test_catalogue_*``
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,8 +21,10 @@ import pytest
 from deadweight.proto import pb
 from deadweight.sidecar.detectors import BY_ID
 from deadweight.sidecar.model.inspection import CheckpointInspection
+from deadweight.sidecar.model.nonces import Attestor
+from deadweight.sidecar.model.process import ProcessIdentity, boot_id, start_time
 from deadweight.sidecar.model.settings import DetectorSettings
-from deadweight.sidecar.registry import Registry
+from deadweight.sidecar.registry import Peer, Registry
 from tests.support.detector_feed import MEMBERSHIP, Feed
 
 Play = Callable[[Feed], None]
@@ -47,6 +50,8 @@ class Row:
     fires: Case
     silent: Case
     settings: dict[str, Any] = field(default_factory=dict)
+    #: The registry redeems attestation nonces (a row about which process owns a run).
+    attested: bool = False
 
 
 def steps(n: int, first: int = 1, grad_norm: float | None = 1.0, loss: float = 2.0,
@@ -64,6 +69,15 @@ def logs(*series: dict[str, float], first: int = 1) -> Play:
     """One log report per mapping, at steps first, first + 1, ..."""
     def play(feed: Feed) -> None:
         for s, values in enumerate(series, start=first):
+            feed.log(s, **values)
+    return play
+
+
+def stepped(*series: dict[str, float]) -> Play:
+    """An optimizer step, then its log report, per mapping."""
+    def play(feed: Feed) -> None:
+        for s, values in enumerate(series, start=1):
+            feed.step(s)
             feed.log(s, **values)
     return play
 
@@ -123,6 +137,73 @@ def two_adapters(second_in_optimizer: int) -> pb.OptimizerMembership:
 def module_groups(unchanged: int) -> list[pb.GroupUpdate]:
     return [pb.GroupUpdate(name="attention", kind="module", update_sq_sum=1e-6, tensors=8,
                            elements=1000, unchanged_elements=unchanged, dtype="bfloat16")]
+
+
+def two_ranks(play: Play) -> Play:
+    """Rank 1 of a two-rank run registers too, then play."""
+    def both(feed: Feed) -> None:
+        feed.send(1, run_start=pb.RunStart(trainer="SFTTrainer", world_size=2,
+                                           membership=MEMBERSHIP))
+        play(feed)
+    return both
+
+
+def aged(feed: Feed, seconds: float, silent: tuple[int, ...] = ()) -> None:
+    """The run's past moved back by seconds (its steps and step begins; the last messages of
+    the silent ranks), then the sidecar's clock ticks."""
+    run = feed.registry.run(feed.run_id)
+    assert run is not None
+    for rank in run.ranks.values():
+        rank.last_step_time -= seconds
+        rank.began_time -= seconds
+        if rank.rank in silent:
+            rank.last_seen -= seconds
+    feed.registry.tick()
+
+
+def stuck(began: dict[int, int]) -> Play:
+    """Both ranks step 1-3; each then begins the step given; 61 s pass (the limit is 60)."""
+    def play(feed: Feed) -> None:
+        for rank in (0, 1):
+            for s in (1, 2, 3):
+                feed.step(s, rank=rank)
+        for rank, step in began.items():
+            feed.send(rank, heartbeat=pb.Heartbeat(step=step - 1, began_step=step))
+        aged(feed, 61.0)
+    return play
+
+
+def timed(slow: float) -> Play:
+    """Eight steps in which rank 1 works slow seconds, rank 0 a tenth of a second."""
+    def play(feed: Feed) -> None:
+        for s in range(1, 9):
+            feed.step(s, rank=0, local_seconds=0.1)
+            feed.step(s, rank=1, local_seconds=slow)
+    return play
+
+
+def replicas(apart: float) -> Play:
+    """Both ranks sample their replicated weights at step 1; rank 1's differ by apart."""
+    def play(feed: Feed) -> None:
+        for rank, shift in ((0, 0.0), (1, apart)):
+            feed.step(1, rank=rank)
+            feed.send(rank, replica=pb.ReplicaDigest(
+                step=1, structure="s", values=[0.5 + shift, 0.25, -0.125, 1.0],
+                sizes=[2, 2], names=["a.weight", "b.weight"]))
+    return play
+
+
+def attested_job(feed: Feed) -> None:
+    """This process, attested, registers rank 0, which unattested streams reported first."""
+    attestor = feed.registry.attestor
+    assert attestor is not None
+    pid = os.getpid()
+    started = start_time(pid)
+    assert started is not None
+    nonce = attestor.issue(ProcessIdentity(pid, os.getuid(), os.getgid(), started, boot_id()))
+    feed.registry.ingest(pb.StreamRequest(run_id=feed.run_id, rank=0, events=[pb.Event(
+        seq=1, run_start=pb.RunStart(trainer="SFTTrainer", attestation=nonce,
+                                     membership=MEMBERSHIP))]), Peer(address="unix:"))
 
 
 ROWS = [
@@ -261,6 +342,64 @@ ROWS = [
         Case(lambda f: f.registry.record_refusal(f.run_id, "/elsewhere/checkpoint-1",
                                                  "outside every --watch-root"), start()),
         Case(inspected(), start())),
+    Row("base_weights_trained",
+        Case(nothing, start(SFT | {"unsaved_trainable_params": 99_000.0,
+                                   "model_params": 100_000.0}, preflight=peft())),
+        Case(nothing, start(SFT | {"unsaved_trainable_params": 0.0,
+                                   "model_params": 100_000.0}, preflight=peft()))),
+    Row("trainable_out_of_band",
+        Case(nothing, start(SFT | {"expected_trainable_pct_low": 0.5,
+                                   "expected_trainable_pct_high": 5.0,
+                                   "model_params": 10_000_000.0})),
+        Case(nothing, start(SFT | {"expected_trainable_pct_low": 0.5,
+                                   "expected_trainable_pct_high": 5.0,
+                                   "model_params": 100_000.0}))),
+    Row("declared_frozen_moved",
+        Case(nothing, start(SFT | {"declared_frozen_tensors": 4.0,
+                                   "declared_frozen_trainable_tensors": 2.0})),
+        Case(steps(2), start(SFT | {"declared_frozen_tensors": 4.0,
+                                    "declared_frozen_trainable_tensors": 0.0}))),
+    Row("no_optimizer_step",
+        Case(logs(*[{"loss": 2.0}] * 8), start()),
+        Case(steps(8), start())),
+    Row("loss_divergence",
+        Case(logs(*[{"loss": v} for v in (2.0, 2.1, 1.9, 30.0, 45.0)]), start()),
+        Case(logs(*[{"loss": v} for v in (2.0, 2.1, 1.9, 1.8, 1.7)]), start())),
+    Row("grad_norm_spike",
+        Case(logs(*[{"grad_norm": v} for v in (1.0, 1.1, 0.9, 1.0, 1.05, 0.95, 400.0)]),
+             start()),
+        Case(logs(*[{"grad_norm": v} for v in (1.0, 1.1, 0.9, 1.0, 1.05, 0.95, 1.02)]),
+             start())),
+    Row("gradient_accumulating",
+        Case(stepped(*[{"grad_norm": 1.5 ** i, "loss": 2.0} for i in range(8)]), start()),
+        Case(stepped(*[{"grad_norm": 1.0, "loss": 2.0} for _ in range(8)]), start())),
+    Row("negligible_updates",
+        Case(steps(3, update_sq=1e-10, param_sq_sum=1e6), start()),
+        Case(steps(3, update_sq=1e-6, param_sq_sum=1.0), start())),
+    Row("step_out_of_order",
+        Case(then(steps(5), lambda f: [f.step(3) for _ in range(3)]), start()),
+        Case(steps(8), start())),
+    Row("run_id_in_use",
+        Case(attested_job, start()),
+        Case(nothing, start()),
+        attested=True),
+    Row("rank_stalled",
+        Case(two_ranks(stuck({0: 4, 1: 3})), start()),
+        Case(two_ranks(stuck({0: 4, 1: 4})), start()),
+        settings={"rank_stalled_seconds": 60.0}),
+    Row("rank_straggler",
+        Case(two_ranks(timed(0.5)), start()),
+        Case(two_ranks(timed(0.1)), start())),
+    Row("replicas_diverged",
+        Case(two_ranks(replicas(0.1)), start()),
+        Case(two_ranks(replicas(0.0)), start())),
+    Row("rollout_stale",
+        Case(logs(*[{"sampling/sampling_logp_difference/mean": v}
+                    for v in (0.015, 0.016, 0.014, 0.2, 0.21, 0.22)]),
+             start(GRPO, trainer="GRPOTrainer")),
+        Case(logs(*[{"sampling/sampling_logp_difference/mean": v}
+                    for v in (0.015, 0.016, 0.014, 0.015, 0.016, 0.015)]),
+             start(GRPO, trainer="GRPOTrainer"))),
 ]
 BY_ROW = {row.detector: row for row in ROWS}
 
@@ -273,7 +412,9 @@ def test_every_detector_has_a_row() -> None:
 
 
 def _play(row: Row, case: Case) -> set[str]:
-    feed = Feed(Registry(settings=DetectorSettings(**row.settings)), **case.start)
+    registry = Registry(settings=DetectorSettings(**row.settings),
+                        attestor=Attestor() if row.attested else None)
+    feed = Feed(registry, **case.start)
     case.play(feed)
     return feed.fired()
 

@@ -161,7 +161,7 @@ class StepPoint(NamedTuple):
 
         Built once per step report received (the sidecar's hottest path): the tuple is made
         from the report's figures read in one call, without the generated ``__new__``'s
-        keyword handling. Every field is set here (tests/test_step_point.py checks it).
+        keyword handling. Every field is set here (tests/unit/test_step_point.py checks it).
         """
         if encoded is None:
             groups = StepGroups.encoded(report.SerializeToString()) if report.groups \

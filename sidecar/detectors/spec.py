@@ -118,13 +118,12 @@ CAUSES_FIRST: tuple[str, ...] = (
     "dataset_shrunk", "adalora_not_allocated", "sharding_fallback", "kl_missing", "no_kl_anchor",
     # what the steps show that stops learning
     "no_optimizer_step", "replicas_diverged", "nonfinite_loss", "loss_divergence",
-    "grad_norm_spike", "rollout_stale",
-    "gradient_accumulating", "optimizer_steps_skipped", "zero_gradient", "low_precision_update",
-    "rank_stalled", "stalled", "rank_straggler",
-    # the headline verdict, then its symptoms
-    "grad_not_in_optimizer", "frozen_weights", "negligible_updates", "zero_reward_variance",
-    "decay_only_update",
-    "kl_stuck_zero", "entropy_collapse", "completion_length_collapse", "completions_truncated",
+    "grad_norm_spike", "rollout_stale", "optimizer_steps_skipped", "zero_gradient",
+    "low_precision_update", "rank_stalled", "stalled", "rank_straggler",
+    # the headline verdict, then its symptoms (gradients that no optimizer applies and no
+    # zero_grad clears also accumulate: their growth is a symptom there)
+    "grad_not_in_optimizer", "frozen_weights", "gradient_accumulating", "negligible_updates",
+    "zero_reward_variance", "decay_only_update", "kl_stuck_zero", "entropy_collapse", "completion_length_collapse", "completions_truncated",
     "dpo_likelihood_collapse",
     # what the run wrote
     "checkpoint_unchanged", "adapter_never_trained", "empty_adapter", "adapter_bloat",

@@ -182,6 +182,10 @@ def _exporter_registry() -> CollectorRegistry:
                    registry=reg)
     for d in SPECS:
         firing.labels(RUN, "GRPOTrainer", d.id, d.severity.value).set(1)
+    # One silenced detector of another run (``deadweight silence``): the rules' silence clause
+    # meets a live series, as every shipped query must.
+    Gauge("deadweight_detector_silenced", "s", ["run_id", "detector"], registry=reg).labels(
+        "run-on-hold", "entropy_collapse").set(1)
     for name in ("checkpoints", "checkpoint_unchanged"):
         Counter(f"deadweight_{name}", name, run, registry=reg).labels(RUN, "GRPOTrainer").inc(2)
     Gauge("deadweight_checkpoint_info", "i", [*run, "digest"], registry=reg).labels(

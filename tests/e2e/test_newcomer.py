@@ -145,7 +145,10 @@ def test_inspect_labels_checkpoints_with_their_own_steps(tiny: tuple[Path, Path]
     text = render(results)
     assert "checkpoint at step 2 is byte-identical to the initial adapter" in text
     assert "checkpoint at step 10 is byte-identical to the previous (step 2) adapter" in text
-    assert "step 1 " not in text and "note:" not in text
+    # no step label of its own (paths are checkpoint-<step> folders), and the one note is the
+    # gate's: these folders carry no run summary
+    assert "step 1 " not in text and "note: the paths are not all" not in text
+    assert "note: no deadweight-summary.json beside this adapter" in text
     mixed = render(audit([adapter, tmp_path / "checkpoint-2"]))
     assert mixed.startswith("note: the paths are not all checkpoint-<step> folders")
 

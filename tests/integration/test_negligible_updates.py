@@ -37,7 +37,7 @@ def test_negligible_updates_stand_for_the_whole_run_and_in_the_summary(
     assert finding.step == live.registry.settings.negligible_update_steps
     assert float(finding.evidence["relative_update"]) < 1e-7
     summary = run_summary.read(tmp_path / "tiny" / run_summary.FILE_NAME)
-    (verdict,) = [v for v in summary.verdicts if v.detector == "negligible_updates"]
+    (verdict,) = [v for v in summary.summary.verdicts if v.detector == "negligible_updates"]
     assert verdict.firing
 
     _run(live, "lr-2e-4", model_dir, tmp_path / "healthy", 2e-4)

@@ -127,7 +127,8 @@ def test_silence_then_stop_a_real_training_run(
             assert job.wait(90) == 0
             log = (tmp_path / "jobs" / f"{run_id}.log").read_text()
             assert "TRAINING_ENDED" in log
-            assert "deadweight operator: stopped by on-call: on-call ends it" in log
+            assert "deadweight STOPPED run" in log  # the console's STOP line, with its cause
+            assert "operator: stopped by on-call: on-call ends it" in log
             again = cli("stop", run_id, "--address", sidecar.address)
             assert again.returncode in (0, 2)
             operator = [(a.action, a.result) for a in _store(tmp_path).actions(run_id,

@@ -129,7 +129,7 @@ def test_runs_and_status_json_live_and_from_a_copied_state_db(tiny: tuple[Path, 
 
 def test_status_json_counts_the_runs_a_bounded_answer_left_out() -> None:
     from deadweight.proto import pb
-    from deadweight.sidecar.status import bounded
+    from deadweight.sidecar.registry.status_report import bounded
 
     answer = pb.StatusResponse(runs=[
         pb.RunStatus(run_id=f"run-{n:03d}" + "x" * 400, trainer="SFTTrainer")

@@ -123,8 +123,8 @@ CAUSES_FIRST: tuple[str, ...] = (
     # the headline verdict, then its symptoms (gradients that no optimizer applies and no
     # zero_grad clears also accumulate: their growth is a symptom there)
     "grad_not_in_optimizer", "frozen_weights", "gradient_accumulating", "negligible_updates",
-    "zero_reward_variance", "decay_only_update", "kl_stuck_zero", "entropy_collapse", "completion_length_collapse", "completions_truncated",
-    "dpo_likelihood_collapse",
+    "zero_reward_variance", "decay_only_update", "kl_stuck_zero", "entropy_collapse",
+    "completion_length_collapse", "completions_truncated", "dpo_likelihood_collapse",
     # what the run wrote
     "checkpoint_unchanged", "adapter_never_trained", "empty_adapter", "adapter_bloat",
     "pickle_checkpoint", "checkpoint_refused",

@@ -15,8 +15,9 @@ import jsonschema
 import pytest
 import yaml
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from alerts.rules import SPECS
+from alerts.rules import MONITORING, SPECS
 from dashboards import build
 from tests.support import promql
 from tests.support.realprocs import (
@@ -160,6 +161,26 @@ def test_provisioning_files() -> None:
 RUN = "run-live"
 
 
+class _FailingPager:
+    """A pager target that fails at every scrape and last delivered an hour ago: what
+    ``DeadweightPagerFailing`` watches (its ``increase`` needs a counter that moves)."""
+
+    def __init__(self) -> None:
+        self.failures = 0
+
+    def collect(self) -> Iterator[Metric]:
+        self.failures += 1
+        labels = ["target", "kind"]
+        failures = CounterMetricFamily("deadweight_pager_failures", "f", labels=labels)
+        failures.add_metric(["alertmanager:127.0.0.1:9093", "alertmanager"], self.failures)
+        attempts = CounterMetricFamily("deadweight_pager_attempts", "a", labels=labels)
+        attempts.add_metric(["alertmanager:127.0.0.1:9093", "alertmanager"], self.failures)
+        success = GaugeMetricFamily("deadweight_pager_last_success_timestamp_seconds", "s",
+                                    labels=labels)
+        success.add_metric(["alertmanager:127.0.0.1:9093", "alertmanager"], time.time() - 3600)
+        yield from (failures, attempts, success)
+
+
 def _exporter_registry() -> CollectorRegistry:
     """Every metric of the contract, for one run, with the sidecar's label names."""
     reg = CollectorRegistry()
@@ -195,6 +216,7 @@ def _exporter_registry() -> CollectorRegistry:
     Counter("deadweight_client_dropped_events", "d", ranked, registry=reg).labels(
         RUN, "GRPOTrainer", "0").inc(0)
     Gauge("deadweight_sidecar_info", "v", ["version"], registry=reg).labels("0.1.0").set(1)
+    reg.register(_FailingPager())  # type: ignore[arg-type]
     return reg
 
 
@@ -257,7 +279,7 @@ def test_rules_evaluate_cleanly_and_fire_in_prometheus(live_prometheus: Promethe
     def all_active() -> list[dict[str, Any]] | None:
         alerts = live_prometheus.alerts()
         names = {a["labels"]["alertname"] for a in alerts}
-        return alerts if len(names) == len(SPECS) + 2 else None
+        return alerts if len(names) == len(SPECS) + len(MONITORING) else None
 
     alerts = wait_for(all_active, 20, what="every alert pending or firing")
     detector_alerts = [a for a in alerts if "detector" in a["labels"]]

@@ -2,13 +2,16 @@
 
 Its rooms, top to bottom (a room imports only rooms below it; ``lint-imports`` checks it):
 
-- ``cli``: the commands' arguments; ``serve``: the composition root that builds a sidecar.
-- ``inspect``, ``report``, ``status``: the offline gate, the HTML report, the live table.
+- ``cli`` (with ``cli_runs``, ``oncall_cli``): the commands' arguments; ``serve``: the
+  composition root that builds a sidecar.
+- ``inspect``, ``report``, ``runs_listing``, ``status_json``, ``status``: the offline gate, the
+  HTML report, ``deadweight runs``, ``status --json``, the live table.
 - ``exposition/``: ``/metrics`` (the collector and its HTTP server) and the runbook pages.
 - ``ingest/``: the gRPC server, kernel-attested peers (``SO_PEERCRED``), who may connect.
 - ``actions/``: policy (log, page, STOP, kill), the signal escalation, Alertmanager, links.
 - ``checkpoints/``: the folder watcher, the safetensors inspector, the promotion gate.
-- ``registry/``: runs by id and rank: identity, events, findings and incidents, status.
+- ``registry/``: runs by id, incarnation and rank: identity, events, incidents, status.
+- ``verdicts``: how verdicts are listed to a person (root causes first, their states).
 - ``detectors/``: small pure verdicts over a run's state, one spec each.
 - ``store/``: the SQLite journal (runs, incidents, actions), its files, the report history.
 - ``model/``: plain data every room reads (run state, steps, findings, limits, settings,

@@ -24,9 +24,8 @@ from typing import TYPE_CHECKING
 
 from . import verdicts as verdict_order
 from .actions.links import DEFAULT_RUNBOOK_URL_PATTERN, runbook_url
-from .detectors import BY_ID
+from .detectors import BY_ID, fix_sentence
 from .exposition import report_plots, runbook_pages
-from .exposition.runbook_pages import fix_sentence
 from .model.finding import evidence_pairs
 from .store.journal import ActionRow, Store, StoredIncident, StoredRun
 

@@ -12,9 +12,7 @@ gets through). The backlog is bounded (``max_pending``; the oldest is dropped an
 
 from __future__ import annotations
 
-import functools
 import json
-import re
 import threading
 import time
 import urllib.error
@@ -22,12 +20,12 @@ import urllib.request
 from collections import deque
 from dataclasses import dataclass
 from datetime import datetime
-from importlib import resources
 from typing import Any
 from urllib.parse import urlsplit
 
 import structlog
 
+from ..detectors import fix_sentence
 from .alertmanager import format_description
 from .links import (
     DASHBOARD_PLACEHOLDERS,
@@ -50,9 +48,6 @@ from .pager_health import (
 
 log = structlog.get_logger("deadweight.pager")
 
-_FIX = re.compile(r"^## How to fix\s*$(?P<body>.*?)(?=^## |\Z)", re.M | re.S)
-
-
 class BadWebhookUrl(ValueError):
     """Not an http(s) URL with a host."""
 
@@ -64,20 +59,9 @@ def check_url(url: str) -> str:
     return url
 
 
-@functools.cache
 def first_fix(detector: str) -> str:
-    """The first step under "How to fix" in the detector's shipped runbook ('' if none)."""
-    try:
-        text = (resources.files("deadweight.sidecar") / "runbooks" / f"{detector}.md"
-                ).read_text(encoding="utf-8")
-    except (OSError, ValueError):
-        return ""
-    match = _FIX.search(text)
-    if match is None:
-        return ""
-    steps = re.split(r"^- ", match["body"].strip(), flags=re.M)
-    first = next((s for s in steps if s.strip()), "")
-    return " ".join(first.split())
+    """The detector's fix in one sentence (its spec's, as everywhere a verdict is told)."""
+    return fix_sentence(detector)
 
 
 @dataclass(eq=False)  # one page each: found in the queue by identity

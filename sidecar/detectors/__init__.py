@@ -123,5 +123,27 @@ BY_ID: dict[str, Detector] = {d.id: d for d in ALL}
 #: Detectors that judge what a run wrote: they keep their verdict after the run ends.
 ARTIFACT_IDS = frozenset(d.id for d in ALL if d.scope == "artifact")
 
-__all__ = ["ALL", "ARTIFACT_IDS", "BY_ID", "Detector", "DetectorSpec", "Policy", "Severity",
-           "SpecDetector", "Verdict"]
+__all__ = [
+    "ALL",
+    "ARTIFACT_IDS",
+    "BY_ID",
+    "Detector",
+    "DetectorSpec",
+    "Policy",
+    "Severity",
+    "SpecDetector",
+    "Verdict",
+    "fix_sentence",
+]
+
+
+def fix_sentence(detector: str) -> str:
+    """The fix of one detector as a sentence: its spec's ``fix``, the one source of the fix
+    wording wherever a verdict is told (console, report, pages, webhooks, runbook index),
+    capitalised and closed. '' for an id that is no detector."""
+    found = BY_ID.get(detector)
+    if found is None:
+        return ""
+    fix = found.spec.fix.strip()
+    fix = fix[:1].upper() + fix[1:]
+    return fix if fix.endswith(".") else fix + "."

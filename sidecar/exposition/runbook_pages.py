@@ -74,19 +74,3 @@ def page(path: str) -> bytes | None:
     """The HTML page for /runbooks/<path> (``<detector>`` or ``<detector>.md``), or None."""
     name = _name(path)
     return None if name is None else _render(name)
-
-
-
-
-def fix_sentence(detector: str) -> str:
-    """The fix of one detector as a sentence: its spec's ``fix`` (the one source of the fix
-    wording wherever a verdict is told: console, report, pages, runbook index), capitalised and
-    closed. '' for an id that is no detector."""
-    from ..detectors import BY_ID
-
-    found = BY_ID.get(detector)
-    if found is None:
-        return ""
-    fix = found.spec.fix.strip()
-    fix = fix[:1].upper() + fix[1:]
-    return fix if fix.endswith(".") else fix + "."

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import re
 
-from deadweight.sidecar.detectors import BY_ID
+from deadweight.sidecar.detectors import BY_ID, fix_sentence
 from deadweight.sidecar.detectors.spec import root_causes_first
-from deadweight.sidecar.exposition.runbook_pages import fix_sentence
 
 
 def test_every_detector_has_a_one_sentence_fix_from_its_spec() -> None:

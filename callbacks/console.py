@@ -58,6 +58,9 @@ def verdict_line(notice: pb.VerdictNotice) -> str:
     return " ".join(parts)
 
 
+#: The detector id a STOP from on-call carries (``deadweight stop``).
+OPERATOR = "operator"
+
 class Console:
     """The console lines of one run on one rank (only rank 0 prints verdicts)."""
 
@@ -148,7 +151,10 @@ class Console:
         mark = f"{root}: {notice.cause.rstrip('.')}" if notice is not None else (
             f"{root}: {directive.reason}")
         if root != directive.detector:
-            mark += f" (stop triggered by {directive.detector})"
+            # a person's STOP says who and why (deadweight stop --reason); a verdict's, which
+            trigger = (f"{directive.detector}: {directive.reason}"
+                       if directive.detector == OPERATOR else directive.detector)
+            mark += f" (stop triggered by {trigger})"
         self.stopped_by, self.stop_root = mark, root
         fix = f" Fix: {notice.fix.rstrip('.')}." if notice is not None and notice.fix else ""
         if not self.speaks:  # rank 0 says it for the run

@@ -108,6 +108,11 @@ def test_demo_catches_the_frozen_run_and_spares_the_control(tmp_path: Path) -> N
     assert "RESULT: frozen run caught and stopped" in result.stdout
     assert "frozen_weights [critical, policy stop]" in result.stdout
     assert "differs from the initial adapter: False" in result.stdout
+    out = result.stdout + result.stderr
+    # What the user of run A reads: where it reports, the STOP with its root cause, in status too.
+    assert "deadweight: run demo-frozen-adapter reports to the sidecar at unix://" in out
+    assert "STOPPED run demo-frozen-adapter (stopping training), root cause empty_optimizer" in out
+    assert "(STOP), root cause empty_optimizer, ended (stopped)" in out
     noise = [line for line in (result.stdout + result.stderr).splitlines()
              if "[WARNING]" in line or "Warning:" in line]
     assert not noise, noise  # a newcomer's first run prints only what the demo says

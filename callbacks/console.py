@@ -42,8 +42,15 @@ def _bars_aside() -> Iterator[None]:
         yield
 
 
-def report_hint(run_id: str) -> str:
-    return f"deadweight report {run_id}"
+def report_hint(run_id: str, command: str | None = None) -> str:
+    """How to open the run's report: the sidecar's own command (with its state dir) once it
+    said it; a memory-only sidecar keeps no report, so the hint points at status instead."""
+    if command is None:
+        return f"deadweight report {run_id} --state-dir <the sidecar's state dir>"
+    if not command:
+        return ("none kept (the sidecar has no --state-dir); while it runs: deadweight status "
+                "--json")
+    return command
 
 
 def verdict_line(notice: pb.VerdictNotice) -> str:
@@ -80,6 +87,11 @@ class Console:
         self.stopped_by: str | None = None
         #: The root cause's detector id, when a STOP came.
         self.stop_root: str | None = None
+        #: The sidecar's command for the run's report (``StreamClient.report_command``).
+        self.report_command: str | None = None
+
+    def report(self) -> str:
+        return report_hint(self.run_id, self.report_command)
 
     def _emit(self, level: int, message: str, *args: object) -> None:
         if not self.logger.isEnabledFor(level):
@@ -93,10 +105,15 @@ class Console:
         """The one train-begin line (every rank says when it is not monitored)."""
         self.monitored = monitored
         if monitored:
-            if self.speaks:
+            if self.speaks and self.report_command == "":
+                self._emit(logging.WARNING, "deadweight: run %s reports to the sidecar at %s, "
+                           "which keeps no state dir (--state-dir): no report of the run will "
+                           "outlive it; while it runs: deadweight status", self.run_id,
+                           self.address)
+            elif self.speaks:
                 self._emit(logging.WARNING, "deadweight: run %s reports to the sidecar at %s; "
                            "open its report with: %s", self.run_id, self.address,
-                           report_hint(self.run_id))
+                           self.report())
             return
         why = ("no sidecar socket at that path" if waited == 0.0
                else f"no answer within {waited:g}s")
@@ -160,7 +177,7 @@ class Console:
         if not self.speaks:  # rank 0 says it for the run
             return mark
         self._emit(logging.ERROR, "deadweight STOPPED run %s (%s), root cause %s.%s Report: %s",
-                   self.run_id, how, mark, fix, report_hint(self.run_id))
+                   self.run_id, how, mark, fix, self.report())
         return mark
 
     # -- train end ---------------------------------------------------------------------------
@@ -179,7 +196,7 @@ class Console:
                        "(at most %d a run)", self.held, self.max_lines)
         if not verdicts:
             self._emit(logging.WARNING, "deadweight: run %s ended (%s) at step %d; no verdict; "
-                       "report: %s", self.run_id, reason, step, report_hint(self.run_id))
+                       "report: %s", self.run_id, reason, step, self.report())
             return
         now = set(firing)
         listed = ", ".join(
@@ -189,4 +206,4 @@ class Console:
             self.stop_root) else ""
         self._emit(logging.ERROR, "deadweight: run %s ended (%s) at step %d with %d "
                    "verdict(s), root cause first: %s%s; report: %s", self.run_id, reason, step,
-                   len(verdicts), listed, stopped, report_hint(self.run_id))
+                   len(verdicts), listed, stopped, self.report())

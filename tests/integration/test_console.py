@@ -67,7 +67,10 @@ def test_a_frozen_run_prints_each_verdict_once_and_its_healthy_twin_none(
 ) -> None:
     lines, report = _train(tiny, tmp_path / "frozen", "frozen", sidecar.address, "console-f1")
     begin = _index(lines, "deadweight: run console-f1 reports to the sidecar at")
-    assert sidecar.address in lines[begin] and "deadweight report console-f1" in lines[begin]
+    assert sidecar.address in lines[begin]
+    # The session's sidecar keeps its state in memory: no report outlives it, and it says so.
+    assert "which keeps no state dir (--state-dir): no report of the run will outlive it" \
+        in lines[begin]
     assert begin < _index(lines, "worker: step 1")
 
     verdicts = _verdict_lines(lines)
@@ -303,3 +306,28 @@ def test_a_sidecar_that_comes_up_later_judges_the_run_from_then_on(
     finally:
         if late is not None:
             late.stop()
+
+
+@pytest.mark.slow
+def test_the_report_command_on_the_console_opens_the_report(
+    tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """The begin line's command is the sidecar's own, state dir included: pasted, it works."""
+    import shlex
+
+    state = tmp_path / "state dir"  # a space: the command must be quoted for a shell
+    with SidecarProcess(tmp_path / "sc", extra_args=["--state-dir", str(state)]) as sc:
+        lines, _ = _train(tiny, tmp_path / "frozen", "frozen", sc.address, "console-r1",
+                          steps=4)
+    begin = lines[_index(lines, "deadweight: run console-r1 reports to the sidecar at")]
+    command = begin.split("open its report with: ", 1)[1].strip()
+    assert command == f"deadweight report console-r1 --state-dir {shlex.quote(str(state))}"
+    end = lines[_index(lines, "deadweight: run console-r1 ended")]
+    assert end.endswith(f"report: {command}")
+    page = tmp_path / "page.html"
+    argv = [sys.executable, "-m", "deadweight.cli", *shlex.split(command)[1:], "--out",
+            str(page)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "root cause empty_optimizer" in page.read_text()
+

@@ -64,7 +64,8 @@ class Directives:
                 if self.stopped_by is None:
                     first = self._stop(directive)
             elif directive.action == pb.Directive.ACTION_ABORT:
-                self._abort = f"deadweight {directive.detector}: {directive.reason}"
+                self._abort = ("deadweight aborted training, root cause "
+                               f"{self._run.aborted(directive)}")
                 raise DeadweightAbort(self._abort)
         return first
 

@@ -318,6 +318,61 @@ def test_an_abort_names_the_root_cause_and_that_the_process_is_about_to_end(
     assert "ABORTED by deadweight, root cause grad_not_in_optimizer" in summary, summary
 
 
+def _one_batch_loop(address: str, run_id: str, frozen: bool, steps: int = 3) -> None:
+    """A raw loop whose every step reaches the sidecar in the batch that carries its end:
+    the client drains its queue only when the run end wakes it (nothing else is due in time).
+    Frozen: the optimizer holds none of the model's parameters, so frozen_weights can only
+    fire on that last batch (its streak is ``steps`` long)."""
+    import deadweight
+    from deadweight.callbacks.stream_client import ClientSettings
+
+    model = raw_loop_worker._net()
+    params = [torch.nn.Parameter(torch.zeros(1))] if frozen else list(model.parameters())
+    optimizer = torch.optim.AdamW(params, lr=raw_loop_worker.LR)
+    settings = ClientSettings(flush_seconds=60.0, heartbeat_seconds=60.0)
+    with deadweight.watch(model, optimizer, run_id=run_id, address=address,
+                          settings=settings) as monitor:
+        for step in range(1, steps + 1):
+            loss = model(torch.randn(4, 8)).pow(2).mean()
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+            optimizer.step()
+            optimizer.zero_grad()
+            model.zero_grad()
+            monitor.log(step, loss=loss, grad_norm=norm)
+        client = monitor.client
+        assert client is not None and client.sent == 0  # nothing after the RunStart yet
+
+
+@pytest.mark.slow
+def test_a_verdict_that_fires_on_the_batch_carrying_the_run_end_gets_its_line(
+    sidecar: SidecarProcess, deadweight_log: io.StringIO
+) -> None:
+    """The last steps and the run end arrive together: the sidecar judges those steps before
+    it ends the run, and the console prints the verdict's line (severity, cause, fix,
+    runbook) before the end summary. The healthy twin, batched the same way, prints none."""
+    _one_batch_loop(sidecar.address, "console-last-batch", frozen=True)
+    said = deadweight_log.getvalue().splitlines()
+    line = said[_index(said, "deadweight CRITICAL frozen_weights (step 3): ")]
+    assert "weights unchanged for 3 optimizer steps (steps 1-3)" in line, line
+    assert "Fix: Stop the run and fix what froze it" in line
+    assert line.endswith(f"Runbook: http://127.0.0.1:{sidecar.metrics_port}/runbooks/"
+                         "frozen_weights"), line
+    end = _index(said, "deadweight: run console-last-batch ended (completed) at step 3")
+    assert _index(said, "deadweight CRITICAL frozen_weights") < end
+    assert "frozen_weights (critical, step 3, firing at end)" in said[end], said[end]
+    run = sidecar.run_status("console-last-batch")
+    assert run is not None and run.ended
+    assert "frozen_weights" in {f.detector for f in run.findings}
+
+    _one_batch_loop(sidecar.address, "console-last-batch-ok", frozen=False)
+    said = deadweight_log.getvalue().splitlines()
+    twin = said[_index(said, "deadweight: run console-last-batch-ok reports to the sidecar"):]
+    assert _verdict_lines(twin) == [], twin
+    assert any("run console-last-batch-ok ended (completed) at step 3; no verdict" in s
+               for s in twin), twin
+
+
 def _notice(detector: str, incident: int = 1, rank: int = 0) -> pb.VerdictNotice:
     return pb.VerdictNotice(detector=detector, severity="critical", incident=incident,
                             cause="It broke", fix="mend it", cause_rank=rank)

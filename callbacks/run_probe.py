@@ -413,6 +413,13 @@ class RunProbe:
             return f"{directive.detector}: {directive.reason}"
         return self.console.stopped(directive, firing, how)
 
+    def aborted(self, directive: pb.Directive) -> str:
+        """Say an ABORT on the console as a STOP is said; returns the mark."""
+        firing = self.client.firing if self.client is not None else ()
+        if self.console is None:
+            return f"{directive.detector}: {directive.reason}"
+        return self.console.aborted(directive, firing)
+
     def shut_off(self) -> None:
         """Stop measuring and sending at once (after a failure of ours)."""
         self._release_update()

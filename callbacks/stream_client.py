@@ -457,16 +457,18 @@ class StreamClient:
         if rejected and rejected not in self._rejections and len(self._rejections) < 32:
             self._rejections.add(rejected)  # each reason once: a rejected run must not flood
             log.warning("deadweight: sidecar rejected a batch: %s", rejected)
-        with self._lock:
-            while self._inflight and self._inflight[0].seq <= response.ack_seq:
-                self._inflight.popleft()
-        self._start_acked.set()
+        # The answer's words first: whoever sees the ack (``close`` waiting for the queue to
+        # drain, ``wait_registered``) then finds its verdicts and directives already here.
         self._directives.extend(response.directives)
         self._notices.extend(response.verdicts)
         if response.report_known:
             self.report_command = response.report_command
         if not rejected:
             self.firing = tuple(response.firing)
+        with self._lock:
+            while self._inflight and self._inflight[0].seq <= response.ack_seq:
+                self._inflight.popleft()
+        self._start_acked.set()
 
     def _requeue_inflight(self) -> None:
         """Events sent but never acknowledged go out again first after a reconnect."""

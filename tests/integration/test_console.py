@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -188,7 +189,8 @@ def test_under_the_kill_policy_the_stop_names_the_root_cause_and_the_coming_term
     assert "Fix: Load the adapter with `is_trainable=True`" in stop
     assert "Policy kill: unless training ends within the sidecar's stop grace, this process " \
         "is about to be terminated (SIGTERM, then SIGKILL)." in stop
-    assert stop.endswith("Report: deadweight report console-kill"), stop
+    assert stop.endswith("Report: deadweight report console-kill --state-dir "
+                         f"{shlex.quote(str(tmp_path / 'state'))}"), stop
     # said before the termination came: the loop stepped on after the line
     assert _index(lines, "deadweight STOPPED") < len(lines) - 1
     assert not any("LOOP_ENDED" in line for line in lines)
@@ -311,7 +313,9 @@ def test_an_abort_names_the_root_cause_and_that_the_process_is_about_to_end(
         "terminated), root cause grad_not_in_optimizer: Parameters receive gradients" in line
     assert "(abort triggered by frozen_weights)." in line
     assert "Fix: Load the adapter with `is_trainable=True`" in line
-    assert line.endswith("Report: deadweight report console-abort"), line
+    # The in-process sidecar keeps no state dir: no report outlives it, and the line says so.
+    assert line.endswith("Report: none kept (the sidecar has no --state-dir); while it runs: "
+                         "deadweight status --json"), line
     assert [s for s in said if "deadweight ABORTED" in s] == [line]  # said once
     message = str(raised.value)
     assert message.startswith("deadweight aborted training, root cause grad_not_in_optimizer: ")
@@ -486,8 +490,6 @@ def test_the_report_command_on_the_console_opens_the_report(
     tiny: tuple[Path, Path], tmp_path: Path
 ) -> None:
     """The begin line's command is the sidecar's own, state dir included: pasted, it works."""
-    import shlex
-
     state = tmp_path / "state dir"  # a space: the command must be quoted for a shell
     with SidecarProcess(tmp_path / "sc", extra_args=["--state-dir", str(state)]) as sc:
         lines, _ = _train(tiny, tmp_path / "frozen", "frozen", sc.address, "console-r1",

@@ -199,7 +199,8 @@ def test_deepspeed_bf16_master_weights_are_not_low_precision(stage: int, tmp_pat
         run_id = reports[0]["run_id"]
         findings = _findings(sidecar, run_id, 2, wrapper="deepspeed")
         live = reports[0]["live_firing"]
-        assert "low_precision_update" in live and set(live.values()) == {0.0}, live
+        assert "low_precision_update" in live
+        assert [d for d, value in live.items() if value] == [], findings  # what fired live
     assert findings == {}, {k: f.summary for k, f in findings.items()}
     for report in reports:
         assert report["layout"] == "engine" and report["model_dtype"] == "bfloat16"

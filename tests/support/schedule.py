@@ -12,6 +12,12 @@ from __future__ import annotations
 import pytest
 
 LONGEST_FIRST = (
+    # the fast tiers (unit and contract), run on their own first
+    "tests/unit/test_fuzz_registry.py",  # 110: 10,000 fuzzed batches
+    "tests/contract/test_alert_rules.py",  # 35: promtool
+    "tests/unit/test_stop_agreement.py",  # 21: gloo ranks
+    "tests/contract/test_native_wheel.py",  # 17: a wheel built and run
+    # the integration and e2e tiers
     "tests/integration/test_trust_run_id_collision.py",  # 142 s before its go file; 75 after
     "tests/e2e/test_ranks.py",  # 88
     "tests/e2e/test_e2e_short_run.py",  # 80: Alertmanager's group_wait, then the run's expiry

@@ -18,6 +18,7 @@ LONGEST_FIRST = (
     "tests/unit/test_stop_agreement.py",  # 21: gloo ranks
     "tests/contract/test_native_wheel.py",  # 17: a wheel built and run
     # the integration and e2e tiers
+    "tests/integration/test_trust_memory.py",  # 55: the sidecar driven to every cap
     "tests/integration/test_trust_run_id_collision.py",  # 142 s before its go file; 75 after
     "tests/e2e/test_ranks.py",  # 88
     "tests/e2e/test_e2e_short_run.py",  # 80: Alertmanager's group_wait, then the run's expiry

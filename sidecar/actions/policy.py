@@ -28,12 +28,22 @@ from ...proto import pb
 from ..detectors import BY_ID
 from ..detectors.base import Policy
 from ..model.finding import Finding, RunFacts, RunSnapshot
-from ..store.journal import Store, StoreWriteFailed
+from ..store.journal import ActionRow, Store, StoreWriteFailed
 from .silences import Silences
 
 log = structlog.get_logger("deadweight.actions")
 
 LEVEL = {Policy.OBSERVE: 0, Policy.PAGE: 1, Policy.STOP: 2, Policy.KILL: 3}
+
+#: The ``detector`` label of actions on-call took by hand (``deadweight stop``), not a
+#: verdict's.
+OPERATOR = "operator"
+
+
+def operator_stop_directive(reason: str) -> pb.Directive:
+    """The STOP on-call sent by hand, in the words the trainer's console shows."""
+    return pb.Directive(action=pb.Directive.ACTION_STOP, detector=OPERATOR,
+                        reason=f"stopped by on-call: {reason}")
 
 
 class Pager(Protocol):
@@ -226,6 +236,26 @@ class Actions:
             directives.append(self._stop_directive(finding))
             self.record(self._event(run, finding, "stop", "requeued"))
         return directives
+
+    def operator_stop(self, run: RunFacts) -> ActionRow | None:
+        """The STOP on-call sent by hand to this incarnation of the run, if one went out."""
+        return next((a for a in self.store.actions(run.run_id, OPERATOR)
+                     if a.action == "stop" and a.result == "sent"
+                     and a.incarnation == run.incarnation), None)
+
+    def resumed_operator_stop(self, run: RunFacts) -> list[pb.Directive]:
+        """A live run read back after a restart: a STOP on-call sent its incarnation before
+        is queued again for the ranks that reconnect (journaled ``requeued``), like a
+        verdict's; a STOP sent to another incarnation of the run id never reaches this one."""
+        sent = self.operator_stop(run)
+        if sent is None:
+            return []
+        reason = str(sent.detail.get("reason", ""))
+        self.record(ActionEvent(run.run_id, run.trainer, OPERATOR, sent.incident, "stop",
+                                "requeued", detail={"step": sent.detail.get("step", 0),
+                                                    "reason": reason},
+                                incarnation=run.incarnation))
+        return [operator_stop_directive(reason)]
 
     def silenced(self, run: RunFacts, finding: Finding) -> None:
         """A silence began on a firing incident: the page already out resolves (on-call's

@@ -124,6 +124,10 @@ class ActionSink(Protocol):
 
     def resumed(self, run: RunFacts, finding: Finding) -> list[pb.Directive]: ...
 
+    def resumed_operator_stop(self, run: RunFacts) -> list[pb.Directive]:
+        """A live run read back after a restart: the STOP on-call sent it by hand, again."""
+        ...
+
     def forget(self, run_id: str) -> None:
         """The run expired: drop what is kept per run in memory (the journal stays)."""
         ...
@@ -140,6 +144,9 @@ class LogOnlyActions:
         return None
 
     def resumed(self, run: RunFacts, finding: Finding) -> list[pb.Directive]:
+        return []
+
+    def resumed_operator_stop(self, run: RunFacts) -> list[pb.Directive]:
         return []
 
     def forget(self, run_id: str) -> None:

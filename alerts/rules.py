@@ -20,7 +20,7 @@ from deadweight.sidecar.actions.links import (
     dashboard_url_template,
     runbook_url,
 )
-from deadweight.sidecar.detectors import ALL
+from deadweight.sidecar.detectors import ALL, BY_ID
 from deadweight.sidecar.detectors.spec import DetectorSpec
 
 RULES_FILE = "deadweight.rules.yml"
@@ -142,8 +142,15 @@ def firing_expr(d: DetectorSpec) -> str:
     expr = ("max by (run_id, detector, severity) "
             f'(deadweight_detector_firing{{detector="{d.id}"}} == 1)')
     # A detector silenced on the run by hand (``deadweight silence``) pages on neither path.
-    return expr + (" unless on (run_id, detector) "
-                   "max by (run_id, detector) (deadweight_detector_silenced == 1)")
+    expr += (" unless on (run_id, detector) "
+             "max by (run_id, detector) (deadweight_detector_silenced == 1)")
+    if d.inhibited_by:
+        # A silenced root cause leaves Alertmanager, and with it its inhibition: while it
+        # still fires on the run, it keeps its symptoms quiet here instead.
+        expr += (" unless on (run_id) max by (run_id) "
+                 f'(deadweight_detector_firing{{detector=~"{"|".join(d.inhibited_by)}"}} == 1 '
+                 "and on (run_id, detector) deadweight_detector_silenced == 1)")
+    return expr
 
 
 # Evidence shown as whole numbers (counts, bytes, steps); everything else with 4 digits.
@@ -346,6 +353,18 @@ def _detector_series(run_id: str, d: DetectorSpec, firing: str, active: str,
     return series + _series_for_evidence(run_id, values)
 
 
+def _cause_series(run_id: str, cause: str, firing: str) -> list[dict[str, str]]:
+    """A root cause of the run, silenced by hand, firing as given."""
+    severity = BY_ID[cause].spec.severity.value
+    return [
+        {"series": f'deadweight_detector_firing{{{JOB}, run_id="{run_id}", '
+                   f'trainer="GRPOTrainer", detector="{cause}", severity="{severity}"}}',
+         "values": firing},
+        {"series": f'deadweight_detector_silenced{{{JOB}, run_id="{run_id}", '
+                   f'detector="{cause}"}}', "values": f"1x{STEPS}"},
+    ]
+
+
 def _expected_alert(d: DetectorSpec, run_id: str, values: dict[str, float],
                     patterns: Patterns) -> dict[str, Any]:
     return {
@@ -398,6 +417,19 @@ def detector_tests(d: DetectorSpec, patterns: Patterns) -> list[dict[str, Any]]:
     ok_series += _detector_series("run-silenced", d, f"1x{STEPS}", f"1x{STEPS}", values)
     ok_series.append({"series": f'deadweight_detector_silenced{{{JOB}, run_id="run-silenced", '
                                 f'detector="{d.id}"}}', "values": f"1x{STEPS}"})
+    if d.inhibited_by:
+        # A symptom whose root cause fires on the run and is silenced: quiet with it; the
+        # same symptom once that silenced cause cleared: it pages (firing case).
+        cause = d.inhibited_by[0]
+        ok_series += _detector_series("run-cause-silenced", d, f"1x{STEPS}", f"1x{STEPS}",
+                                      values)
+        ok_series += _cause_series("run-cause-silenced", cause, f"1x{STEPS}")
+        firing_case["input_series"] += _detector_series("run-cause-cleared", d,
+                                                        f"0 1x{STEPS}", f"1x{STEPS}", values)
+        firing_case["input_series"] += _cause_series("run-cause-cleared", cause,
+                                                     f"0x{STEPS}")
+        firing_case["alert_rule_test"][1]["exp_alerts"].append(
+            _expected_alert(d, "run-cause-cleared", values, patterns))
     silent_case: dict[str, Any] = {
         "name": f"{name} stays silent on a healthy run",
         "interval": "1m",

@@ -7,7 +7,10 @@ counted by (action, result) for ``deadweight_actions_total`` and logged with its
 ``dry_run`` logs and journals what would have been done and does nothing. An incident is paged
 and stopped at most once, also across restarts (the journal is checked first). A detector
 silenced on the run (``silences``) does not page: the page is journaled ``silenced`` and sent
-when the silence expires if the verdict still stands (``unsilenced``).
+when the silence expires if the verdict still stands (``unsilenced``). A silenced root cause
+keeps inhibiting its symptoms (``inhibited_by``) while it fires, as the Alertmanager
+inhibition does for a cause that pages: their pages are held the same way (journaled
+``silenced`` with ``by`` the cause) until the silence ends or the cause clears.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any, Protocol
 import structlog
 
 from ...proto import pb
-from ..detectors import BY_ID
+from ..detectors import BY_ID, root_causes_of
 from ..detectors.base import Policy
 from ..model.finding import Finding, RunFacts, RunSnapshot
 from ..store.journal import ActionRow, Store, StoreWriteFailed
@@ -196,7 +199,23 @@ class Actions:
                    self.store.actions(run.run_id, finding.detector, finding.incidents))
 
     def _silenced(self, run: RunFacts, finding: Finding) -> bool:
-        return self.silences.active(run.run_id, finding.detector)
+        return bool(self.silenced_by(run, finding.detector))
+
+    def silenced_by(self, run: RunFacts, detector: str) -> str:
+        """What keeps the detector's page quiet on the run: the detector itself when it is
+        silenced, else a root cause of it (``inhibited_by``) silenced while it fires on the
+        run (a silenced cause keeps inhibiting its symptoms); '' when nothing does."""
+        if self.silences.active(run.run_id, detector):
+            return detector
+        firing = {f.detector for f in run.firing} if isinstance(run, RunSnapshot) else set()
+        return next((cause for cause in root_causes_of(detector)
+                     if cause in firing and self.silences.active(run.run_id, cause)), "")
+
+    @staticmethod
+    def symptoms(run: RunFacts, cause: str) -> list[Finding]:
+        """The run's firing findings whose page the cause inhibits."""
+        firing = run.firing if isinstance(run, RunSnapshot) else ()
+        return [f for f in firing if cause in root_causes_of(f.detector)]
 
     # -- verdict transitions ---------------------------------------------------------------
 
@@ -204,8 +223,10 @@ class Actions:
         level = policy_level(finding.policy)
         directives: list[pb.Directive] = []
         if level >= LEVEL[Policy.PAGE] and not self._paged(run, finding):
-            if self._silenced(run, finding):
-                self.record(self._event(run, finding, "page", "silenced"))
+            cover = self.silenced_by(run, finding.detector)
+            if cover:
+                detail = {} if cover == finding.detector else {"by": cover}
+                self.record(self._event(run, finding, "page", "silenced", **detail))
             else:
                 self._page(run, finding)
         if level >= LEVEL[Policy.STOP] and not self._done(run, finding, "stop"):
@@ -281,6 +302,12 @@ class Actions:
             with self._lock:
                 self._held_pages.get(run.run_id, {}).pop(finding.detector, None)
             self.pager.resolve(run.run_id, finding.detector, finding.severity)
+        if self.silences.active(run.run_id, finding.detector):
+            # A silenced cause that cleared holds its symptoms back no longer: what still
+            # fires pages now, as it would have without the silence.
+            for symptom in self.symptoms(run, finding.detector):
+                if not self._silenced(run, symptom):
+                    self.unsilenced(run, symptom)
 
     @staticmethod
     def _stop_directive(finding: Finding) -> pb.Directive:

@@ -142,8 +142,14 @@ class Oncall:
                 request.run_id, trainer, request.detector, 0, ACTION, "set",
                 detail={"until": until, "seconds": request.seconds, "reason": reason,
                         "by_uid": caller.uid, "by_pid": caller.pid}))
-        if found is not None and found[1] is not None and found[1].firing:
-            self.actions.silenced(found[0], found[1])
+        if found is not None:
+            run, finding = found
+            if finding is not None and finding.firing:
+                self.actions.silenced(run, finding)
+                # The symptoms it inhibits stay quiet with it (a silenced cause still
+                # inhibits them): their pages out resolve too.
+                for symptom in self.actions.symptoms(run, request.detector):
+                    self.actions.silenced(run, symptom)
         return pb.SilenceResponse(until=until, message=(
             f"{request.detector} silenced on {request.run_id} for {request.seconds:g}s: it "
             "does not page until then, and pages then if it still fires"))
@@ -154,8 +160,15 @@ class Oncall:
         for silence in ended:
             found = self.registry.finding_of(silence.run_id, silence.detector)
             self._journal(silence, found[0].trainer if found else "", "expired")
-            if found is not None and found[1] is not None and found[1].firing:
-                self.actions.unsilenced(found[0], found[1])
+            run, finding = found if found is not None else (None, None)
+            if run is None or finding is None or not finding.firing:
+                continue
+            self.actions.unsilenced(run, finding)
+            # Its symptoms are as they would be without the silence: paged beside it (the
+            # cause inhibits them again in Alertmanager), unless held by another silence.
+            for symptom in self.actions.symptoms(run, silence.detector):
+                if not self.actions.silenced_by(run, symptom.detector):
+                    self.actions.unsilenced(run, symptom)
         return len(ended)
 
     def _journal(self, silence: Silence, trainer: str, result: str) -> None:

@@ -107,6 +107,9 @@ class RunSnapshot:
     step: int
     incarnation: int = 1
     processes: tuple[tuple[int, ProcessIdentity], ...] = ()
+    #: Copies of the run's findings firing at that moment (the changed one as it is now):
+    #: whether a silenced root cause still holds its symptoms' pages back.
+    firing: tuple[Finding, ...] = ()
 
     @classmethod
     def of(cls, run: RunFacts) -> RunSnapshot:

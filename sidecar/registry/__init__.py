@@ -511,7 +511,7 @@ class Registry:
             if entry is None:
                 return None
             finding = entry.findings.get(detector)
-            return RunSnapshot.of(entry.state), None if finding is None else finding.copy()
+            return entry.snapshot(), None if finding is None else finding.copy()
 
     def frozen_streak(self, run: RunState) -> int:
         return FrozenWeights.streak(run, self.settings)

@@ -189,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="runbook_url; {detector} and {alertname} are filled in "
                         "(default %(default)s)")
     parser.add_argument("--dashboard-url-pattern", default=DEFAULT_PATTERNS.dashboard,
-                        help="dashboard_url; {run_id} is filled in (default %(default)s)")
+                        help="dashboard_url of the alerts about one run; {run_id} is filled "
+                        "in (default: none, the alerts carry no dashboard link)")
     parser.add_argument("--docs-url-pattern", default=None,
                         help="runbook_url of DeadweightSidecarDown, which fires when no "
                         "sidecar can serve its runbook: a wiki or a long-lived copy "

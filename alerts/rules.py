@@ -45,7 +45,8 @@ class Patterns:
     """
 
     runbook: str
-    dashboard: str
+    #: '' (the default): no dashboard link on any alert (never a dead one).
+    dashboard: str = ""
     docs: str | None = None
 
     def runbook_for(self, alert: MonitoringAlert) -> str:
@@ -185,7 +186,7 @@ def links(patterns: Patterns, runbook: str, per_run: bool, run_id: str | None = 
     pattern = patterns.runbook_for(SIDECAR_DOWN) if runbook == SIDECAR_DOWN.runbook \
         else patterns.runbook
     out = {"runbook_url": runbook_url(pattern, runbook)}
-    if per_run:
+    if per_run and patterns.dashboard:
         out["dashboard_url"] = (dashboard_url_template(patterns.dashboard) if run_id is None
                                 else dashboard_url(patterns.dashboard, run_id))
     return out

@@ -90,6 +90,7 @@ def runbook_index() -> str:
         "symptom rules leave out runs whose cause is firing and silenced; the sidecar journals",
         "the symptom's page `silenced` by the cause). When the silence ends the cause pages",
         "and inhibits them again; if the cause clears first, a symptom that still fires pages.",
+        "Likewise a silenced `stalled` keeps DeadweightRunStale quiet for its run.",
         "",
         "Edit a runbook here, or a detector's `spec`, then regenerate the rules, their tests,",
         f"the Alertmanager example, this index and the packaged copy with `{COMMAND}`.",

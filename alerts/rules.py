@@ -146,12 +146,16 @@ def firing_expr(d: DetectorSpec) -> str:
     expr += (" unless on (run_id, detector) "
              "max by (run_id, detector) (deadweight_detector_silenced == 1)")
     if d.inhibited_by:
-        # A silenced root cause leaves Alertmanager, and with it its inhibition: while it
-        # still fires on the run, it keeps its symptoms quiet here instead.
-        expr += (" unless on (run_id) max by (run_id) "
-                 f'(deadweight_detector_firing{{detector=~"{"|".join(d.inhibited_by)}"}} == 1 '
-                 "and on (run_id, detector) deadweight_detector_silenced == 1)")
+        expr += silenced_cause_clause(d.inhibited_by)
     return expr
+
+
+def silenced_cause_clause(causes: tuple[str, ...]) -> str:
+    """A silenced root cause leaves Alertmanager, and with it its inhibition: while it still
+    fires on the run, it keeps the symptom's alert out here instead."""
+    return (" unless on (run_id) max by (run_id) "
+            f'(deadweight_detector_firing{{detector=~"{"|".join(causes)}"}} == 1 '
+            "and on (run_id, detector) deadweight_detector_silenced == 1)")
 
 
 # Evidence shown as whole numbers (counts, bytes, steps); everything else with 4 digits.
@@ -203,11 +207,15 @@ def sidecar_down_description(where: str) -> str:
             "training keeps going and reconnects by itself.")
 
 
+#: The detectors whose alert inhibits DeadweightRunStale for the same run (Alertmanager).
+STALE_CAUSES = ("stalled",)
+
+
 def run_stale_expr(stale_seconds: int) -> str:
     return (
         "time() - max by (run_id) (deadweight_last_step_timestamp_seconds) "
         f"> {stale_seconds} and on (run_id) max by (run_id) (deadweight_run_active == 1)"
-    )
+    ) + silenced_cause_clause(STALE_CAUSES)
 
 
 def run_stale_description(run_id: str, ago: str, stale_seconds: int, step: str) -> str:
@@ -354,7 +362,8 @@ def _detector_series(run_id: str, d: DetectorSpec, firing: str, active: str,
     return series + _series_for_evidence(run_id, values)
 
 
-def _cause_series(run_id: str, cause: str, firing: str) -> list[dict[str, str]]:
+def _cause_series(run_id: str, cause: str, firing: str, silenced: str = f"1x{STEPS}"
+                  ) -> list[dict[str, str]]:
     """A root cause of the run, silenced by hand, firing as given."""
     severity = BY_ID[cause].spec.severity.value
     return [
@@ -362,7 +371,7 @@ def _cause_series(run_id: str, cause: str, firing: str) -> list[dict[str, str]]:
                    f'trainer="GRPOTrainer", detector="{cause}", severity="{severity}"}}',
          "values": firing},
         {"series": f'deadweight_detector_silenced{{{JOB}, run_id="{run_id}", '
-                   f'detector="{cause}"}}', "values": f"1x{STEPS}"},
+                   f'detector="{cause}"}}', "values": silenced},
     ]
 
 
@@ -515,6 +524,10 @@ def monitoring_tests(job_selector: str, stale_seconds: int, patterns: Patterns
                 {"series": last, "values": f"0+60x{n}"},
                 {"series": active.replace("run-hung", "run-done"), "values": f"0x{n}"},
                 {"series": last.replace("run-hung", "run-done"), "values": f"0x{n}"},
+                # hung, but its cause (stalled) fires and on-call silenced it
+                {"series": active.replace("run-hung", "run-held"), "values": f"1x{n}"},
+                {"series": last.replace("run-hung", "run-held"), "values": f"0x{n}"},
+                *_cause_series("run-held", STALE_CAUSES[0], f"1x{n}", f"1x{n}"),
             ],
             "alert_rule_test": [{"eval_time": f"{stale_minutes}m", "alertname": stale,
                                  "exp_alerts": []}],
@@ -632,7 +645,7 @@ def alertmanager_config() -> dict[str, Any]:
                "target_matchers": [f'alertname=~"{names(symptoms)}"'],
                "equal": ["run_id"]} for causes, symptoms in inhibitions().items()),
             {
-                "source_matchers": [f'alertname="{alert_name("stalled")}"'],
+                "source_matchers": [f'alertname="{alert_name(STALE_CAUSES[0])}"'],
                 "target_matchers": [f'alertname="{RUN_STALE.name}"'],
                 "equal": ["run_id"],
             },

@@ -20,7 +20,7 @@ from deadweight.sidecar.actions.links import (
     dashboard_url_template,
     runbook_url,
 )
-from deadweight.sidecar.detectors import ALL
+from deadweight.sidecar.detectors import ALL, BY_ID
 from deadweight.sidecar.detectors.spec import DetectorSpec
 
 RULES_FILE = "deadweight.rules.yml"
@@ -45,7 +45,8 @@ class Patterns:
     """
 
     runbook: str
-    dashboard: str
+    #: '' (the default): no dashboard link on any alert (never a dead one).
+    dashboard: str = ""
     docs: str | None = None
 
     def runbook_for(self, alert: MonitoringAlert) -> str:
@@ -142,8 +143,19 @@ def firing_expr(d: DetectorSpec) -> str:
     expr = ("max by (run_id, detector, severity) "
             f'(deadweight_detector_firing{{detector="{d.id}"}} == 1)')
     # A detector silenced on the run by hand (``deadweight silence``) pages on neither path.
-    return expr + (" unless on (run_id, detector) "
-                   "max by (run_id, detector) (deadweight_detector_silenced == 1)")
+    expr += (" unless on (run_id, detector) "
+             "max by (run_id, detector) (deadweight_detector_silenced == 1)")
+    if d.inhibited_by:
+        expr += silenced_cause_clause(d.inhibited_by)
+    return expr
+
+
+def silenced_cause_clause(causes: tuple[str, ...]) -> str:
+    """A silenced root cause leaves Alertmanager, and with it its inhibition: while it still
+    fires on the run, it keeps the symptom's alert out here instead."""
+    return (" unless on (run_id) max by (run_id) "
+            f'(deadweight_detector_firing{{detector=~"{"|".join(causes)}"}} == 1 '
+            "and on (run_id, detector) deadweight_detector_silenced == 1)")
 
 
 # Evidence shown as whole numbers (counts, bytes, steps); everything else with 4 digits.
@@ -178,7 +190,7 @@ def links(patterns: Patterns, runbook: str, per_run: bool, run_id: str | None = 
     pattern = patterns.runbook_for(SIDECAR_DOWN) if runbook == SIDECAR_DOWN.runbook \
         else patterns.runbook
     out = {"runbook_url": runbook_url(pattern, runbook)}
-    if per_run:
+    if per_run and patterns.dashboard:
         out["dashboard_url"] = (dashboard_url_template(patterns.dashboard) if run_id is None
                                 else dashboard_url(patterns.dashboard, run_id))
     return out
@@ -195,11 +207,15 @@ def sidecar_down_description(where: str) -> str:
             "training keeps going and reconnects by itself.")
 
 
+#: The detectors whose alert inhibits DeadweightRunStale for the same run (Alertmanager).
+STALE_CAUSES = ("stalled",)
+
+
 def run_stale_expr(stale_seconds: int) -> str:
     return (
         "time() - max by (run_id) (deadweight_last_step_timestamp_seconds) "
         f"> {stale_seconds} and on (run_id) max by (run_id) (deadweight_run_active == 1)"
-    )
+    ) + silenced_cause_clause(STALE_CAUSES)
 
 
 def run_stale_description(run_id: str, ago: str, stale_seconds: int, step: str) -> str:
@@ -346,6 +362,19 @@ def _detector_series(run_id: str, d: DetectorSpec, firing: str, active: str,
     return series + _series_for_evidence(run_id, values)
 
 
+def _cause_series(run_id: str, cause: str, firing: str, silenced: str = f"1x{STEPS}"
+                  ) -> list[dict[str, str]]:
+    """A root cause of the run, silenced by hand, firing as given."""
+    severity = BY_ID[cause].spec.severity.value
+    return [
+        {"series": f'deadweight_detector_firing{{{JOB}, run_id="{run_id}", '
+                   f'trainer="GRPOTrainer", detector="{cause}", severity="{severity}"}}',
+         "values": firing},
+        {"series": f'deadweight_detector_silenced{{{JOB}, run_id="{run_id}", '
+                   f'detector="{cause}"}}', "values": silenced},
+    ]
+
+
 def _expected_alert(d: DetectorSpec, run_id: str, values: dict[str, float],
                     patterns: Patterns) -> dict[str, Any]:
     return {
@@ -398,6 +427,19 @@ def detector_tests(d: DetectorSpec, patterns: Patterns) -> list[dict[str, Any]]:
     ok_series += _detector_series("run-silenced", d, f"1x{STEPS}", f"1x{STEPS}", values)
     ok_series.append({"series": f'deadweight_detector_silenced{{{JOB}, run_id="run-silenced", '
                                 f'detector="{d.id}"}}', "values": f"1x{STEPS}"})
+    if d.inhibited_by:
+        # A symptom whose root cause fires on the run and is silenced: quiet with it; the
+        # same symptom once that silenced cause cleared: it pages (firing case).
+        cause = d.inhibited_by[0]
+        ok_series += _detector_series("run-cause-silenced", d, f"1x{STEPS}", f"1x{STEPS}",
+                                      values)
+        ok_series += _cause_series("run-cause-silenced", cause, f"1x{STEPS}")
+        firing_case["input_series"] += _detector_series("run-cause-cleared", d,
+                                                        f"0 1x{STEPS}", f"1x{STEPS}", values)
+        firing_case["input_series"] += _cause_series("run-cause-cleared", cause,
+                                                     f"0x{STEPS}")
+        firing_case["alert_rule_test"][1]["exp_alerts"].append(
+            _expected_alert(d, "run-cause-cleared", values, patterns))
     silent_case: dict[str, Any] = {
         "name": f"{name} stays silent on a healthy run",
         "interval": "1m",
@@ -482,6 +524,10 @@ def monitoring_tests(job_selector: str, stale_seconds: int, patterns: Patterns
                 {"series": last, "values": f"0+60x{n}"},
                 {"series": active.replace("run-hung", "run-done"), "values": f"0x{n}"},
                 {"series": last.replace("run-hung", "run-done"), "values": f"0x{n}"},
+                # hung, but its cause (stalled) fires and on-call silenced it
+                {"series": active.replace("run-hung", "run-held"), "values": f"1x{n}"},
+                {"series": last.replace("run-hung", "run-held"), "values": f"0x{n}"},
+                *_cause_series("run-held", STALE_CAUSES[0], f"1x{n}", f"1x{n}"),
             ],
             "alert_rule_test": [{"eval_time": f"{stale_minutes}m", "alertname": stale,
                                  "exp_alerts": []}],
@@ -599,7 +645,7 @@ def alertmanager_config() -> dict[str, Any]:
                "target_matchers": [f'alertname=~"{names(symptoms)}"'],
                "equal": ["run_id"]} for causes, symptoms in inhibitions().items()),
             {
-                "source_matchers": [f'alertname="{alert_name("stalled")}"'],
+                "source_matchers": [f'alertname="{alert_name(STALE_CAUSES[0])}"'],
                 "target_matchers": [f'alertname="{RUN_STALE.name}"'],
                 "equal": ["run_id"],
             },

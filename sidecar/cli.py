@@ -341,8 +341,9 @@ def build_parser(*more_commands: Callable[[Commands], None]) -> argparse.Argumen
     links.add_argument("--dashboard-url-pattern",
                        type=_url_pattern(alert_links.DASHBOARD_PLACEHOLDERS),
                        default=None, metavar="PATTERN",
-                       help="dashboard_url and generatorURL of pushed alerts; {run_id} is filled "
-                       f"in (default {alert_links.DEFAULT_DASHBOARD_URL_PATTERN})")
+                       help="dashboard_url and generatorURL of pushed alerts and webhook "
+                       "messages; {run_id} is filled in; use the pattern the rules were "
+                       "generated with (default: none, pages carry no dashboard link)")
     links.add_argument("--grafana-url", default=None, metavar="URL",
                        help="the Grafana that holds the shipped dashboards: dashboard links "
                        f"become URL{alert_links.RUN_DASHBOARD_PATH}")

@@ -16,6 +16,8 @@ LINKS_FILE = Path(__file__).resolve().parent / "links.env"
 #: The ConfigMap kustomization.yaml generates from LINKS_FILE (no hash suffix: the Job names it).
 CONFIG_MAP = "deadweight-links"
 KEYS = ("RUNBOOK_URL_PATTERN", "DASHBOARD_URL_PATTERN", "DOCS_URL_PATTERN")
+#: Keys that may be left empty: no dashboard configured means no dashboard link.
+OPTIONAL = frozenset({"DASHBOARD_URL_PATTERN"})
 
 
 def read(path: Path = LINKS_FILE) -> dict[str, str]:
@@ -25,7 +27,7 @@ def read(path: Path = LINKS_FILE) -> dict[str, str]:
         if line.strip() and not line.lstrip().startswith("#"):
             key, _, value = line.partition("=")
             values[key.strip()] = value.strip()
-    missing = [k for k in KEYS if not values.get(k)]
+    missing = [k for k in KEYS if k not in values or (not values[k] and k not in OPTIONAL)]
     if missing:
         raise ValueError(f"{path} lacks {', '.join(missing)}")
     return values

@@ -215,9 +215,13 @@ class AlertmanagerPusher:
     # -- internals -------------------------------------------------------------------------
 
     def _links(self, run_id: str, detector: str) -> dict[str, str]:
-        """The annotations the rules carry too: the runbook and the run's dashboard."""
-        return {"runbook_url": runbook_url(self.runbook_url_pattern, detector),
-                "dashboard_url": dashboard_url(self.dashboard_url_pattern, run_id)}
+        """The annotations the rules carry too: the runbook and, when a dashboard pattern is
+        configured, the run's dashboard (no link rather than a dead one)."""
+        links = {"runbook_url": runbook_url(self.runbook_url_pattern, detector)}
+        dashboard = dashboard_url(self.dashboard_url_pattern, run_id)
+        if dashboard:
+            links["dashboard_url"] = dashboard
+        return links
 
     @staticmethod
     def _labels(run_id: str, detector: str, severity: str) -> dict[str, str]:
@@ -281,9 +285,11 @@ class AlertmanagerPusher:
         body = []
         for alert in batch.values():
             item = alert.payload(now, self.validity)
-            # Where the alert came from: the run's dashboard (Prometheus links its graph).
-            item["generatorURL"] = dashboard_url(self.dashboard_url_pattern,
-                                                 alert.labels["run_id"])
+            # Where the alert came from: the run's dashboard (Prometheus links its graph),
+            # when one is configured.
+            generator = dashboard_url(self.dashboard_url_pattern, alert.labels["run_id"])
+            if generator:
+                item["generatorURL"] = generator
             body.append(item)
         request = urllib.request.Request(
             self.url, data=json.dumps(body).encode(), method="POST",

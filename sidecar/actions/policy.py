@@ -7,7 +7,10 @@ counted by (action, result) for ``deadweight_actions_total`` and logged with its
 ``dry_run`` logs and journals what would have been done and does nothing. An incident is paged
 and stopped at most once, also across restarts (the journal is checked first). A detector
 silenced on the run (``silences``) does not page: the page is journaled ``silenced`` and sent
-when the silence expires if the verdict still stands (``unsilenced``).
+when the silence expires if the verdict still stands (``unsilenced``). A silenced root cause
+keeps inhibiting its symptoms (``inhibited_by``) while it fires, as the Alertmanager
+inhibition does for a cause that pages: their pages are held the same way (journaled
+``silenced`` with ``by`` the cause) until the silence ends or the cause clears.
 """
 
 from __future__ import annotations
@@ -25,15 +28,25 @@ from typing import Any, Protocol
 import structlog
 
 from ...proto import pb
-from ..detectors import BY_ID
+from ..detectors import BY_ID, root_causes_of
 from ..detectors.base import Policy
 from ..model.finding import Finding, RunFacts, RunSnapshot
-from ..store.journal import Store, StoreWriteFailed
+from ..store.journal import ActionRow, Store, StoreWriteFailed
 from .silences import Silences
 
 log = structlog.get_logger("deadweight.actions")
 
 LEVEL = {Policy.OBSERVE: 0, Policy.PAGE: 1, Policy.STOP: 2, Policy.KILL: 3}
+
+#: The ``detector`` label of actions on-call took by hand (``deadweight stop``), not a
+#: verdict's.
+OPERATOR = "operator"
+
+
+def operator_stop_directive(reason: str) -> pb.Directive:
+    """The STOP on-call sent by hand, in the words the trainer's console shows."""
+    return pb.Directive(action=pb.Directive.ACTION_STOP, detector=OPERATOR,
+                        reason=f"stopped by on-call: {reason}")
 
 
 class Pager(Protocol):
@@ -186,7 +199,23 @@ class Actions:
                    self.store.actions(run.run_id, finding.detector, finding.incidents))
 
     def _silenced(self, run: RunFacts, finding: Finding) -> bool:
-        return self.silences.active(run.run_id, finding.detector)
+        return bool(self.silenced_by(run, finding.detector))
+
+    def silenced_by(self, run: RunFacts, detector: str) -> str:
+        """What keeps the detector's page quiet on the run: the detector itself when it is
+        silenced, else a root cause of it (``inhibited_by``) silenced while it fires on the
+        run (a silenced cause keeps inhibiting its symptoms); '' when nothing does."""
+        if self.silences.active(run.run_id, detector):
+            return detector
+        firing = {f.detector for f in run.firing} if isinstance(run, RunSnapshot) else set()
+        return next((cause for cause in root_causes_of(detector)
+                     if cause in firing and self.silences.active(run.run_id, cause)), "")
+
+    @staticmethod
+    def symptoms(run: RunFacts, cause: str) -> list[Finding]:
+        """The run's firing findings whose page the cause inhibits."""
+        firing = run.firing if isinstance(run, RunSnapshot) else ()
+        return [f for f in firing if cause in root_causes_of(f.detector)]
 
     # -- verdict transitions ---------------------------------------------------------------
 
@@ -194,8 +223,10 @@ class Actions:
         level = policy_level(finding.policy)
         directives: list[pb.Directive] = []
         if level >= LEVEL[Policy.PAGE] and not self._paged(run, finding):
-            if self._silenced(run, finding):
-                self.record(self._event(run, finding, "page", "silenced"))
+            cover = self.silenced_by(run, finding.detector)
+            if cover:
+                detail = {} if cover == finding.detector else {"by": cover}
+                self.record(self._event(run, finding, "page", "silenced", **detail))
             else:
                 self._page(run, finding)
         if level >= LEVEL[Policy.STOP] and not self._done(run, finding, "stop"):
@@ -227,6 +258,26 @@ class Actions:
             self.record(self._event(run, finding, "stop", "requeued"))
         return directives
 
+    def operator_stop(self, run: RunFacts) -> ActionRow | None:
+        """The STOP on-call sent by hand to this incarnation of the run, if one went out."""
+        return next((a for a in self.store.actions(run.run_id, OPERATOR)
+                     if a.action == "stop" and a.result == "sent"
+                     and a.incarnation == run.incarnation), None)
+
+    def resumed_operator_stop(self, run: RunFacts) -> list[pb.Directive]:
+        """A live run read back after a restart: a STOP on-call sent its incarnation before
+        is queued again for the ranks that reconnect (journaled ``requeued``), like a
+        verdict's; a STOP sent to another incarnation of the run id never reaches this one."""
+        sent = self.operator_stop(run)
+        if sent is None:
+            return []
+        reason = str(sent.detail.get("reason", ""))
+        self.record(ActionEvent(run.run_id, run.trainer, OPERATOR, sent.incident, "stop",
+                                "requeued", detail={"step": sent.detail.get("step", 0),
+                                                    "reason": reason},
+                                incarnation=run.incarnation))
+        return [operator_stop_directive(reason)]
+
     def silenced(self, run: RunFacts, finding: Finding) -> None:
         """A silence began on a firing incident: the page already out resolves (on-call's
         pager quiets; the rules leave silenced detectors out too)."""
@@ -251,6 +302,12 @@ class Actions:
             with self._lock:
                 self._held_pages.get(run.run_id, {}).pop(finding.detector, None)
             self.pager.resolve(run.run_id, finding.detector, finding.severity)
+        if self.silences.active(run.run_id, finding.detector):
+            # A silenced cause that cleared holds its symptoms back no longer: what still
+            # fires pages now, as it would have without the silence.
+            for symptom in self.symptoms(run, finding.detector):
+                if not self._silenced(run, symptom):
+                    self.unsilenced(run, symptom)
 
     @staticmethod
     def _stop_directive(finding: Finding) -> pb.Directive:

@@ -144,19 +144,23 @@ class WebhookNotifier:
         cause = format_description(description, evidence)
         fix = first_fix(detector) or "see the runbook"
         at = starts_at.timestamp() if isinstance(starts_at, datetime) else starts_at
-        text = "\n".join([
+        lines = [
             f"[{severity.upper()}] {summary}",
             f"Run: {run_id}   Detector: {detector} ({alert_name(detector)})",
             f"Cause: {cause}",
             f"Fix: {fix}",
             f"Runbook: {runbook}",
-            f"Dashboard: {dashboard}",
-        ])
-        return {"text": text, "status": "firing", "alertname": alert_name(detector),
-                "run_id": run_id, "detector": detector, "severity": severity,
-                "summary": summary, "cause": cause, "fix": fix, "runbook_url": runbook,
-                "dashboard_url": dashboard, "evidence": dict(evidence),
-                "starts_at": at if at is not None else time.time()}
+        ]
+        if dashboard:  # only a dashboard the operator configured: never a dead default
+            lines.append(f"Dashboard: {dashboard}")
+        body: dict[str, Any] = {
+            "text": "\n".join(lines), "status": "firing", "alertname": alert_name(detector),
+            "run_id": run_id, "detector": detector, "severity": severity,
+            "summary": summary, "cause": cause, "fix": fix, "runbook_url": runbook,
+            "evidence": dict(evidence), "starts_at": at if at is not None else time.time()}
+        if dashboard:
+            body["dashboard_url"] = dashboard
+        return body
 
     # -- the thread ------------------------------------------------------------------------
 

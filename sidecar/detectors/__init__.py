@@ -134,7 +134,15 @@ __all__ = [
     "SpecDetector",
     "Verdict",
     "fix_sentence",
+    "root_causes_of",
 ]
+
+
+def root_causes_of(detector: str) -> tuple[str, ...]:
+    """The root causes whose firing inhibits this detector's page for the same run (its
+    spec's ``inhibited_by``; () for a cause, or an id that is no detector)."""
+    found = BY_ID.get(detector)
+    return found.spec.inhibited_by if found is not None else ()
 
 
 def fix_sentence(detector: str) -> str:

@@ -4,13 +4,15 @@ Both arrive as RPCs (``Stop``, ``Silence``) on the unix socket and are allowed o
 sidecar's own uid or root, as the kernel names the caller: the command fetches a nonce from
 the attestation socket (``SO_PEERCRED``) and sends it with the request; a nonce is redeemed
 once, so nothing in a message can claim a uid. Every command is journaled like a verdict's
-action: STOP under the detector ``operator`` (once per run: a second ``deadweight stop``
-answers that STOP already went out), a silence as ``silence``/``set`` and, at its end,
+action: STOP under the detector ``operator`` (once per incarnation of a run: a second
+``deadweight stop`` answers that STOP already went out; a restarted sidecar sends it again
+to that incarnation, never to another), a silence as ``silence``/``set`` and, at its end,
 ``silence``/``expired``. ``SilenceClock`` ends silences on time and pages what still fires.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -19,7 +21,7 @@ from collections.abc import Iterable
 import structlog
 
 from ...proto import pb
-from ..actions.policy import ActionEvent, Actions
+from ..actions.policy import OPERATOR, ActionEvent, Actions, operator_stop_directive
 from ..actions.silences import (
     ACTION,
     MAX_SILENCE_SECONDS,
@@ -31,6 +33,7 @@ from ..model.finding import OPERATOR
 from ..model.nonces import Attestor
 from ..model.process import ProcessIdentity
 from ..registry import Registry
+from ..store.journal import StoreWriteFailed
 
 log = structlog.get_logger("deadweight.oncall")
 
@@ -85,28 +88,39 @@ class Oncall:
         return identity
 
     def stop(self, request: pb.StopRequest, caller: ProcessIdentity) -> pb.StopResponse:
+        """Journal the STOP, then queue it for every rank of the run's live incarnation.
+
+        Journaled first, with the incarnation: a sidecar that dies before the run's stream
+        picked it up queues it again when it comes back (``Actions.resumed_operator_stop``),
+        for that incarnation only; a caller told "queued" can rely on that."""
         reason = (request.reason or "stopped by hand").strip()[:MAX_REASON_CHARS]
         with self._lock:
             state = self.registry.run(request.run_id)
             if state is None:
                 raise Refused(f"unknown run {request.run_id!r}")
-            done = [a for a in self.actions.store.actions(request.run_id, OPERATOR)
-                    if a.action == "stop" and a.time >= state.created]
-            if done:
-                return pb.StopResponse(already=True, step=int(done[0].detail.get("step", 0)),
-                                       message=f"STOP already went out for {request.run_id}")
-            directive = pb.Directive(action=pb.Directive.ACTION_STOP, detector=OPERATOR,
-                                     reason=f"stopped by on-call: {reason}")
-            run = self.registry.direct(request.run_id, directive)
-            if run is None:
+            if state.ended:
                 raise Refused(f"run {request.run_id!r} has ended; nothing to stop")
-            self.actions.record(ActionEvent(
-                run.run_id, run.trainer, OPERATOR, 1, "stop", "sent",
-                detail={"step": run.step, "reason": reason, "by_uid": caller.uid,
-                        "by_pid": caller.pid}))
+            done = self.actions.operator_stop(state)
+            if done is not None:
+                return pb.StopResponse(already=True, step=int(done.detail.get("step", 0)),
+                                       message=f"STOP already went out for {request.run_id}")
+            event = ActionEvent(
+                state.run_id, state.trainer, OPERATOR, state.incarnation, "stop", "sent",
+                detail={"step": state.step, "reason": reason, "by_uid": caller.uid,
+                        "by_pid": caller.pid}, incarnation=state.incarnation)
+            try:
+                self.actions.record(event)
+            except StoreWriteFailed as err:
+                raise Refused(f"STOP not sent: the journal cannot be written ({err})") from None
+            run = self.registry.direct(request.run_id, operator_stop_directive(reason),
+                                       incarnation=state.incarnation)
+            if run is None:  # it ended (or a new incarnation began) since the look above
+                self.actions.record(dataclasses.replace(event, result="run_ended"))
+                raise Refused(f"run {request.run_id!r} has ended; nothing to stop")
         return pb.StopResponse(step=run.step, message=(
             f"STOP queued for {run.run_id} at step {run.step}: every rank gets it with its "
-            "next acknowledgement and ends training after the current step"))
+            "next acknowledgement and ends training after the current step (journaled: a "
+            "sidecar restart sends it again)"))
 
     def silence(self, request: pb.SilenceRequest, caller: ProcessIdentity
                 ) -> pb.SilenceResponse:
@@ -129,8 +143,14 @@ class Oncall:
                 request.run_id, trainer, request.detector, 0, ACTION, "set",
                 detail={"until": until, "seconds": request.seconds, "reason": reason,
                         "by_uid": caller.uid, "by_pid": caller.pid}))
-        if found is not None and found[1] is not None and found[1].firing:
-            self.actions.silenced(found[0], found[1])
+        if found is not None:
+            run, finding = found
+            if finding is not None and finding.firing:
+                self.actions.silenced(run, finding)
+                # The symptoms it inhibits stay quiet with it (a silenced cause still
+                # inhibits them): their pages out resolve too.
+                for symptom in self.actions.symptoms(run, request.detector):
+                    self.actions.silenced(run, symptom)
         return pb.SilenceResponse(until=until, message=(
             f"{request.detector} silenced on {request.run_id} for {request.seconds:g}s: it "
             "does not page until then, and pages then if it still fires"))
@@ -141,8 +161,15 @@ class Oncall:
         for silence in ended:
             found = self.registry.finding_of(silence.run_id, silence.detector)
             self._journal(silence, found[0].trainer if found else "", "expired")
-            if found is not None and found[1] is not None and found[1].firing:
-                self.actions.unsilenced(found[0], found[1])
+            run, finding = found if found is not None else (None, None)
+            if run is None or finding is None or not finding.firing:
+                continue
+            self.actions.unsilenced(run, finding)
+            # Its symptoms are as they would be without the silence: paged beside it (the
+            # cause inhibits them again in Alertmanager), unless held by another silence.
+            for symptom in self.actions.symptoms(run, silence.detector):
+                if not self.actions.silenced_by(run, symptom.detector):
+                    self.actions.unsilenced(run, symptom)
         return len(ended)
 
     def _journal(self, silence: Silence, trainer: str, result: str) -> None:

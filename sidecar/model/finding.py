@@ -109,6 +109,9 @@ class RunSnapshot:
     step: int
     incarnation: int = 1
     processes: tuple[tuple[int, ProcessIdentity], ...] = ()
+    #: Copies of the run's findings firing at that moment (the changed one as it is now):
+    #: whether a silenced root cause still holds its symptoms' pages back.
+    firing: tuple[Finding, ...] = ()
 
     @classmethod
     def of(cls, run: RunFacts) -> RunSnapshot:
@@ -126,6 +129,10 @@ class ActionSink(Protocol):
 
     def resumed(self, run: RunFacts, finding: Finding) -> list[pb.Directive]: ...
 
+    def resumed_operator_stop(self, run: RunFacts) -> list[pb.Directive]:
+        """A live run read back after a restart: the STOP on-call sent it by hand, again."""
+        ...
+
     def forget(self, run_id: str) -> None:
         """The run expired: drop what is kept per run in memory (the journal stays)."""
         ...
@@ -142,6 +149,9 @@ class LogOnlyActions:
         return None
 
     def resumed(self, run: RunFacts, finding: Finding) -> list[pb.Directive]:
+        return []
+
+    def resumed_operator_stop(self, run: RunFacts) -> list[pb.Directive]:
         return []
 
     def forget(self, run_id: str) -> None:

@@ -492,12 +492,15 @@ class Registry:
                 return {}
             return dict(entry.identities)
 
-    def direct(self, run_id: str, directive: pb.Directive) -> RunSnapshot | None:
+    def direct(self, run_id: str, directive: pb.Directive, incarnation: int | None = None
+               ) -> RunSnapshot | None:
         """Queue directive for every rank of a live run (an operator's STOP); the run then,
-        or None when the run is unknown or has ended."""
+        or None when the run is unknown or has ended (with incarnation: or lives in another
+        one)."""
         with self._lock:
             entry = self._table.get(run_id)
-            if entry is None or entry.state.ended:
+            if entry is None or entry.state.ended or (
+                    incarnation is not None and entry.incarnation != incarnation):
                 return None
             entry.directives.append(directive)
             return RunSnapshot.of(entry.state)
@@ -509,7 +512,7 @@ class Registry:
             if entry is None:
                 return None
             finding = entry.findings.get(detector)
-            return RunSnapshot.of(entry.state), None if finding is None else finding.copy()
+            return entry.snapshot(), None if finding is None else finding.copy()
 
     def frozen_streak(self, run: RunState) -> int:
         return FrozenWeights.streak(run, self.settings)

@@ -206,6 +206,8 @@ class EventApplier:
     def _on_run_start(self, entry: RunEntry, rank: int, event: pb.Event, now: float) -> None:
         run, start = entry.state, event.run_start
         start.trainer = limits.label_value(start.trainer)  # exported as a label
+        if entry.leader is None:  # a run resumed after a restart with no rank bound
+            entry.leader = rank
         if run.start is None or rank == entry.leader:
             run.start = start
             entry.outbox.add(functools.partial(self.store.upsert_run, run.run_id, run.trainer,

@@ -102,7 +102,7 @@ class FindingLifecycle:
                 log.info("detector_resolved", run_id=run.run_id, detector=detector,
                          reason="the run restarted healthy")
                 entry.outbox.add(functools.partial(self.actions.resolved,
-                                                   RunSnapshot.of(run), old))
+                                                   entry.snapshot(), old))
 
     def fire(self, entry: RunEntry, detector: Detector, verdict: Verdict) -> None:
         run = entry.state
@@ -128,8 +128,7 @@ class FindingLifecycle:
             summary=verdict.summary, evidence=verdict.evidence,
         )
         # The processes bound to this incarnation now: all an escalation may ever signal.
-        snapshot = RunSnapshot(run.run_id, run.trainer, run.step, entry.incarnation,
-                               tuple(sorted(entry.identities.items())))
+        snapshot = entry.snapshot(processes=True)
         entry.outbox.add(functools.partial(self._journal_and_act, entry, finding, snapshot,
                                            finding.copy()))
 
@@ -168,7 +167,7 @@ class FindingLifecycle:
         log.info("detector_resolved", run_id=run.run_id, detector=finding.detector,
                  reason=why)
         if page:
-            entry.outbox.add(functools.partial(self.actions.resolved, RunSnapshot.of(run),
+            entry.outbox.add(functools.partial(self.actions.resolved, entry.snapshot(),
                                                finding.copy()))
         return finding.copy()
 
@@ -197,11 +196,12 @@ class FindingLifecycle:
                 incidents=incident.incident,
             )
             entry.findings[detector] = finding
+        snapshot = entry.snapshot()  # with every finding read back
+        for finding in list(entry.findings.values()):
             if finding.firing:
                 held = finding.copy()
                 if not run.ended:
-                    entry.held.add(detector)
+                    entry.held.add(finding.detector)
                 elif held.policy in (Policy.STOP.value, Policy.KILL.value):
                     held.policy = Policy.PAGE.value  # ended: only its page is held again
-                entry.outbox.add(functools.partial(self.actions.resumed, RunSnapshot.of(run),
-                                                   held))
+                entry.outbox.add(functools.partial(self.actions.resumed, snapshot, held))

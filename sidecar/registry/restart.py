@@ -8,6 +8,7 @@ watched. Stall clocks restart with the sidecar.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from ..model.finding import RunSnapshot
 from ..model.run_state import RunState
 from ..store.journal import RETENTION_SECONDS, Store, StoredIncident
 from .events import end_run
@@ -47,6 +49,9 @@ def read_back(store: Store, now: float, ended_ttl_seconds: float,
         first = entry.identities.get(min(entry.identities)) if entry.identities else None
         if first is not None:  # the caps count a restored run for its process again
             entry.owner = Owner(f"pid {first.pid} start {first.start_time}", first.uid)
+        # The lowest bound rank ends the run and sets its run-wide logs (none bound: the
+        # first RunStart after the restart); without one, a resumed run never ended.
+        entry.leader = min(entry.identities) if entry.identities else None
         for rank in entry.identities:
             run.rank(rank).last_seen = now  # stall clocks restart with the sidecar
         run.ended, run.end_reason, run.ended_at = (
@@ -68,7 +73,10 @@ def resume(store: Store, table: RunTable, lifecycle: FindingLifecycle, lock: thr
     Firing findings come back firing (no second page, STOP or kill for the same incident).
     Runs already silent, or whose processes are gone (check_exits), ended while no sidecar
     watched: they end before the first stream, so stale runs never hold the room of the run
-    table (a full table of them refused every new run after a restart).
+    table (a full table of them refused every new run after a restart). A run still live
+    then gets again the STOP on-call sent its incarnation by hand (``deadweight stop``), as
+    a firing verdict's STOP comes again: the previous sidecar may have died before the
+    run's stream picked it up.
     """
     now = time.time()
     found = read_back(store, now, table.ended_ttl_seconds, limit=table.max_runs - len(table))
@@ -82,6 +90,9 @@ def resume(store: Store, table: RunTable, lifecycle: FindingLifecycle, lock: thr
             end_run(silent, store, "silent", now)
         for entry in restored:
             check_exits(entry, now)
+            if not entry.state.ended:
+                entry.outbox.add(functools.partial(lifecycle.actions.resumed_operator_stop,
+                                                   RunSnapshot.of(entry.state)))
     if restored:
         log.info("runs_resumed", runs=len(restored))
     return restored

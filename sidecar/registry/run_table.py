@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from ...proto import pb
-from ..model.finding import Finding
+from ..model.finding import Finding, RunSnapshot
 from ..model.process import ProcessIdentity
 from ..model.run_state import RunState
 from ..store.journal import Store
@@ -91,6 +91,14 @@ class RunEntry:
         of a few fresh steps; sharded, only steps every rank reported count. Without the hold
         the finding would resolve on that short window and fire again as a second incident."""
         self.held.update(d for d, finding in self.findings.items() if finding.firing)
+
+    def snapshot(self, processes: bool = False) -> RunSnapshot:
+        """The run as actions see it, with copies of its firing findings (and, with
+        processes, the processes bound to this incarnation now). Under the registry lock."""
+        run = self.state
+        return RunSnapshot(run.run_id, run.trainer, run.step, self.incarnation,
+                           tuple(sorted(self.identities.items())) if processes else (),
+                           tuple(f.copy() for f in self.findings.values() if f.firing))
 
     def take_directives(self, rank: int) -> list[pb.Directive]:
         """The directives rank has not been handed yet."""

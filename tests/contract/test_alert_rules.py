@@ -92,7 +92,8 @@ def test_alert_names_and_links_match_the_push_path() -> None:
         rule = rules_by_name[alert_name(d.id)]
         notes = rule["annotations"]
         assert notes["runbook_url"] == runbook_url(DEFAULTS.runbook, d.id)
-        assert set(notes) == {"summary", "description", "runbook_url", "dashboard_url"}
+        # No dashboard pattern by default: no dashboard link (never a dead one).
+        assert set(notes) == {"summary", "description", "runbook_url"}
         # Exactly run_id, detector, severity survive (alertname is added by Prometheus) and
         # no static label could add or override one.
         assert str(rule["expr"]).startswith("max by (run_id, detector, severity) (")
@@ -293,11 +294,14 @@ def test_promtool_cases_catch_a_broken_rule(tmp_path: Path) -> None:
     assert "DeadweightFrozenWeights" in out.stdout + out.stderr
 
 
-def test_the_default_dashboard_link_opens_the_shipped_run_dashboard_on_its_run() -> None:
+def test_the_grafana_dashboard_link_opens_the_shipped_run_dashboard_on_its_run() -> None:
     import json
 
+    from deadweight.sidecar.actions.links import dashboard_pattern_for
+
+    assert DEFAULTS.dashboard == "" and dashboard_url(DEFAULTS.dashboard, "run-1") == ""
     board = json.loads((ROOT / "dashboards" / "deadweight-run.json").read_text())
     variables = {v["name"] for v in board["templating"]["list"]}
-    link = dashboard_url(DEFAULTS.dashboard, "run-1")
+    link = dashboard_url(dashboard_pattern_for("https://grafana.example.com"), "run-1")
     assert f"/d/{board['uid']}/" in link
     assert "run_id" in variables and link.endswith("?var-run_id=run-1")

@@ -125,6 +125,10 @@ def test_webhook_pages_once_per_incident_with_links_that_open(
     [pushed] = {a["annotations"]["runbook_url"] for a in Hooks.alerts
                 if a["labels"]["detector"] == "frozen_weights"}
     assert pushed == runbook
+    # No dashboard was configured: no dashboard link anywhere (never a dead default one).
+    assert "dashboard_url" not in message and "Dashboard" not in text
+    for alert in Hooks.alerts:
+        assert "dashboard_url" not in alert["annotations"] and "generatorURL" not in alert
 
     # A restart re-asserts the open incidents to Alertmanager and posts nothing again.
     before = len(Hooks.messages)
@@ -140,6 +144,31 @@ def test_webhook_pages_once_per_incident_with_links_that_open(
                  what="the re-asserted alert at Alertmanager")
     assert len(Hooks.messages) == before
     assert messages_for(run_id) == {"frozen_weights": 1, "empty_optimizer": 1}
+
+
+def test_a_configured_dashboard_pattern_is_the_link_pages_carry(
+        tmp_path: Path, hooks: str) -> None:
+    Hooks.fail_first = 0
+    pattern = "https://grafana.example.com/d/deadweight-run/deadweight-run?var-run_id={run_id}"
+    run_id = "run/dashboard"  # query-escaped in the link
+    link = "https://grafana.example.com/d/deadweight-run/deadweight-run?var-run_id=run%2Fdashboard"
+    with SidecarProcess(tmp_path / "sc", extra_args=[
+            "--webhook-url", hooks + SECRET_PATH, "--alertmanager-url", hooks,
+            "--dashboard-url-pattern", pattern]) as sidecar:
+        client = start_raw_client(sidecar.socket_path, run_id, tmp_path / "c.log", attest=True)
+        try:
+            wait_for(lambda: messages_for(run_id).get("frozen_weights"), 30,
+                     what="the webhook message")
+            wait_for(lambda: [a for a in Hooks.alerts
+                              if a["labels"]["detector"] == "frozen_weights"], 30,
+                     what="the pushed alert")
+        finally:
+            stop_all(client)
+    [message] = [m for m in Hooks.messages if m["detector"] == "frozen_weights"]
+    assert message["dashboard_url"] == link
+    assert f"Dashboard: {link}" in message["text"]
+    pushed = [a for a in Hooks.alerts if a["labels"]["detector"] == "frozen_weights"]
+    assert all(a["annotations"]["dashboard_url"] == link == a["generatorURL"] for a in pushed)
 
 
 def _store(tmp_path: Path) -> Any:
@@ -170,6 +199,9 @@ def test_grafana_url_sets_the_dashboard_links() -> None:
     assert config.dashboard_url_pattern == (
         "https://grafana.example.com/d/deadweight-run/deadweight-run?var-run_id={run_id}")
     assert config.runbook_url_pattern is None  # follows the metrics address once bound
+    # Neither flag: no dashboard link at all.
+    unset = _sidecar_config(build_parser().parse_args(["serve"]))
+    assert unset.dashboard_url_pattern == ""
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--grafana-url", "https://g", "--dashboard-url-"
                                    "pattern", "https://x/{run_id}"])

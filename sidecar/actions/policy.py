@@ -30,7 +30,7 @@ import structlog
 from ...proto import pb
 from ..detectors import BY_ID, root_causes_of
 from ..detectors.base import Policy
-from ..model.finding import Finding, RunFacts, RunSnapshot
+from ..model.finding import OPERATOR, Finding, RunFacts, RunSnapshot
 from ..store.journal import ActionRow, Store, StoreWriteFailed
 from .silences import Silences
 
@@ -38,9 +38,6 @@ log = structlog.get_logger("deadweight.actions")
 
 LEVEL = {Policy.OBSERVE: 0, Policy.PAGE: 1, Policy.STOP: 2, Policy.KILL: 3}
 
-#: The ``detector`` label of actions on-call took by hand (``deadweight stop``), not a
-#: verdict's.
-OPERATOR = "operator"
 
 
 def operator_stop_directive(reason: str) -> pb.Directive:

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 import structlog
 
 from ...proto import pb
-from ..actions.policy import OPERATOR, ActionEvent, Actions, operator_stop_directive
+from ..actions.policy import ActionEvent, Actions, operator_stop_directive
 from ..actions.silences import (
     ACTION,
     MAX_SILENCE_SECONDS,

@@ -20,6 +20,7 @@ from typing import Any
 
 from ..proto import pb
 from .detectors.spec import root_causes_first
+from .model.finding import verdict_state
 from .registry.status_report import OMITTED_PREFIX
 from .status import run_state
 
@@ -32,9 +33,8 @@ ACTION_KEYS = ("detector", "action", "result", "time", "step")
 
 
 def finding_state(finding: pb.Finding, run: pb.RunStatus) -> str:
-    if finding.firing:
-        return "firing at end" if run.ended else "firing"
-    return "resolved"
+    """The state the sidecar sent (an older one sends none: read from ``firing``)."""
+    return finding.state or verdict_state(finding.firing, run.ended)
 
 
 def _omitted(run: pb.RunStatus) -> int:

@@ -12,11 +12,11 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
 from .detectors.spec import root_causes_first
+from .model.finding import FIRING, FIRING_AT_END, RESOLVED, SEVERITY_ORDER, verdict_state
 from .store.journal import StoredIncident, StoredRun
 
 T = TypeVar("T")
-SEVERITY_RANK = {"critical": 0, "warning": 1, "info": 2}
-FIRING, FIRING_AT_END, RESOLVED = "firing", "firing at end", "resolved"
+__all__ = ["FIRING", "FIRING_AT_END", "RESOLVED", "causes_first", "state"]
 
 
 def first_per_detector(incidents: Iterable[StoredIncident],
@@ -28,7 +28,7 @@ def first_per_detector(incidents: Iterable[StoredIncident],
     for incident in sorted(incidents, key=lambda i: (i.fired_at, i.incident)):
         if incident.severity in severities:
             first.setdefault(incident.detector, incident)
-    base = sorted(first.values(), key=lambda i: (SEVERITY_RANK.get(i.severity, 3), i.step))
+    base = sorted(first.values(), key=lambda i: (SEVERITY_ORDER.get(i.severity, 3), i.step))
     return [first[d] for d in root_causes_first([i.detector for i in base])]
 
 
@@ -37,21 +37,20 @@ def last_per_detector(incidents: Iterable[StoredIncident]) -> list[StoredInciden
     last: dict[str, StoredIncident] = {}
     for incident in sorted(incidents, key=lambda i: (i.fired_at, i.incident)):
         last[incident.detector] = incident
-    base = sorted(last.values(), key=lambda i: (SEVERITY_RANK.get(i.severity, 3), i.step))
+    base = sorted(last.values(), key=lambda i: (SEVERITY_ORDER.get(i.severity, 3), i.step))
     return [last[d] for d in root_causes_first([i.detector for i in base])]
 
 
 def state(incident: StoredIncident, run: StoredRun) -> str:
     """firing / firing at end / resolved: a verdict closed at or after the run's end (the end
     closes run-scoped verdicts) stood until the end."""
-    if incident.resolved_at is None or (run.ended and incident.resolved_at >= run.ended_at):
-        return FIRING_AT_END if run.ended else FIRING
-    return RESOLVED
+    return verdict_state(incident.resolved_at is None, run.ended, incident.resolved_at,
+                         run.ended_at)
 
 
 def causes_first(items: Iterable[T], key: Callable[[T], tuple[str, str, int]]) -> list[T]:
     """items (verdicts of any shape) root causes first, then by severity and the step they
     fired at; key(item) is (detector, severity, step)."""
-    keyed = sorted(items, key=lambda item: (SEVERITY_RANK.get(key(item)[1], 3), key(item)[2]))
+    keyed = sorted(items, key=lambda item: (SEVERITY_ORDER.get(key(item)[1], 3), key(item)[2]))
     place = {d: n for n, d in enumerate(root_causes_first([key(i)[0] for i in keyed]))}
     return sorted(keyed, key=lambda item: place[key(item)[0]])

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ...proto import pb, run_summary
-from ..model.finding import Finding
+from ..model.finding import Finding, verdict_state
 from ..verdicts import causes_first
 
 if TYPE_CHECKING:
@@ -46,14 +46,9 @@ class _RunView:
     output_dir: str
 
 
-def verdict_state(finding: Finding, ended: bool, ended_at: float) -> str:
-    """firing, firing at end (it stood when the run ended: the end does not resolve it), or
-    resolved (it cleared while the run was live)."""
-    if finding.firing:
-        return run_summary.FIRING_AT_END if ended else run_summary.FIRING
-    if ended and finding.resolved_at and finding.resolved_at >= ended_at:
-        return run_summary.FIRING_AT_END  # resolved by the end itself, not by a recovery
-    return run_summary.RESOLVED
+def summary_state(finding: Finding, ended: bool, ended_at: float) -> str:
+    """The finding's state (``verdict_state``) for the summary file."""
+    return verdict_state(finding.firing, ended, finding.resolved_at or None, ended_at)
 
 
 def compose(run: _RunView, findings: list[Finding], actions: list[dict[str, str]],
@@ -62,7 +57,7 @@ def compose(run: _RunView, findings: list[Finding], actions: list[dict[str, str]
     verdicts = [
         run_summary.SummaryVerdict(
             detector=f.detector, severity=f.severity,
-            firing=(state := verdict_state(f, run.ended, run.ended_at)) != run_summary.RESOLVED,
+            firing=(state := summary_state(f, run.ended, run.ended_at)) != run_summary.RESOLVED,
             step=int(f.step), summary=f.summary, state=state, policy=f.policy)
         for f in findings if f.incidents or f.firing]
     ordered = causes_first(verdicts, lambda v: (v.detector, v.severity, v.step))

@@ -13,7 +13,7 @@ from typing import Protocol
 
 import structlog
 
-from ...proto import pb
+from ...proto import pb, run_summary
 from .process import ProcessIdentity
 
 log = structlog.get_logger("deadweight.registry")
@@ -21,9 +21,9 @@ log = structlog.get_logger("deadweight.registry")
 #: The states of a verdict a person reads. A run's end alone never resolves a verdict: one
 #: still firing when its run ended stays so (``FIRING_AT_END``), in status, report, /metrics
 #: and on-call, until the run restarts or expires or an operator silences it.
-FIRING = "firing"
-RESOLVED = "resolved"
-FIRING_AT_END = "firing at end"
+#: One spelling for the sidecar and the summary file beside the adapter (``run_summary``).
+FIRING, FIRING_AT_END, RESOLVED = run_summary.FIRING, run_summary.FIRING_AT_END, \
+    run_summary.RESOLVED
 #: The ``detector`` label of actions on-call took by hand (not a detector's verdict).
 OPERATOR = "operator"
 #: Severities in the order a reader needs them (after root causes, which lead).
@@ -46,9 +46,14 @@ def evidence_pairs(at_firing: Mapping[str, str], latest: Mapping[str, str]
     return pairs
 
 
-def verdict_state(firing: bool, run_ended: bool) -> str:
-    """firing / resolved (the condition cleared while the run was live) / firing at end."""
-    if not firing:
+def verdict_state(firing: bool, run_ended: bool, resolved_at: float | None = None,
+                  ended_at: float = 0.0) -> str:
+    """firing / firing at end / resolved: the one rule every listing uses.
+
+    "resolved" means the condition cleared while the run was live; a verdict that the run's
+    end itself closed (resolved at or after ``ended_at``) stood until the end."""
+    closed_by_end = run_ended and resolved_at is not None and resolved_at >= ended_at
+    if not firing and not closed_by_end:
         return RESOLVED
     return FIRING_AT_END if run_ended else FIRING
 

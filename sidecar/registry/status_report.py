@@ -91,7 +91,9 @@ def status_response(runs: list[tuple[RunState, list[Finding]]],
                     pb.Finding(
                         detector=f.detector, severity=f.severity, firing=f.firing,
                         step=f.step, summary=f.summary, evidence=f.evidence,
-                        policy=f.policy, state=verdict_state(f.firing, run.ended),
+                        policy=f.policy,
+                        state=verdict_state(f.firing, run.ended, f.resolved_at or None,
+                                            run.ended_at),
                         evidence_at_firing=f.fired_evidence or f.evidence,
                     )
                     for f in ordered(findings)

@@ -8,7 +8,7 @@ while the run was live. Root causes lead their symptoms.
 from __future__ import annotations
 
 from deadweight.proto import run_summary
-from deadweight.sidecar.ingest.summary_service import verdict_state
+from deadweight.sidecar.ingest.summary_service import summary_state as verdict_state
 from deadweight.sidecar.model.finding import Finding
 from deadweight.sidecar.verdicts import causes_first
 

@@ -26,7 +26,7 @@ from . import verdicts as verdict_order
 from .actions.links import DEFAULT_RUNBOOK_URL_PATTERN, runbook_url
 from .detectors import BY_ID, fix_sentence
 from .exposition import report_plots, runbook_pages
-from .model.finding import evidence_pairs
+from .model.finding import RESULT_WORDS, evidence_pairs
 from .store.journal import ActionRow, Store, StoredIncident, StoredRun
 
 if TYPE_CHECKING:
@@ -287,7 +287,8 @@ def render(record: RunRecord, frozen_ratio_floor: float = 0.01,
         _table(("time", "detector", "action", "result", "rank", "pid"), [
             (_when(a.time), f"{a.detector}#{a.incident}", a.action + (" (dry run)" if a.dry_run
                                                                        else ""),
-             a.result, "" if a.rank is None else str(a.rank), "" if a.pid is None else str(a.pid))
+             RESULT_WORDS.get(a.result, a.result), "" if a.rank is None else str(a.rank),
+             "" if a.pid is None else str(a.pid))
             for a in record.actions]),
         "<h2>Checkpoint hash chain</h2>",
         _table(("step", "path", "adapter digest", "bytes", "same as"), _chain(record)),

@@ -9,7 +9,14 @@ from __future__ import annotations
 from ..proto import monitor_stub, pb
 from ..proto.transport import bearer_metadata, grpc_target, open_channel
 from .detectors.spec import root_causes_first
-from .model.finding import FIRING, FIRING_AT_END, OPERATOR, evidence_pairs, verdict_state
+from .model.finding import (
+    FIRING,
+    FIRING_AT_END,
+    OPERATOR,
+    RESULT_WORDS,
+    evidence_pairs,
+    verdict_state,
+)
 from .registry.status_report import STATUS_MAX_BYTES
 
 
@@ -32,9 +39,6 @@ def fetch(
 #: Actions that end a run, in the order the sidecar escalates them.
 ENDING_ACTIONS = {"stop": "STOP", "sigterm": "SIGTERM", "sigkill": "SIGKILL"}
 SENT = frozenset({"sent", "delivered", "signalled", "dry_run"})
-#: How the table words an action's result where the journal's value would puzzle a reader
-#: (``--json`` keeps the journal's values).
-RESULT_WORDS = {"no_pager": "not paged, no pager configured (--alertmanager-url, --webhook-url)"}
 
 
 def run_state(run: pb.RunStatus) -> str:

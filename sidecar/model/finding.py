@@ -26,6 +26,9 @@ FIRING, FIRING_AT_END, RESOLVED = run_summary.FIRING, run_summary.FIRING_AT_END,
     run_summary.RESOLVED
 #: The ``detector`` label of actions on-call took by hand (not a detector's verdict).
 OPERATOR = "operator"
+#: How status and the report word an action's result where the journal's value would puzzle
+#: a reader (``--json`` and the journal keep the values).
+RESULT_WORDS = {"no_pager": "not paged, no pager configured (--alertmanager-url, --webhook-url)"}
 #: Severities in the order a reader needs them (after root causes, which lead).
 SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
 

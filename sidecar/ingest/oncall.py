@@ -91,8 +91,9 @@ class Oncall:
             state = self.registry.run(request.run_id)
             if state is None:
                 raise Refused(f"unknown run {request.run_id!r}")
-            done = [a for a in self.actions.store.actions(request.run_id, OPERATOR)
-                    if a.action == "stop" and a.time >= state.created]
+            done = [a for a in self.actions.store.actions(request.run_id, OPERATOR,
+                                                          incarnation=state.incarnation)
+                    if a.action == "stop"]
             if done:
                 return pb.StopResponse(already=True, step=int(done[0].detail.get("step", 0)),
                                        message=f"STOP already went out for {request.run_id}")
@@ -104,7 +105,7 @@ class Oncall:
             self.actions.record(ActionEvent(
                 run.run_id, run.trainer, OPERATOR, 1, "stop", "sent",
                 detail={"step": run.step, "reason": reason, "by_uid": caller.uid,
-                        "by_pid": caller.pid}))
+                        "by_pid": caller.pid}, incarnation=run.incarnation))
         return pb.StopResponse(step=run.step, message=(
             f"STOP queued for {run.run_id} at step {run.step}: every rank gets it with its "
             "next acknowledgement and ends training after the current step"))
@@ -129,7 +130,8 @@ class Oncall:
             self.actions.record(ActionEvent(
                 request.run_id, trainer, request.detector, 0, ACTION, "set",
                 detail={"until": until, "seconds": request.seconds, "reason": reason,
-                        "by_uid": caller.uid, "by_pid": caller.pid}))
+                        "by_uid": caller.uid, "by_pid": caller.pid},
+                incarnation=found[0].incarnation if found is not None else 1))
         if found is not None and found[1] is not None and found[1].firing:
             self.actions.silenced(found[0], found[1])
         return pb.SilenceResponse(until=until, message=(

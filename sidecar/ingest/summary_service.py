@@ -117,9 +117,11 @@ def signed_summary(registry: Registry, signer: SummarySigner, request: pb.SignSu
         run = _RunView(state.run_id, state.step, state.ended, state.ended_at,
                        state.end_reason, state.start.output_dir if state.start else "")
         findings = list(registry.findings(request.run_id).values())
+        incarnation = state.incarnation
     actions = [{"detector": a.detector, "action": a.action, "result": a.result,
                 "step": str(a.detail.get("step", "") or "")}
-               for a in registry.store.actions(run_id=request.run_id)[-MAX_ACTIONS:]]
+               for a in registry.store.actions(run_id=request.run_id,
+                                               incarnation=incarnation)[-MAX_ACTIONS:]]
     body = run_summary.canonical(compose(run, findings, actions, request.adapter,
                                          time.time() if now is None else now))
     return pb.SignSummaryResponse(body=body, signature=signer.sign(body), key_id=signer.key_id)

@@ -517,7 +517,8 @@ class Registry:
         """Every run (or the one named), with the actions journaled for it (read unlocked)."""
         runs = [(run, findings) for run, findings in self.runs()
                 if not run_id or run.run_id == run_id]
-        actions = {run.run_id: self.store.actions(run_id=run.run_id)[-MAX_STATUS_ACTIONS:]
+        actions = {run.run_id: self.store.actions(
+            run_id=run.run_id, incarnation=run.incarnation)[-MAX_STATUS_ACTIONS:]
                    for run, _ in runs}
         return status_response(runs, actions, time.time())
 

@@ -172,19 +172,20 @@ class EventApplier:
 
     def _keep_history(self, entry: RunEntry) -> None:
         """Hand the batch's step and log history to the queue (or the run's outbox)."""
-        run_id, queue = entry.state.run_id, self.history_queue
+        run_id, life, queue = entry.state.run_id, entry.incarnation, self.history_queue
         if self._history:
             if queue is not None:
-                queue.add_steps(run_id, self._history)
+                queue.add_steps(run_id, self._history, life)
             else:
                 entry.outbox.add(functools.partial(self.store.add_step_history, run_id,
-                                                   self._history))
+                                                   self._history, life))
             self._history = []
         if self._logs:
             if queue is not None:
-                queue.add_logs(run_id, self._logs)
+                queue.add_logs(run_id, self._logs, life)
             else:
-                entry.outbox.add(functools.partial(self.store.add_logs, run_id, self._logs))
+                entry.outbox.add(functools.partial(self.store.add_logs, run_id, self._logs,
+                                                   life))
             self._logs = []
 
     @staticmethod
@@ -300,7 +301,8 @@ class EventApplier:
     def _add_checkpoint(self, entry: RunEntry, point: CheckpointPoint) -> None:
         run = entry.state
         run.add_checkpoint(point)
-        entry.outbox.add(functools.partial(self.store.add_checkpoint, run.run_id, point))
+        entry.outbox.add(functools.partial(self.store.add_checkpoint, run.run_id, point,
+                                           entry.incarnation))
 
     @staticmethod
     def apply_refusal(entry: RunEntry, path: str, reason: str) -> None:

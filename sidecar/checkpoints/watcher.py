@@ -11,10 +11,10 @@ and every file in it belong to the uid the kernel named for the run (the run's p
 read them anyway, so the sidecar reads nothing on its behalf that its own uid could not
 write), and, where the operator gave ``--watch-root`` folders, only while its resolved path
 lies under one of them. A run that did not attest has no uid to check: its checkpoints are
-read only under a ``--watch-root``. Refusals reach the sink as findings. One watchdog
-observer serves every run; each scheduled folder costs it one kernel watch thread, so at
-most ``max_watches`` folders get one (the others are polled by the scan), and a run may name
-at most ``max_folders_per_run`` folders.
+read only under a ``--watch-root`` (the checks are ``access``'s, shared with ``SignSummary``).
+Refusals reach the sink as findings. One watchdog observer serves every run; each scheduled
+folder costs it one kernel watch thread, so at most ``max_watches`` folders get one (the
+others are polled by the scan), and a run may name at most ``max_folders_per_run`` folders.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from watchdog.observers import Observer
 from watchdog.observers.api import ObservedWatch
 
 from ..model.inspection import CheckpointInspection
+from . import access
 from .inspector import (
     CheckpointRefused,
     NotACheckpoint,
@@ -55,12 +56,6 @@ MAX_FOLDERS_PER_RUN = 4
 class InspectionSink(Protocol):
     def record_inspection(self, run_id: str, inspection: CheckpointInspection,
                           step: int = 0) -> bool: ...
-
-
-def under_roots(path: Path, roots: Iterable[Path]) -> bool:
-    """True when path, with every symlink resolved, lies in (or is) one of the roots."""
-    real = Path(os.path.realpath(path))
-    return any(real == root or root in real.parents for root in roots)
 
 
 @dataclass
@@ -98,22 +93,6 @@ def _signature(folder: Path) -> tuple[tuple[str, int, int], ...]:
 def _step(path: Path) -> int:
     match = CHECKPOINT_DIR.match(path.name)
     return int(match.group(1)) if match else 0
-
-
-def _leaves_folder(path: Path) -> str | None:
-    """Why a checkpoint must not be read: a symlink out of its folder could make the sidecar
-    read files the run's user cannot, or block forever on a FIFO. None when it stays inside."""
-    try:
-        real = path.resolve(strict=True)
-        if real.parent != path.parent.resolve():
-            return f"the folder is a symlink to {real}, outside the output folder"
-        for entry in path.iterdir():
-            if entry.is_symlink() and entry.resolve().parent != real:
-                return (f"{entry.name} is a symlink to {entry.resolve()}, outside the "
-                        "checkpoint folder")
-    except OSError:
-        return None  # gone or unreadable: the inspector reports it
-    return None
 
 
 class _Handler(FileSystemEventHandler):  # type: ignore[misc]
@@ -205,38 +184,16 @@ class CheckpointWatcher:
 
     def _outside(self, path: Path) -> str | None:
         """Why path may not be read (outside every root), or None."""
-        if not self.roots:
-            return None  # the run's own uid (``_foreign``) is the restriction
-        if not under_roots(path, self.roots):
-            return ("outside the allowed roots "
-                    f"({', '.join(str(r) for r in self.roots)})")
-        return None
+        return access.outside(path, self.roots)
 
     def _run_uids(self, run_id: str) -> set[int]:
         return {w.owner_uid for w in self._watched.values()
                 if w.run_id == run_id and w.owner_uid is not None}
 
     def _foreign(self, run_id: str, path: Path, files: bool = True) -> str | None:
-        """Why a folder (and, with files, every entry in it) is not the run's own: owned by
-        another uid than the one the kernel named for the run. A run that did not attest is
-        read only under a --watch-root (the operator's word for those folders)."""
-        owners = self._run_uids(run_id)
-        if not owners:
-            if self.roots:
-                return None
-            return ("the run did not attest, so no uid vouches for its folders, and no "
-                    "--watch-root is configured to allow them")
-        try:
-            listed = files and path.is_dir() and not path.is_symlink()
-            entries = [path, *(sorted(path.iterdir()) if listed else [])]
-            for entry in entries:
-                owner = entry.lstat().st_uid
-                if owner not in owners:
-                    what = "" if entry == path else f"{entry.name} in it is "
-                    return f"{what}owned by uid {owner}, not by the run's uid {min(owners)}"
-        except OSError:
-            return None  # gone or unreadable: the inspector reports it
-        return None
+        """Why a folder (and, with files, every entry in it) is not the run's own
+        (``access.foreign``)."""
+        return access.foreign(path, self._run_uids(run_id), bool(self.roots), files)
 
     def _drain(self) -> None:
         while True:
@@ -341,7 +298,7 @@ class CheckpointWatcher:
         if foreign is not None:
             self._refuse(pending.run_id, pending.path, foreign)
             return
-        escape = _leaves_folder(pending.path)
+        escape = access.leaves_folder(pending.path)
         if escape is not None:
             log.warning("checkpoint_skipped", run_id=pending.run_id, path=str(pending.path),
                         reason=escape)

@@ -40,9 +40,10 @@ class CheckpointSink(Protocol):
     Both calls only queue a request: they are made under the registry lock.
     """
 
-    def watch(self, run_id: str, output_dir: str, owner_uid: int | None = None) -> None: ...
+    def watch(self, run_id: str, output_dir: str, owner_uid: int | None = None,
+              incarnation: int = 1) -> None: ...
 
-    def submit(self, run_id: str, path: str) -> None: ...
+    def submit(self, run_id: str, path: str, incarnation: int = 1) -> None: ...
 
 
 def end_run(entry: RunEntry, store: Store, reason: str, now: float, step: int | None = None
@@ -211,7 +212,8 @@ class EventApplier:
         if self.watcher is not None and start.output_dir:
             bound = entry.identities.get(rank)
             self.watcher.watch(run.run_id, start.output_dir,
-                               owner_uid=bound.uid if bound is not None else None)
+                               owner_uid=bound.uid if bound is not None else None,
+                               incarnation=entry.incarnation)
 
     def _keep_step_history(self, entry: RunEntry, point: StepPoint, report: pb.StepReport,
                            encoded: bytes, now: float) -> None:
@@ -279,7 +281,7 @@ class EventApplier:
         self._add_checkpoint(entry, point)
         checkpoints.judge(run, point)
         if self.watcher is not None:
-            self.watcher.submit(run.run_id, report.path)
+            self.watcher.submit(run.run_id, report.path, entry.incarnation)
 
     # -- from the checkpoint watcher -------------------------------------------------------
 

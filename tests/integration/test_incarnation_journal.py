@@ -162,3 +162,43 @@ def test_two_lives_of_one_run_id_never_mix_across_restarts(tmp_path: Path) -> No
     missing = _cli("report", RUN, "--state-dir", state, "--incarnation", "3", "--out",
                    str(tmp_path / "none.html"))
     assert missing.returncode == 2 and "has 1, 2" in missing.stderr, missing.stderr
+
+
+def test_an_on_call_stop_belongs_to_the_life_it_stopped(tmp_path: Path) -> None:
+    """``deadweight stop`` on life 1, then the run id starts again: life 2 is not "already
+    stopped", gets its own STOP when on-call asks, and its status lists only its own."""
+    folder = tmp_path / "sc"
+    with _sidecar(folder) as sidecar:
+        first = Client(sidecar, RUN)
+        try:
+            assert not first.do(start={"seq": 1})["error"]
+            assert not first.do(steps=[1, 2], kind="healthy", seq=2)["error"]
+            stopped = _cli("stop", RUN, "--reason", "life one", "--address", sidecar.address)
+            assert "STOP queued" in stopped.stdout, stopped.stdout + stopped.stderr
+            assert "ACTION_STOP" in first.do(steps=[3, 3], kind="healthy", seq=6)["directives"]
+            assert not first.do(end="stopped", seq=8)["error"]
+        finally:
+            first.close()
+        second = Client(sidecar, RUN)
+        try:
+            assert not second.do(start={"seq": 1})["error"]
+            assert not second.do(steps=[1, 2], kind="healthy", seq=2)["error"]
+            status = sidecar.run_status(RUN)
+            assert status is not None and not [a for a in status.actions
+                                                if a.detector == "operator"]
+            again = _cli("stop", RUN, "--reason", "life two", "--address", sidecar.address)
+            assert "STOP queued" in again.stdout, again.stdout + again.stderr
+            assert "ACTION_STOP" in second.do(steps=[3, 3], kind="healthy", seq=6)[
+                "directives"]
+            status = sidecar.run_status(RUN)
+            assert status is not None
+            assert len([a for a in status.actions if a.detector == "operator"]) == 1
+        finally:
+            second.close()
+    store = Store(folder / "state")
+    try:
+        rows = store.actions(RUN, "operator")
+        assert [(r.incarnation, r.detail["reason"]) for r in rows] == [
+            (1, "life one"), (2, "life two")]
+    finally:
+        store.close()

@@ -4,6 +4,7 @@ The callback pulls in transformers; it is imported on first use so that the side
 shares the wire code, never needs the training libraries. Its modules, top to bottom:
 
 - ``lightning``, ``callback`` (the Trainer's), ``watch`` (any loop): thin drivers over
+- ``directives``: the sidecar's STOP and ABORT, said and applied one way for every driver;
 - ``run_probe``: one run's measurements on one rank, never blocking, never raising;
 - ``stream_client``, ``wire``, ``trainer_logs``, ``summary_writer``, ``stop_agreement``:
   the stream, its records, the trainer's loggers, the summary beside the adapter, STOP on

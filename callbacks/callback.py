@@ -42,9 +42,9 @@ from typing import Any, TypeVar
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.utils import logging as hf_logging
 
-from ..proto import pb
 from . import digest, layout, trainer_logs
 from . import summary_writer as promotion
+from .directives import Directives
 from .facts import dataset_rows, heads, membership, preflight, resume, stop_token
 from .run_probe import (
     DEFAULT_ADDRESS,
@@ -56,7 +56,6 @@ from .run_probe import (
     shared_run_id,
     shielded,
 )
-from .stop_agreement import StopAgreement
 from .stream_client import ClientSettings, StreamClient
 from .update.probe import UpdateProbe
 
@@ -132,11 +131,7 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
                              console_logger=console_log,
                              expected_trainable_pct=expected_trainable_pct,
                              frozen_modules=frozen_modules)
-        #: Why deadweight stopped this run (its root cause first), None unless it did.
-        self.stopped_by_deadweight: str | None = None
-        self._abort: str | None = None
-        self._agreement: StopAgreement | None = None
-        self._stop_proposed = False
+        self._directives = Directives(self._run, "stopping training")
         self._disabled = False
         self._model: Any = None
         self._adalora = False
@@ -168,6 +163,11 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
     def _probe(self) -> UpdateProbe | None:
         return self._run.update
 
+    @property
+    def stopped_by_deadweight(self) -> str | None:
+        """Why deadweight stopped this run (its root cause first), None unless it did."""
+        return self._directives.stopped_by
+
     # -- hooks -------------------------------------------------------------------------------
 
     def on_train_begin(
@@ -183,7 +183,7 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
         # The collectives come first and outside the shield: every rank must take part.
         output_dir = str(args.output_dir or ".")
         self.run_id = shared_run_id(self.run_id or default_run_id(output_dir, time.time()))
-        self._agreement = StopAgreement.create()
+        self._directives.agree()
         self._begin(args, state, control, model, optimizer, processing_class, output_dir,
                     kwargs.get("train_dataloader"))
 
@@ -229,7 +229,7 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
-        self._directives(control, state)
+        self._look(control, state)
         self._began(state.global_step + 1)
 
     @shielded
@@ -264,8 +264,8 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
-        self._directives(control, state)
-        if self._agreement is not None and self._agreement.step_end(self._stop_proposed):
+        self._look(control, state)
+        if self._directives.step_end():
             control.should_training_stop = True  # every rank, after this same step
 
     @shielded
@@ -300,8 +300,7 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
-        if self._agreement is not None:
-            self._agreement.close()
+        self._directives.close()
         self._end(args, state, control, kw.get("model"))
 
     @shielded
@@ -334,18 +333,6 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
                                self._run.token, self._run.tls_root(),
                                timeout=SUMMARY_TIMEOUT_SECONDS)
 
-    def _mark_stopped(self, directive: pb.Directive, state: TrainerState, how: str) -> None:
-        """Say the STOP once (root cause first) and leave the mark a script can read."""
-        if self.stopped_by_deadweight is not None:
-            return
-        self.stopped_by_deadweight = self._run.stopped(directive, how)
-        root = self._run.console.stop_root if self._run.console is not None else None
-        state.log_history.append({
-            "deadweight/stopped_by": root or directive.detector,
-            "deadweight/stop_reason": self.stopped_by_deadweight,
-            "step": state.global_step,
-        })
-
     def _disable(self, hook: str) -> None:
         """Log our failure once and stop monitoring this run; training goes on."""
         self._disabled = True
@@ -356,23 +343,19 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
     # -- directives --------------------------------------------------------------------------
 
     @shielded
-    def _directives(self, control: TrainerControl, state: TrainerState) -> None:
+    def _look(self, control: TrainerControl, state: TrainerState) -> None:
         self._apply_directives(control, state)
 
     def _apply_directives(self, control: TrainerControl, state: TrainerState) -> None:
-        """STOP ends training gracefully; ABORT raises inside the training loop."""
-        if self._abort is not None:
-            raise DeadweightAbort(self._abort)
-        for directive in self._run.directives():
-            reason = f"deadweight {directive.detector}: {directive.reason}"
-            if directive.action == pb.Directive.ACTION_STOP:
-                every_rank = self._agreement is not None
-                self._mark_stopped(directive, state, "stopping training on every rank at the "
-                                   "same step" if every_rank else "stopping training")
-                if every_rank:  # ranks see it a step apart: agree on one step
-                    self._stop_proposed = True
-                else:
-                    control.should_training_stop = True
-            elif directive.action == pb.Directive.ACTION_ABORT:
-                self._abort = reason
-                raise DeadweightAbort(reason)
+        """The Trainer's act on a STOP (``directives``): the mark in the log history, then
+        ``should_training_stop`` (at once, or at the step end every rank agreed on)."""
+        stopped = self._directives.look()
+        if stopped is None:
+            return
+        state.log_history.append({
+            "deadweight/stopped_by": stopped.root,
+            "deadweight/stop_reason": stopped.mark,
+            "step": state.global_step,
+        })
+        if stopped.now:
+            control.should_training_stop = True

@@ -3,9 +3,10 @@
 One line at train begin: the run id, the sidecar it reports to and how to open its report, or
 at once that no sidecar answers and the run is NOT monitored. One line per incident of each
 verdict, whatever the policy: severity, the cause, the fix and the runbook link, in the words
-the sidecar sent (``VerdictNotice``); deduplicated per incident and capped per run. A STOP
-names the root cause, not just the detector that triggered it. At train end a short summary,
-root causes first.
+the sidecar sent (``VerdictNotice``); deduplicated per incident and capped per run. A STOP or
+an ABORT names the root cause, not just the detector that triggered it, with its fix; under a
+``kill`` policy the STOP also says the process is terminated if training goes on. At train
+end a short summary, root causes first.
 
 Lines go out at WARNING (ERROR for critical verdicts): the level a trainer's console shows by
 default, so a verdict is never hidden behind the INFO lines the framework keeps quiet. Progress
@@ -42,8 +43,15 @@ def _bars_aside() -> Iterator[None]:
         yield
 
 
-def report_hint(run_id: str) -> str:
-    return f"deadweight report {run_id}"
+def report_hint(run_id: str, command: str | None = None) -> str:
+    """How to open the run's report: the sidecar's own command (with its state dir) once it
+    said it; a memory-only sidecar keeps no report, so the hint points at status instead."""
+    if command is None:
+        return f"deadweight report {run_id} --state-dir <the sidecar's state dir>"
+    if not command:
+        return ("none kept (the sidecar has no --state-dir); while it runs: deadweight status "
+                "--json")
+    return command
 
 
 def verdict_line(notice: pb.VerdictNotice) -> str:
@@ -80,6 +88,15 @@ class Console:
         self.stopped_by: str | None = None
         #: The root cause's detector id, when a STOP came.
         self.stop_root: str | None = None
+        #: The root cause and the reason when an ABORT from the sidecar ended training, and
+        #: the root cause's detector id.
+        self.aborted_by: str | None = None
+        self.abort_root: str | None = None
+        #: The sidecar's command for the run's report (``StreamClient.report_command``).
+        self.report_command: str | None = None
+
+    def report(self) -> str:
+        return report_hint(self.run_id, self.report_command)
 
     def _emit(self, level: int, message: str, *args: object) -> None:
         if not self.logger.isEnabledFor(level):
@@ -93,10 +110,15 @@ class Console:
         """The one train-begin line (every rank says when it is not monitored)."""
         self.monitored = monitored
         if monitored:
-            if self.speaks:
+            if self.speaks and self.report_command == "":
+                self._emit(logging.WARNING, "deadweight: run %s reports to the sidecar at %s, "
+                           "which keeps no state dir (--state-dir): no report of the run will "
+                           "outlive it; while it runs: deadweight status", self.run_id,
+                           self.address)
+            elif self.speaks:
                 self._emit(logging.WARNING, "deadweight: run %s reports to the sidecar at %s; "
                            "open its report with: %s", self.run_id, self.address,
-                           report_hint(self.run_id))
+                           self.report())
             return
         why = ("no sidecar socket at that path" if waited == 0.0
                else f"no answer within {waited:g}s")
@@ -143,25 +165,57 @@ class Console:
         return min(candidates, key=lambda d: (candidates[d], d != trigger))
 
     def stopped(self, directive: pb.Directive, firing: Iterable[str], how: str) -> str:
-        """The STOP line, once: the root cause first, then the trigger; returns the mark."""
+        """The STOP line, once: the root cause first, then the trigger; returns the mark.
+
+        Under the trigger's ``kill`` policy it also says that the sidecar terminates the
+        process if training goes on (the escalation that follows a STOP not obeyed)."""
         if self.stopped_by is not None:
             return self.stopped_by
+        mark, root, notice = self._cause(directive, firing, "stop")
+        self.stopped_by, self.stop_root = mark, root
+        trigger = self._notice(directive.detector)
+        kill = (" Policy kill: unless training ends within the sidecar's stop grace, this "
+                "process is about to be terminated (SIGTERM, then SIGKILL)."
+                if trigger is not None and trigger.policy == "kill" else "")
+        self._halt("STOPPED", how, mark, notice, kill)
+        return mark
+
+    def aborted(self, directive: pb.Directive, firing: Iterable[str]) -> str:
+        """The ABORT line, once, in the STOP's words: the root cause first, then the trigger,
+        and that the process is about to be terminated; returns the mark."""
+        if self.aborted_by is not None:
+            return self.aborted_by
+        mark, root, notice = self._cause(directive, firing, "abort")
+        self.aborted_by, self.abort_root = mark, root
+        self._halt("ABORTED", "DeadweightAbort is raised into the training loop: the process "
+                   "is about to be terminated", mark, notice, "")
+        return mark
+
+    def _notice(self, detector: str) -> pb.VerdictNotice | None:
+        return next((n for n in self.ordered() if n.detector == detector), None)
+
+    def _cause(self, directive: pb.Directive, firing: Iterable[str], act: str
+               ) -> tuple[str, str, pb.VerdictNotice | None]:
+        """(the mark, the root cause's id, its notice): "root: cause (act triggered by X)"."""
         root = self.root_cause(directive.detector, firing)
-        notice = next((n for n in self.ordered() if n.detector == root), None)
+        notice = self._notice(root)
         mark = f"{root}: {notice.cause.rstrip('.')}" if notice is not None else (
             f"{root}: {directive.reason}")
         if root != directive.detector:
             # a person's STOP says who and why (deadweight stop --reason); a verdict's, which
             trigger = (f"{directive.detector}: {directive.reason}"
                        if directive.detector == OPERATOR else directive.detector)
-            mark += f" (stop triggered by {trigger})"
-        self.stopped_by, self.stop_root = mark, root
+            mark += f" ({act} triggered by {trigger})"
+        return mark, root, notice
+
+    def _halt(self, word: str, how: str, mark: str, notice: pb.VerdictNotice | None,
+              after: str) -> None:
+        """One line for a directive that ends training (rank 0 says it for the run)."""
+        if not self.speaks:
+            return
         fix = f" Fix: {notice.fix.rstrip('.')}." if notice is not None and notice.fix else ""
-        if not self.speaks:  # rank 0 says it for the run
-            return mark
-        self._emit(logging.ERROR, "deadweight STOPPED run %s (%s), root cause %s.%s Report: %s",
-                   self.run_id, how, mark, fix, report_hint(self.run_id))
-        return mark
+        self._emit(logging.ERROR, "deadweight %s run %s (%s), root cause %s.%s%s Report: %s",
+                   word, self.run_id, how, mark, fix, after, self.report())
 
     # -- train end ---------------------------------------------------------------------------
 
@@ -179,7 +233,7 @@ class Console:
                        "(at most %d a run)", self.held, self.max_lines)
         if not verdicts:
             self._emit(logging.WARNING, "deadweight: run %s ended (%s) at step %d; no verdict; "
-                       "report: %s", self.run_id, reason, step, report_hint(self.run_id))
+                       "report: %s", self.run_id, reason, step, self.report())
             return
         now = set(firing)
         listed = ", ".join(
@@ -187,6 +241,8 @@ class Console:
             f"{', firing at end' if n.detector in now else ''})" for n in verdicts)
         stopped = f"; STOPPED by deadweight, root cause {self.stop_root}" if (
             self.stop_root) else ""
+        if self.abort_root:
+            stopped += f"; ABORTED by deadweight, root cause {self.abort_root}"
         self._emit(logging.ERROR, "deadweight: run %s ended (%s) at step %d with %d "
                    "verdict(s), root cause first: %s%s; report: %s", self.run_id, reason, step,
-                   len(verdicts), listed, stopped, report_hint(self.run_id))
+                   len(verdicts), listed, stopped, self.report())

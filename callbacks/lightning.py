@@ -66,6 +66,7 @@ class DeadweightLightningCallback(Callback):  # type: ignore[misc]
             token=self.token, output_dir=getattr(trainer, "default_root_dir", None),
             trainer="LightningTrainer", settings=self.settings,
             start_timeout_seconds=self.start_timeout_seconds,
+            stop_how="trainer.should_stop is set",
         )
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:

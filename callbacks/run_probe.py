@@ -276,6 +276,7 @@ class RunProbe:
             )
         elif not self.client.connects:
             self.client.unreachable_told = True  # said now, on the console, not at train end
+        self.console.report_command = self.client.report_command
         self.console.begin(connected, wait)
 
     def began(self, step: int) -> None:
@@ -397,6 +398,8 @@ class RunProbe:
         client, console = self.client, self.console
         if client is None or console is None:
             return
+        if client.report_command is not None:
+            console.report_command = client.report_command
         notices = client.take_notices()
         if notices:
             console.notices(notices)
@@ -409,6 +412,13 @@ class RunProbe:
         if self.console is None:
             return f"{directive.detector}: {directive.reason}"
         return self.console.stopped(directive, firing, how)
+
+    def aborted(self, directive: pb.Directive) -> str:
+        """Say an ABORT on the console as a STOP is said; returns the mark."""
+        firing = self.client.firing if self.client is not None else ()
+        if self.console is None:
+            return f"{directive.detector}: {directive.reason}"
+        return self.console.aborted(directive, firing)
 
     def shut_off(self) -> None:
         """Stop measuring and sending at once (after a failure of ours)."""

@@ -141,8 +141,8 @@ class StreamClient:
         "_marks", "_metadata", "_notices", "_pending_resend", "_queue", "_ready", "_rejections",
         "_reported_dropped", "_run_start", "_seq", "_start_acked", "_stop", "_thread",
         "_tls_root", "_to_event", "_trainer_thread", "_wake", "_warned", "address",
-        "began_step", "connects", "firing", "last_step", "rank", "run_id", "sent", "settings",
-        "submitted", "unreachable_told",
+        "began_step", "connects", "firing", "last_step", "rank", "report_command", "run_id",
+        "sent", "settings", "submitted", "unreachable_told",
     )
 
     def __init__(
@@ -198,6 +198,9 @@ class StreamClient:
         self._channel: grpc.Channel | None = None
         #: Detectors firing on this run, as of the sidecar's latest answer.
         self.firing: tuple[str, ...] = ()
+        #: The command that opens the run's report, as the sidecar said in its answer to the
+        #: RunStart ("" when it keeps no state dir); None until it said.
+        self.report_command: str | None = None
         #: The pending wait for a connection, while there is one (close() cancels it).
         self._ready: grpc.Future | None = None
         self._reported_dropped = -1
@@ -454,14 +457,18 @@ class StreamClient:
         if rejected and rejected not in self._rejections and len(self._rejections) < 32:
             self._rejections.add(rejected)  # each reason once: a rejected run must not flood
             log.warning("deadweight: sidecar rejected a batch: %s", rejected)
+        # The answer's words first: whoever sees the ack (``close`` waiting for the queue to
+        # drain, ``wait_registered``) then finds its verdicts and directives already here.
+        self._directives.extend(response.directives)
+        self._notices.extend(response.verdicts)
+        if response.report_known:
+            self.report_command = response.report_command
+        if not rejected:
+            self.firing = tuple(response.firing)
         with self._lock:
             while self._inflight and self._inflight[0].seq <= response.ack_seq:
                 self._inflight.popleft()
         self._start_acked.set()
-        self._directives.extend(response.directives)
-        self._notices.extend(response.verdicts)
-        if not rejected:
-            self.firing = tuple(response.firing)
 
     def _requeue_inflight(self) -> None:
         """Events sent but never acknowledged go out again first after a reconnect."""

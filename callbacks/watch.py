@@ -38,9 +38,9 @@ from typing import Any
 
 import torch
 
-from ..proto import pb
 from . import digest, layout
 from . import summary_writer as promotion
+from .directives import Directives
 from .facts import preflight
 from .run_probe import (
     DeadweightAbort,
@@ -51,7 +51,6 @@ from .run_probe import (
     shared_run_id,
     shielded,
 )
-from .stop_agreement import StopAgreement
 from .stream_client import ClientSettings, StreamClient
 
 log = logging.getLogger("deadweight")
@@ -87,22 +86,22 @@ class Monitor:
         start_timeout_seconds: float = 1.0,
         expected_trainable_pct: tuple[float, float] | None = None,
         frozen_modules: Sequence[str] | None = None,
+        stop_how: str = "monitor.should_stop is set",
     ) -> None:
+        """stop_how: what a STOP does here, in the console's words (a driver over the
+        monitor, such as Lightning's, names its own flag)."""
         self.model = model
         self.optimizer = optimizer
         self.step = 0
         #: The newest step the loop logged (a checkpoint names it when no step ran).
         self._logged_step = 0
         self.should_stop = False
-        #: Why deadweight stopped this run (its root cause first), None unless it did.
-        self.stopped_by_deadweight: str | None = None
         self._run = RunProbe(address, run_id, token, tls_ca=tls_ca, settings=settings,
                              require_sidecar=require_sidecar,
                              start_timeout_seconds=start_timeout_seconds,
                              expected_trainable_pct=expected_trainable_pct,
                              frozen_modules=frozen_modules)
-        self._abort: str | None = None
-        self._stop_proposed = False
+        self._directives = Directives(self._run, stop_how)
         self._disabled = False
         self._closed = False
         self._undo: list[Callable[[], None]] = []
@@ -113,7 +112,7 @@ class Monitor:
         # Collectives first and outside the shield: every rank takes part.
         self._run.run_id = shared_run_id(
             self._run.run_id or default_run_id(folder or name, time.time()))
-        self._agreement = StopAgreement.create()
+        self._directives.agree()
         self._start(rank, world, folder, trainer, config or {})
         inner = layout.inner_optimizer(optimizer)
         if not self._disabled and callable(getattr(inner, "step", None)):
@@ -128,6 +127,11 @@ class Monitor:
     @property
     def client(self) -> StreamClient | None:
         return self._run.client
+
+    @property
+    def stopped_by_deadweight(self) -> str | None:
+        """Why deadweight stopped this run (its root cause first), None unless it did."""
+        return self._directives.stopped_by
 
     @shielded
     def log(self, step: int, **scalars: Any) -> None:
@@ -168,8 +172,7 @@ class Monitor:
         for undo in reversed(self._undo):
             undo()
         self._undo.clear()
-        if self._agreement is not None:
-            self._agreement.close()
+        self._directives.close()
         self._end(reason)
 
     def __enter__(self) -> Monitor:
@@ -241,7 +244,7 @@ class Monitor:
     def _after_step(self) -> None:
         self.step += 1
         self._post()
-        if self._agreement is not None and self._agreement.step_end(self._stop_proposed):
+        if self._directives.step_end():
             self.should_stop = True  # every rank, after this same step
 
     @shielded
@@ -261,22 +264,11 @@ class Monitor:
         self._run.shut_off()
 
     def _apply_directives(self) -> None:
-        """STOP sets ``should_stop`` (agreed across ranks); ABORT raises into the loop."""
-        if self._abort is not None:
-            raise DeadweightAbort(self._abort)
-        for directive in self._run.directives():
-            reason = f"deadweight {directive.detector}: {directive.reason}"
-            if directive.action == pb.Directive.ACTION_STOP:
-                if self.stopped_by_deadweight is None:
-                    self.stopped_by_deadweight = self._run.stopped(
-                        directive, "monitor.should_stop is set")
-                if self._agreement is not None:
-                    self._stop_proposed = True
-                else:
-                    self.should_stop = True
-            elif directive.action == pb.Directive.ACTION_ABORT:
-                self._abort = reason
-                raise DeadweightAbort(reason)
+        """The loop's act on a STOP (``directives``): ``should_stop``, at once or at the
+        step end every rank agreed on; an ABORT raises from here into the loop."""
+        stopped = self._directives.look()
+        if stopped is not None and stopped.now:
+            self.should_stop = True
 
 
 def _optimizer_config(optimizer: Any) -> dict[str, float]:

@@ -65,8 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    return sidecar_cli.run(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

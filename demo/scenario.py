@@ -34,6 +34,9 @@ def _quiet() -> None:
     import transformers
 
     transformers.logging.set_verbosity_error()
+    # ... but deadweight's own console lines under the Trainer (the run id and its sidecar at
+    # train begin, warnings) are what a user sees: they stay.
+    logging.getLogger("transformers.deadweight").setLevel(logging.WARNING)
     transformers.logging.disable_progress_bar()
     from huggingface_hub.utils import disable_progress_bars
 

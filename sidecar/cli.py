@@ -8,6 +8,7 @@ here.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -466,9 +467,23 @@ def build_parser(*more_commands: Callable[[Commands], None]) -> argparse.Argumen
     return parser
 
 
+#: The exit status of a command whose reader closed the pipe (``deadweight status | head``):
+#: 128 + SIGPIPE, as the shell reports a command the pipe ended.
+EXIT_PIPE_CLOSED = 141
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the parsed command; a reader that stops early (``| head``) ends it quietly."""
+    try:
+        return int(args.func(args))
+    except BrokenPipeError:
+        # Point stdout at /dev/null so the interpreter's own flush at exit fails no more.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_PIPE_CLOSED
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    return run(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

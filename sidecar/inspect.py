@@ -1,7 +1,8 @@
 """``deadweight inspect``: the sidecar's checkpoint verdicts, offline, for a promotion gate.
 
 The paths are audited in the order given (``checkpoint-<step>`` folders by step, so a shell
-glob's ``checkpoint-10`` before ``checkpoint-2`` does not matter): each one
+glob's ``checkpoint-10`` before ``checkpoint-2`` does not matter; a run's output folder that
+holds no weights of its own stands for the ``checkpoint-<step>`` folders in it): each one
 is compared with the one before it and, with ``--initial``, with the adapter the run started
 from. The same detector classes as the live sidecar decide, so a gate and a page agree. The
 run summary beside each adapter (or up the folders) adds what the run knew: every verdict,
@@ -16,14 +17,15 @@ from pathlib import Path
 
 from ..proto import pb
 from .checkpoints import summary_gate as promotion
-from .checkpoints.inspector import inspect_path
+from .checkpoints.inspector import NotACheckpoint, inspect_path
 from .checkpoints.watcher import CHECKPOINT_DIR
-from .detectors import ALL, ARTIFACT_IDS
+from .detectors import ALL, ARTIFACT_IDS, fix_sentence
 from .detectors.base import Verdict
 from .detectors.checkpoints import judge
 from .model.inspection import CheckpointInspection
 from .model.run_state import CheckpointPoint, RunState
 from .model.settings import DetectorSettings
+from .verdicts import causes_first
 
 
 @dataclass(frozen=True)
@@ -44,12 +46,30 @@ class AuditResult:
         return any(promotion.fatal(d, s, self.fail_on) for d, s, _ in self.findings)
 
 
+def expand(paths: list[Path]) -> list[Path]:
+    """Each path as given, except a folder with no weights of its own that holds
+    ``checkpoint-<step>`` folders (a trainer's output_dir): those folders, by step."""
+    expanded: list[Path] = []
+    for path in paths:
+        inner = sorted((c for c in path.iterdir() if c.is_dir() and CHECKPOINT_DIR.match(c.name))
+                       if path.is_dir() else [], key=lambda c: int(c.name.split("-")[-1]))
+        if inner:
+            try:
+                inspect_path(path)
+            except NotACheckpoint:
+                expanded += inner
+                continue
+        expanded.append(path)
+    return expanded
+
+
 def audit(paths: list[Path], initial: Path | None = None,
           settings: DetectorSettings | None = None,
           gate: promotion.GateOptions | None = None) -> list[AuditResult]:
     """Inspect every path and run the checkpoint detectors on it (raises NotACheckpoint)."""
     settings = settings or DetectorSettings()
     gate = gate or promotion.GateOptions()
+    paths = expand(paths)
     matches = [CHECKPOINT_DIR.match(p.name) for p in paths]
     real_steps = all(matches)
     # checkpoint-<step> folders are labelled with their own steps; other paths by position.
@@ -77,8 +97,13 @@ def audit(paths: list[Path], initial: Path | None = None,
             if verdict is not None and verdict.firing:
                 fired.append((detector.id, detector.severity.value, verdict))
         checked = promotion.check(inspection, promotion.summary_for(Path(inspection.path)), gate)
-        results.append(AuditResult(inspection, fired + checked.findings, real_steps,
-                                   tuple(checked.notes), gate.fail_on))
+        # The run's own copy of a verdict this adapter shows now is said once, as found here.
+        seen = {d for d, _, _ in fired}
+        told = [f for f in checked.findings if f[2].evidence.get("detector") not in seen]
+        findings = causes_first(fired + told, lambda f: (f[2].evidence.get("detector", f[0]),
+                                                          f[1], f[2].step))
+        results.append(AuditResult(inspection, findings, real_steps, tuple(checked.notes),
+                                   gate.fail_on))
     return results
 
 
@@ -102,6 +127,9 @@ def render(results: list[AuditResult]) -> str:
             evidence = ", ".join(f"{k}={v}" for k, v in sorted(verdict.evidence.items())
                                  if k not in {"checkpoint", "step"})
             lines.append(f"        evidence: {evidence}")
+            fix = fix_sentence(verdict.evidence.get("detector", detector))
+            if fix:
+                lines.append(f"        fix: {fix}")
     found = sum(1 for r in results if r.findings)
     failed = sum(1 for r in results if r.failed)
     lines.append(f"{len(results)} checkpoint(s) inspected, {found} with findings, {failed} "

@@ -2,8 +2,7 @@
 
 From ``--state-dir`` (the sidecar's, or a copy of its database: no sidecar needs to run) it
 gives each run's id, trainer, start, end and final verdicts, the journal's own record. From a
-live sidecar it asks the Status RPC, which holds the runs in memory: id, trainer, end and
-verdicts; the start time is only in the database, so it reads "—" there.
+live sidecar it asks the Status RPC, which holds the same for the runs in its memory.
 
 ``--json`` keys (stable, like ``deadweight status --json``): ``schema``
 ("deadweight.runs/v1"), ``source`` ("state_dir" or "sidecar"), ``runs``; each run:
@@ -67,7 +66,8 @@ def from_store(store: Store) -> list[RunLine]:
 
 
 def from_status(status: pb.StatusResponse, now: float | None = None) -> list[RunLine]:
-    """The live sidecar's runs; an ended run's end is when it was last heard from."""
+    """The live sidecar's runs; an older sidecar's answer (no times) falls back to the last
+    time an ended run was heard from, and no start."""
     now = time.time() if now is None else now
     lines = []
     for run in status.runs:
@@ -76,9 +76,9 @@ def from_status(status: pb.StatusResponse, now: float | None = None) -> list[Run
         data = status_json.document(pb.StatusResponse(runs=[run]))["runs"][0]
         verdicts = [RunVerdict(f["detector"], f["severity"], f["state"], f["step"],
                                f["summary"]) for f in data["findings"]]
-        lines.append(RunLine(run.run_id, run.trainer, None,
-                             now - run.last_seen_seconds if run.ended else None, run.ended,
-                             run.end_reason, verdicts))
+        ended_at = (run.ended_at or now - run.last_seen_seconds) if run.ended else None
+        lines.append(RunLine(run.run_id, run.trainer, run.started_at or None, ended_at,
+                             run.ended, run.end_reason, verdicts))
     return sorted(lines, key=lambda line: (not line.ended, line.ended_at or now, line.run_id))
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from ..proto import monitor_stub, pb
 from ..proto.transport import bearer_metadata, grpc_target, open_channel
 from .detectors.spec import root_causes_first
-from .model.finding import FIRING, FIRING_AT_END, evidence_pairs, verdict_state
+from .model.finding import FIRING, FIRING_AT_END, OPERATOR, evidence_pairs, verdict_state
 from .registry.status_report import STATUS_MAX_BYTES
 
 
@@ -32,10 +32,15 @@ def fetch(
 #: Actions that end a run, in the order the sidecar escalates them.
 ENDING_ACTIONS = {"stop": "STOP", "sigterm": "SIGTERM", "sigkill": "SIGKILL"}
 SENT = frozenset({"sent", "delivered", "signalled", "dry_run"})
+#: How the table words an action's result where the journal's value would puzzle a reader
+#: (``--json`` keeps the journal's values).
+RESULT_WORDS = {"no_pager": "not paged, no pager configured (--alertmanager-url, --webhook-url)"}
 
 
 def run_state(run: pb.RunStatus) -> str:
-    """running / ended (reason) / stopped by <detector> ... : what happened to the run."""
+    """running / ended (reason) / stopped by <detector> ..., root cause <detector>: what
+    happened to the run. A verdict's STOP or signal names the root cause among the run's
+    firing verdicts when it is not the detector that triggered it."""
     taken = [a for a in run.actions if a.action in ENDING_ACTIONS and a.result in SENT]
     if taken:
         last = taken[-1]
@@ -43,6 +48,11 @@ def run_state(run: pb.RunStatus) -> str:
         verb = "stopped" if last.action == "stop" else "killed"
         at = f" at step {last.step}" if last.step else ""
         state = f"{verb} by {last.detector}{at} ({what})"
+        if last.detector != OPERATOR:
+            firing = [f.detector for f in run.findings if f.firing]
+            root = root_causes_first([*firing, last.detector])[0]
+            if root != last.detector:
+                state += f", root cause {root}"
         return state + (f", ended ({run.end_reason})" if run.ended else ", still running")
     if run.ended:
         return f"ended ({run.end_reason})" if run.end_reason else "ended"
@@ -86,7 +96,8 @@ def render(status: pb.StatusResponse) -> str:
             lines += [f"      {line}" for line in evidence_lines(f)]
         for a in run.actions:
             at = f" at step {a.step}" if a.step else ""
-            lines.append(f"  action   {a.action} for {a.detector}{at}: {a.result}")
+            lines.append(f"  action   {a.action} for {a.detector}{at}: "
+                         f"{RESULT_WORDS.get(a.result, a.result)}")
         for silence in run.silences:
             lines.append(silence_line(silence))
     return "\n".join(lines)

@@ -5,7 +5,8 @@ key may be added, none is renamed or removed without a new ``schema`` value.
 
 Top level: ``schema`` ("deadweight.status/v1"), ``runs`` (list), ``omitted_runs`` (runs left
 out of a bounded answer, 0 normally). Each run: ``run_id``, ``trainer``, ``ranks``, ``step``,
-``last_seen_seconds``, ``ended``, ``end_reason``, ``state`` (the sentence ``deadweight status``
+``last_seen_seconds``, ``ended``, ``end_reason``, ``started_at`` and ``ended_at`` (unix
+seconds, null while unknown or live), ``state`` (the sentence ``deadweight status``
 prints), ``wrapper``, ``sharded``, ``findings``, ``actions``. Each finding (root causes
 first): ``detector``, ``severity``, ``policy``, ``state`` ("firing", "firing at end" or
 "resolved"), ``firing``, ``step``, ``summary``, ``evidence`` (object of strings). Each action
@@ -24,7 +25,7 @@ from .status import run_state
 
 SCHEMA = "deadweight.status/v1"
 RUN_KEYS = ("run_id", "trainer", "ranks", "step", "last_seen_seconds", "ended", "end_reason",
-            "state", "wrapper", "sharded", "findings", "actions")
+            "started_at", "ended_at", "state", "wrapper", "sharded", "findings", "actions")
 FINDING_KEYS = ("detector", "severity", "policy", "state", "firing", "step", "summary",
                 "evidence")
 ACTION_KEYS = ("detector", "action", "result", "time", "step")
@@ -48,7 +49,8 @@ def _run(run: pb.RunStatus) -> dict[str, Any]:
     return {
         "run_id": run.run_id, "trainer": run.trainer, "ranks": list(run.ranks),
         "step": run.step, "last_seen_seconds": run.last_seen_seconds, "ended": run.ended,
-        "end_reason": run.end_reason, "state": run_state(run), "wrapper": run.wrapper,
+        "end_reason": run.end_reason, "started_at": run.started_at or None,
+        "ended_at": run.ended_at or None, "state": run_state(run), "wrapper": run.wrapper,
         "sharded": run.sharded,
         "findings": [{
             "detector": f.detector, "severity": f.severity, "policy": f.policy,

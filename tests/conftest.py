@@ -132,6 +132,13 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         report.sections.append(("hypothesis seed", f"rerun with --hypothesis-seed={seed}"))
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The longest files first, so the two workers finish together (``support.schedule``)."""
+    from tests.support.schedule import longest_first
+
+    longest_first(items)
+
+
 def pytest_report_header(config: pytest.Config) -> str:
     return f"hypothesis seed: {config.stash.get(FUZZ_SEED, None)} (--hypothesis-seed to replay)"
 

@@ -120,6 +120,18 @@ class FrozenWeights(SpecDetector):
 
     @staticmethod
     def streak(run: RunState, settings: DetectorSettings) -> int:
-        """Consecutive frozen steps at lr > 0 ending at the latest one (for the metric; every
-        /metrics scrape asks this of every run)."""
-        return len(_frozen_streak(run.combined_steps(), settings, run_family(run)))
+        """Consecutive frozen steps at lr > 0 ending at the latest one (for the metric).
+
+        Every /metrics scrape asks this of every run; it is counted again only once a newer
+        combined step (or another rank) arrived since the last count, or the settings changed.
+        """
+        newest = run.newest_combined_step()
+        if newest is None:
+            return 0
+        key = (newest.step, len(run.ranks))
+        memo = run.frozen_streak_memo
+        if memo is not None and memo[0] == key and memo[1] is settings:
+            return memo[2]
+        count = len(_frozen_streak(run.combined_steps(), settings, run_family(run)))
+        run.frozen_streak_memo = (key, settings, count)
+        return count

@@ -27,14 +27,13 @@ from ..actions.silences import (
     Silences,
 )
 from ..detectors import BY_ID
+from ..model.finding import OPERATOR
 from ..model.nonces import Attestor
 from ..model.process import ProcessIdentity
 from ..registry import Registry
 
 log = structlog.get_logger("deadweight.oncall")
 
-#: The ``detector`` label of actions on-call took by hand (not a detector's verdict).
-OPERATOR = "operator"
 #: Longest reason kept (journal, console line, status).
 MAX_REASON_CHARS = 512
 #: How often the clock looks for silences whose time is up.

@@ -24,6 +24,8 @@ log = structlog.get_logger("deadweight.registry")
 FIRING = "firing"
 RESOLVED = "resolved"
 FIRING_AT_END = "firing at end"
+#: The ``detector`` label of actions on-call took by hand (not a detector's verdict).
+OPERATOR = "operator"
 #: Severities in the order a reader needs them (after root causes, which lead).
 SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
 

@@ -168,6 +168,11 @@ class RunState:
     _config: tuple[pb.RunStart, Mapping[str, float]] | None = field(
         default=None, repr=False, compare=False)
     _sharded: ShardedSteps | None = field(default=None, repr=False, compare=False)
+    #: The frozen-weights streak as of the newest combined step, with what it was counted
+    #: from ((newest step, ranks), settings): every /metrics scrape asks for it, a new step
+    #: is what changes it.
+    frozen_streak_memo: tuple[tuple[int, int], object, int] | None = field(
+        default=None, repr=False, compare=False)
     #: The replica comparison of the newest common sample step, kept with the samples it
     #: compared: samples come every 64 steps, detectors run at every batch.
     replica_comparison: tuple[float, tuple[ReplicaSample, ...], object] | None = field(

@@ -124,6 +124,7 @@ class Registry:
         self._lifecycle = FindingLifecycle(self.detectors, self.settings, self.policies,
                                            self.actions, self.store, resume_hold_steps,
                                            lock=self._lock)
+        self._events.judge = self._lifecycle.evaluate
         self.rejected_batches = 0
         self.silent_run_seconds = silent_run_seconds
         #: Refused batches by kind (attestation, identity, capacity, invalid): on /metrics.

@@ -14,6 +14,7 @@ import structlog
 
 from ...proto import pb
 from .identity import Peer
+from .notices import report_command
 from .run_table import RunEntry
 from .validation import (
     MAX_RUN_ID_LENGTH,
@@ -73,9 +74,14 @@ class AppliedBatch:
         firing = sorted(d for d, f in entry.findings.items() if f.firing)
         request = self.request
         reconnected = bool(request.events) and request.events[0].HasField("run_start")
-        return pb.StreamResponse(
+        response = pb.StreamResponse(
             ack_seq=self.ack, directives=entry.take_directives(request.rank), firing=firing,
             verdicts=self.registry.notices.untold(entry, request.rank, reconnected))
+        if reconnected:  # the console's train-begin line says how to open the report
+            response.report_command = report_command(entry.state.run_id,
+                                                     self.registry.store.path)
+            response.report_known = True
+        return response
 
     def answer(self) -> pb.StreamResponse:
         """Do what the outboxes hold (outside the lock), then answer."""

@@ -72,6 +72,10 @@ class EventApplier:
         #: Where step and log history goes (None: the run's outbox, a commit per batch).
         self.history_queue = history_queue
         self.watcher: CheckpointSink | None = None
+        #: Evaluates a run's detectors (the registry's): called at a run end, before it,
+        #: so the steps that came with the end in one batch are judged (an ended run's
+        #: training is no longer judged).
+        self.judge: Callable[[RunEntry], None] | None = None
         self.duplicate_events = 0
         #: Step reports refused, by reason: out_of_order (no newer than the rank's newest,
         #: with a new sequence number) and too_far (beyond ``limits.MAX_STEP_JUMP``).
@@ -258,6 +262,8 @@ class EventApplier:
             log.info("rank_ended", run_id=entry.state.run_id, rank=rank,
                      reason=event.run_end.reason, leader=entry.leader)
             return
+        if self.judge is not None and not entry.state.ended:
+            self.judge(entry)  # the last steps, often in this very batch
         end_run(entry, self.store, event.run_end.reason or "completed", now,
                 step=event.run_end.step)
 

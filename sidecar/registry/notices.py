@@ -8,7 +8,9 @@ lost answer must not lose a line, and the callback drops the incidents it alread
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Iterable
+from pathlib import Path
 
 from ...proto import pb
 from ..actions.links import DEFAULT_RUNBOOK_URL_PATTERN, runbook_url
@@ -53,3 +55,13 @@ class VerdictNotices:
                 fix=_sentence(spec.fix) if spec else "",
                 runbook_url=self._links.get(detector, ""), cause_rank=cause_rank(detector)))
         return notices
+
+
+def report_command(run_id: str, database: Path | None) -> str:
+    """The command that opens run_id's report from this sidecar's state dir, quoted for a
+    shell; empty when the sidecar keeps its state in memory only (no report outlives it)."""
+    if database is None:
+        return ""
+    folder = shlex.quote(str(database.parent))
+    return f"deadweight report {shlex.quote(run_id)} --state-dir {folder}"
+

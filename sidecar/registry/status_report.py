@@ -80,6 +80,8 @@ def status_response(runs: list[tuple[RunState, list[Finding]]],
                 wrapper=run.start.wrapper if run.start is not None else "",
                 sharded=run.start.sharded if run.start is not None else False,
                 end_reason=run.end_reason if run.ended else "",
+                started_at=run.created,
+                ended_at=run.ended_at if run.ended else 0.0,
                 actions=[
                     pb.ActionTaken(detector=a.detector, action=a.action, result=a.result,
                                    time=a.time, step=int(a.detail.get("step", 0) or 0))

@@ -108,6 +108,11 @@ def test_demo_catches_the_frozen_run_and_spares_the_control(tmp_path: Path) -> N
     assert "RESULT: frozen run caught and stopped" in result.stdout
     assert "frozen_weights [critical, policy stop]" in result.stdout
     assert "differs from the initial adapter: False" in result.stdout
+    out = result.stdout + result.stderr
+    # What the user of run A reads: where it reports, the STOP with its root cause, in status too.
+    assert "deadweight: run demo-frozen-adapter reports to the sidecar at unix://" in out
+    assert "STOPPED run demo-frozen-adapter (stopping training), root cause empty_optimizer" in out
+    assert "(STOP), root cause empty_optimizer, ended (stopped)" in out
     noise = [line for line in (result.stdout + result.stderr).splitlines()
              if "[WARNING]" in line or "Warning:" in line]
     assert not noise, noise  # a newcomer's first run prints only what the demo says
@@ -119,3 +124,18 @@ def test_serve_refuses_a_link_pattern_with_an_unknown_placeholder(tmp_path: Path
     assert result.returncode == 2
     assert "unknown placeholder(s) ['runbook']" in result.stderr
     assert "{alertname}, {detector}" in result.stderr
+
+
+def test_a_reader_that_closes_the_pipe_early_ends_the_command_quietly(tmp_path: Path) -> None:
+    """``deadweight runs | head -1``: no traceback when the reader has gone."""
+    from deadweight.sidecar.store.journal import Store
+
+    state = tmp_path / "state"
+    Store(state).close()  # an empty state database
+    process = subprocess.Popen([sys.executable, "-m", "deadweight.cli", "runs", "--state-dir",
+                                str(state)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert process.stdout is not None and process.stderr is not None
+    process.stdout.close()  # the reader is gone before the command writes a byte
+    stderr = process.stderr.read().decode()
+    assert process.wait(60) == 141, stderr
+    assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr

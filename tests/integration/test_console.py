@@ -14,7 +14,9 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -29,7 +31,10 @@ from deadweight.callbacks.console import Console
 from deadweight.demo.sidecar_process import SidecarProcess
 from deadweight.proto import pb
 from deadweight.sidecar.registry import Registry
+from deadweight.sidecar.store.journal import Store
 from tests.support import raw_loop_worker
+from tests.support.enforcement_support import enforcement_outcome, journal, kill_sidecar
+from tests.support.realprocs import wait_for
 from tests.unit.test_registry import _send, _start
 
 WORKER = Path(__file__).resolve().parents[1] / "support" / "console_worker.py"
@@ -67,7 +72,10 @@ def test_a_frozen_run_prints_each_verdict_once_and_its_healthy_twin_none(
 ) -> None:
     lines, report = _train(tiny, tmp_path / "frozen", "frozen", sidecar.address, "console-f1")
     begin = _index(lines, "deadweight: run console-f1 reports to the sidecar at")
-    assert sidecar.address in lines[begin] and "deadweight report console-f1" in lines[begin]
+    assert sidecar.address in lines[begin]
+    # The session's sidecar keeps its state in memory: no report outlives it, and it says so.
+    assert "which keeps no state dir (--state-dir): no report of the run will outlive it" \
+        in lines[begin]
     assert begin < _index(lines, "worker: step 1")
 
     verdicts = _verdict_lines(lines)
@@ -144,6 +152,57 @@ def test_a_stop_names_the_root_cause_and_marks_the_run(
     assert "STOPPED by deadweight, root cause empty_optimizer" in summary
 
 
+DEAF_LOOP = WORKER.parent / "deaf_loop_worker.py"
+
+
+def _deaf_loop(mode: str, address: str, run_id: str, steps: int
+               ) -> tuple[int, list[str]]:
+    """(exit code, console lines) of a raw loop that never reads ``monitor.should_stop``."""
+    env = {**os.environ, "PYTHONPATH": str(WORKER.parents[2])}
+    done = subprocess.run([sys.executable, str(DEAF_LOOP), mode, address, run_id, str(steps)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    return done.returncode, done.stderr.splitlines()
+
+
+@pytest.mark.slow
+def test_under_the_kill_policy_the_stop_names_the_root_cause_and_the_coming_termination(
+    tmp_path: Path
+) -> None:
+    """A frozen raw loop that ignores STOP, under a sidecar whose frozen_weights policy is
+    kill: before the sidecar's SIGTERM ends it, its console named the root cause (gradients
+    no optimizer holds), the trigger, the fix, the report and the termination to come. Its
+    healthy twin runs to the end and prints no verdict and no STOP."""
+    with kill_sidecar(tmp_path / "sidecar", tmp_path / "state", stop_grace=1.0,
+                      kill_grace=1.0) as sidecar:
+        code, lines = _deaf_loop("frozen", sidecar.address, "console-kill", 100_000)
+        healthy_code, healthy = _deaf_loop("healthy", sidecar.address, "console-kill-ok", 12)
+        store = Store(tmp_path / "state")
+        wait_for(lambda: enforcement_outcome(store, "console-kill") == "terminated", 30,
+                 what="the escalation to close")
+
+    assert code == -signal.SIGTERM, lines[-20:]
+    stop = lines[_index(lines, "deadweight STOPPED run console-kill ")]
+    assert "(monitor.should_stop is set), root cause grad_not_in_optimizer: Parameters " \
+        "receive gradients" in stop, stop
+    assert "(stop triggered by frozen_weights)." in stop
+    assert "Fix: Load the adapter with `is_trainable=True`" in stop
+    assert "Policy kill: unless training ends within the sidecar's stop grace, this process " \
+        "is about to be terminated (SIGTERM, then SIGKILL)." in stop
+    assert stop.endswith("Report: deadweight report console-kill"), stop
+    # said before the termination came: the loop stepped on after the line
+    assert _index(lines, "deadweight STOPPED") < len(lines) - 1
+    assert not any("LOOP_ENDED" in line for line in lines)
+    assert journal(store, "console-kill") == [
+        ("page", "no_pager"), ("stop", "sent"), ("sigterm", "sent"), ("exit", "exited")]
+
+    assert healthy_code == 0, healthy[-20:]
+    assert _verdict_lines(healthy) == [], healthy
+    assert not [line for line in healthy if "STOPPED" in line or "ABORTED" in line]
+    assert any("LOOP_ENDED step=12" in line for line in healthy)
+    assert any("run console-kill-ok ended (completed) at step 12; no verdict" in line
+               for line in healthy), healthy
+
+
 @pytest.fixture
 def deadweight_log() -> Iterator[io.StringIO]:
     """What the ``deadweight`` logger prints, at every level."""
@@ -197,6 +256,124 @@ def test_watch_exit_never_calls_a_sidecar_that_received_everything_unreachable(
     for i in range(runs):  # and the sidecar did receive everything
         run = sidecar.run_status(f"race-{i}")
         assert run is not None and run.ended and run.step == 6
+
+
+@pytest.mark.slow
+def test_an_abort_names_the_root_cause_and_that_the_process_is_about_to_end(
+    tmp_path: Path, deadweight_log: io.StringIO
+) -> None:
+    """An ABORT for a frozen raw loop (queued in a real sidecar the way on-call's STOP is,
+    over real gRPC): the console says it in the STOP's words, root cause first, with the fix
+    and the report, and that the process is about to be terminated; the loop gets a
+    ``DeadweightAbort`` that names the root cause too, and the run ends as aborted."""
+    import time
+
+    import deadweight
+    from deadweight.callbacks.run_probe import DeadweightAbort
+    from tests.support.inprocess_sidecar import InProcessSidecar
+
+    sidecar = InProcessSidecar(tmp_path / "abort.sock").start()
+    model = raw_loop_worker._net()
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))],
+                                  lr=raw_loop_worker.LR)  # holds none of the model's
+    step = 0
+
+    def one_step(monitor: Any) -> tuple[str, ...]:
+        nonlocal step
+        step += 1
+        loss = model(torch.randn(4, 8)).pow(2).mean()
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+        optimizer.step()
+        optimizer.zero_grad()
+        model.zero_grad()
+        monitor.log(step, loss=loss, grad_norm=norm)
+        return tuple(monitor.client.firing)
+
+    try:
+        with pytest.raises(DeadweightAbort) as raised, deadweight.watch(
+                model, optimizer, run_id="console-abort", address=sidecar.address) as monitor:
+            wait_for(lambda: "frozen_weights" in one_step(monitor), 30,
+                     what="frozen_weights to fire")
+            sidecar.registry.direct("console-abort", pb.Directive(
+                action=pb.Directive.ACTION_ABORT, detector="frozen_weights",
+                reason="weights unchanged"))
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:  # the next acknowledgement carries it
+                one_step(monitor)
+        wait_for(lambda: sidecar.seen("console-abort").ended, 10, what="the run end")
+        assert sidecar.seen("console-abort").end_reason == "aborted"
+    finally:
+        sidecar.stop()
+    said = deadweight_log.getvalue().splitlines()
+    line = said[_index(said, "deadweight ABORTED run console-abort ")]
+    assert "(DeadweightAbort is raised into the training loop: the process is about to be " \
+        "terminated), root cause grad_not_in_optimizer: Parameters receive gradients" in line
+    assert "(abort triggered by frozen_weights)." in line
+    assert "Fix: Load the adapter with `is_trainable=True`" in line
+    assert line.endswith("Report: deadweight report console-abort"), line
+    assert [s for s in said if "deadweight ABORTED" in s] == [line]  # said once
+    message = str(raised.value)
+    assert message.startswith("deadweight aborted training, root cause grad_not_in_optimizer: ")
+    assert message.endswith("(abort triggered by frozen_weights)"), message
+    assert monitor.stopped_by_deadweight is None  # aborted, not stopped
+    summary = said[_index(said, "deadweight: run console-abort ended (aborted)")]
+    assert "ABORTED by deadweight, root cause grad_not_in_optimizer" in summary, summary
+
+
+def _one_batch_loop(address: str, run_id: str, frozen: bool, steps: int = 3) -> None:
+    """A raw loop whose every step reaches the sidecar in the batch that carries its end:
+    the client drains its queue only when the run end wakes it (nothing else is due in time).
+    Frozen: the optimizer holds none of the model's parameters, so frozen_weights can only
+    fire on that last batch (its streak is ``steps`` long)."""
+    import deadweight
+    from deadweight.callbacks.stream_client import ClientSettings
+
+    model = raw_loop_worker._net()
+    params = [torch.nn.Parameter(torch.zeros(1))] if frozen else list(model.parameters())
+    optimizer = torch.optim.AdamW(params, lr=raw_loop_worker.LR)
+    settings = ClientSettings(flush_seconds=60.0, heartbeat_seconds=60.0)
+    with deadweight.watch(model, optimizer, run_id=run_id, address=address,
+                          settings=settings) as monitor:
+        for step in range(1, steps + 1):
+            loss = model(torch.randn(4, 8)).pow(2).mean()
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+            optimizer.step()
+            optimizer.zero_grad()
+            model.zero_grad()
+            monitor.log(step, loss=loss, grad_norm=norm)
+        client = monitor.client
+        assert client is not None and client.sent == 0  # nothing after the RunStart yet
+
+
+@pytest.mark.slow
+def test_a_verdict_that_fires_on_the_batch_carrying_the_run_end_gets_its_line(
+    sidecar: SidecarProcess, deadweight_log: io.StringIO
+) -> None:
+    """The last steps and the run end arrive together: the sidecar judges those steps before
+    it ends the run, and the console prints the verdict's line (severity, cause, fix,
+    runbook) before the end summary. The healthy twin, batched the same way, prints none."""
+    _one_batch_loop(sidecar.address, "console-last-batch", frozen=True)
+    said = deadweight_log.getvalue().splitlines()
+    line = said[_index(said, "deadweight CRITICAL frozen_weights (step 3): ")]
+    assert "weights unchanged for 3 optimizer steps (steps 1-3)" in line, line
+    assert "Fix: Stop the run and fix what froze it" in line
+    assert line.endswith(f"Runbook: http://127.0.0.1:{sidecar.metrics_port}/runbooks/"
+                         "frozen_weights"), line
+    end = _index(said, "deadweight: run console-last-batch ended (completed) at step 3")
+    assert _index(said, "deadweight CRITICAL frozen_weights") < end
+    assert "frozen_weights (critical, step 3, firing at end)" in said[end], said[end]
+    run = sidecar.run_status("console-last-batch")
+    assert run is not None and run.ended
+    assert "frozen_weights" in {f.detector for f in run.findings}
+
+    _one_batch_loop(sidecar.address, "console-last-batch-ok", frozen=False)
+    said = deadweight_log.getvalue().splitlines()
+    twin = said[_index(said, "deadweight: run console-last-batch-ok reports to the sidecar"):]
+    assert _verdict_lines(twin) == [], twin
+    assert any("run console-last-batch-ok ended (completed) at step 3; no verdict" in s
+               for s in twin), twin
 
 
 def _notice(detector: str, incident: int = 1, rank: int = 0) -> pb.VerdictNotice:
@@ -267,7 +444,6 @@ def test_a_sidecar_that_comes_up_later_judges_the_run_from_then_on(
     import deadweight
     from deadweight.callbacks.stream_client import ClientSettings
     from tests.support.inprocess_sidecar import InProcessSidecar
-    from tests.support.realprocs import wait_for
 
     socket_path = tmp_path / "late.sock"
     model = raw_loop_worker._net()
@@ -303,3 +479,28 @@ def test_a_sidecar_that_comes_up_later_judges_the_run_from_then_on(
     finally:
         if late is not None:
             late.stop()
+
+
+@pytest.mark.slow
+def test_the_report_command_on_the_console_opens_the_report(
+    tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """The begin line's command is the sidecar's own, state dir included: pasted, it works."""
+    import shlex
+
+    state = tmp_path / "state dir"  # a space: the command must be quoted for a shell
+    with SidecarProcess(tmp_path / "sc", extra_args=["--state-dir", str(state)]) as sc:
+        lines, _ = _train(tiny, tmp_path / "frozen", "frozen", sc.address, "console-r1",
+                          steps=4)
+    begin = lines[_index(lines, "deadweight: run console-r1 reports to the sidecar at")]
+    command = begin.split("open its report with: ", 1)[1].strip()
+    assert command == f"deadweight report console-r1 --state-dir {shlex.quote(str(state))}"
+    end = lines[_index(lines, "deadweight: run console-r1 ended")]
+    assert end.endswith(f"report: {command}")
+    page = tmp_path / "page.html"
+    argv = [sys.executable, "-m", "deadweight.cli", *shlex.split(command)[1:], "--out",
+            str(page)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "root cause empty_optimizer" in page.read_text()
+

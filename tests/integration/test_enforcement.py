@@ -3,7 +3,8 @@
 Three real SFT jobs on a frozen adapter (F1), each its own process, report to one real sidecar
 whose frozen_weights policy is kill with one-second graces: one obeys STOP, one ignores it
 (a callback that drops directives), one also ignores SIGTERM. Each ends exactly as far up the
-escalation as it forces, and every step of it is in the SQLite journal.
+escalation as it forces, and every step of it is in the SQLite journal; the job that obeys
+says on its console why it stopped and that the policy would have terminated it.
 """
 
 from __future__ import annotations
@@ -48,6 +49,13 @@ def test_kill_policy_escalates_only_as_far_as_each_job_forces(
     assert codes == {"obey": 0, "ignore_stop": -signal.SIGTERM,
                      "ignore_term": -signal.SIGKILL}, logs
     assert "TRAINING_ENDED" in logs["obey"]
+    # the console of the job that obeyed: the root cause (the adapter loaded without
+    # is_trainable) before the trigger, its fix, and the termination a kill policy holds ready
+    stop = next(line for line in logs["obey"].splitlines()
+                if "deadweight STOPPED run kill-obey (stopping training)" in line)
+    assert "root cause empty_optimizer: The optimizer was built with zero parameters" in stop
+    assert "(stop triggered by frozen_weights). Fix: Load the adapter with " in stop, stop
+    assert "this process is about to be terminated (SIGTERM, then SIGKILL)." in stop
     assert "IGNORING directive" in logs["ignore_stop"]
 
     assert journal(store, "kill-obey") == [

@@ -113,6 +113,10 @@ def test_day2_frozen_resume_fails_the_gate_and_its_healthy_twin_passes(
     assert f"FAIL  {day2['frozen']}" in out
     assert "empty_optimizer (firing at end" in out and "frozen_weights (firing at end" in out
     assert out.index("empty_optimizer (") < out.index("frozen_weights (")  # cause first
+    # Each verdict says what to do, in the detector's own words (the console's fix).
+    cause = out.index("empty_optimizer (")
+    assert out.index("fix: Load the adapter with `PeftModel.from_pretrained(base, path, "
+                     "is_trainable=True)`", cause) < out.index("frozen_weights (")
     assert "resolved" not in out
 
     healthy = inspect(day2["healthy"], *strict(key))

@@ -33,6 +33,27 @@ def test_healthy_checkpoints_pass(trained: dict[str, Path],
     assert out.count("ok    ") == 2 and "2 checkpoint(s) inspected, 0 with findings" in out
 
 
+def test_the_output_folder_stands_for_its_checkpoints(
+        trained: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``deadweight inspect OUTPUT_DIR``: the trainer's output folder holds no weights of its
+    own; its checkpoint-<step> folders are inspected, by step, with a fix for each finding."""
+    out = trained["c2"].parent
+    code = main(["inspect", str(out), "--initial", str(trained["initial"])])
+    listed = capsys.readouterr().out
+    assert code == 0, listed
+    assert "2 checkpoint(s) inspected, 0 with findings" in listed
+    assert listed.index(str(trained["c2"])) < listed.index(str(trained["c4"]))
+    # A copy of the last save beside them: the copy fails, and says what to do.
+    shutil.copytree(out, tmp_path / "out", ignore=shutil.ignore_patterns("checkpoint-2"))
+    shutil.copytree(trained["c4"], tmp_path / "out" / "checkpoint-6")
+    code = main(["inspect", str(tmp_path / "out")])
+    listed = capsys.readouterr().out
+    assert code == 1, listed
+    assert f"FAIL  {tmp_path / 'out' / 'checkpoint-6'}" in listed
+    assert "checkpoint_unchanged [critical]" in listed
+    assert "        fix: Fix the root cause (usually `is_trainable=True`), retrain" in listed
+
+
 def test_a_copy_of_the_previous_checkpoint_fails(trained: dict[str, Path], tmp_path: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     copy = tmp_path / "checkpoint-10"  # a glob lists it before checkpoint-4: sorted by step

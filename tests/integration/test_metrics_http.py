@@ -187,6 +187,9 @@ def test_frozen_steps_count_back_from_the_newest_step_as_the_detector_does() -> 
                                                                    run_family(run))) == 5
     page = render(collector.exposition()).decode()
     assert 'deadweight_frozen_steps{run_id="run",trainer="T \\"x\\""} 5.0\n' in page
+    assert run.frozen_streak_memo is not None and run.frozen_streak_memo[2] == 5
+    again = render(collector.exposition()).decode()  # the next scrape, from the memo
+    assert 'deadweight_frozen_steps{run_id="run",trainer="T \\"x\\""} 5.0\n' in again
     assert not registry.ingest(pb.StreamRequest(run_id="run", events=[
         _step(2 + len(plan), 1 + len(plan), 1e-4, moved=True)])).error
     page = render(collector.exposition()).decode()

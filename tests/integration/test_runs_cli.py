@@ -11,6 +11,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +85,10 @@ def test_runs_and_status_json_live_and_from_a_copied_state_db(tiny: tuple[Path, 
         assert live["schema"] == runs_listing.SCHEMA and live["source"] == "sidecar"
         listed = {r["run_id"]: r for r in live["runs"]}
         assert listed.keys() == {FROZEN, HEALTHY}
-        assert listed[FROZEN]["ended_at"] is not None and listed[FROZEN]["started_at"] is None
+        for run in listed.values():  # the live sidecar knows when each run began and ended
+            assert 0 < run["started_at"] <= run["ended_at"] <= time.time()
+            assert runs[run["run_id"]]["started_at"] == run["started_at"]
+        assert listed[FROZEN]["ended_at"] <= listed[HEALTHY]["started_at"]
         assert _detectors(listed[FROZEN]["verdicts"])[0] == "empty_optimizer"
         text = _deadweight("runs", "--address", sc.address)
         assert text.returncode == 0, text.stderr
@@ -92,6 +96,7 @@ def test_runs_and_status_json_live_and_from_a_copied_state_db(tiny: tuple[Path, 
         assert lines[0].split()[:2] == ["RUN", "TRAINER"]
         frozen_line = next(line for line in lines if line.startswith(FROZEN))
         assert "SFTTrainer" in frozen_line and "empty_optimizer (critical" in frozen_line
+        assert "—" not in frozen_line  # a start and an end, both known
         assert "no verdict" in next(line for line in lines if line.startswith(HEALTHY))
 
     # No sidecar now: a copy of its database, elsewhere, is all on-call has.

@@ -24,26 +24,33 @@ pytestmark = pytest.mark.slow
 
 RUN = "templated-run-id"
 STEPS_B = 25
+#: Seconds from A's STOP to its SIGTERM: far beyond B's 25 steps once B is ready.
+STOP_GRACE = 30.0
 
 
 def test_two_jobs_with_one_run_id(tiny: tuple[Path, Path], tmp_path: Path) -> None:
     state = tmp_path / "state"
-    sidecar = kill_sidecar(tmp_path / "sidecar", state, stop_grace=120.0, kill_grace=2.0)
-    # STOP's grace outlasts B's whole life (its imports alone take most of a minute on a loaded
-    # machine), so B meets A alive: the collision this test is about.
+    sidecar = kill_sidecar(tmp_path / "sidecar", state, stop_grace=STOP_GRACE, kill_grace=2.0)
+    # B starts beside A and imports meanwhile, then begins training (its RunStart) only on the
+    # go file, once A is registered: B meets A alive, the collision this test is about. STOP's
+    # grace outlasts B's whole training life, so A is still alive when B ends.
+    go = tmp_path / "go"
     with sidecar:
         store = Store(state)
         frozen = start_job(tiny, tmp_path / "a", sidecar.address, RUN, "ignore_stop")
-        learning = None
+        learning = start_job(tiny, tmp_path / "b", sidecar.address, RUN, "obey", trainable=1,
+                             steps=STEPS_B, step_pause=0.05, go_file=go)
         try:
             wait_for(lambda: 0 in store.bindings(RUN), 120, what="job A to register")
             assert store.bindings(RUN)[0].pid == frozen.pid
-            learning = start_job(tiny, tmp_path / "b", sidecar.address, RUN, "obey",
-                                 trainable=1, steps=STEPS_B, step_pause=0.05)
+            b_ready = tmp_path / "b" / f"{RUN}.log"
+            wait_for(lambda: "READY" in b_ready.read_text(), 120, what="job B to be ready")
+            assert frozen.poll() is None
+            go.touch()
             assert learning.wait(300) == 0  # trained to the end, never signalled
             assert frozen.wait(240) == -signal.SIGTERM  # the frozen job was caught
         finally:
-            stop_all(frozen, *([learning] if learning is not None else []))
+            stop_all(frozen, learning)
         b_log = (tmp_path / "b" / f"{RUN}.log").read_text()
         a_log = (tmp_path / "a" / f"{RUN}.log").read_text()
         status = sidecar.run_status(RUN)

@@ -4,6 +4,9 @@
 sidecar's directives; ``ignore_term`` also ignores SIGTERM, so only SIGKILL ends it. The job
 prints ``TRAINING_ENDED step=N`` when training returns (STOP obeyed). ``--trainable 1`` loads
 the adapter trainable: a healthy job that learns (the control beside a frozen one).
+``--go-file PATH`` makes the job import, load and build everything first, then begin training
+only once PATH exists: a test can start a job early and time its RunStart to the moment it
+needs, without waiting out the imports (most of a minute on a loaded machine).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ def main() -> int:
     parser.add_argument("--save-steps", type=int, default=100_000)
     parser.add_argument("--step-pause", type=float, default=0.02)
     parser.add_argument("--trainable", type=int, default=0)
+    parser.add_argument("--go-file", default="")
     args = parser.parse_args()
     if args.mode == "ignore_term":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -67,6 +71,14 @@ def main() -> int:
     build = runs.sft_trainer if args.kind == "sft" else runs.grpo_trainer
     trainer = build(model, Path(args.model_dir), Path(args.out), [callback, Pace()],
                     steps=args.steps, save_steps=args.save_steps)
+    if args.go_file:
+        print("READY", flush=True)
+        deadline = time.monotonic() + 600
+        while not Path(args.go_file).exists():  # the test's signal to begin
+            if time.monotonic() > deadline:
+                print("NO_GO", flush=True)
+                return 3
+            time.sleep(0.05)
     print("TRAINING_STARTED", flush=True)
     trainer.train()
     print(f"TRAINING_ENDED step={trainer.state.global_step}", flush=True)

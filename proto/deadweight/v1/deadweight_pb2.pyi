@@ -376,18 +376,22 @@ class RunEnd(_message.Message):
     def __init__(self, step: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class StreamResponse(_message.Message):
-    __slots__ = ("ack_seq", "directives", "error", "firing", "verdicts")
+    __slots__ = ("ack_seq", "directives", "error", "firing", "verdicts", "report_command", "report_known")
     ACK_SEQ_FIELD_NUMBER: _ClassVar[int]
     DIRECTIVES_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     FIRING_FIELD_NUMBER: _ClassVar[int]
     VERDICTS_FIELD_NUMBER: _ClassVar[int]
+    REPORT_COMMAND_FIELD_NUMBER: _ClassVar[int]
+    REPORT_KNOWN_FIELD_NUMBER: _ClassVar[int]
     ack_seq: int
     directives: _containers.RepeatedCompositeFieldContainer[Directive]
     error: str
     firing: _containers.RepeatedScalarFieldContainer[str]
     verdicts: _containers.RepeatedCompositeFieldContainer[VerdictNotice]
-    def __init__(self, ack_seq: _Optional[int] = ..., directives: _Optional[_Iterable[_Union[Directive, _Mapping]]] = ..., error: _Optional[str] = ..., firing: _Optional[_Iterable[str]] = ..., verdicts: _Optional[_Iterable[_Union[VerdictNotice, _Mapping]]] = ...) -> None: ...
+    report_command: str
+    report_known: bool
+    def __init__(self, ack_seq: _Optional[int] = ..., directives: _Optional[_Iterable[_Union[Directive, _Mapping]]] = ..., error: _Optional[str] = ..., firing: _Optional[_Iterable[str]] = ..., verdicts: _Optional[_Iterable[_Union[VerdictNotice, _Mapping]]] = ..., report_command: _Optional[str] = ..., report_known: _Optional[bool] = ...) -> None: ...
 
 class VerdictNotice(_message.Message):
     __slots__ = ("detector", "severity", "policy", "incident", "step", "cause", "fix", "runbook_url", "cause_rank", "evidence")
@@ -444,7 +448,7 @@ class StatusResponse(_message.Message):
     def __init__(self, runs: _Optional[_Iterable[_Union[RunStatus, _Mapping]]] = ...) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("run_id", "trainer", "ranks", "step", "last_seen_seconds", "ended", "findings", "end_reason", "actions", "wrapper", "sharded", "silences")
+    __slots__ = ("run_id", "trainer", "ranks", "step", "last_seen_seconds", "ended", "findings", "end_reason", "actions", "wrapper", "sharded", "silences", "started_at", "ended_at")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     TRAINER_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
@@ -457,6 +461,8 @@ class RunStatus(_message.Message):
     WRAPPER_FIELD_NUMBER: _ClassVar[int]
     SHARDED_FIELD_NUMBER: _ClassVar[int]
     SILENCES_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    ENDED_AT_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     trainer: str
     ranks: _containers.RepeatedScalarFieldContainer[int]
@@ -469,7 +475,9 @@ class RunStatus(_message.Message):
     wrapper: str
     sharded: bool
     silences: _containers.RepeatedCompositeFieldContainer[SilenceStatus]
-    def __init__(self, run_id: _Optional[str] = ..., trainer: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., step: _Optional[int] = ..., last_seen_seconds: _Optional[float] = ..., ended: _Optional[bool] = ..., findings: _Optional[_Iterable[_Union[Finding, _Mapping]]] = ..., end_reason: _Optional[str] = ..., actions: _Optional[_Iterable[_Union[ActionTaken, _Mapping]]] = ..., wrapper: _Optional[str] = ..., sharded: _Optional[bool] = ..., silences: _Optional[_Iterable[_Union[SilenceStatus, _Mapping]]] = ...) -> None: ...
+    started_at: float
+    ended_at: float
+    def __init__(self, run_id: _Optional[str] = ..., trainer: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., step: _Optional[int] = ..., last_seen_seconds: _Optional[float] = ..., ended: _Optional[bool] = ..., findings: _Optional[_Iterable[_Union[Finding, _Mapping]]] = ..., end_reason: _Optional[str] = ..., actions: _Optional[_Iterable[_Union[ActionTaken, _Mapping]]] = ..., wrapper: _Optional[str] = ..., sharded: _Optional[bool] = ..., silences: _Optional[_Iterable[_Union[SilenceStatus, _Mapping]]] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ...) -> None: ...
 
 class SilenceStatus(_message.Message):
     __slots__ = ("detector", "until", "reason")

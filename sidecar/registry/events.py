@@ -59,7 +59,7 @@ def end_run(entry: RunEntry, store: Store, reason: str, now: float, step: int | 
         if finding.firing:  # firing at end: the journal keeps what it showed last
             entry.outbox.add(functools.partial(store.note_evidence, run.run_id,
                                                finding.detector, finding.incidents,
-                                               dict(finding.evidence)))
+                                               dict(finding.evidence), entry.incarnation))
     log.info("run_ended", run_id=run.run_id, reason=reason,
              step=run.step if step is None else step)
 

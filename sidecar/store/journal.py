@@ -397,37 +397,43 @@ class Store:
         )
 
     def set_targets(self, run_id: str, detector: str, incident: int,
-                    targets: dict[int, ProcessIdentity]) -> None:
+                    targets: dict[int, ProcessIdentity], incarnation: int | None = None
+                    ) -> None:
         """The processes an escalation may signal, fixed when it begins (a restart reads
         them back; nothing bound later, under any incarnation, is ever added)."""
         encoded = {str(rank): [i.pid, i.uid, i.gid, i.start_time, i.boot_id]
                    for rank, i in targets.items()}
+        life, args = _life(incarnation)
         self._write("UPDATE incidents SET targets=? WHERE run_id=? AND detector=? AND "
-                    "incident=?", (json.dumps(encoded, sort_keys=True), run_id, detector,
-                                   incident))
+                    f"incident=?{life}", (json.dumps(encoded, sort_keys=True), run_id,
+                                          detector, incident, *args))
 
     def resolve_incident(self, run_id: str, detector: str, incident: int, at: float,
-                         evidence: dict[str, str] | None = None) -> None:
+                         evidence: dict[str, str] | None = None,
+                         incarnation: int | None = None) -> None:
         """The condition cleared while the run was live; evidence: the latest it showed."""
+        life, args = _life(incarnation)
         self._write(
             "UPDATE incidents SET resolved_at=?, last_evidence=COALESCE(?, last_evidence) "
-            "WHERE run_id=? AND detector=? AND incident=? AND resolved_at IS NULL",
+            f"WHERE run_id=? AND detector=? AND incident=? AND resolved_at IS NULL{life}",
             (at, None if evidence is None else json.dumps(evidence, sort_keys=True), run_id,
-             detector, incident))
+             detector, incident, *args))
 
     def note_evidence(self, run_id: str, detector: str, incident: int,
-                      evidence: dict[str, str]) -> None:
+                      evidence: dict[str, str], incarnation: int | None = None) -> None:
         """The latest evidence of an open incident (its run ended with it firing)."""
+        life, args = _life(incarnation)
         self._write(
             "UPDATE incidents SET last_evidence=? WHERE run_id=? AND detector=? AND incident=? "
-            "AND resolved_at IS NULL",
-            (json.dumps(evidence, sort_keys=True), run_id, detector, incident))
+            f"AND resolved_at IS NULL{life}",
+            (json.dumps(evidence, sort_keys=True), run_id, detector, incident, *args))
 
     def close_enforcement(self, run_id: str, detector: str, incident: int,
-                          outcome: str) -> None:
+                          outcome: str, incarnation: int | None = None) -> None:
+        life, args = _life(incarnation)
         self._write(
-            "UPDATE incidents SET enforcement=? WHERE run_id=? AND detector=? AND incident=?",
-            (outcome, run_id, detector, incident))
+            "UPDATE incidents SET enforcement=? WHERE run_id=? AND detector=? AND incident=?"
+            f"{life}", (outcome, run_id, detector, incident, *args))
 
     def _incidents(self, where: str, args: tuple[Any, ...]) -> list[StoredIncident]:
         rows = self._read(
@@ -570,11 +576,19 @@ class Store:
                 return 0  # a full disk: pruning waits for the next start
         return len(lives)
 
-    def has_action(self, run_id: str, detector: str, incident: int, action: str) -> bool:
+    def has_action(self, run_id: str, detector: str, incident: int, action: str,
+                   incarnation: int | None = None) -> bool:
+        life, args = _life(incarnation)
         rows = self._read(
-            "SELECT 1 FROM actions WHERE run_id=? AND detector=? AND incident=? AND action=? "
-            "LIMIT 1", (run_id, detector, incident, action))
+            "SELECT 1 FROM actions WHERE run_id=? AND detector=? AND incident=? AND action=?"
+            f"{life} LIMIT 1", (run_id, detector, incident, action, *args))
         return bool(rows)
+
+
+def _life(incarnation: int | None) -> tuple[str, tuple[int, ...]]:
+    """The clause and argument that scope a write to one incarnation (none: the incident
+    number alone, which no two incarnations share)."""
+    return ("", ()) if incarnation is None else (" AND incarnation=?", (incarnation,))
 
 
 def _targets(encoded: str) -> dict[int, ProcessIdentity]:

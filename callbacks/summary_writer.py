@@ -8,8 +8,9 @@ caught by wrapping the model's own ``save_pretrained`` on the instance at train 
 (``SummaryOnSave``): the Trainer's ``_save`` and a user's direct call both go through it, so
 no save path is missed and no Trainer method is patched.
 
-The summary itself comes from the sidecar (``SignSummary``): the callback sends the digest of
-the adapter in memory and a fresh attestation nonce; the sidecar fills in the verdicts,
+The summary itself comes from the sidecar (``SignSummary``): the callback sends the folder it
+saved to, the digest of the adapter in memory and a fresh attestation nonce; the sidecar reads
+the files there itself, signs only if they are those bytes, and fills in the verdicts,
 actions and end reason from its own state and signs. When it cannot (no sidecar, TCP, an old
 sidecar), the summary is written unsigned with the verdicts of ``Status`` and the reason, so
 a gate can tell "no verdict" from "no problem". Asking takes at most ``timeout`` seconds.
@@ -49,16 +50,23 @@ def _call(address: str, token: str | None, tls_root: bytes | None, timeout: floa
             request, timeout=timeout, metadata=bearer_metadata(token))
 
 
+#: Codes that mean no sidecar answered; any other is the sidecar's own answer.
+_UNREACHED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
 def _why(err: grpc.RpcError, when: str) -> str:
     code = err.code() if hasattr(err, "code") else None
     details = err.details() if hasattr(err, "details") else ""
+    if code is not None and code not in _UNREACHED:
+        return f"the sidecar refused {when} ({code.name}{': ' + details if details else ''})"
     return f"sidecar unreachable {when} ({code}{': ' + details if details else ''})"
 
 
 def fetch_signed(address: str, run_id: str, token: str | None, tls_root: bytes | None,
-                 adapter: AdapterDigest, step: int, timeout: float
+                 adapter: AdapterDigest, step: int, timeout: float, folder: Path | None = None
                  ) -> tuple[dict[str, Any] | None, Signature | None, str]:
-    """(body, signature, "") from the sidecar, or (None, None, why it did not sign)."""
+    """(body, signature, "") from the sidecar, or (None, None, why it did not sign). The
+    sidecar reads the adapter files in folder itself and signs only if they are adapter's."""
     path = unix_socket_path(grpc_target(address))
     if path is None:
         return None, None, "the sidecar signs summaries over its unix socket only"
@@ -67,6 +75,7 @@ def fetch_signed(address: str, run_id: str, token: str | None, tls_root: bytes |
         return None, None, "no attestation from the sidecar"
     request = pb.SignSummaryRequest(
         run_id=run_id, attestation=nonce, step=step,
+        path=str(folder.absolute()) if folder is not None else "",
         adapter=pb.AdapterDigest(combined=adapter.combined, tensors=adapter.tensors,
                                  bytes=adapter.bytes))
     try:
@@ -120,7 +129,7 @@ def write_beside(folder: Path, adapter: AdapterDigest, run_id: str, step: int, a
     if not adapter.tensors or not folder.is_dir():
         return None  # not an adapter run, or the folder is gone
     body, signature, why = fetch_signed(address, run_id, token, tls_root, adapter, step,
-                                        timeout)
+                                        timeout, folder)
     if body is None:
         status, sidecar = fetch_verdicts(address, run_id, token, tls_root, timeout)
         body = unsigned_summary(run_id, step, adapter, status, sidecar).body()

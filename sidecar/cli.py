@@ -293,7 +293,7 @@ def _report(args: argparse.Namespace) -> int:
         return 2
     store = Store(args.state_dir)
     try:
-        page = report.render(report.load(store, args.run_id),
+        page = report.render(report.load(store, args.run_id, args.incarnation),
                              frozen_ratio_floor=DetectorSettings().frozen_ratio_floor,
                              runbook_url_pattern=args.runbook_url_pattern)
     except report.ReportUnavailable as err:
@@ -451,6 +451,9 @@ def build_parser(*more_commands: Callable[[Commands], None]) -> argparse.Argumen
     report_cmd.add_argument("run_id", metavar="RUN_ID")
     report_cmd.add_argument("--state-dir", required=True, metavar="DIR",
                             help="the --state-dir of the sidecar that watched the run")
+    report_cmd.add_argument("--incarnation", type=int, default=None, metavar="N",
+                            help="which life of a run id used again (default: the newest; "
+                            "deadweight runs lists them)")
     report_cmd.add_argument("--out", default=None, metavar="FILE.html",
                             help="where to write it (default deadweight-RUN_ID.html)")
     report_cmd.add_argument("--runbook-url-pattern",

@@ -49,19 +49,26 @@ class RunRecord:
     checkpoints: list[CheckpointPoint]
 
 
-def load(store: Store, run_id: str) -> RunRecord:
-    run = store.run(run_id)
+def load(store: Store, run_id: str, incarnation: int | None = None) -> RunRecord:
+    """One incarnation of a run id (None: its newest); nothing of another one is read, so a
+    relaunch under the same id never shows, nor hides, the verdicts of the life before."""
+    run = store.run(run_id, incarnation)
     if run is None:
+        lives = store.incarnations(run_id)
+        if lives:
+            raise ReportUnavailable(f"run {run_id!r} has no incarnation {incarnation} in the "
+                                    f"state database (it has {', '.join(map(str, lives))})")
         known = ", ".join(r.run_id for r in store.runs()[-10:]) or "none"
         raise ReportUnavailable(f"no run {run_id!r} in the state database (recent: {known}; "
                                 "every run: deadweight runs --state-dir DIR)")
+    life = run.incarnation
     return RunRecord(
         run=run,
-        steps=store.history(run_id, "step"),
-        logs=store.history(run_id, "log"),
-        incidents=store.incidents(run_id),
-        actions=store.actions(run_id=run_id),
-        checkpoints=store.checkpoints(run_id),
+        steps=store.history(run_id, "step", life),
+        logs=store.history(run_id, "log", life),
+        incidents=store.incidents(run_id, life),
+        actions=store.actions(run_id=run_id, incarnation=life),
+        checkpoints=store.checkpoints(run_id, life),
     )
 
 
@@ -250,13 +257,16 @@ def render(record: RunRecord, frozen_ratio_floor: float = 0.01,
     top = headline(record, runbook_url_pattern)
     verdicts = ordered_verdicts(record)
     state = (f"ended ({run.end_reason}) at {_when(run.ended_at)}" if run.ended else "running")
+    life = (f"incarnation {run.incarnation} (the run id was used before: --incarnation N for "
+            f"an earlier one) · " if run.incarnation > 1 else "")
     last_step = record.steps[-1][0] if record.steps else 0
     parts = [
         "<!doctype html><html lang=en><head><meta charset=utf-8>",
         f"<title>deadweight report: {html.escape(run.run_id)}</title>",
         f"<style>{STYLE}</style></head><body>",
         f"<h1>deadweight report: {html.escape(run.run_id)}</h1>",
-        f"<p class=meta>trainer {html.escape(run.trainer or '?')} · {html.escape(state)} · "
+        f"<p class=meta>{html.escape(life)}trainer {html.escape(run.trainer or '?')} · "
+        f"{html.escape(state)} · "
         f"{len(record.steps)} optimizer steps recorded (last {last_step}) · "
         f"{len(record.checkpoints)} checkpoints</p>",
         _banner(top, run),

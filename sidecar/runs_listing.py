@@ -8,7 +8,8 @@ live sidecar it asks the Status RPC, which holds the same for the runs in its me
 ("deadweight.runs/v1"), ``source`` ("state_dir" or "sidecar"), ``runs``; each run:
 ``run_id``, ``trainer``, ``started_at`` and ``ended_at`` (unix seconds or null), ``ended``,
 ``end_reason``, ``verdicts`` (root causes first: ``detector``, ``severity``, ``state``,
-``step``, ``summary``).
+``step``, ``summary``), ``incarnation`` (which life of a run id used again: each life is its
+own line, with its own verdicts).
 """
 
 from __future__ import annotations
@@ -46,18 +47,21 @@ class RunLine:
     ended: bool
     end_reason: str
     verdicts: list[RunVerdict]
+    incarnation: int = 1
 
 
 def from_store(store: Store) -> list[RunLine]:
-    """Every run in the database, oldest first, with each detector's final verdict."""
+    """Every run in the database, oldest first, each incarnation of a run id on its own
+    line with that incarnation's final verdict per detector."""
     lines = []
-    for run in sorted(store.runs(), key=lambda r: r.created):
+    for run in sorted(store.runs(), key=lambda r: (r.created, r.incarnation)):
+        incidents = store.incidents(run.run_id, run.incarnation)
         verdicts = [RunVerdict(i.detector, i.severity, verdict_order.state(i, run), i.step,
                                i.summary)
-                    for i in verdict_order.last_per_detector(store.incidents(run.run_id))]
+                    for i in verdict_order.last_per_detector(incidents)]
         lines.append(RunLine(run.run_id, run.trainer, run.created,
                              run.ended_at if run.ended else None, run.ended, run.end_reason,
-                             verdicts))
+                             verdicts, run.incarnation))
     return lines
 
 
@@ -92,17 +96,22 @@ def _verdicts(line: RunLine) -> str:
     return ", ".join(f"{v.detector} ({v.severity}, {v.state})" for v in shown)
 
 
+def _name(line: RunLine) -> str:
+    """The run id, and which life of it when it was used before (``ID #2``)."""
+    return line.run_id if line.incarnation == 1 else f"{line.run_id} #{line.incarnation}"
+
+
 def render(lines: list[RunLine]) -> str:
     """A table; times in UTC. Final verdicts list critical and warning ones, causes first."""
     if not lines:
         return "no runs"
-    width = max(3, *(len(line.run_id) for line in lines))
+    width = max(3, *(len(_name(line)) for line in lines))
     trainer = max(7, *(len(line.trainer) for line in lines))
     rows = [f"{'RUN':<{width}}  {'TRAINER':<{trainer}}  {'STARTED (UTC)':<19}  "
             f"{'ENDED (UTC)':<19}  {'END':<14}  FINAL VERDICTS"]
     for line in lines:
         end = (line.end_reason or "ended") if line.ended else "running"
-        rows.append(f"{line.run_id:<{width}}  {line.trainer:<{trainer}}  "
+        rows.append(f"{_name(line):<{width}}  {line.trainer:<{trainer}}  "
                     f"{_when(line.started_at):<19}  {_when(line.ended_at):<19}  {end:<14}  "
                     f"{_verdicts(line)}")
     return "\n".join(rows)

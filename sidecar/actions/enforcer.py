@@ -160,7 +160,7 @@ class Enforcer:
         for rank, identity in run.processes:
             esc.targets[rank] = Target(rank, identity)
         self.store.set_targets(esc.run_id, esc.detector, esc.incident,
-                               dict(run.processes))
+                               dict(run.processes), esc.incarnation)
         with self._lock:
             self._open[(esc.run_id, esc.detector, esc.incident)] = esc
         log.info("escalation_started", run_id=esc.run_id, detector=esc.detector,
@@ -248,7 +248,8 @@ class Enforcer:
             if outcome:
                 with self._lock:
                     self._open.pop((esc.run_id, esc.detector, esc.incident), None)
-                self.store.close_enforcement(esc.run_id, esc.detector, esc.incident, outcome)
+                self.store.close_enforcement(esc.run_id, esc.detector, esc.incident, outcome,
+                                             esc.incarnation)
                 log.info("escalation_closed", run_id=esc.run_id, detector=esc.detector,
                          incident=esc.incident, outcome=outcome)
 
@@ -264,7 +265,7 @@ class Enforcer:
             esc.targets[rank] = Target(rank, bound.get(rank))
         self.store.set_targets(esc.run_id, esc.detector, esc.incident,
                                {r: t.identity for r, t in esc.targets.items()
-                                if t.identity is not None})
+                                if t.identity is not None}, esc.incarnation)
 
     def supersede(self, run_id: str, incarnation: int) -> None:
         """An incarnation of the run id closed: its open escalations end, unsignalled."""
@@ -274,7 +275,8 @@ class Enforcer:
             for key in closing:
                 del self._open[key]
         for _, detector, incident in closing:
-            self.store.close_enforcement(run_id, detector, incident, "superseded")
+            self.store.close_enforcement(run_id, detector, incident, "superseded",
+                                         incarnation)
             log.warning("escalation_closed", run_id=run_id, detector=detector,
                         incident=incident, outcome="superseded")
 

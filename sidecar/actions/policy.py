@@ -188,12 +188,14 @@ class Actions:
                            incarnation=run.incarnation)
 
     def _done(self, run: RunFacts, finding: Finding, action: str) -> bool:
-        return self.store.has_action(run.run_id, finding.detector, finding.incidents, action)
+        return self.store.has_action(run.run_id, finding.detector, finding.incidents, action,
+                                     run.incarnation)
 
     def _paged(self, run: RunFacts, finding: Finding) -> bool:
         """A page went out for the incident (one held back by a silence does not count)."""
         return any(a.action == "page" and a.result != "silenced" for a in
-                   self.store.actions(run.run_id, finding.detector, finding.incidents))
+                   self.store.actions(run.run_id, finding.detector, finding.incidents,
+                                      run.incarnation))
 
     def _silenced(self, run: RunFacts, finding: Finding) -> bool:
         return bool(self.silenced_by(run, finding.detector))

@@ -11,10 +11,10 @@ and every file in it belong to the uid the kernel named for the run (the run's p
 read them anyway, so the sidecar reads nothing on its behalf that its own uid could not
 write), and, where the operator gave ``--watch-root`` folders, only while its resolved path
 lies under one of them. A run that did not attest has no uid to check: its checkpoints are
-read only under a ``--watch-root``. Refusals reach the sink as findings. One watchdog
-observer serves every run; each scheduled folder costs it one kernel watch thread, so at
-most ``max_watches`` folders get one (the others are polled by the scan), and a run may name
-at most ``max_folders_per_run`` folders.
+read only under a ``--watch-root`` (the checks are ``access``'s, shared with ``SignSummary``).
+Refusals reach the sink as findings. One watchdog observer serves every run; each scheduled
+folder costs it one kernel watch thread, so at most ``max_watches`` folders get one (the
+others are polled by the scan), and a run may name at most ``max_folders_per_run`` folders.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from watchdog.observers import Observer
 from watchdog.observers.api import ObservedWatch
 
 from ..model.inspection import CheckpointInspection
+from . import access
 from .inspector import (
     CheckpointRefused,
     NotACheckpoint,
@@ -54,13 +55,7 @@ MAX_FOLDERS_PER_RUN = 4
 
 class InspectionSink(Protocol):
     def record_inspection(self, run_id: str, inspection: CheckpointInspection,
-                          step: int = 0) -> bool: ...
-
-
-def under_roots(path: Path, roots: Iterable[Path]) -> bool:
-    """True when path, with every symlink resolved, lies in (or is) one of the roots."""
-    real = Path(os.path.realpath(path))
-    return any(real == root or root in real.parents for root in roots)
+                          step: int = 0, incarnation: int | None = None) -> bool: ...
 
 
 @dataclass
@@ -71,6 +66,9 @@ class _Pending:
     trusted: bool = False
     signature: tuple[tuple[str, int, int], ...] = ()
     stable_since: float = 0.0
+    #: The life of the run id that reported or owns the folder: its inspection goes to that
+    #: life only (one found after a relaunch is not the new life's).
+    incarnation: int = 1
 
 
 @dataclass
@@ -78,6 +76,8 @@ class _Watched:
     run_id: str
     folder: Path
     owner_uid: int | None = None
+    #: The life of the run id that named the folder last (a relaunch names it again).
+    incarnation: int = 1
     #: The folder exists and belongs to the run's uid (checked once it exists).
     owner_checked: bool = False
     #: Its refusal was reported (once).
@@ -98,22 +98,6 @@ def _signature(folder: Path) -> tuple[tuple[str, int, int], ...]:
 def _step(path: Path) -> int:
     match = CHECKPOINT_DIR.match(path.name)
     return int(match.group(1)) if match else 0
-
-
-def _leaves_folder(path: Path) -> str | None:
-    """Why a checkpoint must not be read: a symlink out of its folder could make the sidecar
-    read files the run's user cannot, or block forever on a FIFO. None when it stays inside."""
-    try:
-        real = path.resolve(strict=True)
-        if real.parent != path.parent.resolve():
-            return f"the folder is a symlink to {real}, outside the output folder"
-        for entry in path.iterdir():
-            if entry.is_symlink() and entry.resolve().parent != real:
-                return (f"{entry.name} is a symlink to {entry.resolve()}, outside the "
-                        "checkpoint folder")
-    except OSError:
-        return None  # gone or unreadable: the inspector reports it
-    return None
 
 
 class _Handler(FileSystemEventHandler):  # type: ignore[misc]
@@ -144,7 +128,7 @@ class CheckpointWatcher:
         #: Completed passes of the worker (drain, scan, settle): lets a caller wait for the
         #: watcher to have looked again, rather than for a length of time.
         self.passes = 0
-        self._requests: queue.Queue[tuple[str, str, str, int | None]] = queue.Queue()
+        self._requests: queue.Queue[tuple[str, str, str, int | None, int]] = queue.Queue()
         self._watched: dict[tuple[str, str], _Watched] = {}
         self._pending: dict[Path, _Pending] = {}
         self._done: dict[Path, tuple[tuple[str, int, int], ...]] = {}
@@ -156,13 +140,16 @@ class CheckpointWatcher:
 
     # -- called by the registry (under its lock): never block ----------------------------
 
-    def watch(self, run_id: str, output_dir: str, owner_uid: int | None = None) -> None:
-        """Watch a run's output folder; owner_uid: the uid the kernel named for the run."""
-        self._requests.put(("watch", run_id, output_dir, owner_uid))
+    def watch(self, run_id: str, output_dir: str, owner_uid: int | None = None,
+              incarnation: int = 1) -> None:
+        """Watch a run's output folder; owner_uid: the uid the kernel named for the run;
+        incarnation: the life of the run id that named it (checkpoints found there go to it)."""
+        self._requests.put(("watch", run_id, output_dir, owner_uid, incarnation))
         self._wake.set()
 
-    def submit(self, run_id: str, path: str) -> None:
-        self._requests.put(("submit", run_id, path, None))
+    def submit(self, run_id: str, path: str, incarnation: int = 1) -> None:
+        """Inspect a checkpoint one life of the run reported (its inspection goes to it)."""
+        self._requests.put(("submit", run_id, path, None, incarnation))
         self._wake.set()
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -195,76 +182,62 @@ class CheckpointWatcher:
                 log.exception("checkpoint_watcher_failed")
             self.passes += 1
 
-    def _refuse(self, run_id: str, path: Path, reason: str) -> None:
-        """Count, log and report a path that is not read; the run gets a finding for it."""
+    def _refuse(self, run_id: str, path: Path, reason: str,
+                incarnation: int | None = None) -> None:
+        """Count, log and report a path that is not read; the run (that life of it, when
+        known) gets a finding for it."""
         self.refused += 1
         log.warning("checkpoint_refused", run_id=run_id, path=str(path)[:512], reason=reason)
         record = getattr(self.sink, "record_refusal", None)
         if callable(record):
-            record(run_id, str(path)[:512], reason)
+            record(run_id, str(path)[:512], reason, incarnation)
 
     def _outside(self, path: Path) -> str | None:
         """Why path may not be read (outside every root), or None."""
-        if not self.roots:
-            return None  # the run's own uid (``_foreign``) is the restriction
-        if not under_roots(path, self.roots):
-            return ("outside the allowed roots "
-                    f"({', '.join(str(r) for r in self.roots)})")
-        return None
+        return access.outside(path, self.roots)
 
     def _run_uids(self, run_id: str) -> set[int]:
         return {w.owner_uid for w in self._watched.values()
                 if w.run_id == run_id and w.owner_uid is not None}
 
     def _foreign(self, run_id: str, path: Path, files: bool = True) -> str | None:
-        """Why a folder (and, with files, every entry in it) is not the run's own: owned by
-        another uid than the one the kernel named for the run. A run that did not attest is
-        read only under a --watch-root (the operator's word for those folders)."""
-        owners = self._run_uids(run_id)
-        if not owners:
-            if self.roots:
-                return None
-            return ("the run did not attest, so no uid vouches for its folders, and no "
-                    "--watch-root is configured to allow them")
-        try:
-            listed = files and path.is_dir() and not path.is_symlink()
-            entries = [path, *(sorted(path.iterdir()) if listed else [])]
-            for entry in entries:
-                owner = entry.lstat().st_uid
-                if owner not in owners:
-                    what = "" if entry == path else f"{entry.name} in it is "
-                    return f"{what}owned by uid {owner}, not by the run's uid {min(owners)}"
-        except OSError:
-            return None  # gone or unreadable: the inspector reports it
-        return None
+        """Why a folder (and, with files, every entry in it) is not the run's own
+        (``access.foreign``)."""
+        return access.foreign(path, self._run_uids(run_id), bool(self.roots), files)
 
     def _drain(self) -> None:
         while True:
             try:
-                kind, run_id, where, owner_uid = self._requests.get_nowait()
+                kind, run_id, where, owner_uid, life = self._requests.get_nowait()
             except queue.Empty:
                 return
             path = Path(where)
             if not path.is_absolute():
-                self._refuse(run_id, path, "not an absolute path")
+                self._refuse(run_id, path, "not an absolute path", life)
                 continue
             outside = self._outside(path)
             if outside is not None:
-                self._refuse(run_id, path, outside)
+                self._refuse(run_id, path, outside, life)
                 continue
             if kind == "watch":
                 key = (run_id, str(path))
-                if key in self._watched:
+                known = self._watched.get(key)
+                if known is not None:
+                    if known.incarnation != life:  # a new life: its uid, checked afresh
+                        known.incarnation, known.owner_uid = life, owner_uid
+                        known.owner_checked = known.refused = False
                     continue
                 folders = sum(1 for w in self._watched.values() if w.run_id == run_id)
                 if folders >= self.max_folders_per_run:
                     self._refuse(run_id, path, f"the run already names {folders} output "
-                                 f"folders (cap {self.max_folders_per_run})")
+                                 f"folders (cap {self.max_folders_per_run})", life)
                     continue
-                self._watched[key] = _Watched(run_id, path, owner_uid)
+                self._watched[key] = _Watched(run_id, path, owner_uid, life)
             else:
-                pending = self._pending.setdefault(path, _Pending(run_id, path, time.time()))
+                pending = self._pending.setdefault(path, _Pending(run_id, path, time.time(),
+                                                                  incarnation=life))
                 pending.trusted = True
+                pending.run_id, pending.incarnation = run_id, life  # the reporter's life
 
     def _forget_expired(self) -> None:
         """Stop watching folders of runs the registry no longer knows."""
@@ -291,7 +264,7 @@ class CheckpointWatcher:
                 if foreign is not None:  # not listed, not watched: another uid's folder
                     if not watched.refused:
                         watched.refused = True
-                        self._refuse(watched.run_id, folder, foreign)
+                        self._refuse(watched.run_id, folder, foreign, watched.incarnation)
                     continue
                 watched.owner_checked = True
             if watched.watch is None and folder.is_dir() and watches < self.max_watches:
@@ -310,7 +283,8 @@ class CheckpointWatcher:
                 if watched.seen.get(child.name) == signature:
                     continue
                 watched.seen[child.name] = signature
-                self._pending.setdefault(child, _Pending(watched.run_id, child, time.time()))
+                self._pending.setdefault(child, _Pending(watched.run_id, child, time.time(),
+                                                         incarnation=watched.incarnation))
 
     def _settle(self) -> None:
         now = time.time()
@@ -333,15 +307,16 @@ class CheckpointWatcher:
             self._inspect(pending)
 
     def _inspect(self, pending: _Pending) -> None:
+        life = pending.incarnation
         outside = self._outside(pending.path)
         if outside is not None:
-            self._refuse(pending.run_id, pending.path, outside)
+            self._refuse(pending.run_id, pending.path, outside, life)
             return
         foreign = self._foreign(pending.run_id, pending.path)
         if foreign is not None:
-            self._refuse(pending.run_id, pending.path, foreign)
+            self._refuse(pending.run_id, pending.path, foreign, life)
             return
-        escape = _leaves_folder(pending.path)
+        escape = access.leaves_folder(pending.path)
         if escape is not None:
             log.warning("checkpoint_skipped", run_id=pending.run_id, path=str(pending.path),
                         reason=escape)
@@ -349,7 +324,7 @@ class CheckpointWatcher:
         try:
             inspection = inspect_path(pending.path)
         except CheckpointRefused as err:
-            self._refuse(pending.run_id, pending.path, str(err))
+            self._refuse(pending.run_id, pending.path, str(err), life)
             return
         except (NotACheckpoint, OSError) as err:
             log.warning("checkpoint_not_inspected", path=str(pending.path), error=str(err))
@@ -360,4 +335,4 @@ class CheckpointWatcher:
                 watched.seen[pending.path.name] = _signature(pending.path)
         log.info("checkpoint_inspected", run_id=pending.run_id, path=str(pending.path),
                  digest=inspection.adapter_digest, bytes=inspection.tensor_bytes)
-        self.sink.record_inspection(pending.run_id, inspection, _step(pending.path))
+        self.sink.record_inspection(pending.run_id, inspection, _step(pending.path), life)

@@ -137,12 +137,13 @@ class Oncall:
             trainer = found[0].trainer if found is not None else ""
             replaced = self.silences.set(Silence(request.run_id, request.detector, until,
                                                  reason))
+            life = found[0].incarnation if found is not None else 1
             if replaced is not None:
-                self._journal(replaced, trainer, "replaced")
+                self._journal(replaced, trainer, "replaced", life)
             self.actions.record(ActionEvent(
                 request.run_id, trainer, request.detector, 0, ACTION, "set",
                 detail={"until": until, "seconds": request.seconds, "reason": reason,
-                        "by_uid": caller.uid, "by_pid": caller.pid}))
+                        "by_uid": caller.uid, "by_pid": caller.pid}, incarnation=life))
         if found is not None:
             run, finding = found
             if finding is not None and finding.firing:
@@ -160,7 +161,8 @@ class Oncall:
         ended = self.silences.expired(now)
         for silence in ended:
             found = self.registry.finding_of(silence.run_id, silence.detector)
-            self._journal(silence, found[0].trainer if found else "", "expired")
+            self._journal(silence, found[0].trainer if found else "", "expired",
+                          found[0].incarnation if found else 1)
             run, finding = found if found is not None else (None, None)
             if run is None or finding is None or not finding.firing:
                 continue
@@ -172,10 +174,12 @@ class Oncall:
                     self.actions.unsilenced(run, symptom)
         return len(ended)
 
-    def _journal(self, silence: Silence, trainer: str, result: str) -> None:
+    def _journal(self, silence: Silence, trainer: str, result: str, life: int) -> None:
+        """A silence's change, journaled on the run id's life it applies to now."""
         self.actions.record(ActionEvent(silence.run_id, trainer, silence.detector, 0, ACTION,
                                         result, detail={"until": silence.until,
-                                                        "reason": silence.reason}))
+                                                        "reason": silence.reason},
+                                        incarnation=life))
 
 
 class SilenceClock:

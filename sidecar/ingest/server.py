@@ -80,10 +80,13 @@ class MonitorServicer(pb_grpc.MonitorServiceServicer):  # type: ignore[misc]
     """Feeds each stream's batches to the registry and answers with acks and directives."""
 
     def __init__(self, registry: Registry, token: str | None = None,
-                 signer: SummarySigner | None = None, oncall: Oncall | None = None) -> None:
+                 signer: SummarySigner | None = None, oncall: Oncall | None = None,
+                 watch_roots: tuple[str, ...] = ()) -> None:
         self.registry = registry
         self.token = token
         self.signer = signer
+        #: Where adapter files may be read for a signature (as the checkpoint watcher reads).
+        self.watch_roots = watch_roots
         #: Carries out Stop and Silence (None: this sidecar has no actions to take them).
         self.oncall = oncall
 
@@ -203,7 +206,8 @@ class MonitorServicer(pb_grpc.MonitorServiceServicer):  # type: ignore[misc]
             raise AssertionError("abort raises")
         try:
             return await asyncio.to_thread(signed_summary, self.registry, signer, request,
-                                           context.peer().startswith("unix:"))
+                                           context.peer().startswith("unix:"),
+                                           roots=self.watch_roots)
         except SummaryRefused as refused:
             log.warning("summary_refused", run_id=request.run_id[:256], reason=str(refused))
             await context.abort(getattr(grpc.StatusCode, refused.code), str(refused))
@@ -356,7 +360,7 @@ class SidecarServer:
     def _new_server(self) -> grpc.aio.Server:
         server = grpc.aio.server(options=self.config.grpc_options)
         add_monitor_servicer(MonitorServicer(self.registry, self.config.token, self.signer,
-                                             self.oncall),
+                                             self.oncall, self.config.watch_roots),
                              server)
         return server
 

@@ -1,23 +1,33 @@
 """``SignSummary``: the run summary composed from the sidecar's own state, and signed.
 
-The trainer sends only what the sidecar cannot know, the digest of the adapter it is about to
-write; the verdicts, their states, the actions and the end reason come from the registry and
-the journal, so a trainer cannot leave a verdict out. Only a process the kernel names as one
-bound to the run may ask (a fresh attestation nonce, redeemed here): another job of the same
-uid cannot get a healthy run's summary signed beside its own adapter.
+The trainer names the folder it wrote the adapter to and the digest it computed in memory;
+the sidecar reads the files there itself (``checkpoints.access``: the checks its watcher
+applies to the run's attested uid), digests them as ``deadweight inspect`` does and signs only
+when they are the bytes claimed, so the run's own process cannot get a signature over a digest
+of its choosing (a healthy twin's adapter, bytes it never wrote). The verdicts, their states,
+the actions and the end reason come from the registry and the journal, so a trainer cannot
+leave a verdict out. Only a process the kernel names as one bound to the run may ask (a fresh
+attestation nonce, redeemed here): another job of the same uid cannot get a healthy run's
+summary signed beside its own adapter.
 """
 
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ...proto import pb, run_summary
+from ..checkpoints.access import inspect_as
+from ..checkpoints.inspector import NotACheckpoint
 from ..model.finding import Finding, verdict_state
 from ..verdicts import causes_first
 
 if TYPE_CHECKING:
+    from ..model.inspection import CheckpointInspection
     from ..model.process import ProcessIdentity
     from ..registry import Registry
     from ..store.signing_key import SummarySigner
@@ -83,6 +93,34 @@ def _check(request: pb.SignSummaryRequest, from_unix: bool) -> None:
     if not request.attestation:
         raise SummaryRefused("PERMISSION_DENIED", "no attestation nonce: the sidecar signs "
                              "only for a process bound to the run")
+    if not request.path:
+        raise SummaryRefused("INVALID_ARGUMENT", "the request names no adapter folder: the "
+                             "sidecar signs only adapter files it read itself (a callback "
+                             "older than this sidecar sends none)")
+
+
+def _files(request: pb.SignSummaryRequest, roots: Collection[Path],
+           identity: ProcessIdentity) -> pb.AdapterDigest:
+    """The digest of the adapter files at the request's path, read as the asker's uid may;
+    refused when they cannot be read or are not the bytes the asker claims."""
+    folder = Path(request.path)
+    try:
+        files: CheckpointInspection = inspect_as(folder, roots, identity.uid)
+    except (NotACheckpoint, OSError) as err:  # CheckpointRefused is a NotACheckpoint
+        raise SummaryRefused("FAILED_PRECONDITION", f"the sidecar cannot read the adapter "
+                             f"files it would sign ({err}): nothing is signed that it did "
+                             "not read") from err
+    if not files.is_adapter or not files.tensor_digests:
+        raise SummaryRefused("FAILED_PRECONDITION", f"{folder} holds no adapter weights to "
+                             "sign")
+    if files.adapter_digest != request.adapter.combined:
+        raise SummaryRefused(
+            "FAILED_PRECONDITION", f"the adapter files in {folder} digest to "
+            f"{files.adapter_digest[:16]}, not the {request.adapter.combined[:16]} the request "
+            "claims: the sidecar signs only the bytes it read (the files changed after the "
+            "save, or the digest is not theirs)")
+    return pb.AdapterDigest(combined=files.adapter_digest, tensors=files.tensor_digests,
+                            bytes=files.tensor_bytes)
 
 
 def _asker(registry: Registry, request: pb.SignSummaryRequest) -> ProcessIdentity:
@@ -95,8 +133,10 @@ def _asker(registry: Registry, request: pb.SignSummaryRequest) -> ProcessIdentit
 
 
 def signed_summary(registry: Registry, signer: SummarySigner, request: pb.SignSummaryRequest,
-                   from_unix: bool, now: float | None = None) -> pb.SignSummaryResponse:
-    """The signed summary for the run's own process; raises SummaryRefused otherwise."""
+                   from_unix: bool, now: float | None = None,
+                   roots: Collection[str | Path] = ()) -> pb.SignSummaryResponse:
+    """The signed summary for the run's own process, over the adapter files it read at the
+    request's path (roots: the ``--watch-root`` folders); raises SummaryRefused otherwise."""
     _check(request, from_unix)
     identity = _asker(registry, request)
     with registry.lock:
@@ -112,9 +152,13 @@ def signed_summary(registry: Registry, signer: SummarySigner, request: pb.SignSu
         run = _RunView(state.run_id, state.step, state.ended, state.ended_at,
                        state.end_reason, state.start.output_dir if state.start else "")
         findings = list(registry.findings(request.run_id).values())
+        incarnation = state.incarnation
+    # Read outside the lock: hashing an adapter takes longer than a batch may wait.
+    adapter = _files(request, [Path(os.path.realpath(r)) for r in roots], identity)
     actions = [{"detector": a.detector, "action": a.action, "result": a.result,
                 "step": str(a.detail.get("step", "") or "")}
-               for a in registry.store.actions(run_id=request.run_id)[-MAX_ACTIONS:]]
-    body = run_summary.canonical(compose(run, findings, actions, request.adapter,
+               for a in registry.store.actions(run_id=request.run_id,
+                                               incarnation=incarnation)[-MAX_ACTIONS:]]
+    body = run_summary.canonical(compose(run, findings, actions, adapter,
                                          time.time() if now is None else now))
     return pb.SignSummaryResponse(body=body, signature=signer.sign(body), key_id=signer.key_id)

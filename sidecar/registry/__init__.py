@@ -343,12 +343,25 @@ class Registry:
                 folder = EventApplier.watched(entry.state)
                 if folder:  # restored runs keep their attested uid (checkpoints are its own)
                     uids = [i.uid for i in entry.identities.values()]
-                    watcher.watch(entry.state.run_id, folder, owner_uid=min(uids, default=None))
+                    watcher.watch(entry.state.run_id, folder, owner_uid=min(uids, default=None),
+                                  incarnation=entry.incarnation)
 
-    def record_refusal(self, run_id: str, path: str, reason: str) -> bool:
+    def _life(self, run_id: str, incarnation: int | None, path: str) -> RunEntry | None:
+        """The run's entry when it is that life of the run id (None: any), else None: what
+        the watcher found for one life never lands on the next (a relaunch under the same
+        run id). Under the lock."""
+        entry = self._table.get(run_id)
+        if entry is not None and incarnation is not None and entry.incarnation != incarnation:
+            log.info("checkpoint_of_another_incarnation_ignored", run_id=run_id, path=path,
+                     incarnation=incarnation, current=entry.incarnation)
+            return None
+        return entry
+
+    def record_refusal(self, run_id: str, path: str, reason: str,
+                       incarnation: int | None = None) -> bool:
         """A checkpoint path of the run was not read (the watcher's refusal): a finding."""
         with self._lock:
-            entry = self._table.get(run_id)
+            entry = self._life(run_id, incarnation, path)
             if entry is None:
                 return False
             self._events.apply_refusal(entry, path, reason)
@@ -357,14 +370,15 @@ class Registry:
         return True
 
     def record_inspection(self, run_id: str, inspection: CheckpointInspection,
-                          step: int = 0) -> bool:
-        """Attach what the files of a checkpoint hold to the run; False for an unknown run.
+                          step: int = 0, incarnation: int | None = None) -> bool:
+        """Attach what the files of a checkpoint hold to the run (with incarnation: only to
+        that life of the run id); False for an unknown run or another life.
 
         A run that ended owns only the checkpoints it reported: one written later in its
         folder (a copy, another job reusing the output dir) is not its doing and is ignored.
         """
         with self._lock:
-            entry = self._table.get(run_id)
+            entry = self._life(run_id, incarnation, inspection.path)
             if entry is None:
                 return False
             if entry.state.ended and entry.state.checkpoint(inspection.path) is None:
@@ -521,7 +535,8 @@ class Registry:
         """Every run (or the one named), with the actions journaled for it (read unlocked)."""
         runs = [(run, findings) for run, findings in self.runs()
                 if not run_id or run.run_id == run_id]
-        actions = {run.run_id: self.store.actions(run_id=run.run_id)[-MAX_STATUS_ACTIONS:]
+        actions = {run.run_id: self.store.actions(
+            run_id=run.run_id, incarnation=run.incarnation)[-MAX_STATUS_ACTIONS:]
                    for run, _ in runs}
         return status_response(runs, actions, time.time())
 

@@ -40,9 +40,10 @@ class CheckpointSink(Protocol):
     Both calls only queue a request: they are made under the registry lock.
     """
 
-    def watch(self, run_id: str, output_dir: str, owner_uid: int | None = None) -> None: ...
+    def watch(self, run_id: str, output_dir: str, owner_uid: int | None = None,
+              incarnation: int = 1) -> None: ...
 
-    def submit(self, run_id: str, path: str) -> None: ...
+    def submit(self, run_id: str, path: str, incarnation: int = 1) -> None: ...
 
 
 def end_run(entry: RunEntry, store: Store, reason: str, now: float, step: int | None = None
@@ -58,7 +59,7 @@ def end_run(entry: RunEntry, store: Store, reason: str, now: float, step: int | 
         if finding.firing:  # firing at end: the journal keeps what it showed last
             entry.outbox.add(functools.partial(store.note_evidence, run.run_id,
                                                finding.detector, finding.incidents,
-                                               dict(finding.evidence)))
+                                               dict(finding.evidence), entry.incarnation))
     log.info("run_ended", run_id=run.run_id, reason=reason,
              step=run.step if step is None else step)
 
@@ -176,19 +177,20 @@ class EventApplier:
 
     def _keep_history(self, entry: RunEntry) -> None:
         """Hand the batch's step and log history to the queue (or the run's outbox)."""
-        run_id, queue = entry.state.run_id, self.history_queue
+        run_id, life, queue = entry.state.run_id, entry.incarnation, self.history_queue
         if self._history:
             if queue is not None:
-                queue.add_steps(run_id, self._history)
+                queue.add_steps(run_id, self._history, life)
             else:
                 entry.outbox.add(functools.partial(self.store.add_step_history, run_id,
-                                                   self._history))
+                                                   self._history, life))
             self._history = []
         if self._logs:
             if queue is not None:
-                queue.add_logs(run_id, self._logs)
+                queue.add_logs(run_id, self._logs, life)
             else:
-                entry.outbox.add(functools.partial(self.store.add_logs, run_id, self._logs))
+                entry.outbox.add(functools.partial(self.store.add_logs, run_id, self._logs,
+                                                   life))
             self._logs = []
 
     @staticmethod
@@ -216,7 +218,8 @@ class EventApplier:
         if self.watcher is not None and start.output_dir:
             bound = entry.identities.get(rank)
             self.watcher.watch(run.run_id, start.output_dir,
-                               owner_uid=bound.uid if bound is not None else None)
+                               owner_uid=bound.uid if bound is not None else None,
+                               incarnation=entry.incarnation)
 
     def _keep_step_history(self, entry: RunEntry, point: StepPoint, report: pb.StepReport,
                            encoded: bytes, now: float) -> None:
@@ -286,7 +289,7 @@ class EventApplier:
         self._add_checkpoint(entry, point)
         checkpoints.judge(run, point)
         if self.watcher is not None:
-            self.watcher.submit(run.run_id, report.path)
+            self.watcher.submit(run.run_id, report.path, entry.incarnation)
 
     # -- from the checkpoint watcher -------------------------------------------------------
 
@@ -308,7 +311,8 @@ class EventApplier:
     def _add_checkpoint(self, entry: RunEntry, point: CheckpointPoint) -> None:
         run = entry.state
         run.add_checkpoint(point)
-        entry.outbox.add(functools.partial(self.store.add_checkpoint, run.run_id, point))
+        entry.outbox.add(functools.partial(self.store.add_checkpoint, run.run_id, point,
+                                           entry.incarnation))
 
     @staticmethod
     def apply_refusal(entry: RunEntry, path: str, reason: str) -> None:

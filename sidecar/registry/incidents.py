@@ -163,7 +163,7 @@ class FindingLifecycle:
         entry.held.discard(finding.detector)
         entry.outbox.add(functools.partial(
             self.store.resolve_incident, run.run_id, finding.detector, finding.incidents,
-            finding.resolved_at, dict(finding.evidence)))
+            finding.resolved_at, dict(finding.evidence), entry.incarnation))
         log.info("detector_resolved", run_id=run.run_id, detector=finding.detector,
                  reason=why)
         if page:

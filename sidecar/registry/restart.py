@@ -1,7 +1,8 @@
 """Restart: what a previous sidecar left in the store, read back before the lock is taken.
 
 ``read_back`` prunes the journal past its retention and reads the runs still worth keeping
-(live, or ended within the TTL) with their bindings, checkpoints and incidents; ``resume``
+(live, or ended within the TTL; of a run id used again, its newest incarnation) with that
+incarnation's bindings and checkpoints, and the incidents of every one; ``resume``
 then installs them under the registry's lock and ends those that expired while no sidecar
 watched. Stall clocks restart with the sidecar.
 """
@@ -41,7 +42,7 @@ def read_back(store: Store, now: float, ended_ttl_seconds: float,
     if pruned:
         log.info("state_pruned", runs=pruned, older_than_days=RETENTION_SECONDS / 86400)
     restored = []
-    for stored in store.runs(ended_since=now - ended_ttl_seconds)[:limit]:
+    for stored in store.runs(ended_since=now - ended_ttl_seconds, newest=True)[:limit]:
         run = RunState(stored.run_id, created=stored.created)
         run.start = stored.start
         entry = RunEntry(run, incarnation=stored.incarnation)
@@ -56,7 +57,7 @@ def read_back(store: Store, now: float, ended_ttl_seconds: float,
             run.rank(rank).last_seen = now  # stall clocks restart with the sidecar
         run.ended, run.end_reason, run.ended_at = (
             stored.ended, stored.end_reason, stored.ended_at)
-        points = store.checkpoints(stored.run_id)
+        points = store.checkpoints(stored.run_id, stored.incarnation)  # its own chain
         run.checkpoints.extend(points)
         run.checkpoints_total = len(points)
         # Every incarnation's incidents: their numbers continue; only this one's stay live.

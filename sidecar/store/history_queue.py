@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import structlog
 
 from . import history
-from .journal import LoggedFigures, Store, StoreWriteFailed
+from .journal import Life, LoggedFigures, Store, StoreWriteFailed
 
 log = structlog.get_logger("deadweight.history")
 
@@ -30,8 +30,8 @@ INTERVAL_SECONDS = 0.25
 #: Rows (steps and logs) the queue holds at most before dropping its oldest.
 MAX_QUEUED_ROWS = 200_000
 
-#: What is queued, in arrival order: (run, steps or None, logs or None).
-_Queued = tuple[str, Sequence[history.StoredStep] | None, Sequence[LoggedFigures] | None]
+#: What is queued, in arrival order: ((run id, incarnation), steps or None, logs or None).
+_Queued = tuple[Life, Sequence[history.StoredStep] | None, Sequence[LoggedFigures] | None]
 
 
 class HistoryQueue:
@@ -53,13 +53,15 @@ class HistoryQueue:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def add_steps(self, run_id: str, rows: Sequence[history.StoredStep]) -> None:
+    def add_steps(self, run_id: str, rows: Sequence[history.StoredStep],
+                  incarnation: int = 1) -> None:
         """Queue a batch's steps (``history.encode_step`` each); O(1), no I/O."""
-        self._add((run_id, rows, None), len(rows))
+        self._add(((run_id, incarnation), rows, None), len(rows))
 
-    def add_logs(self, run_id: str, logs: Sequence[LoggedFigures]) -> None:
+    def add_logs(self, run_id: str, logs: Sequence[LoggedFigures],
+                 incarnation: int = 1) -> None:
         """Queue a batch's logs, (step, time, figures) each; O(1), no I/O."""
-        self._add((run_id, None, logs), len(logs))
+        self._add(((run_id, incarnation), None, logs), len(logs))
 
     def _add(self, item: _Queued, rows: int) -> None:
         with self._lock:
@@ -115,14 +117,15 @@ class HistoryQueue:
 
 
 def _merged(queued: Sequence[_Queued]) -> tuple[
-        list[tuple[str, list[history.StoredStep]]], list[tuple[str, list[LoggedFigures]]]]:
-    """Each run's steps and logs of the interval, in arrival order: one packed row of steps
-    per run (a step sent twice: the later one wins when read, as before)."""
-    steps: dict[str, list[history.StoredStep]] = {}
-    logs: dict[str, list[LoggedFigures]] = {}
-    for run_id, run_steps, run_logs in queued:
+        list[tuple[Life, list[history.StoredStep]]], list[tuple[Life, list[LoggedFigures]]]]:
+    """Each life's steps and logs of the interval, in arrival order: one packed row of steps
+    per (run id, incarnation) (a step sent twice: the later one wins when read, as before;
+    a run id's two lives in one interval stay two)."""
+    steps: dict[Life, list[history.StoredStep]] = {}
+    logs: dict[Life, list[LoggedFigures]] = {}
+    for life, run_steps, run_logs in queued:
         if run_steps:
-            steps.setdefault(run_id, []).extend(run_steps)
+            steps.setdefault(life, []).extend(run_steps)
         if run_logs:
-            logs.setdefault(run_id, []).extend(run_logs)
+            logs.setdefault(life, []).extend(run_logs)
     return list(steps.items()), list(logs.items())

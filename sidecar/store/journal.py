@@ -37,13 +37,31 @@ log = structlog.get_logger("deadweight.store")
 
 #: One log kept for the report: (step, time, the figures worth a plot).
 LoggedFigures = tuple[int, float, dict[str, float]]
+#: One life of a run id, the key of its history: (run id, incarnation).
+Life = tuple[str, int]
+
+#: Tables once keyed by run id alone, now by run id and incarnation too: their layout, also
+#: given to an older file's table (``migrate`` copies its rows in as they were).
+_REKEYED = {
+    "runs": """CREATE TABLE IF NOT EXISTS runs (
+    run_id TEXT NOT NULL, trainer TEXT NOT NULL, start BLOB, created REAL NOT NULL,
+    ended INTEGER NOT NULL DEFAULT 0, end_reason TEXT NOT NULL DEFAULT '', ended_at REAL,
+    incarnation INTEGER NOT NULL DEFAULT 1, PRIMARY KEY (run_id, incarnation));
+""",
+    "history": """CREATE TABLE IF NOT EXISTS history (
+    run_id TEXT NOT NULL, kind TEXT NOT NULL, step INTEGER NOT NULL, time REAL NOT NULL,
+    series TEXT NOT NULL, incarnation INTEGER NOT NULL DEFAULT 1,
+    PRIMARY KEY (run_id, incarnation, kind, step));
+""",
+    "step_batches": """CREATE TABLE IF NOT EXISTS step_batches (
+    run_id TEXT NOT NULL, first_step INTEGER NOT NULL, steps INTEGER NOT NULL,
+    packed BLOB NOT NULL, incarnation INTEGER NOT NULL DEFAULT 1,
+    PRIMARY KEY (run_id, incarnation, first_step));
+""",
+}
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS runs (
-    run_id TEXT PRIMARY KEY, trainer TEXT NOT NULL, start BLOB, created REAL NOT NULL,
-    ended INTEGER NOT NULL DEFAULT 0, end_reason TEXT NOT NULL DEFAULT '', ended_at REAL,
-    incarnation INTEGER NOT NULL DEFAULT 1);
 CREATE TABLE IF NOT EXISTS bindings (
     run_id TEXT NOT NULL, incarnation INTEGER NOT NULL, rank INTEGER NOT NULL,
     pid INTEGER NOT NULL, uid INTEGER NOT NULL, gid INTEGER NOT NULL,
@@ -51,7 +69,8 @@ CREATE TABLE IF NOT EXISTS bindings (
     PRIMARY KEY (run_id, incarnation, rank));
 CREATE TABLE IF NOT EXISTS checkpoints (
     run_id TEXT NOT NULL, step INTEGER NOT NULL, path TEXT NOT NULL, digest TEXT NOT NULL,
-    tensors TEXT NOT NULL, bytes INTEGER NOT NULL, time REAL NOT NULL);
+    tensors TEXT NOT NULL, bytes INTEGER NOT NULL, time REAL NOT NULL,
+    incarnation INTEGER NOT NULL DEFAULT 1);
 CREATE INDEX IF NOT EXISTS checkpoints_run ON checkpoints (run_id, time);
 CREATE TABLE IF NOT EXISTS incidents (
     run_id TEXT NOT NULL, detector TEXT NOT NULL, incident INTEGER NOT NULL,
@@ -66,13 +85,7 @@ CREATE TABLE IF NOT EXISTS actions (
     action TEXT NOT NULL, result TEXT NOT NULL, rank INTEGER, pid INTEGER,
     dry_run INTEGER NOT NULL, detail TEXT NOT NULL, incarnation INTEGER NOT NULL DEFAULT 1);
 CREATE INDEX IF NOT EXISTS actions_incident ON actions (run_id, detector, incident);
-CREATE TABLE IF NOT EXISTS history (
-    run_id TEXT NOT NULL, kind TEXT NOT NULL, step INTEGER NOT NULL, time REAL NOT NULL,
-    series TEXT NOT NULL, PRIMARY KEY (run_id, kind, step));
-CREATE TABLE IF NOT EXISTS step_batches (
-    run_id TEXT NOT NULL, first_step INTEGER NOT NULL, steps INTEGER NOT NULL,
-    packed BLOB NOT NULL, PRIMARY KEY (run_id, first_step));
-"""
+""" + "".join(_REKEYED.values())
 
 #: Columns added since the first layout: (table, column, declaration), added to an older file.
 _ADDED_COLUMNS = (
@@ -81,7 +94,15 @@ _ADDED_COLUMNS = (
     ("incidents", "targets", "TEXT NOT NULL DEFAULT '{}'"),
     ("incidents", "last_evidence", "TEXT"),
     ("actions", "incarnation", "INTEGER NOT NULL DEFAULT 1"),
+    ("checkpoints", "incarnation", "INTEGER NOT NULL DEFAULT 1"),
+    ("history", "incarnation", "INTEGER NOT NULL DEFAULT 1"),
+    ("step_batches", "incarnation", "INTEGER NOT NULL DEFAULT 1"),
 )
+#: Indexes on columns an older file gains in ``migrate`` (created after it).
+_INDEXES = """
+CREATE INDEX IF NOT EXISTS checkpoints_incarnation ON checkpoints (run_id, incarnation, time);
+CREATE INDEX IF NOT EXISTS actions_incarnation ON actions (run_id, incarnation, id);
+"""
 #: An older file's bindings (keyed by run id and rank) become incarnation 1's.
 _REKEY_BINDINGS = """
 ALTER TABLE bindings RENAME TO bindings_by_run;
@@ -100,14 +121,38 @@ def _columns(db: sqlite3.Connection, table: str) -> set[str]:
     return {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
 
 
+def _primary_key(db: sqlite3.Connection, table: str) -> set[str]:
+    return {row[1] for row in db.execute(f"PRAGMA table_info({table})") if row[5]}
+
+
 def migrate(db: sqlite3.Connection) -> None:
-    """Bring a state file of an older sidecar to this layout: every binding, incident and
-    action is keyed by run id and incarnation (what an older file held is incarnation 1)."""
+    """Bring a state file of an older sidecar to this layout: every run, binding, checkpoint,
+    history row, incident and action is keyed by run id and incarnation (what an older file
+    held is incarnation 1). Each table is rebuilt in one transaction: a crash leaves the
+    old table or the new one, never half of each."""
     for table, column, declaration in _ADDED_COLUMNS:
         if column not in _columns(db, table):
             db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declaration}")
     if "incarnation" not in _columns(db, "bindings"):
         db.executescript(_REKEY_BINDINGS)
+    for table, layout in _REKEYED.items():
+        if "incarnation" not in _primary_key(db, table):
+            _rekey(db, table, layout)
+    db.executescript(_INDEXES)
+
+
+def _rekey(db: sqlite3.Connection, table: str, layout: str) -> None:
+    """Rebuild table with layout (keyed by incarnation too), its rows copied as they are
+    (their incarnation column was added already: 1 unless the row said otherwise)."""
+    columns = ", ".join(sorted(_columns(db, table)))
+    try:
+        db.executescript(f"BEGIN; ALTER TABLE {table} RENAME TO {table}_by_run; {layout} "
+                         f"INSERT INTO {table} ({columns}) SELECT {columns} FROM "
+                         f"{table}_by_run; DROP TABLE {table}_by_run; COMMIT;")
+    except sqlite3.Error:
+        if db.in_transaction:
+            db.execute("ROLLBACK")
+        raise
 
 
 #: How long the journal of an ended run is kept (pruned when the sidecar starts).
@@ -236,16 +281,16 @@ class Store:
 
     def upsert_run(self, run_id: str, trainer: str, start: pb.RunStart,
                    incarnation: int = 1) -> None:
-        """The run id's current incarnation and its RunStart (one row per run id: the
-        journal rows of earlier incarnations keep their own incarnation number)."""
+        """An incarnation of the run id and its RunStart (a row per incarnation: an earlier
+        one keeps its own row, its end and its verdicts)."""
         clean = pb.RunStart()
         clean.CopyFrom(start)
         clean.attestation = ""  # redeemed already; worthless and not worth keeping
         self._write(
             "INSERT INTO runs (run_id, trainer, start, created, incarnation) "
             "VALUES (?, ?, ?, ?, ?) "
-            "ON CONFLICT(run_id) DO UPDATE SET trainer=excluded.trainer, start=excluded.start,"
-            " ended=0, end_reason='', ended_at=NULL, incarnation=excluded.incarnation",
+            "ON CONFLICT(run_id, incarnation) DO UPDATE SET trainer=excluded.trainer, "
+            "start=excluded.start, ended=0, end_reason='', ended_at=NULL",
             (run_id, trainer, clean.SerializeToString(), time.time(), incarnation),
         )
 
@@ -263,11 +308,15 @@ class Store:
             (run_id, run_id, run_id))
         return int(rows[0][0] or 0) if rows else 0
 
-    def runs(self, ended_since: float = 0.0) -> list[StoredRun]:
-        """Live runs, and ended runs that ended after ended_since."""
+    def runs(self, ended_since: float = 0.0, newest: bool = False) -> list[StoredRun]:
+        """Live runs, and ended runs that ended after ended_since: every incarnation, or
+        (newest) only each run id's newest (the one a restarted sidecar watches)."""
+        only = (" AND incarnation = (SELECT MAX(incarnation) FROM runs AS later WHERE "
+                "later.run_id = runs.run_id)") if newest else ""
         rows = self._read(
             "SELECT run_id, trainer, start, created, ended, end_reason, ended_at, incarnation "
-            "FROM runs WHERE ended=0 OR ended_at >= ? ORDER BY created", (ended_since,))
+            f"FROM runs WHERE (ended=0 OR ended_at >= ?){only} ORDER BY created, incarnation",
+            (ended_since,))
         found = []
         for run_id, trainer, blob, created, ended, reason, ended_at, incarnation in rows:
             start = pb.RunStart.FromString(blob) if blob else None
@@ -289,7 +338,7 @@ class Store:
 
     def bindings(self, run_id: str, incarnation: int | None = None
                  ) -> dict[int, ProcessIdentity]:
-        """rank -> process of one incarnation (None: the run id's current one, as the runs
+        """rank -> process of one incarnation (None: the run id's newest one, as the runs
         table names it, else its newest bound one)."""
         if incarnation is None:
             incarnation = self._current_incarnation(run_id)
@@ -300,25 +349,34 @@ class Store:
                 for rank, pid, uid, gid, start, boot in rows}
 
     def _current_incarnation(self, run_id: str) -> int:
-        rows = self._read("SELECT incarnation FROM runs WHERE run_id=?", (run_id,))
-        if rows:
+        """The run id's newest incarnation in the runs table, else its newest bound one."""
+        rows = self._read("SELECT MAX(incarnation) FROM runs WHERE run_id=?", (run_id,))
+        if rows and rows[0][0] is not None:
             return int(rows[0][0])
         rows = self._read("SELECT MAX(incarnation) FROM bindings WHERE run_id=?", (run_id,))
         return int(rows[0][0] or 1)
 
     # -- checkpoints -----------------------------------------------------------------------
 
-    def add_checkpoint(self, run_id: str, point: CheckpointPoint) -> None:
+    def add_checkpoint(self, run_id: str, point: CheckpointPoint, incarnation: int = 1) -> None:
+        """A checkpoint of one incarnation (the hash chain a later one compares is its own)."""
         self._write(
-            "INSERT INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO checkpoints (run_id, step, path, digest, tensors, bytes, time, "
+            "incarnation) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
             (run_id, point.step, point.path, point.combined_digest,
-             json.dumps(point.tensor_digests, sort_keys=True), point.adapter_bytes, point.time),
+             json.dumps(point.tensor_digests, sort_keys=True), point.adapter_bytes, point.time,
+             incarnation),
         )
 
-    def checkpoints(self, run_id: str, limit: int = 10_000) -> list[CheckpointPoint]:
+    def checkpoints(self, run_id: str, incarnation: int | None = None,
+                    limit: int = 10_000) -> list[CheckpointPoint]:
+        """One incarnation's checkpoints, oldest first (None: the run id's newest one)."""
+        if incarnation is None:
+            incarnation = self._current_incarnation(run_id)
         rows = self._read(
             "SELECT step, path, digest, tensors, bytes, time FROM checkpoints WHERE run_id=? "
-            "ORDER BY time DESC, rowid DESC LIMIT ?", (run_id, limit))
+            "AND incarnation=? ORDER BY time DESC, rowid DESC LIMIT ?",
+            (run_id, incarnation, limit))
         return [CheckpointPoint(step, path, digest, json.loads(tensors), size, at)
                 for step, path, digest, tensors, size, at in reversed(rows)]
 
@@ -339,37 +397,43 @@ class Store:
         )
 
     def set_targets(self, run_id: str, detector: str, incident: int,
-                    targets: dict[int, ProcessIdentity]) -> None:
+                    targets: dict[int, ProcessIdentity], incarnation: int | None = None
+                    ) -> None:
         """The processes an escalation may signal, fixed when it begins (a restart reads
         them back; nothing bound later, under any incarnation, is ever added)."""
         encoded = {str(rank): [i.pid, i.uid, i.gid, i.start_time, i.boot_id]
                    for rank, i in targets.items()}
+        life, args = _life(incarnation)
         self._write("UPDATE incidents SET targets=? WHERE run_id=? AND detector=? AND "
-                    "incident=?", (json.dumps(encoded, sort_keys=True), run_id, detector,
-                                   incident))
+                    f"incident=?{life}", (json.dumps(encoded, sort_keys=True), run_id,
+                                          detector, incident, *args))
 
     def resolve_incident(self, run_id: str, detector: str, incident: int, at: float,
-                         evidence: dict[str, str] | None = None) -> None:
+                         evidence: dict[str, str] | None = None,
+                         incarnation: int | None = None) -> None:
         """The condition cleared while the run was live; evidence: the latest it showed."""
+        life, args = _life(incarnation)
         self._write(
             "UPDATE incidents SET resolved_at=?, last_evidence=COALESCE(?, last_evidence) "
-            "WHERE run_id=? AND detector=? AND incident=? AND resolved_at IS NULL",
+            f"WHERE run_id=? AND detector=? AND incident=? AND resolved_at IS NULL{life}",
             (at, None if evidence is None else json.dumps(evidence, sort_keys=True), run_id,
-             detector, incident))
+             detector, incident, *args))
 
     def note_evidence(self, run_id: str, detector: str, incident: int,
-                      evidence: dict[str, str]) -> None:
+                      evidence: dict[str, str], incarnation: int | None = None) -> None:
         """The latest evidence of an open incident (its run ended with it firing)."""
+        life, args = _life(incarnation)
         self._write(
             "UPDATE incidents SET last_evidence=? WHERE run_id=? AND detector=? AND incident=? "
-            "AND resolved_at IS NULL",
-            (json.dumps(evidence, sort_keys=True), run_id, detector, incident))
+            f"AND resolved_at IS NULL{life}",
+            (json.dumps(evidence, sort_keys=True), run_id, detector, incident, *args))
 
     def close_enforcement(self, run_id: str, detector: str, incident: int,
-                          outcome: str) -> None:
+                          outcome: str, incarnation: int | None = None) -> None:
+        life, args = _life(incarnation)
         self._write(
-            "UPDATE incidents SET enforcement=? WHERE run_id=? AND detector=? AND incident=?",
-            (outcome, run_id, detector, incident))
+            "UPDATE incidents SET enforcement=? WHERE run_id=? AND detector=? AND incident=?"
+            f"{life}", (outcome, run_id, detector, incident, *args))
 
     def _incidents(self, where: str, args: tuple[Any, ...]) -> list[StoredIncident]:
         rows = self._read(
@@ -399,46 +463,62 @@ class Store:
     # -- per-step history (for the run report) ---------------------------------------------
 
     def add_history(self, run_id: str, kind: str, step: int, series: dict[str, float],
-                    at: float) -> None:
+                    at: float, incarnation: int = 1) -> None:
         """Keep one step's figures of one kind ("step" or "log"); bounded per run and kind."""
         with self._transaction():
-            self._history.insert(run_id, kind, [(step, at, json.dumps(series, sort_keys=True))])
+            self._history.insert((run_id, incarnation), kind,
+                                 [(step, at, json.dumps(series, sort_keys=True))])
 
-    def add_logs(self, run_id: str, logs: Sequence[LoggedFigures]) -> None:
+    def add_logs(self, run_id: str, logs: Sequence[LoggedFigures],
+                 incarnation: int = 1) -> None:
         """Keep a batch's logs, (step, time, figures) each, in one transaction."""
-        self.write_history(logs=[(run_id, logs)])
+        self.write_history(logs=[((run_id, incarnation), logs)])
 
-    def add_step_history(self, run_id: str, rows: Sequence[history.StoredStep]) -> None:
+    def add_step_history(self, run_id: str, rows: Sequence[history.StoredStep],
+                         incarnation: int = 1) -> None:
         """Keep a batch of steps (``history.encode_step``) as one row (``history.pack_steps``);
         past ``history_tables.MAX_HISTORY_ROWS`` steps of the run, every other older batch
         is dropped (a batch is a few steps in a real run; the run's whole span stays, at a
         coarser grain)."""
-        self.write_history(steps=[(run_id, rows)])
+        self.write_history(steps=[((run_id, incarnation), rows)])
 
-    def write_history(self, steps: Sequence[tuple[str, Sequence[history.StoredStep]]] = (),
-                      logs: Sequence[tuple[str, Sequence[LoggedFigures]]] = ()) -> None:
+    def write_history(self, steps: Sequence[tuple[Life, Sequence[history.StoredStep]]] = (),
+                      logs: Sequence[tuple[Life, Sequence[LoggedFigures]]] = ()) -> None:
         """Steps and logs of any number of runs in one transaction: a commit per batch cost
-        more than the rest of a small batch's ingest (``HistoryQueue`` gathers them)."""
+        more than the rest of a small batch's ingest (``HistoryQueue`` gathers them). Each
+        is keyed by (run id, incarnation): a run id used again never writes over, nor
+        reads, the steps of its earlier life."""
         if not any(rows for _, rows in steps) and not any(rows for _, rows in logs):
             return
         with self._transaction():
-            for run_id, rows in steps:
+            for life, rows in steps:
                 if rows:
-                    self._history.insert_steps(run_id, rows)
-            for run_id, entries in logs:
+                    self._history.insert_steps(life, rows)
+            for life, entries in logs:
                 if entries:
-                    self._history.insert(run_id, "log", [
+                    self._history.insert(life, "log", [
                         (step, at, json.dumps(series, sort_keys=True))
                         for step, at, series in entries])
 
-    def history(self, run_id: str, kind: str) -> list[tuple[int, float, dict[str, float]]]:
-        """(step, time, figures) of a run's history of one kind ("step" or "log"), by step."""
+    def history(self, run_id: str, kind: str, incarnation: int | None = None
+                ) -> list[tuple[int, float, dict[str, float]]]:
+        """(step, time, figures) of one incarnation's history of one kind ("step" or "log"),
+        by step (None: the run id's newest incarnation)."""
+        if incarnation is None:
+            incarnation = self._current_incarnation(run_id)
         with self._lock:
-            return self._history.read(run_id, kind)
+            return self._history.read((run_id, incarnation), kind)
 
-    def run(self, run_id: str) -> StoredRun | None:
-        """One run by id, ended or not."""
-        return next((r for r in self.runs() if r.run_id == run_id), None)
+    def run(self, run_id: str, incarnation: int | None = None) -> StoredRun | None:
+        """One incarnation of a run id, ended or not (None: its newest)."""
+        lives = [r for r in self.runs() if r.run_id == run_id and (
+            incarnation is None or r.incarnation == incarnation)]
+        return max(lives, key=lambda r: r.incarnation, default=None)
+
+    def incarnations(self, run_id: str) -> list[int]:
+        """The incarnations of a run id the runs table holds, oldest first."""
+        return [int(n) for (n,) in self._read(
+            "SELECT incarnation FROM runs WHERE run_id=? ORDER BY incarnation", (run_id,))]
 
     # -- the action journal ----------------------------------------------------------------
 
@@ -460,10 +540,14 @@ class Store:
         self._write("UPDATE actions SET result=? WHERE id=?", (result, action_id))
 
     def actions(self, run_id: str | None = None, detector: str | None = None,
-                incident: int | None = None) -> list[ActionRow]:
-        clauses, args = [], []
+                incident: int | None = None, incarnation: int | None = None
+                ) -> list[ActionRow]:
+        """Journaled actions, oldest first, of every run or of those named (a run id with
+        incarnation: that life's only; without, every life of the run id)."""
+        clauses: list[str] = []
+        args: list[Any] = []
         for column, value in (("run_id", run_id), ("detector", detector),
-                              ("incident", incident)):
+                              ("incident", incident), ("incarnation", incarnation)):
             if value is not None:
                 clauses.append(f"{column}=?")
                 args.append(value)
@@ -476,24 +560,35 @@ class Store:
                           bool(r[10]), json.loads(r[11]), r[12]) for r in rows]
 
     def prune(self, ended_before: float) -> int:
-        """Forget runs that ended before a time, with everything recorded about them."""
+        """Forget incarnations that ended before a time, with everything recorded about them
+        (a later incarnation of the same run id keeps its own rows)."""
         with self._lock:
-            ids = [r[0] for r in self._db.execute(
-                "SELECT run_id FROM runs WHERE ended=1 AND ended_at < ?", (ended_before,))]
+            lives = [(r[0], r[1]) for r in self._db.execute(
+                "SELECT run_id, incarnation FROM runs WHERE ended=1 AND ended_at < ?",
+                (ended_before,))]
             try:
-                for run_id in ids:
+                for life in lives:
                     for table in ("bindings", "checkpoints", "incidents", "actions", "history",
                                   "step_batches", "runs"):
-                        self._write(f"DELETE FROM {table} WHERE run_id=?", (run_id,))
+                        self._write(f"DELETE FROM {table} WHERE run_id=? AND incarnation=?",
+                                    life)
             except StoreWriteFailed:
                 return 0  # a full disk: pruning waits for the next start
-        return len(ids)
+        return len(lives)
 
-    def has_action(self, run_id: str, detector: str, incident: int, action: str) -> bool:
+    def has_action(self, run_id: str, detector: str, incident: int, action: str,
+                   incarnation: int | None = None) -> bool:
+        life, args = _life(incarnation)
         rows = self._read(
-            "SELECT 1 FROM actions WHERE run_id=? AND detector=? AND incident=? AND action=? "
-            "LIMIT 1", (run_id, detector, incident, action))
+            "SELECT 1 FROM actions WHERE run_id=? AND detector=? AND incident=? AND action=?"
+            f"{life} LIMIT 1", (run_id, detector, incident, action, *args))
         return bool(rows)
+
+
+def _life(incarnation: int | None) -> tuple[str, tuple[int, ...]]:
+    """The clause and argument that scope a write to one incarnation (none: the incident
+    number alone, which no two incarnations share)."""
+    return ("", ()) if incarnation is None else (" AND incarnation=?", (incarnation,))
 
 
 def _targets(encoded: str) -> dict[int, ProcessIdentity]:

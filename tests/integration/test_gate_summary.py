@@ -21,12 +21,15 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from deadweight.demo.sidecar_process import SidecarProcess
 from deadweight.proto import run_summary
+
+if TYPE_CHECKING:
+    from deadweight.callbacks.digest import AdapterDigest
 
 pytestmark = pytest.mark.slow
 
@@ -219,13 +222,13 @@ import grpc
 from deadweight.callbacks.stream_client import fetch_attestation
 from deadweight.proto import monitor_stub, pb
 from deadweight.proto.transport import open_channel
-socket_path, run_id = sys.argv[1], sys.argv[2]
+socket_path, run_id, folder = sys.argv[1], sys.argv[2], sys.argv[3]
 nonce = fetch_attestation(socket_path)
 assert nonce, "no nonce"
 with open_channel("unix://" + socket_path) as channel:
     try:
         monitor_stub(channel).SignSummary(pb.SignSummaryRequest(
-            run_id=run_id, attestation=nonce, step=1,
+            run_id=run_id, attestation=nonce, step=1, path=folder,
             adapter=pb.AdapterDigest(combined="x", tensors={"a": "b"})), timeout=10)
         print("SIGNED")
     except grpc.RpcError as err:
@@ -233,23 +236,81 @@ with open_channel("unix://" + socket_path) as channel:
 """
 
 
+def _claim(folder: Path) -> AdapterDigest:
+    """The digest of an adapter folder's files, as the callback's in-memory digest of the
+    adapter it just saved there reads."""
+    from deadweight.callbacks.digest import AdapterDigest
+    from deadweight.sidecar.checkpoints.inspector import inspect_path
+
+    files = inspect_path(folder)
+    return AdapterDigest(files.adapter_digest, dict(files.tensor_digests), files.tensor_bytes)
+
+
 def test_only_the_runs_own_process_gets_its_summary_signed(
     day2: dict[str, Path], signing: tuple[SidecarProcess, Path]
 ) -> None:
-    from deadweight.callbacks.digest import AdapterDigest
     from deadweight.callbacks.summary_writer import fetch_signed
 
     sidecar, _ = signing
     other = subprocess.run(
         [sys.executable, "-c", ASK_FOR_A_SIGNATURE, str(sidecar.socket_path),
-         "gate-day2-healthy"], capture_output=True, text=True, timeout=120)
+         "gate-day2-healthy", str(day2["healthy"])], capture_output=True, text=True,
+        timeout=120)
     assert other.stdout.startswith("PERMISSION_DENIED"), other.stdout + other.stderr
     assert "is not a process of run" in other.stdout
-    # Control: this process trained the run (its attested identity is bound to it).
+    # Control: this process trained the run (its attested identity is bound to it), and
+    # names the folder it saved and that folder's bytes.
+    healthy = day2["healthy"]
     body, signature, why = fetch_signed(sidecar.address, "gate-day2-healthy", None, None,
-                                        AdapterDigest("x", {"a": "b"}), 1, timeout=5.0)
+                                        _claim(healthy), 1, timeout=5.0, folder=healthy)
     assert body is not None and signature is not None, why
-    assert body["run_id"] == "gate-day2-healthy" and body["adapter_digest"] == "x"
+    assert body["run_id"] == "gate-day2-healthy"
+    assert body["adapter_digest"] == _claim(healthy).combined
+
+
+def test_the_runs_own_process_gets_no_signature_over_a_digest_its_files_do_not_have(
+    day2: dict[str, Path], signing: tuple[SidecarProcess, Path], tmp_path: Path
+) -> None:
+    """The forgery: the healthy run's own process asks for its summary over the frozen
+    adapter's digest (to lay a healthy signed summary beside the frozen adapter), naming its
+    own healthy folder, or no folder at all. The sidecar reads the files itself: no
+    signature, the summary is written unsigned saying why, and the strict gate fails it. The
+    honest save beside the same bytes still signs and passes."""
+    from deadweight.callbacks.digest import AdapterDigest
+    from deadweight.callbacks.summary_writer import fetch_signed, write_beside
+
+    sidecar, key = signing
+    run = "gate-day2-healthy"
+    frozen_claim = _claim(day2["frozen"])
+    assert frozen_claim.combined != _claim(day2["healthy"]).combined
+    forged = _copy_adapter(day2["healthy"], tmp_path / "forged", with_summary=False)
+    path = write_beside(forged, frozen_claim, run, 6, sidecar.address, None, None, 10.0)
+    assert path is not None
+    document = json.loads(path.read_text())
+    assert document["signature"] is None
+    assert "refused" in document["unsigned_because"]
+    assert "not the" in document["unsigned_because"] and "claims" in document[
+        "unsigned_because"], document["unsigned_because"]
+    gate = inspect(forged, *strict(key))
+    assert gate.returncode == 1, gate.stdout
+    assert "summary_unsigned [critical]" in gate.stdout
+    # A made-up digest, and a request naming no folder (an older callback): none signed.
+    for claim, folder in ((AdapterDigest("x", {"a": "b"}), forged), (frozen_claim, None)):
+        body, signature, why = fetch_signed(sidecar.address, run, None, None, claim, 6,
+                                            timeout=5.0, folder=folder)
+        assert body is None and signature is None and "refused" in why, why
+    refused = [json.loads(x) for x in sidecar.log_path.read_text().splitlines()
+               if '"summary_refused"' in x]
+    assert any("digest to" in line["reason"] for line in refused), refused
+    assert any("names no adapter folder" in line["reason"] for line in refused), refused
+    assert sidecar.run_status(run) is not None  # the run is untouched
+
+    # The honest save beside the very same bytes: signed, and the strict gate passes it.
+    honest = _copy_adapter(day2["healthy"], tmp_path / "honest", with_summary=False)
+    path = write_beside(honest, _claim(honest), run, 6, sidecar.address, None, None, 10.0)
+    assert path is not None and json.loads(path.read_text())["signature"] is not None
+    passed = inspect(honest, *strict(key))
+    assert passed.returncode == 0, passed.stdout
 
 
 def test_a_stopped_run_fails_the_gate(tiny: tuple[Path, Path], tmp_path: Path) -> None:

@@ -9,61 +9,21 @@ Every party is a real process (``tests/support/trust_client.py``), the second ui
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from deadweight.demo.sidecar_process import SidecarProcess
 from deadweight.sidecar.store.journal import Store
 from tests.support.realprocs import wait_for
+from tests.support.trust_party import Client
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
 OTHER_UID = 12345
-
-
-class Client:
-    """One party: a trust_client.py process, optionally under another uid."""
-
-    def __init__(self, sidecar: SidecarProcess, run_id: str, rank: int = 0,
-                 uid: int | None = None, attest: bool = True) -> None:
-        argv = [sys.executable, str(ROOT / "tests" / "support" / "trust_client.py"),
-                str(sidecar.socket_path), run_id, str(rank)]
-        if not attest:
-            argv.append("--no-attest")
-        if uid is not None:  # another uid, in the socket's group (as the issue's attacker)
-            argv = ["setpriv", "--reuid", str(uid), "--regid", str(uid), "--groups", "0",
-                    *argv]
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, env=env, cwd="/")
-        assert json.loads(self._line()) == {"ready": True}
-
-    def _line(self) -> str:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        assert line, f"client exited with {self.proc.poll()}"
-        return line
-
-    def do(self, **command: Any) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(command) + "\n")
-        self.proc.stdin.flush()
-        answer: dict[str, Any] = json.loads(self._line())
-        return answer
-
-    def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        self.proc.wait(30)
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,9 @@
 - ``{"steps": [FIRST, LAST], "kind": "frozen"|"healthy", "seq": N}``: optimizer steps and their
   logs, sequence numbers from N;
 - ``{"log": {"loss": "nan"}, "step": S, "seq": N}``: one log report;
+- ``{"checkpoint": {"step": S, "path": "...", "digest": {"combined": ..., "tensors": {...},
+  "bytes": B}}, "seq": N}``: what ``on_save`` reports of a checkpoint folder, with the adapter
+  digest the callback computed in memory (optional; the sidecar's watcher reads the files);
 - ``{"end": "reason", "seq": N}``: a RunEnd.
 
 The answer is ``{"error": ..., "ack": ..., "directives": [...], "ended": CODE}``; a stream the
@@ -129,6 +132,13 @@ def main() -> int:
             values = {k: float(v) for k, v in command["log"].items()}
             events = [pb.Event(seq=seq, time_seconds=time.time(), log=pb.LogReport(
                 step=int(command.get("step", 1)), values=values))]
+        elif "checkpoint" in command:
+            saved = command["checkpoint"]
+            digest = saved.get("digest", {})
+            events = [pb.Event(seq=seq, time_seconds=time.time(), checkpoint=pb.CheckpointReport(
+                step=int(saved["step"]), path=str(saved["path"]), adapter=pb.AdapterDigest(
+                    combined=digest.get("combined", ""), tensors=digest.get("tensors", {}),
+                    bytes=int(digest.get("bytes", 0)))))]
         elif "end" in command:
             events = [pb.Event(seq=seq, run_end=pb.RunEnd(reason=command["end"]))]
         answer = stream.send(pb.StreamRequest(run_id=run_id, rank=rank, events=events))

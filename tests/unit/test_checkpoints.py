@@ -101,7 +101,7 @@ class Sink:
         self.lock = threading.Lock()
 
     def record_inspection(self, run_id: str, inspection: CheckpointInspection,
-                          step: int = 0) -> bool:
+                          step: int = 0, incarnation: int | None = None) -> bool:
         with self.lock:
             self.seen.append((run_id, inspection, step))
         return True
@@ -203,3 +203,45 @@ def test_method_from_names_when_the_config_is_missing(tmp_path: Path) -> None:
     (odd / "adapter_config.json").write_text('{"peft_type": "NEWMETHOD"}')
     unknown = inspect_path(odd)
     assert unknown.method == "UNKNOWN" and unknown.identity_modules == 0
+
+
+def test_a_checkpoint_of_one_life_never_lands_on_the_next(tmp_path: Path) -> None:
+    """A run id used again (a relaunch): the watcher gets to life 1's last checkpoint only
+    after life 2 registered (a busy watcher). That inspection is life 1's: it is not added
+    to life 2's chain, whose own checkpoint, found in its own folder, is."""
+    from deadweight.proto import pb
+    from deadweight.sidecar.registry import Registry
+    from tests.support.checkpoint_files import adapter
+
+    registry = Registry()
+    watcher = CheckpointWatcher(registry, settle_seconds=0.05, scan_seconds=0.05,
+                                roots=[tmp_path])
+    registry.attach_watcher(watcher)  # not started yet: its requests wait in its queue
+
+    def send(*events: pb.Event) -> None:
+        answer = registry.ingest(pb.StreamRequest(run_id="again", events=list(events)))
+        assert not answer.error, answer.error
+
+    first, second = tmp_path / "life1", tmp_path / "life2"
+    send(pb.Event(seq=1, run_start=pb.RunStart(trainer="SFTTrainer", output_dir=str(first))))
+    old = adapter(first / "checkpoint-4")
+    send(pb.Event(seq=2, checkpoint=pb.CheckpointReport(step=4, path=str(old))))
+    send(pb.Event(seq=3, run_end=pb.RunEnd(reason="completed")))
+    send(pb.Event(seq=1, run_start=pb.RunStart(trainer="SFTTrainer", output_dir=str(second))))
+    new = adapter(second / "checkpoint-2", value=0.25)
+
+    def inspected_own() -> bool:
+        run = registry.run("again")
+        point = run.checkpoint(str(new)) if run is not None else None
+        return point is not None and point.inspection is not None
+
+    watcher.start()
+    try:
+        wait_for(inspected_own, 20, what="life 2's own checkpoint inspected")
+        wait_for(lambda: watcher.inspected == 2, 20, what="life 1's checkpoint read too")
+        _passes(watcher, 2)
+        run = registry.run("again")
+        assert run is not None and run.incarnation == 2
+        assert [c.path for c in run.checkpoints] == [str(new)]
+    finally:
+        watcher.stop()

@@ -60,9 +60,9 @@ def test_a_batch_of_steps_is_one_row_and_reads_back_step_by_step(tmp_path: Path)
 def test_rows_of_an_older_sidecar_and_a_damaged_row_still_read(tmp_path: Path) -> None:
     store = Store(tmp_path)
     old = pb.StepReport(step=1, update_sq_sum=4.0, watched_tensors=1).SerializeToString()
-    store._write("INSERT INTO history VALUES ('run', 'step', 1, 1.0, ?)", (old,))
-    store._write("INSERT INTO history VALUES ('run', 'step', 2, 2.0, ?)",
-                 ('{"update_norm": 1.0}',))
+    insert = "INSERT INTO history (run_id, kind, step, time, series) VALUES "
+    store._write(insert + "('run', 'step', 1, 1.0, ?)", (old,))
+    store._write(insert + "('run', 'step', 2, 2.0, ?)", ('{"update_norm": 1.0}',))
     store.add_step_history("run", [_row(3), _row(4)])
     store.add_step_history("run", [_row(5), _row(6)])
     store._write("UPDATE step_batches SET packed = substr(packed, 1, length(packed) - 5) "

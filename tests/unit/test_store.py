@@ -206,3 +206,70 @@ INSERT INTO runs VALUES ('old', 'SFTTrainer', NULL, 1.0, 0, '', NULL);
         assert store.last_incarnation("old") == 1
     finally:
         store.close()
+
+
+def test_a_state_file_keyed_by_run_id_alone_is_rekeyed_and_a_second_life_stays_apart(
+    tmp_path: Path,
+) -> None:
+    """The layout of the sidecar before this one (runs, checkpoints and history keyed by run
+    id alone) opens with its rows as incarnation 1; a second incarnation's steps 1.. then
+    neither replace nor join them, and each life's checkpoints and actions stay its own."""
+    import sqlite3
+
+    tmp_path.chmod(0o700)
+    with sqlite3.connect(tmp_path / DB_NAME) as db:
+        db.executescript("""
+CREATE TABLE runs (
+    run_id TEXT PRIMARY KEY, trainer TEXT NOT NULL, start BLOB, created REAL NOT NULL,
+    ended INTEGER NOT NULL DEFAULT 0, end_reason TEXT NOT NULL DEFAULT '', ended_at REAL,
+    incarnation INTEGER NOT NULL DEFAULT 1);
+INSERT INTO runs VALUES ('old', 'SFTTrainer', NULL, 1.0, 1, 'completed', 2.0, 1);
+CREATE TABLE checkpoints (
+    run_id TEXT NOT NULL, step INTEGER NOT NULL, path TEXT NOT NULL, digest TEXT NOT NULL,
+    tensors TEXT NOT NULL, bytes INTEGER NOT NULL, time REAL NOT NULL);
+CREATE INDEX checkpoints_run ON checkpoints (run_id, time);
+INSERT INTO checkpoints VALUES ('old', 4, '/out/old-4', 'aaa', '{}', 64, 1.5);
+CREATE TABLE history (
+    run_id TEXT NOT NULL, kind TEXT NOT NULL, step INTEGER NOT NULL, time REAL NOT NULL,
+    series TEXT NOT NULL, PRIMARY KEY (run_id, kind, step));
+INSERT INTO history VALUES ('old', 'log', 1, 1.1, '{"loss": 9.0}');
+CREATE TABLE step_batches (
+    run_id TEXT NOT NULL, first_step INTEGER NOT NULL, steps INTEGER NOT NULL,
+    packed BLOB NOT NULL, PRIMARY KEY (run_id, first_step));
+""")
+    (tmp_path / DB_NAME).chmod(0o600)
+    store = Store(tmp_path)
+    try:
+        store.add_step_history("old", [(1, 1.2, '{"update_norm": 0.0}')])  # incarnation 1
+        assert [(r.incarnation, r.ended) for r in store.runs()] == [(1, True)]
+        store.upsert_run("old", "DPOTrainer", run_start(), incarnation=2)  # used again
+        store.add_step_history("old", [(1, 3.0, '{"update_norm": 5.0}')], incarnation=2)
+        store.add_logs("old", [(1, 3.1, {"loss": 1.0})], incarnation=2)
+        store.add_checkpoint("old", CheckpointPoint(4, "/out/new-4", "bbb", {}, 64, 3.5), 2)
+        store.add_action("old", "DPOTrainer", "frozen_weights", 2, "page", "sent",
+                         incarnation=2)
+        assert store.history("old", "step", 1) == [(1, 1.2, {"update_norm": 0.0})]
+        assert store.history("old", "log", 1) == [(1, 1.1, {"loss": 9.0})]
+        assert store.history("old", "step") == [(1, 3.0, {"update_norm": 5.0})]  # the newest
+        assert store.history("old", "log") == [(1, 3.1, {"loss": 1.0})]
+        assert [c.path for c in store.checkpoints("old", 1)] == ["/out/old-4"]
+        assert [c.path for c in store.checkpoints("old")] == ["/out/new-4"]
+        assert store.actions("old", incarnation=1) == []
+        assert [a.incident for a in store.actions("old", incarnation=2)] == [2]
+        assert [(r.incarnation, r.trainer) for r in store.runs()] == [
+            (1, "SFTTrainer"), (2, "DPOTrainer")]
+        assert [r.incarnation for r in store.runs(newest=True)] == [2]
+        assert store.run("old") is not None and store.run("old").incarnation == 2
+        assert store.run("old", 1) is not None and store.run("old", 1).trainer == "SFTTrainer"
+        assert store.incarnations("old") == [1, 2]
+        # Pruning the first life leaves the second whole.
+        assert store.prune(ended_before=2.5) == 1
+        assert store.incarnations("old") == [2] and store.history("old", "step", 1) == []
+        assert [c.path for c in store.checkpoints("old", 2)] == ["/out/new-4"]
+    finally:
+        store.close()
+    reopened = Store(tmp_path)  # the rekeyed file opens as it is
+    try:
+        assert reopened.history("old", "log", 2) == [(1, 3.1, {"loss": 1.0})]
+    finally:
+        reopened.close()

@@ -582,16 +582,18 @@ class Finding(_message.Message):
     def __init__(self, detector: _Optional[str] = ..., severity: _Optional[str] = ..., firing: _Optional[bool] = ..., step: _Optional[int] = ..., summary: _Optional[str] = ..., evidence: _Optional[_Mapping[str, str]] = ..., policy: _Optional[str] = ..., state: _Optional[str] = ..., evidence_at_firing: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class SignSummaryRequest(_message.Message):
-    __slots__ = ("run_id", "attestation", "adapter", "step")
+    __slots__ = ("run_id", "attestation", "adapter", "step", "path")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ATTESTATION_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     attestation: str
     adapter: AdapterDigest
     step: int
-    def __init__(self, run_id: _Optional[str] = ..., attestation: _Optional[str] = ..., adapter: _Optional[_Union[AdapterDigest, _Mapping]] = ..., step: _Optional[int] = ...) -> None: ...
+    path: str
+    def __init__(self, run_id: _Optional[str] = ..., attestation: _Optional[str] = ..., adapter: _Optional[_Union[AdapterDigest, _Mapping]] = ..., step: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
 
 class SignSummaryResponse(_message.Message):
     __slots__ = ("body", "signature", "key_id")

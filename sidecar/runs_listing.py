@@ -78,7 +78,7 @@ def from_status(status: pb.StatusResponse, now: float | None = None) -> list[Run
                                f["summary"]) for f in data["findings"]]
         ended_at = (run.ended_at or now - run.last_seen_seconds) if run.ended else None
         lines.append(RunLine(run.run_id, run.trainer, run.started_at or None, ended_at,
-                             run.ended, run.end_reason, verdicts))
+                             run.ended, run.end_reason, verdicts, run.incarnation or 1))
     return sorted(lines, key=lambda line: (not line.ended, line.ended_at or now, line.run_id))
 
 

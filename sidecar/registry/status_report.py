@@ -81,6 +81,7 @@ def status_response(runs: list[tuple[RunState, list[Finding]]],
                 sharded=run.start.sharded if run.start is not None else False,
                 end_reason=run.end_reason if run.ended else "",
                 started_at=run.created,
+                incarnation=run.incarnation,
                 ended_at=run.ended_at if run.ended else 0.0,
                 actions=[
                     pb.ActionTaken(detector=a.detector, action=a.action, result=a.result,

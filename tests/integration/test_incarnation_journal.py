@@ -116,6 +116,11 @@ def test_two_lives_of_one_run_id_never_mix_across_restarts(tmp_path: Path) -> No
             wait_for(lambda: _firing(sidecar, "checkpoint_unchanged"), 30,
                      what="life 2's own unchanged checkpoint")
             assert not second.do(end="completed", seq=24)["error"]
+            live = _cli("runs", "--address", sidecar.address, "--json")
+            assert live.returncode == 0, live.stderr
+            # The live sidecar says which life it holds: the second one.
+            assert [r["incarnation"] for r in json.loads(live.stdout)["runs"]
+                    if r["run_id"] == RUN] == [2]
         finally:
             second.close()
 

@@ -283,13 +283,7 @@ def test_an_abort_names_the_root_cause_and_that_the_process_is_about_to_end(
     def one_step(monitor: Any) -> tuple[str, ...]:
         nonlocal step
         step += 1
-        loss = model(torch.randn(4, 8)).pow(2).mean()
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
-        optimizer.step()
-        optimizer.zero_grad()
-        model.zero_grad()
-        monitor.log(step, loss=loss, grad_norm=norm)
+        raw_loop_worker.plain_step(model, optimizer, monitor, step)
         return tuple(monitor.client.firing)
 
     try:
@@ -340,13 +334,7 @@ def _one_batch_loop(address: str, run_id: str, frozen: bool, steps: int = 3) -> 
     with deadweight.watch(model, optimizer, run_id=run_id, address=address,
                           settings=settings) as monitor:
         for step in range(1, steps + 1):
-            loss = model(torch.randn(4, 8)).pow(2).mean()
-            loss.backward()
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
-            optimizer.step()
-            optimizer.zero_grad()
-            model.zero_grad()
-            monitor.log(step, loss=loss, grad_norm=norm)
+            raw_loop_worker.plain_step(model, optimizer, monitor, step)
         client = monitor.client
         assert client is not None and client.sent == 0  # nothing after the RunStart yet
 

@@ -35,13 +35,7 @@ def main(mode: str, address: str, run_id: str, steps: int) -> None:
     with deadweight.watch(model, optimizer, run_id=run_id, address=address,
                           start_timeout_seconds=10.0) as monitor:
         for step in range(1, steps + 1):
-            loss = model(torch.randn(4, 8)).pow(2).mean()
-            loss.backward()
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
-            optimizer.step()
-            optimizer.zero_grad()
-            model.zero_grad()
-            monitor.log(step, loss=loss, grad_norm=norm)
+            raw_loop_worker.plain_step(model, optimizer, monitor, step)
             print(f"worker: step {step}", file=sys.stderr, flush=True)
             time.sleep(PAUSE_SECONDS)
     print(f"LOOP_ENDED step={steps}", file=sys.stderr, flush=True)

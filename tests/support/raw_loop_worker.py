@@ -60,6 +60,20 @@ def _net() -> Any:
     return Net()
 
 
+def plain_step(model: Any, optimizer: Any, monitor: Any, step: int) -> None:
+    """One step of the tiny net on random data, reported to ``monitor`` (``deadweight.watch``)
+    with its loss and grad_norm: the loop the console tests run in and out of process."""
+    import torch
+
+    loss = model(torch.randn(4, 8)).pow(2).mean()
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+    optimizer.step()
+    optimizer.zero_grad()
+    model.zero_grad()
+    monitor.log(step, loss=loss, grad_norm=norm)
+
+
 def _grad_norm(model: Any, sharded: bool) -> float:
     """The global gradient norm (squares of local shards summed over ranks when sharded)."""
     import torch

@@ -334,16 +334,7 @@ def test_kubernetes_links_come_from_one_place() -> None:
 def test_kustomization_renders_valid_resources(tmp_path: Path, keep_reports: bool) -> None:
     """`kubectl kustomize` of deploy/kubernetes (and with the keep-reports option on, the
     state dir on a PersistentVolumeClaim) gives resources that pass the strict schema."""
-    kubectl = require_binary("kubectl")
-    folder = tmp_path / "kube"
-    shutil.copytree(KUBE, folder, ignore=shutil.ignore_patterns("__pycache__", "*.py"))
-    if keep_reports:
-        text = (folder / "kustomization.yaml").read_text()
-        text = text.replace("  # - state-pvc.yaml", "  - state-pvc.yaml")
-        text = text.replace("# patches:\n#   - path: keep-state.patch.yaml",
-                            "patches:\n  - path: keep-state.patch.yaml")
-        (folder / "kustomization.yaml").write_text(text)
-    docs = list(yaml.safe_load_all(run([kubectl, "kustomize", str(folder)])))
+    docs = kustomized(tmp_path, keep_reports)
     kinds = sorted(d["kind"] for d in docs)
     expected = ["ConfigMap", "Job", "PodMonitor", "PrometheusRule"]
     assert kinds == sorted(expected + (["PersistentVolumeClaim"] if keep_reports else []))
@@ -370,6 +361,21 @@ def test_prometheusrule_groups_pass_promtool(tmp_path: Path) -> None:
 
 
 # --- compose stack --------------------------------------------------------------------------
+
+
+def kustomized(tmp_path: Path, keep_reports: bool) -> list[dict[str, Any]]:
+    """``kubectl kustomize`` of a copy of deploy/kubernetes, with the keep-reports option (the
+    state dir on a PersistentVolumeClaim) turned on as its README says, or not."""
+    kubectl = require_binary("kubectl")
+    folder = tmp_path / "kube"
+    shutil.copytree(KUBE, folder, ignore=shutil.ignore_patterns("__pycache__", "*.py"))
+    if keep_reports:
+        text = (folder / "kustomization.yaml").read_text()
+        text = text.replace("  # - state-pvc.yaml", "  - state-pvc.yaml")
+        text = text.replace("# patches:\n#   - path: keep-state.patch.yaml",
+                            "patches:\n  - path: keep-state.patch.yaml")
+        (folder / "kustomization.yaml").write_text(text)
+    return list(yaml.safe_load_all(run([kubectl, "kustomize", str(folder)])))
 
 
 def require_binary(name: str) -> str:

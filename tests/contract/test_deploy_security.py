@@ -15,26 +15,22 @@ from __future__ import annotations
 import copy
 import os
 import re
-import shutil
 import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from deadweight.demo.sidecar_process import SidecarProcess
 from tests.contract.test_deploy_manifests import (
-    KUBE,
     container,
     effective_ids,
     image_flag,
     job,
+    kustomized,
     mounts,
     pod_spec,
-    require_binary,
-    run,
     serve_args,
 )
 
@@ -238,15 +234,7 @@ def test_the_shipped_job_holds(name: str) -> None:
 def _rendered_jobs(tmp_path: Path) -> list[Doc]:
     """The Job as kustomize renders it, with the keep-reports option (a claim for the state
     dir) on: the option must not give up a property."""
-    kubectl = require_binary("kubectl")
-    folder = tmp_path / "kube"
-    shutil.copytree(KUBE, folder, ignore=shutil.ignore_patterns("__pycache__", "*.py"))
-    text = (folder / "kustomization.yaml").read_text()
-    text = text.replace("  # - state-pvc.yaml", "  - state-pvc.yaml")
-    text = text.replace("# patches:\n#   - path: keep-state.patch.yaml",
-                        "patches:\n  - path: keep-state.patch.yaml")
-    (folder / "kustomization.yaml").write_text(text)
-    docs = list(yaml.safe_load_all(run([kubectl, "kustomize", str(folder)])))
+    docs = kustomized(tmp_path, keep_reports=True)
     claims = [d for d in docs if d["kind"] == "PersistentVolumeClaim"]
     assert len(claims) == 1 and set(claims[0]["spec"]["accessModes"]) <= {
         "ReadWriteOnce", "ReadWriteOncePod"}  # one node's pod at a time, never shared

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..proto import pb
 from .checkpoints import summary_gate as promotion
-from .checkpoints.inspector import NotACheckpoint, inspect_path
+from .checkpoints.inspector import holds_weights, inspect_path
 from .checkpoints.watcher import CHECKPOINT_DIR
 from .detectors import ALL, ARTIFACT_IDS, fix_sentence
 from .detectors.base import Verdict
@@ -51,15 +51,12 @@ def expand(paths: list[Path]) -> list[Path]:
     ``checkpoint-<step>`` folders (a trainer's output_dir): those folders, by step."""
     expanded: list[Path] = []
     for path in paths:
-        inner = sorted((c for c in path.iterdir() if c.is_dir() and CHECKPOINT_DIR.match(c.name))
-                       if path.is_dir() else [], key=lambda c: int(c.name.split("-")[-1]))
-        if inner:
-            try:
-                inspect_path(path)
-            except NotACheckpoint:
-                expanded += inner
-                continue
-        expanded.append(path)
+        if not path.is_dir() or holds_weights(path):
+            expanded.append(path)
+            continue
+        inner = sorted((c for c in path.iterdir() if c.is_dir() and CHECKPOINT_DIR.match(c.name)),
+                       key=lambda c: int(c.name.split("-")[-1]))
+        expanded += inner or [path]  # none: inspect_path says what is missing there
     return expanded
 
 

@@ -269,6 +269,11 @@ def _weights_in(folder: Path) -> Path | None:
     return None
 
 
+def holds_weights(folder: Path) -> bool:
+    """Whether ``inspect_path`` would find weights in folder (a listing, nothing read)."""
+    return _weights_in(folder) is not None or bool(_pickles(folder))
+
+
 def inspect_file(path: Path, folder: Path | None = None) -> CheckpointInspection:
     """Audit one safetensors weights file (its folder supplies the pickle listing).
 
@@ -317,8 +322,8 @@ def inspect_path(path: Path) -> CheckpointInspection:
     """Audit a checkpoint folder, a safetensors file or a pickle file (listed, not opened)."""
     if path.is_dir():
         weights = _weights_in(path)
-        pickles = _pickles(path)
         if weights is None:
+            pickles = _pickles(path)
             if not pickles:
                 raise NotACheckpoint(
                     f"{path}: no {ADAPTER_FILE}, model.safetensors or pickled weights here"

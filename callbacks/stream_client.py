@@ -461,7 +461,7 @@ class StreamClient:
         # drain, ``wait_registered``) then finds its verdicts and directives already here.
         self._directives.extend(response.directives)
         self._notices.extend(response.verdicts)
-        if response.report_known:
+        if response.HasField("report_command"):
             self.report_command = response.report_command
         if not rejected:
             self.firing = tuple(response.firing)

@@ -80,7 +80,6 @@ class AppliedBatch:
         if reconnected:  # the console's train-begin line says how to open the report
             response.report_command = report_command(entry.state.run_id,
                                                      self.registry.store.path)
-            response.report_known = True
         return response
 
     def answer(self) -> pb.StreamResponse:

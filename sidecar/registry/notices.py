@@ -64,4 +64,3 @@ def report_command(run_id: str, database: Path | None) -> str:
         return ""
     folder = shlex.quote(str(database.parent))
     return f"deadweight report {shlex.quote(run_id)} --state-dir {folder}"
-

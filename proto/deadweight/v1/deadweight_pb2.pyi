@@ -376,22 +376,20 @@ class RunEnd(_message.Message):
     def __init__(self, step: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class StreamResponse(_message.Message):
-    __slots__ = ("ack_seq", "directives", "error", "firing", "verdicts", "report_command", "report_known")
+    __slots__ = ("ack_seq", "directives", "error", "firing", "verdicts", "report_command")
     ACK_SEQ_FIELD_NUMBER: _ClassVar[int]
     DIRECTIVES_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     FIRING_FIELD_NUMBER: _ClassVar[int]
     VERDICTS_FIELD_NUMBER: _ClassVar[int]
     REPORT_COMMAND_FIELD_NUMBER: _ClassVar[int]
-    REPORT_KNOWN_FIELD_NUMBER: _ClassVar[int]
     ack_seq: int
     directives: _containers.RepeatedCompositeFieldContainer[Directive]
     error: str
     firing: _containers.RepeatedScalarFieldContainer[str]
     verdicts: _containers.RepeatedCompositeFieldContainer[VerdictNotice]
     report_command: str
-    report_known: bool
-    def __init__(self, ack_seq: _Optional[int] = ..., directives: _Optional[_Iterable[_Union[Directive, _Mapping]]] = ..., error: _Optional[str] = ..., firing: _Optional[_Iterable[str]] = ..., verdicts: _Optional[_Iterable[_Union[VerdictNotice, _Mapping]]] = ..., report_command: _Optional[str] = ..., report_known: _Optional[bool] = ...) -> None: ...
+    def __init__(self, ack_seq: _Optional[int] = ..., directives: _Optional[_Iterable[_Union[Directive, _Mapping]]] = ..., error: _Optional[str] = ..., firing: _Optional[_Iterable[str]] = ..., verdicts: _Optional[_Iterable[_Union[VerdictNotice, _Mapping]]] = ..., report_command: _Optional[str] = ...) -> None: ...
 
 class VerdictNotice(_message.Message):
     __slots__ = ("detector", "severity", "policy", "incident", "step", "cause", "fix", "runbook_url", "cause_rank", "evidence")

@@ -2,8 +2,9 @@
 
 Its rooms, top to bottom (a room imports only rooms below it; ``lint-imports`` checks it):
 
-- ``cli`` (with ``cli_runs``, ``oncall_cli``): the commands' arguments; ``serve``: the
-  composition root that builds a sidecar.
+- ``cli`` (with ``serve_cli``, ``cli_runs``, ``oncall_cli``, and ``cli_args`` for the argument
+  types they share): the commands' arguments; ``serve``: the composition root that builds a
+  sidecar.
 - ``inspect``, ``report``, ``runs_listing``, ``status_json``, ``status``: the offline gate, the
   HTML report, ``deadweight runs``, ``status --json``, the live table.
 - ``exposition/``: ``/metrics`` (the collector and its HTTP server) and the runbook pages.

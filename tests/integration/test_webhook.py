@@ -191,16 +191,17 @@ def test_link_patterns_follow_the_metrics_address() -> None:
 
 
 def test_grafana_url_sets_the_dashboard_links() -> None:
-    from deadweight.sidecar.cli import _sidecar_config, build_parser
+    from deadweight.sidecar.cli import build_parser
+    from deadweight.sidecar.serve_cli import sidecar_config
 
     args = build_parser().parse_args(["serve", "--metrics-address", "127.0.0.1:9555",
                                       "--grafana-url", "https://grafana.example.com/"])
-    config = _sidecar_config(args)
+    config = sidecar_config(args)
     assert config.dashboard_url_pattern == (
         "https://grafana.example.com/d/deadweight-run/deadweight-run?var-run_id={run_id}")
     assert config.runbook_url_pattern is None  # follows the metrics address once bound
     # Neither flag: no dashboard link at all.
-    unset = _sidecar_config(build_parser().parse_args(["serve"]))
+    unset = sidecar_config(build_parser().parse_args(["serve"]))
     assert unset.dashboard_url_pattern == ""
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--grafana-url", "https://g", "--dashboard-url-"

@@ -54,7 +54,7 @@ while time.monotonic() < deadline:
             pass
         except OSError:
             c[0].close(); c[:] = connect(); opened += 1
-    time.sleep(0.5)
+    time.sleep(0.5)  # the attack's own pace: one byte per connection every half second
 print(opened, flush=True)
 """
 

@@ -132,11 +132,14 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         report.sections.append(("hypothesis seed", f"rerun with --hypothesis-seed={seed}"))
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The longest files first, so the two workers finish together (``support.schedule``)."""
-    from tests.support.schedule import longest_first
+    """Each file on one worker, the multiprocess files on one together, the longest first, so
+    the workers finish together (``support.schedule``)."""
+    from tests.support.schedule import group_by_file, longest_first
 
     longest_first(items)
+    group_by_file(items)
 
 
 def pytest_report_header(config: pytest.Config) -> str:

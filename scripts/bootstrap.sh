@@ -49,7 +49,7 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     pip_install "torch==$TORCH_VERSION"
   fi
 fi
-installed_torch=$(.venv/bin/python -c "import torch; print(torch.__version__)")
+installed_torch=$(.venv/bin/python -c "import importlib.metadata as m; print(m.version('torch'))")
 held=$(mktemp)
 echo "torch==$installed_torch" >"$held"
 say "installing deadweight[$EXTRAS] and its dependencies (first run: under a minute)"

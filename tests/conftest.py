@@ -132,14 +132,22 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         report.sections.append(("hypothesis seed", f"rerun with --hypothesis-seed={seed}"))
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Each file on one worker, the multiprocess files on one together, the longest first, so
-    the workers finish together (``support.schedule``)."""
-    from tests.support.schedule import group_by_file, longest_first
+    """The longest files first, so the workers finish together (``support.schedule``)."""
+    from tests.support.schedule import check_multiprocess_marks, longest_first
 
+    check_multiprocess_marks(items)
     longest_first(items)
-    group_by_file(items)
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # before xdist's own choice
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under ``--dist loadfile``: whole files, the multiprocess files as one unit."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from tests.support.schedule import FileScheduling
+
+    return FileScheduling(config, log)
 
 
 def pytest_report_header(config: pytest.Config) -> str:

@@ -1,10 +1,11 @@
 """How files reach the test workers: each whole on one worker, the longest first.
 
-``.ci/run`` hands work to the workers with ``--dist loadgroup``, one xdist group at a time,
-in collection order. Each file is its own group, so its tests run in order on one worker
-(some read what earlier ones left), except the files marked ``multiprocess``: they share one
-group, so they run one after another on a single worker and never crowd each other (each
-starts process groups of its own: torchrun ranks, an image build, timed stress).
+``.ci/run`` hands work to the workers with ``--dist loadfile --no-loadscope-reorder``, one
+unit at a time, in collection order (xdist's default reorder, by test count, is turned off).
+Each file is one unit, so its tests run in order on one worker (some read what earlier ones
+left), except the files marked ``multiprocess``: they are one unit together
+(``FileScheduling``), so they run one after another on a single worker and never crowd each
+other (each starts process groups of its own: torchrun ranks, an image build, timed stress).
 
 A minute-long group collected last leaves a worker idle while it runs alone at the end;
 started first, it runs beside the many short files. The list holds the files measured longest
@@ -15,6 +16,7 @@ missing from it costs only time, never a result.
 from __future__ import annotations
 
 import pytest
+from xdist.scheduler import LoadFileScheduling
 
 LONGEST_FIRST = (
     # the fast tiers (unit and contract), run on their own first
@@ -22,7 +24,7 @@ LONGEST_FIRST = (
     "tests/contract/test_alert_rules.py",  # 26: promtool
     "tests/unit/test_stop_agreement.py",  # 8: gloo ranks
     "tests/contract/test_native_wheel.py",  # 5: a wheel built and run
-    # the integration and e2e tiers: first the multiprocess group (about 240 s in all)
+    # the integration and e2e tiers: first the multiprocess unit (about 240 s in all)
     "tests/e2e/test_watch.py",  # 133: torchrun, DeepSpeed, FSDP
     "tests/e2e/test_multirank.py",  # 40
     "tests/e2e/test_image.py",  # 23
@@ -62,16 +64,37 @@ def longest_first(items: list[pytest.Item]) -> None:
     items.sort(key=key)
 
 
-#: The one xdist group of the files marked multiprocess.
-MULTIPROCESS_GROUP = "multiprocess"
+#: The files marked ``multiprocess`` (each with a module-level ``pytestmark``): one work unit
+#: under ``--dist loadfile``. The xdist controller sees node ids only, not marks, so the list
+#: is kept here; ``check_multiprocess_marks`` fails a session where the two disagree.
+MULTIPROCESS_FILES = frozenset({
+    "tests/e2e/test_watch.py",
+    "tests/e2e/test_multirank.py",
+    "tests/e2e/test_image.py",
+    "tests/e2e/test_trainer_wrapper.py",
+    "tests/integration/test_trust_measure_race.py",
+})
+MULTIPROCESS_UNIT = "multiprocess"
 
 
-def group_by_file(items: list[pytest.Item]) -> None:
-    """Give each test the xdist group of its file, or the multiprocess group (read only under
-    ``--dist loadgroup``; a test that names its own group keeps it)."""
+class FileScheduling(LoadFileScheduling):
+    """``--dist loadfile`` with one change: the multiprocess files are one work unit, so
+    they run one after another on a single worker, beside the other files."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        path = nodeid.split("::", 1)[0]
+        return MULTIPROCESS_UNIT if path in MULTIPROCESS_FILES else path
+
+
+def check_multiprocess_marks(items: list[pytest.Item]) -> None:
+    """Refuse a session where a file's ``multiprocess`` mark and MULTIPROCESS_FILES disagree
+    (a marked file missing from the list would run beside the others and crowd them)."""
     for item in items:
-        if item.get_closest_marker("xdist_group") is not None:
-            continue
-        multiprocess = item.get_closest_marker("multiprocess") is not None
-        name = MULTIPROCESS_GROUP if multiprocess else item.nodeid.split("::", 1)[0]
-        item.add_marker(pytest.mark.xdist_group(name))
+        path = item.nodeid.split("::", 1)[0]
+        marked = item.get_closest_marker("multiprocess") is not None
+        if marked != (path in MULTIPROCESS_FILES):
+            where = "is marked multiprocess but is not" if marked else "is not marked but is"
+            raise pytest.UsageError(
+                f"{item.nodeid} {where} in tests/support/schedule.py MULTIPROCESS_FILES "
+                "(mark the whole file, and list it there)"
+            )

@@ -181,6 +181,11 @@ def main(loop: str, mode: str, out: Path) -> int:
             if loop.endswith("-nomaster"):  # the optimizer steps bf16 partitions instead
                 config["bf16"] |= {"bf16_master_weights_and_grads": True,
                                    "bf16_optimizer_states": True}
+            # On the CPU, init_distributed JIT-compiles DeepSpeed's shared-memory all-reduce
+            # (deepspeed_shm_comm: one to two minutes of g++ on a fresh machine, on the test's
+            # path). Only inference_all_reduce calls it; training's all_reduce is gloo's either
+            # way. So the loop marks it unavailable, as DeepSpeed does where the OS lacks it.
+            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
             deepspeed.init_distributed(dist_backend="gloo")
             # Only healthy: both frozen setups tried here fail loudly under ZeRO-2 (an
             # optimizer without trainable parameters at initialize, a head swapped after it).

@@ -202,6 +202,36 @@ def local_view(param: torch.Tensor) -> torch.Tensor:
     return param
 
 
+def local_numel(param: torch.Tensor) -> int:
+    """Elements of the parameter this rank holds: its local view's, less ZeRO-3's padding.
+
+    DeepSpeed pads each ZeRO-3 parameter to a multiple of the partition count and leaves the
+    pad uninitialised (``torch.empty``), so the tail of a partition holds no weight at all:
+    read as one, it is garbage (a healthy ZeRO-3 run was once paged ``negligible_updates``
+    for a weight norm of 2e10, all of it one such pad).
+    """
+    local = local_view(param)
+    full = getattr(param, "ds_numel", None)
+    if local is not getattr(param, "ds_tensor", None) or not isinstance(full, int):
+        return local.numel()
+    rank = _partition_rank(param)
+    size = int(local.numel())
+    return size if rank is None else max(0, min(size, int(full) - rank * size))
+
+
+def _partition_rank(param: torch.Tensor) -> int | None:
+    """This rank's place among the ranks a ZeRO-3 parameter is partitioned over."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        rank = int(dist.get_rank(group=getattr(param, "ds_process_group", None)))
+    except (RuntimeError, ValueError):
+        return None
+    return rank if rank >= 0 else None
+
+
 def requested_wrapper(args: Any) -> str:
     """The wrapper a Trainer config asked for ("" when it asked for none in particular)."""
     if getattr(args, "deepspeed", None):

@@ -223,7 +223,8 @@ class RunProbe:
             log.warning("deadweight: the %s optimizer partitions parameters in a way this "
                         "client cannot map; optimizer membership is reported as unknown",
                         type(layouts.inner_optimizer(optimizer)).__qualname__)
-        self.update = UpdateProbe(self.membership.watched, self.membership.groups)
+        self.update = UpdateProbe(self.membership.watched, self.membership.groups,
+                                  lengths=self.membership.watched_lengths)
         numbers, texts = trainable.start_facts(model, optimizer, self.layout,
                                                self.expected_trainable_pct, self.frozen_modules)
         config = {**(config or {}), **numbers}

@@ -49,6 +49,9 @@ class Membership:
     #: What this rank holds of each watched parameter (a local shard under sharding).
     watched: list[torch.Tensor]
     groups: list[TensorGroup]
+    #: How many leading elements of each watched tensor are the parameter's (None: all; a
+    #: ZeRO-3 partition ends in padding that holds no weight, ``layout.local_numel``).
+    watched_lengths: list[int | None] = field(default_factory=list)
     #: Parameters outside the optimizer: a grad on any of them is work thrown away.
     outside_optimizer: list[torch.nn.Parameter] = field(default_factory=list)
     #: How membership was decided: ``layout.IDENTITY``, ``FLAT``, ``ENGINE`` or ``UNKNOWN``.
@@ -83,7 +86,7 @@ def stepped_by_dtype(optimizer: Any) -> dict[str, int]:
             continue
         seen.add(id(tensor))
         key = str(tensor.dtype).removeprefix("torch.")
-        by_dtype[key] = by_dtype.get(key, 0) + layouts.local_view(tensor).numel()
+        by_dtype[key] = by_dtype.get(key, 0) + layouts.local_numel(tensor)
     return by_dtype
 
 
@@ -177,6 +180,7 @@ def measure(model: torch.nn.Module, optimizer: Any,
     adapters = adapter_names(model)
     active = set(active_adapters(model))
     watched: list[torch.Tensor] = []
+    watched_lengths: list[int | None] = []
     watched_names: list[str] = []
     outside: list[torch.nn.Parameter] = []
     per_adapter: dict[str, list[torch.nn.Parameter]] = {a: [] for a in adapters}
@@ -193,19 +197,21 @@ def measure(model: torch.nn.Module, optimizer: Any,
         name = layouts.clean_name(wrapped_name, outer)
         adapter = adapter_of(name, adapters)
         local = layouts.local_view(param)
+        held = layouts.local_numel(param)
         if adapter is not None:
             per_adapter[adapter].append(param)
         if param.requires_grad:
             trainable_tensors += 1
-            trainable_params += local.numel()
+            trainable_params += held
             trainable_outside += id(param) not in in_optimizer and not unknown
         if id(param) not in in_optimizer and not unknown:
             outside.append(param)
-        if local.numel() == 0:  # an empty shard: nothing of it lives on this rank
+        if held == 0:  # an empty shard (or a pad alone): nothing of it lives on this rank
             continue
         if id(param) in in_optimizer or param.requires_grad or adapter is not None:
             index = len(watched)
             watched.append(local)
+            watched_lengths.append(held if held < local.numel() else None)
             watched_names.append(name)
             if adapter is not None:
                 adapter_index[adapter].append(index)
@@ -218,17 +224,17 @@ def measure(model: torch.nn.Module, optimizer: Any,
         AdapterShare(
             name=a,
             tensors=len(ps),
-            params=sum(layouts.local_view(p).numel() for p in ps),
+            params=sum(layouts.local_numel(p) for p in ps),
             in_optimizer_tensors=sum(id(p) in in_optimizer for p in ps),
             active=a in active,
         )
         for a, ps in per_adapter.items()
     ]
     held_params = [p for _, p in model.named_parameters() if id(p) in in_optimizer]
-    held = {id(p): layouts.local_view(p).numel() for p in held_params}
+    held_by_id = {id(p): layouts.local_numel(p) for p in held_params}
     return Membership(
         optimizer_tensors=0 if unknown else len(in_optimizer),
-        optimizer_params=sum(held.values()),
+        optimizer_params=sum(held_by_id.values()),
         trainable_tensors=trainable_tensors,
         trainable_params=trainable_params,
         trainable_not_in_optimizer_tensors=trainable_outside,
@@ -238,6 +244,7 @@ def measure(model: torch.nn.Module, optimizer: Any,
         watched_names=watched_names,
         watched=watched,
         groups=groups,
+        watched_lengths=watched_lengths,
         outside_optimizer=outside,
         layout=layout.membership,
         optimizer_params_by_dtype=stepped_by_dtype(optimizer),
@@ -247,4 +254,4 @@ def measure(model: torch.nn.Module, optimizer: Any,
 def grads_outside_optimizer(outside: list[torch.nn.Parameter]) -> tuple[int, int]:
     """(tensors, elements this rank holds) among params outside the optimizer with a gradient."""
     with_grad = [p for p in outside if p.grad is not None]
-    return len(with_grad), sum(layouts.local_view(p).numel() for p in with_grad)
+    return len(with_grad), sum(layouts.local_numel(p) for p in with_grad)

@@ -67,6 +67,13 @@ def _sample_runs(sample: int) -> int:
 
 
 
+def _leading(tensor: torch.Tensor, length: int | None) -> torch.Tensor:
+    """The first ``length`` elements of a 1-D tensor, as a view (the whole of any other)."""
+    if length is None or tensor.dim() != 1 or length >= tensor.numel():
+        return tensor
+    return tensor.narrow(0, 0, length)
+
+
 class UpdateProbe:
     """Snapshot the watched tensors before a step and measure the update after it."""
 
@@ -78,8 +85,13 @@ class UpdateProbe:
         sample_per_tensor: int = DEFAULT_SAMPLE_PER_TENSOR,
         path: Path = "auto",
         background: bool = True,
+        lengths: Sequence[int | None] = (),
     ) -> None:
-        self.watched_params = sum(t.numel() for t in tensors)
+        #: Per tensor, how many leading elements are weights (None: all; a ZeRO-3 partition
+        #: ends in an uninitialised pad, which is never read).
+        self._lengths = list(lengths) or [None] * len(tensors)
+        self.watched_params = sum(t.numel() if n is None else n
+                                  for t, n in zip(tensors, self._lengths, strict=True))
         self._background = background
         self._worker: ThreadPoolExecutor | None = None
         self._inflight: Future[tuple[UpdateStats, list[int]]] | None = None
@@ -117,7 +129,8 @@ class UpdateProbe:
         the old aliases would otherwise keep measuring memory the model no longer uses.
         """
         self._storage = list(map(_data_ptr, self._tensors))
-        self._sources = [self._view(t.detach(), self._sample) for t in self._tensors]
+        self._sources = [self._view(_leading(t.detach(), n), self._sample)
+                         for t, n in zip(self._tensors, self._lengths, strict=True)]
         self._valid_at: list[int] | None = None  # versions at which snapshot == weights
         self._elements = torch.tensor([float(s.numel()) for s in self._sources],
                                       dtype=torch.float64)

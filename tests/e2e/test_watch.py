@@ -153,13 +153,18 @@ def test_deepspeed_loop_is_not_an_empty_optimizer(stage: int, sidecar: SidecarPr
     assert {(r["wrapper"], r["layout"], r["sharded"]) for r in reports} == {
         ("deepspeed", "engine", stage == 3)}
     trained = 32 * 4 + 4 + 1  # head and scale, counted by identity on the model
-    assert {tuple(r["watched_names"]) for r in reports} == {("scale", "head.weight",
-                                                             "head.bias")}
     if stage == 2:  # every rank holds the whole parameters
+        assert {tuple(r["watched_names"]) for r in reports} == {("scale", "head.weight",
+                                                                 "head.bias")}
         assert {r["optimizer_params"] for r in reports} == {trained}
-    else:  # partitions, each parameter padded to a multiple of the world size
-        total = sum(r["optimizer_params"] for r in reports)
-        assert trained <= total <= trained + 3, total
+    else:
+        # Partitions, each parameter padded to a multiple of the world size; DeepSpeed leaves
+        # the pad uninitialised, so it is neither counted nor read. The one-element scale is
+        # all pad on rank 1, which therefore holds nothing of it (like an empty FSDP2 shard).
+        assert [r["watched_names"] for r in reports] == [["scale", "head.weight", "head.bias"],
+                                                         ["head.weight", "head.bias"]]
+        assert sum(r["optimizer_params"] for r in reports) == trained
+        assert sum(r["trainable_params"] for r in reports) == trained
     _check(sidecar, "deepspeed", "healthy", reports)
 
 
@@ -200,7 +205,8 @@ def test_deepspeed_bf16_master_weights_are_not_low_precision(stage: int, tmp_pat
         findings = _findings(sidecar, run_id, 2, wrapper="deepspeed")
         live = reports[0]["live_firing"]
         assert "low_precision_update" in live
-        assert [d for d, value in live.items() if value] == [], findings  # what fired live
+        fired = [d for d, value in live.items() if value]  # what fired live
+        assert fired == [], {k: (f.summary, dict(f.evidence)) for k, f in findings.items()}
     assert findings == {}, {k: f.summary for k, f in findings.items()}
     for report in reports:
         assert report["layout"] == "engine" and report["model_dtype"] == "bfloat16"

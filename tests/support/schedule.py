@@ -24,7 +24,8 @@ LONGEST_FIRST = (
     "tests/contract/test_alert_rules.py",  # 26: promtool
     "tests/unit/test_stop_agreement.py",  # 8: gloo ranks
     "tests/contract/test_native_wheel.py",  # 5: a wheel built and run
-    # the integration and e2e tiers: first the multiprocess unit (about 240 s in all)
+    # the integration and e2e tiers: first the multiprocess unit (240 s alone, 430 s beside
+    # the other three workers)
     "tests/e2e/test_watch.py",  # 133: torchrun, DeepSpeed, FSDP
     "tests/e2e/test_multirank.py",  # 40
     "tests/e2e/test_image.py",  # 23

@@ -18,20 +18,27 @@ from __future__ import annotations
 import pytest
 from xdist.scheduler import LoadFileScheduling
 
+#: The files marked ``multiprocess`` (each with a module-level ``pytestmark``): one work unit
+#: under ``--dist loadfile``. The xdist controller sees node ids only, not marks, so the list
+#: is kept here; ``check_multiprocess_marks`` fails a session where the two disagree. The
+#: unit is the longest (seconds alone: 133, 40, 23, 18, 14), so it goes first.
+MULTIPROCESS_FILES = frozenset({
+    "tests/e2e/test_watch.py",  # torchrun, DeepSpeed, FSDP
+    "tests/e2e/test_multirank.py",
+    "tests/e2e/test_image.py",
+    "tests/e2e/test_trainer_wrapper.py",
+    "tests/integration/test_trust_measure_race.py",
+})
+MULTIPROCESS_UNIT = "multiprocess"
+
 LONGEST_FIRST = (
     # the fast tiers (unit and contract), run on their own first
     "tests/unit/test_fuzz_registry.py",  # 48: 10,000 fuzzed batches
     "tests/contract/test_alert_rules.py",  # 26: promtool
     "tests/unit/test_stop_agreement.py",  # 8: gloo ranks
     "tests/contract/test_native_wheel.py",  # 5: a wheel built and run
-    # the integration and e2e tiers: first the multiprocess unit (240 s alone, 430 s beside
-    # the other three workers)
-    "tests/e2e/test_watch.py",  # 133: torchrun, DeepSpeed, FSDP
-    "tests/e2e/test_multirank.py",  # 40
-    "tests/e2e/test_image.py",  # 23
-    "tests/e2e/test_trainer_wrapper.py",  # 18
-    "tests/integration/test_trust_measure_race.py",  # 14
-    # then the longest files
+    # the integration and e2e tiers, after the multiprocess unit (MULTIPROCESS_FILES, always
+    # first: 240 s alone, 430 s beside the other three workers)
     "tests/integration/test_console.py",  # 80
     "tests/e2e/test_e2e_short_run.py",  # 73: Alertmanager's group_wait, then the run's expiry
     "tests/e2e/test_ranks.py",  # 52
@@ -53,9 +60,10 @@ LONGEST_FIRST = (
 
 
 def longest_first(items: list[pytest.Item]) -> None:
-    """Reorder items in place: files of LONGEST_FIRST first, in its order; the others after,
-    as collected; the tests of one file keep their order."""
+    """Reorder items in place: the multiprocess files first, then the files of LONGEST_FIRST
+    in its order, the others after, as collected; the tests of one file keep their order."""
     rank = {path: index for index, path in enumerate(LONGEST_FIRST)}
+    rank |= dict.fromkeys(MULTIPROCESS_FILES, -1)
     position = {id(item): index for index, item in enumerate(items)}
 
     def key(item: pytest.Item) -> tuple[int, int]:
@@ -64,18 +72,6 @@ def longest_first(items: list[pytest.Item]) -> None:
 
     items.sort(key=key)
 
-
-#: The files marked ``multiprocess`` (each with a module-level ``pytestmark``): one work unit
-#: under ``--dist loadfile``. The xdist controller sees node ids only, not marks, so the list
-#: is kept here; ``check_multiprocess_marks`` fails a session where the two disagree.
-MULTIPROCESS_FILES = frozenset({
-    "tests/e2e/test_watch.py",
-    "tests/e2e/test_multirank.py",
-    "tests/e2e/test_image.py",
-    "tests/e2e/test_trainer_wrapper.py",
-    "tests/integration/test_trust_measure_race.py",
-})
-MULTIPROCESS_UNIT = "multiprocess"
 
 
 class FileScheduling(LoadFileScheduling):

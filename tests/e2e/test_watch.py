@@ -1,7 +1,8 @@
 """``deadweight.watch`` on raw training loops, each a real process against a real sidecar.
 
-Every loop runs twice, healthy and frozen (see ``raw_loop_worker``): the frozen run is caught
-by ``frozen_weights`` while it is live, the healthy one leaves no finding at all. Multi-rank
+Every loop runs twice, healthy and frozen (see ``raw_loop_worker``), one run after the other in
+one launch: the frozen run is caught by ``frozen_weights`` while it is live, the healthy one
+leaves no finding at all. Multi-rank
 loops run under a real ``torchrun --nproc-per-node 2`` with gloo. The FSDP2 run also checks
 the arithmetic of sharding: the update norm the sidecar combines from the ranks' local shards
 equals the norm of the same update on the unsharded parameters.
@@ -34,7 +35,9 @@ DISTRIBUTED = ("ddp", "fsdp2", "fsdp1-orig", "fsdp1-flat", "deepspeed", "deepspe
                "deepspeed-bf16", "deepspeed3-bf16", "deepspeed0-bf16", "deepspeed-bf16-nomaster")
 
 
-def _run_loop(sidecar: SidecarProcess, loop: str, mode: str, out: Path) -> list[dict[str, Any]]:
+def _run_loop(sidecar: SidecarProcess, loop: str, modes: tuple[str, ...],
+              out: Path) -> dict[str, list[dict[str, Any]]]:
+    """Each mode's rank reports, all modes run one after the other in one launch."""
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "DEADWEIGHT_ADDRESS": sidecar.address, "OMP_NUM_THREADS": "1",
            "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(WORKER.parents[2]),
@@ -46,13 +49,32 @@ def _run_loop(sidecar: SidecarProcess, loop: str, mode: str, out: Path) -> list[
                "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
     else:
         cmd = [sys.executable]
-    done = subprocess.run([*cmd, str(WORKER), loop, mode, str(out)], env=env,
+    done = subprocess.run([*cmd, str(WORKER), loop, ",".join(modes), str(out)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
-    reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
-    assert len({r["run_id"] for r in reports}) == 1, "ranks reported under different ids"
-    assert all(r["steps"] == STEPS and r["dropped"] == 0 for r in reports)
-    return reports
+    found = {}
+    for mode in modes:
+        reports = [json.loads((out / mode / f"rank{r}.json").read_text()) for r in range(ranks)]
+        assert len({r["run_id"] for r in reports}) == 1, "ranks reported under different ids"
+        assert all(r["steps"] == STEPS and r["dropped"] == 0 for r in reports)
+        found[mode] = reports
+    run_ids = [reports[0]["run_id"] for reports in found.values()]
+    assert len(set(run_ids)) == len(run_ids), "two runs of one launch shared a run id"
+    return found
+
+
+#: Each loop's healthy and frozen runs, run in one launch by whichever of its two tests comes
+#: first (a launch of torchrun and its ranks costs far more than the loops).
+_PAIRS: dict[str, dict[str, list[dict[str, Any]]]] = {}
+
+
+def _pair_run(sidecar: SidecarProcess, loop: str, mode: str,
+              tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """This mode's rank reports of the loop's healthy-and-frozen launch."""
+    if loop not in _PAIRS:
+        _PAIRS[loop] = _run_loop(sidecar, loop, ("healthy", "frozen"),
+                                 tmp_path_factory.mktemp(f"pair-{loop}"))
+    return _PAIRS[loop][mode]
 
 
 def _findings(sidecar: SidecarProcess, run_id: str, ranks: int, steps: int = STEPS,
@@ -81,8 +103,8 @@ def _check(sidecar: SidecarProcess, loop: str, mode: str, reports: list[dict[str
 @pytest.mark.parametrize("mode", ["healthy", "frozen"])
 @pytest.mark.parametrize("loop", ["single", "accelerate"])
 def test_single_process_loops(loop: str, mode: str, sidecar: SidecarProcess,
-                              tmp_path: Path) -> None:
-    (report,) = _run_loop(sidecar, loop, mode, tmp_path)
+                              tmp_path_factory: pytest.TempPathFactory) -> None:
+    (report,) = _pair_run(sidecar, loop, mode, tmp_path_factory)
     assert (report["wrapper"], report["layout"], report["sharded"]) == ("none", "identity", False)
     assert report["watched_names"] == ["scale", "backbone.0.weight", "backbone.0.bias",
                                        "head.weight", "head.bias"] or mode == "healthy"
@@ -91,8 +113,9 @@ def test_single_process_loops(loop: str, mode: str, sidecar: SidecarProcess,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["healthy", "frozen"])
-def test_ddp_loop(mode: str, sidecar: SidecarProcess, tmp_path: Path) -> None:
-    reports = _run_loop(sidecar, "ddp", mode, tmp_path)
+def test_ddp_loop(mode: str, sidecar: SidecarProcess,
+                  tmp_path_factory: pytest.TempPathFactory) -> None:
+    reports = _pair_run(sidecar, "ddp", mode, tmp_path_factory)
     assert {(r["wrapper"], r["sharded"]) for r in reports} == {("ddp", False)}
     assert set(reports[0]["watched_names"]) == {"scale", "head.weight", "head.bias"} | (
         {"backbone.0.weight", "backbone.0.bias"} if mode == "frozen" else set())
@@ -101,8 +124,9 @@ def test_ddp_loop(mode: str, sidecar: SidecarProcess, tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["healthy", "frozen"])
-def test_fsdp2_loop(mode: str, sidecar: SidecarProcess, tmp_path: Path) -> None:
-    reports = _run_loop(sidecar, "fsdp2", mode, tmp_path)
+def test_fsdp2_loop(mode: str, sidecar: SidecarProcess,
+                    tmp_path_factory: pytest.TempPathFactory) -> None:
+    reports = _pair_run(sidecar, "fsdp2", mode, tmp_path_factory)
     assert {(r["wrapper"], r["layout"], r["sharded"]) for r in reports} == {
         ("fsdp2", "identity", True)}
     # ``scale`` has one element: rank 1's shard of it is empty and is not watched.
@@ -123,8 +147,9 @@ def test_fsdp2_loop(mode: str, sidecar: SidecarProcess, tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["healthy", "frozen"])
 @pytest.mark.parametrize("flavour", ["orig", "flat"])
-def test_fsdp1_loop(flavour: str, mode: str, sidecar: SidecarProcess, tmp_path: Path) -> None:
-    reports = _run_loop(sidecar, f"fsdp1-{flavour}", mode, tmp_path)
+def test_fsdp1_loop(flavour: str, mode: str, sidecar: SidecarProcess,
+                    tmp_path_factory: pytest.TempPathFactory) -> None:
+    reports = _pair_run(sidecar, f"fsdp1-{flavour}", mode, tmp_path_factory)
     layout = "identity" if flavour == "orig" else "flat"
     assert {(r["wrapper"], r["layout"], r["sharded"]) for r in reports} == {
         ("fsdp1", layout, True)}
@@ -148,8 +173,8 @@ def test_deepspeed_loop_is_not_an_empty_optimizer(stage: int, sidecar: SidecarPr
     placeholder) and the run is sharded. Healthy only: the frozen setups tried (no trainable
     parameter at initialize, a module swapped after it) make DeepSpeed fail loudly, so there
     is no silent failure to catch."""
-    reports = _run_loop(sidecar, "deepspeed" if stage == 2 else "deepspeed3", "healthy",
-                        tmp_path)
+    reports = _run_loop(sidecar, "deepspeed" if stage == 2 else "deepspeed3", ("healthy",),
+                        tmp_path)["healthy"]
     assert {(r["wrapper"], r["layout"], r["sharded"]) for r in reports} == {
         ("deepspeed", "engine", stage == 3)}
     trained = 32 * 4 + 4 + 1  # head and scale, counted by identity on the model
@@ -200,7 +225,7 @@ def test_deepspeed_bf16_master_weights_are_not_low_precision(stage: int, tmp_pat
     state = tmp_path / "state"
     with SidecarProcess(tmp_path / "sidecar", extra_args=["--state-dir", str(state)]) as sidecar:
         loop = "deepspeed-bf16" if stage == 2 else f"deepspeed{stage}-bf16"
-        reports = _run_loop(sidecar, loop, "healthy", tmp_path / "run")
+        reports = _run_loop(sidecar, loop, ("healthy",), tmp_path / "run")["healthy"]
         run_id = reports[0]["run_id"]
         findings = _findings(sidecar, run_id, 2, wrapper="deepspeed")
         live = reports[0]["live_firing"]
@@ -237,7 +262,7 @@ def test_deepspeed_bf16_without_master_weights_is_low_precision(
     """The failing twin: the same ZeRO-2 bf16 run with DeepSpeed's
     ``bf16_master_weights_and_grads`` and ``bf16_optimizer_states`` steps bf16 partitions, so
     no copy keeps the updates below half a bf16 ULP and most of the head never moves."""
-    reports = _run_loop(sidecar, "deepspeed-bf16-nomaster", "healthy", tmp_path)
+    reports = _run_loop(sidecar, "deepspeed-bf16-nomaster", ("healthy",), tmp_path)["healthy"]
     for report in reports:
         assert report["layout"] == "engine" and report["master_dtypes"] == ["bfloat16"]
         assert report["optimizer_params_by_dtype"].keys() == {"bfloat16"}

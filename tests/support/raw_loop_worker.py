@@ -1,12 +1,13 @@
 """One rank of a raw PyTorch training loop monitored with ``deadweight.watch``.
 
-Usage: ``[torchrun --nproc-per-node 2] tests/support/raw_loop_worker.py LOOP MODE OUT_DIR`` with
+Usage: ``[torchrun --nproc-per-node 2] tests/support/raw_loop_worker.py LOOP MODES OUT_DIR`` with
 ``DEADWEIGHT_ADDRESS`` set. LOOP is ``single``, ``ddp``, ``fsdp2``, ``fsdp1-orig``,
 ``fsdp1-flat``, ``accelerate``, ``deepspeed`` (ZeRO-2), ``deepspeed3``, or ``deepspeed-bf16``,
 ``deepspeed3-bf16``, ``deepspeed0-bf16`` (ZeRO-2, ZeRO-3, no ZeRO, with bf16 model weights and
 fp32 master copies, at a small lr), ``deepspeed-bf16-nomaster`` (the same ZeRO-2 run with
-DeepSpeed's bf16 master weights and optimizer states: no fp32 copy anywhere); MODE is
-``healthy`` or ``frozen``:
+DeepSpeed's bf16 master weights and optimizer states: no fp32 copy anywhere); MODES is
+``healthy``, ``frozen`` or ``healthy,frozen`` (both runs in one process, one after the other:
+a launch of torch and its ranks costs more than the loops):
 
 - replicated loops (single, ddp, accelerate): the backbone is frozen and the head trains;
   the frozen run hands the optimizer the backbone (the wrong module), so the head gets
@@ -16,7 +17,7 @@ DeepSpeed's bf16 master weights and optimizer states: no fp32 copy anywhere); MO
 - fsdp2 and fsdp1-flat: the frozen run builds the optimizer before sharding, so it holds the
   parameters the wrapper replaced; the model trains on new ones nobody updates.
 
-No run id is given: every rank reports under rank 0's. Each rank writes ``rank<N>.json`` with
+No run id is given: every rank reports under rank 0's. Each rank writes ``<MODE>/rank<N>.json`` with
 what it knows (run id, steps, membership, and for fsdp2 the unsharded reference norm of each
 step's update, gathered with ``full_tensor()``; for the bf16 loops the share of the
 master partitions' elements each step left unchanged).
@@ -134,16 +135,31 @@ def _masters(optimizer: Any) -> list[Any]:
     raise AttributeError(f"no master copies found on {type(optimizer).__name__}")
 
 
-def main(loop: str, mode: str, out: Path) -> int:
+def main(loop: str, modes: str, out: Path) -> int:
+    """Run the loop once per mode of the comma-separated MODES, one after the other in this
+    process (one process group, one import of torch), each its own run under ``deadweight.watch``;
+    each mode's reports go to ``OUT/<mode>/rank<N>.json``."""
     import torch
     import torch.distributed as dist
-
-    import deadweight
 
     torch.set_num_threads(1)
     distributed = "WORLD_SIZE" in os.environ and loop not in ("single", "accelerate")
     if distributed and not loop.startswith("deepspeed"):
         dist.init_process_group("gloo")
+    for mode in modes.split(","):
+        (out / mode).mkdir(parents=True, exist_ok=True)
+        run(loop, mode, out / mode)
+    if distributed and dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+def run(loop: str, mode: str, out: Path) -> None:
+    """One monitored run of the loop in one mode; writes this rank's report to out."""
+    import torch
+
+    import deadweight
+
     rank = int(os.environ.get("RANK", "0"))
     torch.manual_seed(100 + rank)
     batches = [(torch.randn(4, 8), torch.randn(4, 4)) for _ in range(STEPS)]
@@ -269,9 +285,6 @@ def main(loop: str, mode: str, out: Path) -> int:
             "live_firing": firing,
         }
     (out / f"rank{rank}.json").write_text(json.dumps(report))
-    if distributed and dist.is_initialized():
-        dist.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":

@@ -19,6 +19,9 @@ import pytest
 
 from deadweight.demo.sidecar_process import SidecarProcess
 
+#: ``--stop-at-failure-in FOLDER``: the fast tiers stop every worker at their first failure.
+pytest_plugins = ["tests.support.fail_fast"]
+
 FIRING = re.compile(
     r'^deadweight_detector_firing\{(?P<labels>[^}]*)\} (?P<value>\S+)$', re.MULTILINE
 )

@@ -26,7 +26,8 @@ from tests.support.faults import Pipe, metric_value
 from tests.support.inprocess_sidecar import InProcessSidecar
 from tests.support.realprocs import start_prometheus, wait_for
 
-# torchrun ranks take both cores: .ci/run runs these files alone, after the rest
+# torchrun ranks take both cores: these files run one after another, never beside each other
+# (tests/support/schedule.py MULTIPROCESS_FILES)
 pytestmark = pytest.mark.multiprocess
 
 WORKER = Path(__file__).resolve().parents[1] / "support" / "ddp_worker.py"

@@ -19,7 +19,8 @@ from deadweight.demo.sidecar_process import SidecarProcess
 from tests.conftest import firing_values
 from tests.e2e.test_multirank import _torchrun
 
-# torchrun ranks take both cores: .ci/run runs these files alone, after the rest
+# torchrun ranks take both cores: these files run one after another, never beside each other
+# (tests/support/schedule.py MULTIPROCESS_FILES)
 pytestmark = pytest.mark.multiprocess
 
 FSDP2_CONFIG = {"fsdp": "full_shard", "fsdp_config": {"version": 2}}

@@ -26,7 +26,8 @@ from deadweight.proto import pb
 from tests.support import raw_loop_worker
 from tests.support.faults import metric_value
 
-# torchrun ranks take both cores: .ci/run runs these files alone, after the rest
+# torchrun ranks take both cores: these files run one after another, never beside each other
+# (tests/support/schedule.py MULTIPROCESS_FILES)
 pytestmark = pytest.mark.multiprocess
 
 WORKER = Path(__file__).resolve().parents[1] / "support" / "raw_loop_worker.py"

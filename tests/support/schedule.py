@@ -32,13 +32,13 @@ MULTIPROCESS_FILES = frozenset({
 MULTIPROCESS_UNIT = "multiprocess"
 
 LONGEST_FIRST = (
-    # the fast tiers (unit and contract), run on their own first
+    # the fast tiers (unit and contract), first after the multiprocess unit
     "tests/unit/test_fuzz_registry.py",  # 48: 10,000 fuzzed batches
     "tests/contract/test_alert_rules.py",  # 26: promtool
     "tests/unit/test_stop_agreement.py",  # 8: gloo ranks
     "tests/contract/test_native_wheel.py",  # 5: a wheel built and run
-    # the integration and e2e tiers, after the multiprocess unit (MULTIPROCESS_FILES, always
-    # first: 240 s alone, 430 s beside the other three workers)
+    # the integration and e2e tiers, after the fast ones (the multiprocess unit,
+    # MULTIPROCESS_FILES, always first: 240 s alone, 430 s beside the other three workers)
     "tests/integration/test_console.py",  # 80
     "tests/e2e/test_e2e_short_run.py",  # 73: Alertmanager's group_wait, then the run's expiry
     "tests/e2e/test_ranks.py",  # 52
@@ -59,19 +59,24 @@ LONGEST_FIRST = (
 )
 
 
+#: The tiers that must fail fast: their files start right after the multiprocess unit, before
+#: every integration and e2e file (``.ci/run`` stops the session at their first failure).
+FAST_TIERS = ("tests/unit/", "tests/contract/")
+
+
 def longest_first(items: list[pytest.Item]) -> None:
-    """Reorder items in place: the multiprocess files first, then the files of LONGEST_FIRST
-    in its order, the others after, as collected; the tests of one file keep their order."""
+    """Reorder items in place: the multiprocess files first, then the fast tiers, then the
+    rest; within each, the files of LONGEST_FIRST in its order, the others after, as
+    collected; the tests of one file keep their order."""
     rank = {path: index for index, path in enumerate(LONGEST_FIRST)}
-    rank |= dict.fromkeys(MULTIPROCESS_FILES, -1)
     position = {id(item): index for index, item in enumerate(items)}
 
-    def key(item: pytest.Item) -> tuple[int, int]:
+    def key(item: pytest.Item) -> tuple[int, int, int]:
         path = item.nodeid.split("::", 1)[0]
-        return rank.get(path, len(rank)), position[id(item)]
+        tier = 0 if path in MULTIPROCESS_FILES else 1 if path.startswith(FAST_TIERS) else 2
+        return tier, rank.get(path, len(rank)), position[id(item)]
 
     items.sort(key=key)
-
 
 
 class FileScheduling(LoadFileScheduling):

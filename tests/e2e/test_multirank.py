@@ -3,7 +3,8 @@
 Every rank reports under rank 0's run id to one sidecar; the sidecar keeps per-rank figures
 and one combined figure per step. Under DDP the parameters are replicated, so the combined
 update norm must equal rank 0's (not sqrt(2) times it); for sharded runs (FSDP, ZeRO-3) the
-squares add up. A frozen job is seen frozen on both ranks.
+squares add up. A frozen job is seen frozen on both ranks (it runs after its healthy twin, in
+the same launch).
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSidec
 
 
 def _torchrun(sidecar: InProcessSidecar | SidecarProcess, tiny: tuple[Path, Path], out: Path,
-              mode: str, steps: int = STEPS, overrides: str = "{}") -> list[dict[str, Any]]:
+              mode: str, steps: int = STEPS, overrides: str = "{}", read: bool = True
+              ) -> list[dict[str, Any]]:
     model_dir, adapter_dir = tiny
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "DEADWEIGHT_ADDRESS": sidecar.address, "OMP_NUM_THREADS": "1",
@@ -53,7 +55,33 @@ def _torchrun(sidecar: InProcessSidecar | SidecarProcess, tiny: tuple[Path, Path
            str(WORKER), str(model_dir), str(adapter_dir), str(out), mode, str(steps), overrides]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)] if read else []
+
+
+def _torchrun_runs(sidecar: InProcessSidecar | SidecarProcess, tiny: tuple[Path, Path],
+                   out: Path, runs: list[tuple[str, dict[str, Any]]], steps: int = STEPS
+                   ) -> list[list[dict[str, Any]]]:
+    """Each run's rank reports: (mode, training-argument overrides) runs one after the other
+    in one launch (one import of the trainer stack per rank), each its own run."""
+    _torchrun(sidecar, tiny, out, ",".join(mode for mode, _ in runs), steps,
+              json.dumps([overrides for _, overrides in runs]), read=False)
+    found = [[json.loads((out / f"{i}-{mode}" / f"rank{r}.json").read_text()) for r in (0, 1)]
+             for i, (mode, _) in enumerate(runs)]
+    run_ids = [reports[0]["run_id"] for reports in found]
+    assert len(set(run_ids)) == len(run_ids), f"two runs of one launch shared an id: {run_ids}"
+    return found
+
+
+#: The healthy and the frozen job, run in one launch by whichever of their tests comes first.
+_TWINS: list[list[dict[str, Any]]] = []
+
+
+def _twin(sidecar: InProcessSidecar, tiny: tuple[Path, Path], mode: str,
+          tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    if not _TWINS:
+        _TWINS.extend(_torchrun_runs(sidecar, tiny, tmp_path_factory.mktemp("twins"),
+                                     [("healthy", {}), ("frozen", {})]))
+    return _TWINS[0 if mode == "healthy" else 1]
 
 
 def _run_of(sidecar: InProcessSidecar, reports: list[dict[str, Any]]) -> Any:
@@ -67,8 +95,8 @@ def _run_of(sidecar: InProcessSidecar, reports: list[dict[str, Any]]) -> Any:
 
 @pytest.mark.slow
 def test_ddp_run_per_rank_and_combined(sidecar: InProcessSidecar, tiny: tuple[Path, Path],
-                                       tmp_path: Path) -> None:
-    reports = _torchrun(sidecar, tiny, tmp_path, "healthy")
+                                       tmp_path_factory: pytest.TempPathFactory) -> None:
+    reports = _twin(sidecar, tiny, "healthy", tmp_path_factory)
     assert [r["global_step"] for r in reports] == [STEPS, STEPS]
     assert [r["process_index"] for r in reports] == [0, 1]
     run = _run_of(sidecar, reports)
@@ -98,9 +126,9 @@ def test_ddp_run_per_rank_and_combined(sidecar: InProcessSidecar, tiny: tuple[Pa
 
 @pytest.mark.slow
 def test_frozen_ddp_run_is_caught_on_both_ranks(
-    sidecar: InProcessSidecar, tiny: tuple[Path, Path], tmp_path: Path
+    sidecar: InProcessSidecar, tiny: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    reports = _torchrun(sidecar, tiny, tmp_path, "frozen")
+    reports = _twin(sidecar, tiny, "frozen", tmp_path_factory)
     assert [r["global_step"] for r in reports] == [STEPS, STEPS]  # trained "normally"
     run = _run_of(sidecar, reports)
     for r in (0, 1):

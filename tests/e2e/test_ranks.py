@@ -44,7 +44,7 @@ def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSidec
     process.stop()
 
 
-def _start(sidecar: InProcessSidecar, mode: str, out: Path, steps: int, run_id: str
+def _start(sidecar: InProcessSidecar, mode: str, out: Path, steps: int | str, run_id: str
            ) -> subprocess.Popen[str]:
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "DEADWEIGHT_ADDRESS": sidecar.address, "DEADWEIGHT_RUN_ID": run_id,
@@ -69,6 +69,30 @@ def _run(sidecar: InProcessSidecar, mode: str, out: Path, steps: int
          ) -> tuple[str, list[dict[str, Any]]]:
     run_id = f"ranks-{mode}-{out.name}"
     return run_id, _finish(_start(sidecar, mode, out, steps, run_id), out)
+
+
+#: The two replica faults and the healthy twin: timing plays no part in them, so they run one
+#: after the other in one launch (each its own run), started by whichever test comes first.
+REPLICA_RUNS = {"unwrapped": 6, "init": 6, "healthy": 10}
+_REPLICAS: dict[str, tuple[str, list[dict[str, Any]]]] = {}
+
+
+def _replica_run(sidecar: InProcessSidecar, mode: str,
+                 tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict[str, Any]]]:
+    """(run id, rank reports) of mode's run in the shared launch."""
+    if not _REPLICAS:
+        out = tmp_path_factory.mktemp("replicas")
+        base = f"ranks-{out.name}"
+        job = _start(sidecar, ",".join(REPLICA_RUNS), out,
+                     ",".join(str(n) for n in REPLICA_RUNS.values()), base)
+        _, stderr = job.communicate(timeout=300)
+        assert job.returncode == 0, stderr[-4000:]
+        for name in REPLICA_RUNS:
+            reports = [json.loads((out / name / f"rank{r}.json").read_text()) for r in (0, 1)]
+            assert all(r["dropped"] == 0 for r in reports)
+            assert {r["run_id"] for r in reports} == {f"{base}-{name}"}
+            _REPLICAS[name] = (f"{base}-{name}", reports)
+    return _REPLICAS[mode]
 
 
 def test_stuck_rank_is_named_while_rank_0_waits(sidecar: InProcessSidecar,
@@ -155,8 +179,8 @@ def test_straggler_is_reported(sidecar: InProcessSidecar, tmp_path: Path) -> Non
 
 @pytest.mark.parametrize("mode", ["unwrapped", "init"])
 def test_replicas_apart_are_critical(mode: str, sidecar: InProcessSidecar,
-                                     tmp_path: Path) -> None:
-    run_id, _ = _run(sidecar, mode, tmp_path, 6)
+                                     tmp_path_factory: pytest.TempPathFactory) -> None:
+    run_id, _ = _replica_run(sidecar, mode, tmp_path_factory)
     finding = sidecar.findings(run_id)["replicas_diverged"]
     assert finding.incidents == 1 and finding.severity == "critical"
     assert finding.evidence["rank"] == "1" and finding.evidence["reference_rank"] == "0"
@@ -167,8 +191,9 @@ def test_replicas_apart_are_critical(mode: str, sidecar: InProcessSidecar,
     print(f"replicas_diverged ({mode}): step {finding.step}, {finding.summary}")
 
 
-def test_healthy_ddp_twin_is_silent(sidecar: InProcessSidecar, tmp_path: Path) -> None:
-    run_id, reports = _run(sidecar, "healthy", tmp_path, 10)
+def test_healthy_ddp_twin_is_silent(sidecar: InProcessSidecar,
+                                    tmp_path_factory: pytest.TempPathFactory) -> None:
+    run_id, reports = _replica_run(sidecar, "healthy", tmp_path_factory)
     assert [r["steps"] for r in reports] == [10, 10]
     run = sidecar.seen(run_id)
     for rank in (0, 1):

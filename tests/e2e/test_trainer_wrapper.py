@@ -4,20 +4,21 @@ On CPU, a Trainer config asking for FSDP2 (``fsdp="full_shard"``, ``fsdp_config.
 trains under DDP without a word: accelerate wraps the model in ``DistributedDataParallel``.
 The callback reports the wrapper it finds on the objects next to the one the config asked
 for; the sidecar turns a mismatch into the ``sharding_fallback`` finding (info), visible in
-``deadweight status`` and ``/metrics``. The control is the same job without the FSDP config.
+``deadweight status`` and ``/metrics``. The control is the same job without the FSDP config,
+run after it in the same launch.
 Real ``torchrun --nproc-per-node 2`` jobs (gloo) and a real ``deadweight serve``.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from deadweight.demo.sidecar_process import SidecarProcess
 from tests.conftest import firing_values
-from tests.e2e.test_multirank import _torchrun
+from tests.e2e.test_multirank import _torchrun_runs
 
 # torchrun ranks take both cores: these files run one after another, never beside each other
 # (tests/support/schedule.py MULTIPROCESS_FILES)
@@ -26,14 +27,22 @@ pytestmark = pytest.mark.multiprocess
 FSDP2_CONFIG = {"fsdp": "full_shard", "fsdp_config": {"version": 2}}
 
 
+CONFIGS = {"fsdp2": FSDP2_CONFIG, "none": {}}
+#: Both configs' jobs, run one after the other in one launch by the first test.
+_JOBS: dict[str, list[dict[str, Any]]] = {}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("config", ["fsdp2", "none"])
+@pytest.mark.parametrize("config", CONFIGS)
 def test_fsdp_config_that_fell_back_to_ddp_is_visible(
-    config: str, sidecar: SidecarProcess, tiny: tuple[Path, Path], tmp_path: Path
+    config: str, sidecar: SidecarProcess, tiny: tuple[Path, Path],
+    tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    out = tmp_path / "job"
-    overrides = FSDP2_CONFIG if config == "fsdp2" else {}
-    reports = _torchrun(sidecar, tiny, out, "healthy", 2, json.dumps(overrides))
+    if not _JOBS:
+        runs = _torchrun_runs(sidecar, tiny, tmp_path_factory.mktemp("configs"),
+                              [("healthy", overrides) for overrides in CONFIGS.values()], 2)
+        _JOBS.update(zip(CONFIGS, runs, strict=True))
+    reports = _JOBS[config]
     assert {(r["wrapper"], r["sharded"]) for r in reports} == {("ddp", False)}
     run_id = reports[0]["run_id"]
     run = sidecar.run_status(run_id)

@@ -1,16 +1,17 @@
 """One rank of a real DDP job (``torchrun --nproc-per-node 2``, gloo on CPU) with the callback.
 
-Usage: ``torchrun --nproc-per-node 2 tests/support/ddp_worker.py MODEL_DIR ADAPTER_DIR OUT_DIR MODE
-[STEPS [OVERRIDES_JSON]]`` with ``DEADWEIGHT_ADDRESS`` set; MODE is ``healthy`` (adapter loaded
-trainable) or ``frozen``: the optimizer holds none of the adapter's tensors (built by hand on
-the frozen base weights and handed to the trainer), so gradients reach the adapter on every rank
-and nothing moves; or ``stall``: healthy, but after step ``STALL_AFTER`` rank 1's data loading
-hangs (its collator waits) until the file OUT_DIR/release appears, while rank 0 waits for it in
-a collective (the trainer's token-count gather before the next step). (The pure F1 mistake, an
-adapter loaded without ``is_trainable``, is not silent under DDP: PyTorch refuses to wrap a
-model with nothing to train.) No run id is given: every rank must report under rank 0's id.
-Each rank writes ``rank<N>.json`` with its own figures so the test can compare them with what
-the sidecar shows.
+Usage: ``torchrun --nproc-per-node 2 tests/support/ddp_worker.py MODEL_DIR ADAPTER_DIR OUT_DIR MODES
+[STEPS [OVERRIDES_JSON]]`` with ``DEADWEIGHT_ADDRESS`` set; MODES is one mode or several,
+comma-separated, run one after the other in one launch (``main``). A mode is ``healthy``
+(adapter loaded trainable) or ``frozen``: the optimizer holds none of the adapter's tensors
+(built by hand on the frozen base weights and handed to the trainer), so gradients reach the
+adapter on every rank and nothing moves; or ``stall``: healthy, but after step ``STALL_AFTER``
+rank 1's data loading hangs (its collator waits) until the file OUT_DIR/release appears, while
+rank 0 waits for it in a collective (the trainer's token-count gather before the next step).
+(The pure F1 mistake, an adapter loaded without ``is_trainable``, is not silent under DDP:
+PyTorch refuses to wrap a model with nothing to train.) No run id is given: every rank must
+report under rank 0's id. Each rank writes ``rank<N>.json`` with its own figures so the test
+can compare them with what the sidecar shows.
 """
 
 from __future__ import annotations
@@ -46,11 +47,27 @@ def _stuck_collator(trainer: object, out: Path) -> object:
     return collator
 
 
-def main(model_dir: Path, adapter_dir: Path, out: Path, mode: str, steps: int = STEPS,
-         overrides: dict[str, object] | None = None) -> int:
+def main(model_dir: Path, adapter_dir: Path, out: Path, modes: str, steps: int = STEPS,
+         overrides: dict[str, object] | list[dict[str, object]] | None = None) -> int:
+    """One run per mode of the comma-separated MODES, one after the other in this process
+    (one import of the trainer stack); with several, run i writes to ``OUT/<i>-<mode>/`` and
+    OVERRIDES may be a list, one per run."""
     import torch
 
     torch.set_num_threads(1)
+    names = modes.split(",")
+    per_run = overrides if isinstance(overrides, list) else [overrides or {}] * len(names)
+    for index, (mode, extra) in enumerate(zip(names, per_run, strict=True)):
+        run(model_dir, adapter_dir, out / f"{index}-{mode}" if len(names) > 1 else out, mode,
+            steps, extra)
+    return 0
+
+
+def run(model_dir: Path, adapter_dir: Path, out: Path, mode: str, steps: int,
+        overrides: dict[str, object]) -> None:
+    """One Trainer run with the callback; writes this rank's report to out."""
+    import torch
+
     from deadweight.callbacks import DeadweightCallback
     from deadweight.callbacks.stream_client import ClientSettings
     from deadweight.demo import runs
@@ -59,7 +76,7 @@ def main(model_dir: Path, adapter_dir: Path, out: Path, mode: str, steps: int = 
     callback = DeadweightCallback(settings=ClientSettings(heartbeat_seconds=0.5),
                                   start_timeout_seconds=5.0)
     trainer = runs.sft_trainer(model, model_dir, out / "train", [callback], steps=steps,
-                               save_steps=100, ddp_backend="gloo", **(overrides or {}))
+                               save_steps=100, ddp_backend="gloo", **overrides)
     if mode == "stall" and int(os.environ["RANK"]) == 1:
         trainer.data_collator = _stuck_collator(trainer, out)
     if mode == "frozen":
@@ -81,13 +98,13 @@ def main(model_dir: Path, adapter_dir: Path, out: Path, mode: str, steps: int = 
         "wrapper": callback._run.layout.wrapper if callback._run.layout else "",
         "sharded": callback._run.layout.sharded if callback._run.layout else False,
     }
+    out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps(report))
-    return 0
 
 
 if __name__ == "__main__":
     model_dir, adapter_dir, out, mode = sys.argv[1:5]
     steps = int(sys.argv[5]) if len(sys.argv) > 5 else STEPS
-    # Optional: training-argument overrides as JSON (e.g. an FSDP config).
+    # Optional: training-argument overrides as JSON (e.g. an FSDP config), or a list of them.
     overrides = json.loads(sys.argv[6]) if len(sys.argv) > 6 else None
     sys.exit(main(Path(model_dir), Path(adapter_dir), Path(out), mode, steps, overrides))

@@ -1,8 +1,9 @@
 """One rank of a 2-rank raw PyTorch loop (``torchrun --nproc-per-node 2``, gloo on CPU) with
 ``deadweight.watch``, for the per-rank detectors.
 
-Usage: ``torchrun --nproc-per-node 2 tests/support/rank_worker.py MODE OUT_DIR STEPS`` with
-``DEADWEIGHT_ADDRESS`` set. MODE:
+Usage: ``torchrun --nproc-per-node 2 tests/support/rank_worker.py MODES OUT_DIR STEPS`` with
+``DEADWEIGHT_ADDRESS`` set; MODES is one mode or several, comma-separated, run one after the
+other in one launch (STEPS then lists each one's steps). A mode:
 
 - ``healthy``: DDP, every rank at full speed (the twin of the three below).
 - ``stall``: DDP; after optimizer step ``STALL_AFTER`` rank 1 stays in its own loop (as a
@@ -59,15 +60,34 @@ def _acknowledged(monitor: Any) -> None:
         time.sleep(0.005)  # poll interval of the condition wait
 
 
-def main(mode: str, out: Path, steps: int) -> int:
+def main(modes: str, out: Path, steps: str) -> int:
+    """Run each mode of the comma-separated MODES for its number of STEPS, one after the other
+    in this process group; with several, each run's id is ``$DEADWEIGHT_RUN_ID-<mode>`` and
+    its report goes to ``OUT/<mode>/``."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    runs = list(zip(modes.split(","), (int(n) for n in steps.split(",")), strict=True))
+    base = os.environ.get("DEADWEIGHT_RUN_ID", "")
+    for mode, count in runs:
+        if len(runs) > 1:
+            os.environ["DEADWEIGHT_RUN_ID"] = f"{base}-{mode}"
+        (out / mode if len(runs) > 1 else out).mkdir(parents=True, exist_ok=True)
+        run(mode, out / mode if len(runs) > 1 else out, count)
+    dist.destroy_process_group()
+    return 0
+
+
+def run(mode: str, out: Path, steps: int) -> None:
+    """One monitored run of the loop in one mode; writes this rank's report to out."""
     import torch
     import torch.distributed as dist
 
     import deadweight
     from deadweight.callbacks.stream_client import ClientSettings
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(100 + rank)  # each rank its own shard of the data
     batches = [(torch.randn(4, 8), torch.randn(4, 4)) for _ in range(steps)]
@@ -99,9 +119,7 @@ def main(mode: str, out: Path, steps: int) -> int:
                   "step_times": step_times,
                   "dropped": monitor.client.dropped if monitor.client else -1}
     (out / f"rank{rank}.json").write_text(json.dumps(report))
-    dist.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])))
+    sys.exit(main(sys.argv[1], Path(sys.argv[2]), sys.argv[3]))

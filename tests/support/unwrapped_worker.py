@@ -1,12 +1,14 @@
 """One rank of a 2-rank gloo loop under ``deadweight.watch``: wrapped in DDP or not.
 
-``python -m torch.distributed.run --nproc-per-node 2 unwrapped_worker.py MODE`` with MODE
-``unwrapped`` (each rank trains its own copy, never wrapped: the replicas drift) or ``ddp``.
-DEADWEIGHT_ADDRESS and DEADWEIGHT_RUN_ID come from the test.
+``python -m torch.distributed.run --nproc-per-node 2 unwrapped_worker.py MODES`` with MODES
+one or more (comma-separated, run in turn) of ``unwrapped`` (each rank trains its own copy,
+never wrapped: the replicas drift) and ``ddp``. DEADWEIGHT_ADDRESS and DEADWEIGHT_RUN_ID (each
+run's id is ``$DEADWEIGHT_RUN_ID-<mode>``) come from the test.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -16,8 +18,18 @@ import deadweight
 from tests.support import loops
 
 
-def main(mode: str) -> None:
+def main(modes: str) -> None:
+    """Each mode of the comma-separated MODES in turn, in one process group; each run's id is
+    ``$DEADWEIGHT_RUN_ID-<mode>``."""
     dist.init_process_group("gloo")
+    base = os.environ["DEADWEIGHT_RUN_ID"]
+    for mode in modes.split(","):
+        os.environ["DEADWEIGHT_RUN_ID"] = f"{base}-{mode}"
+        run(mode)
+    dist.destroy_process_group()
+
+
+def run(mode: str) -> None:
     model: torch.nn.Module = loops.model()
     if mode == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
@@ -28,7 +40,6 @@ def main(mode: str) -> None:
             optimizer.step()
             optimizer.zero_grad()
             monitor.log(i, loss=0.0)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from deadweight.demo.sidecar_process import SidecarProcess
 from deadweight.proto import pb
 from deadweight.sidecar.registry import Registry
 from deadweight.sidecar.store.journal import Store
-from tests.support import raw_loop_worker
+from tests.support import raw_loop_worker, zygote
 from tests.support.enforcement_support import enforcement_outcome, journal, kill_sidecar
 from tests.support.realprocs import wait_for
 from tests.unit.test_registry import _send, _start
@@ -45,9 +45,9 @@ def _train(tiny: tuple[Path, Path], out: Path, mode: str, address: str, run_id: 
            steps: int = 8) -> tuple[list[str], dict[str, Any]]:
     """(the console's lines, the worker's report) of one real SFT run in a subprocess."""
     model_dir, adapter_dir = tiny
-    done = subprocess.run(
-        [sys.executable, str(WORKER), str(model_dir), str(adapter_dir), str(out), mode, address,
-         run_id, str(steps)], capture_output=True, text=True, timeout=300)
+    done = zygote.shared().run(  # a job of its own, forked with the training stack imported
+        [str(WORKER), str(model_dir), str(adapter_dir), str(out), mode, address, run_id,
+         str(steps)], timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     return done.stderr.splitlines(), json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -9,7 +9,9 @@ from pathlib import Path
 
 from deadweight.demo.sidecar_process import SidecarProcess
 from deadweight.sidecar.store.journal import Store
+from tests.support import zygote
 from tests.support.realprocs import wait_for
+from tests.support.zygote import ForkedJob
 
 TESTS = Path(__file__).resolve().parent
 
@@ -27,21 +29,23 @@ def kill_sidecar(folder: Path, state: Path, stop_grace: float, kill_grace: float
 
 def start_job(tiny: tuple[Path, Path], folder: Path, address: str, run_id: str, mode: str,
               prefix: list[str] | None = None, env: dict[str, str] | None = None,
-              **options: object) -> subprocess.Popen[bytes]:
-    """tests/support/enforcement_job.py as a child process; its output goes to folder/<run_id>.log.
-
-    prefix runs it under another command (``setpriv`` for another uid); env replaces the
-    environment."""
+              **options: object) -> subprocess.Popen[bytes] | ForkedJob:
+    """tests/support/enforcement_job.py as a process of its own; its output goes to
+    folder/<run_id>.log. Forked from this worker's zygote (the training stack imported once),
+    or, with prefix, exec'd under another command (``setpriv`` for another uid); env replaces
+    the environment."""
     model_dir, adapter_dir = tiny
     folder.mkdir(parents=True, exist_ok=True)
-    argv = [*(prefix or []), sys.executable, str(TESTS / "enforcement_job.py"), "--address",
-            address,
+    argv = [str(TESTS / "enforcement_job.py"), "--address", address,
             "--run-id", run_id, "--model-dir", str(model_dir), "--adapter-dir",
             str(adapter_dir), "--out", str(folder / run_id), "--mode", mode]
     for key, value in options.items():
         argv += [f"--{key.replace('_', '-')}", str(value)]
-    log = (folder / f"{run_id}.log").open("wb")
-    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+    with (folder / f"{run_id}.log").open("wb") as log:
+        if prefix:
+            return subprocess.Popen([*prefix, sys.executable, *argv], stdout=log,
+                                    stderr=subprocess.STDOUT, env=env)
+        return zygote.shared().popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
 def start_raw_client(socket_path: Path, run_id: str, log_path: Path, attest: bool,
@@ -71,14 +75,14 @@ def enforcement_outcome(store: Store, run_id: str) -> str:
     return found[0] if found else ""
 
 
-def stop_all(*processes: subprocess.Popen[bytes]) -> None:
+def stop_all(*processes: subprocess.Popen[bytes] | ForkedJob) -> None:
     for process in processes:
         if process.poll() is None:
             process.kill()
             process.wait(10)
 
 
-def assert_never_signalled(process: subprocess.Popen[bytes]) -> None:
+def assert_never_signalled(process: subprocess.Popen[bytes] | ForkedJob) -> None:
     """No signal reached process before now: end it with SIGUSR1 and read its cause of death.
 
     A SIGTERM or SIGKILL sent earlier is the cause whenever it lands, even if the process was

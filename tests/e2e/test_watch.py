@@ -36,32 +36,42 @@ DISTRIBUTED = ("ddp", "fsdp2", "fsdp1-orig", "fsdp1-flat", "deepspeed", "deepspe
                "deepspeed-bf16", "deepspeed3-bf16", "deepspeed0-bf16", "deepspeed-bf16-nomaster")
 
 
-def _run_loop(sidecar: SidecarProcess, loop: str, modes: tuple[str, ...],
-              out: Path) -> dict[str, list[dict[str, Any]]]:
-    """Each mode's rank reports, all modes run one after the other in one launch."""
+def _run_loops(sidecar: SidecarProcess, loops: tuple[str, ...], modes: tuple[str, ...],
+               out: Path) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    """Each (loop, mode)'s rank reports, every run one after the other in one launch (several
+    loops: DeepSpeed's only)."""
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "DEADWEIGHT_ADDRESS": sidecar.address, "OMP_NUM_THREADS": "1",
            "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(WORKER.parents[2]),
            "DEADWEIGHT_TEST_METRICS": f"http://127.0.0.1:{sidecar.metrics_port}/metrics"}
     env.pop("DEADWEIGHT_RUN_ID", None)
-    ranks = 2 if loop in DISTRIBUTED else 1
+    ranks = 2 if loops[0] in DISTRIBUTED else 1
     if ranks == 2:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
     else:
         cmd = [sys.executable]
-    done = subprocess.run([*cmd, str(WORKER), loop, ",".join(modes), str(out)], env=env,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run([*cmd, str(WORKER), ",".join(loops), ",".join(modes), str(out)],
+                          env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     found = {}
-    for mode in modes:
-        reports = [json.loads((out / mode / f"rank{r}.json").read_text()) for r in range(ranks)]
-        assert len({r["run_id"] for r in reports}) == 1, "ranks reported under different ids"
-        assert all(r["steps"] == STEPS and r["dropped"] == 0 for r in reports)
-        found[mode] = reports
+    for loop in loops:
+        for mode in modes:
+            folder = out / loop / mode if len(loops) > 1 else out / mode
+            reports = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(ranks)]
+            assert len({r["run_id"] for r in reports}) == 1, "ranks reported under different ids"
+            assert all(r["steps"] == STEPS and r["dropped"] == 0 for r in reports)
+            found[loop, mode] = reports
     run_ids = [reports[0]["run_id"] for reports in found.values()]
     assert len(set(run_ids)) == len(run_ids), "two runs of one launch shared a run id"
     return found
+
+
+def _run_loop(sidecar: SidecarProcess, loop: str, modes: tuple[str, ...],
+              out: Path) -> dict[str, list[dict[str, Any]]]:
+    """Each mode's rank reports, all modes run one after the other in one launch."""
+    return {mode: reports for (_, mode), reports in
+            _run_loops(sidecar, (loop,), modes, out).items()}
 
 
 #: Each loop's healthy and frozen runs, run in one launch by whichever of its two tests comes
@@ -163,10 +173,25 @@ def test_fsdp1_loop(flavour: str, mode: str, sidecar: SidecarProcess,
     _check(sidecar, f"fsdp1-{flavour}", mode, reports)
 
 
+#: The DeepSpeed loops judged by the session's sidecar, run in turn in one launch (a launch
+#: of two DeepSpeed ranks costs far more than its loops) by whichever test comes first.
+DEEPSPEED_LOOPS = ("deepspeed", "deepspeed3", "deepspeed-bf16-nomaster")
+_DEEPSPEED: dict[str, list[dict[str, Any]]] = {}
+
+
+def _deepspeed_run(sidecar: SidecarProcess, loop: str,
+                   tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    if not _DEEPSPEED:
+        runs = _run_loops(sidecar, DEEPSPEED_LOOPS, ("healthy",),
+                          tmp_path_factory.mktemp("deepspeed"))
+        _DEEPSPEED.update({name: reports for (name, _), reports in runs.items()})
+    return _DEEPSPEED[loop]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
-def test_deepspeed_loop_is_not_an_empty_optimizer(stage: int, sidecar: SidecarProcess,
-                                                  tmp_path: Path) -> None:
+def test_deepspeed_loop_is_not_an_empty_optimizer(
+        stage: int, sidecar: SidecarProcess, tmp_path_factory: pytest.TempPathFactory) -> None:
     """ZeRO-2/3 on CPU with gloo: the optimizer holds flat fp32 partitions, so identity alone
     would report an empty optimizer (a false page on every run); the engine's own map
     (``bit16_groups``, ZeRO-3 ``fp16_groups``) says which model parameters it trains. Under
@@ -174,8 +199,8 @@ def test_deepspeed_loop_is_not_an_empty_optimizer(stage: int, sidecar: SidecarPr
     placeholder) and the run is sharded. Healthy only: the frozen setups tried (no trainable
     parameter at initialize, a module swapped after it) make DeepSpeed fail loudly, so there
     is no silent failure to catch."""
-    reports = _run_loop(sidecar, "deepspeed" if stage == 2 else "deepspeed3", ("healthy",),
-                        tmp_path)["healthy"]
+    reports = _deepspeed_run(sidecar, "deepspeed" if stage == 2 else "deepspeed3",
+                             tmp_path_factory)
     assert {(r["wrapper"], r["layout"], r["sharded"]) for r in reports} == {
         ("deepspeed", "engine", stage == 3)}
     trained = 32 * 4 + 4 + 1  # head and scale, counted by identity on the model
@@ -212,9 +237,34 @@ def _module_unchanged(state: Path, run_id: str) -> list[dict[str, float]]:
     return shares
 
 
+#: The bf16 loops with fp32 masters, by ZeRO stage: run in turn in one launch against a
+#: sidecar that keeps a state database, read once the sidecar stopped.
+BF16_LOOPS = {0: "deepspeed0-bf16", 2: "deepspeed-bf16", 3: "deepspeed3-bf16"}
+_BF16: dict[int, tuple[list[dict[str, Any]], dict[str, pb.Finding], list[dict[str, float]]]] = {}
+
+
+def _bf16_run(stage: int, tmp_path_factory: pytest.TempPathFactory
+              ) -> tuple[list[dict[str, Any]], dict[str, pb.Finding], list[dict[str, float]]]:
+    """(rank reports, findings, per-step unchanged shares by module kind) of stage's run."""
+    if not _BF16:
+        folder = tmp_path_factory.mktemp("bf16")
+        state = folder / "state"
+        with SidecarProcess(folder / "sidecar",
+                            extra_args=["--state-dir", str(state)]) as sidecar:
+            runs = _run_loops(sidecar, tuple(BF16_LOOPS.values()), ("healthy",), folder / "run")
+            found = {loop: (reports, _findings(sidecar, reports[0]["run_id"], 2,
+                                               wrapper="deepspeed"))
+                     for (loop, _), reports in runs.items()}
+        for each, loop in BF16_LOOPS.items():
+            reports, findings = found[loop]
+            _BF16[each] = (reports, findings, _module_unchanged(state, reports[0]["run_id"]))
+    return _BF16[stage]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [0, 2, 3])
-def test_deepspeed_bf16_master_weights_are_not_low_precision(stage: int, tmp_path: Path) -> None:
+@pytest.mark.parametrize("stage", BF16_LOOPS)
+def test_deepspeed_bf16_master_weights_are_not_low_precision(
+        stage: int, tmp_path_factory: pytest.TempPathFactory) -> None:
     """DeepSpeed with bf16 on CPU (no ZeRO, ZeRO-2, ZeRO-3): the engine casts the model to
     bf16 and the optimizer steps fp32 copies (master weights; flat partitions under ZeRO). At
     lr 1e-4 most elements of the bf16 model copy keep their value in any one step (the step is
@@ -223,16 +273,11 @@ def test_deepspeed_bf16_master_weights_are_not_low_precision(stage: int, tmp_pat
     ``low_precision_update`` paged this run (at every stage); counted on the tensors the
     optimizer really steps it is fp32, and the run stays silent although the condition the
     detector looks for is there."""
-    state = tmp_path / "state"
-    with SidecarProcess(tmp_path / "sidecar", extra_args=["--state-dir", str(state)]) as sidecar:
-        loop = "deepspeed-bf16" if stage == 2 else f"deepspeed{stage}-bf16"
-        reports = _run_loop(sidecar, loop, ("healthy",), tmp_path / "run")["healthy"]
-        run_id = reports[0]["run_id"]
-        findings = _findings(sidecar, run_id, 2, wrapper="deepspeed")
-        live = reports[0]["live_firing"]
-        assert "low_precision_update" in live
-        fired = [d for d, value in live.items() if value]  # what fired live
-        assert fired == [], {k: (f.summary, dict(f.evidence)) for k, f in findings.items()}
+    reports, findings, shares = _bf16_run(stage, tmp_path_factory)
+    live = reports[0]["live_firing"]
+    assert "low_precision_update" in live
+    fired = [d for d, value in live.items() if value]  # what fired live
+    assert fired == [], {k: (f.summary, dict(f.evidence)) for k, f in findings.items()}
     assert findings == {}, {k: f.summary for k, f in findings.items()}
     for report in reports:
         assert report["layout"] == "engine" and report["model_dtype"] == "bfloat16"
@@ -249,7 +294,6 @@ def test_deepspeed_bf16_master_weights_are_not_low_precision(stage: int, tmp_pat
             assert dtypes["float32"] == 133
         else:
             assert 133 / 2 <= dtypes["float32"] <= 70, dtypes
-    shares = _module_unchanged(state, run_id)
     assert len(shares) == STEPS
     # The exempted condition is there: the bf16 head kept 70-89% of its elements in every
     # step when measured (the threshold is 25%), the one-element bf16 scale 100%.
@@ -258,12 +302,12 @@ def test_deepspeed_bf16_master_weights_are_not_low_precision(stage: int, tmp_pat
 
 @pytest.mark.slow
 def test_deepspeed_bf16_without_master_weights_is_low_precision(
-    sidecar: SidecarProcess, tmp_path: Path
+    sidecar: SidecarProcess, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """The failing twin: the same ZeRO-2 bf16 run with DeepSpeed's
     ``bf16_master_weights_and_grads`` and ``bf16_optimizer_states`` steps bf16 partitions, so
     no copy keeps the updates below half a bf16 ULP and most of the head never moves."""
-    reports = _run_loop(sidecar, "deepspeed-bf16-nomaster", ("healthy",), tmp_path)["healthy"]
+    reports = _deepspeed_run(sidecar, "deepspeed-bf16-nomaster", tmp_path_factory)
     for report in reports:
         assert report["layout"] == "engine" and report["master_dtypes"] == ["bfloat16"]
         assert report["optimizer_params_by_dtype"].keys() == {"bfloat16"}

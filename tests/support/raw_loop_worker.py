@@ -1,7 +1,8 @@
 """One rank of a raw PyTorch training loop monitored with ``deadweight.watch``.
 
-Usage: ``[torchrun --nproc-per-node 2] tests/support/raw_loop_worker.py LOOP MODES OUT_DIR`` with
-``DEADWEIGHT_ADDRESS`` set. LOOP is ``single``, ``ddp``, ``fsdp2``, ``fsdp1-orig``,
+Usage: ``[torchrun --nproc-per-node 2] tests/support/raw_loop_worker.py LOOPS MODES OUT_DIR`` with
+``DEADWEIGHT_ADDRESS`` set. LOOPS is one loop (or several DeepSpeed ones, comma-separated, run
+in turn). A loop is ``single``, ``ddp``, ``fsdp2``, ``fsdp1-orig``,
 ``fsdp1-flat``, ``accelerate``, ``deepspeed`` (ZeRO-2), ``deepspeed3``, or ``deepspeed-bf16``,
 ``deepspeed3-bf16``, ``deepspeed0-bf16`` (ZeRO-2, ZeRO-3, no ZeRO, with bf16 model weights and
 fp32 master copies, at a small lr), ``deepspeed-bf16-nomaster`` (the same ZeRO-2 run with
@@ -135,20 +136,28 @@ def _masters(optimizer: Any) -> list[Any]:
     raise AttributeError(f"no master copies found on {type(optimizer).__name__}")
 
 
-def main(loop: str, modes: str, out: Path) -> int:
-    """Run the loop once per mode of the comma-separated MODES, one after the other in this
-    process (one process group, one import of torch), each its own run under ``deadweight.watch``;
-    each mode's reports go to ``OUT/<mode>/rank<N>.json``."""
+def main(loops: str, modes: str, out: Path) -> int:
+    """Run each loop of the comma-separated LOOPS once per mode of MODES, one after the other
+    in this process (one process group, one import of torch), each its own run under
+    ``deadweight.watch``; a run's reports go to ``OUT/<mode>/rank<N>.json``, or
+    ``OUT/<loop>/<mode>/`` when LOOPS names several (DeepSpeed loops only: they share the
+    engine's process group)."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    names = loops.split(",")
+    loop = names[0]
+    if len(names) > 1 and not all(name.startswith("deepspeed") for name in names):
+        raise SystemExit(f"several loops share a launch only when all are DeepSpeed's: {loops}")
     distributed = "WORLD_SIZE" in os.environ and loop not in ("single", "accelerate")
     if distributed and not loop.startswith("deepspeed"):
         dist.init_process_group("gloo")
-    for mode in modes.split(","):
-        (out / mode).mkdir(parents=True, exist_ok=True)
-        run(loop, mode, out / mode)
+    for name in names:
+        for mode in modes.split(","):
+            folder = out / name / mode if len(names) > 1 else out / mode
+            folder.mkdir(parents=True, exist_ok=True)
+            run(name, mode, folder)
     if distributed and dist.is_initialized():
         dist.destroy_process_group()
     return 0

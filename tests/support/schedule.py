@@ -21,7 +21,8 @@ from xdist.scheduler import LoadFileScheduling
 #: The files marked ``multiprocess`` (each with a module-level ``pytestmark``): one work unit
 #: under ``--dist loadfile``. The xdist controller sees node ids only, not marks, so the list
 #: is kept here; ``check_multiprocess_marks`` fails a session where the two disagree. The
-#: unit is the longest (seconds alone: 133, 40, 23, 18, 14), so it goes first.
+#: unit is the longest (seconds alone, before its launches were shared: 133, 40, 23, 18, 14;
+#: test_watch now 56), so it goes first.
 MULTIPROCESS_FILES = frozenset({
     "tests/e2e/test_watch.py",  # torchrun, DeepSpeed, FSDP
     "tests/e2e/test_multirank.py",

@@ -16,6 +16,7 @@ keep ``subprocess``.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import runpy
@@ -40,6 +41,12 @@ def _preload() -> None:
     for name in PRELOAD:
         importlib.import_module(name)
     from trl import GRPOTrainer, SFTTrainer  # noqa: F401  (lazy modules, imported now)
+
+
+def _tell(conn: socket.socket, number: int) -> None:
+    """One line to a requester; one that went away (its test ended) is no error here."""
+    with contextlib.suppress(OSError):
+        conn.sendall(f"{number}\n".encode())
 
 
 def _serve(path: str) -> tuple[dict[str, Any], list[int]] | None:
@@ -89,8 +96,8 @@ def _serve(path: str) -> tuple[dict[str, Any], list[int]] | None:
                     return json.loads(message), fds
                 for fd in fds:
                     os.close(fd)
-                conn.sendall(f"{pid}\n".encode())
                 children[pid] = conn
+                _tell(conn, pid)
             else:
                 os.read(wake_r, 4096)
                 while children:
@@ -98,7 +105,7 @@ def _serve(path: str) -> tuple[dict[str, Any], list[int]] | None:
                     if pid == 0:
                         break
                     done = children.pop(pid)
-                    done.sendall(f"{status}\n".encode())
+                    _tell(done, status)
                     done.close()
 
 

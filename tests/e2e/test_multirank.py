@@ -72,16 +72,13 @@ def _torchrun_runs(sidecar: InProcessSidecar | SidecarProcess, tiny: tuple[Path,
     return found
 
 
-#: The healthy and the frozen job, run in one launch by whichever of their tests comes first.
-_TWINS: list[list[dict[str, Any]]] = []
-
-
-def _twin(sidecar: InProcessSidecar, tiny: tuple[Path, Path], mode: str,
-          tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    if not _TWINS:
-        _TWINS.extend(_torchrun_runs(sidecar, tiny, tmp_path_factory.mktemp("twins"),
-                                     [("healthy", {}), ("frozen", {})]))
-    return _TWINS[0 if mode == "healthy" else 1]
+@pytest.fixture(scope="module")
+def twins(sidecar: InProcessSidecar, tiny: tuple[Path, Path],
+          tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    """The healthy and the frozen job's rank reports, the two run in one launch."""
+    healthy, frozen = _torchrun_runs(sidecar, tiny, tmp_path_factory.mktemp("twins"),
+                                     [("healthy", {}), ("frozen", {})])
+    return {"healthy": healthy, "frozen": frozen}
 
 
 def _run_of(sidecar: InProcessSidecar, reports: list[dict[str, Any]]) -> Any:
@@ -94,9 +91,9 @@ def _run_of(sidecar: InProcessSidecar, reports: list[dict[str, Any]]) -> Any:
 
 
 @pytest.mark.slow
-def test_ddp_run_per_rank_and_combined(sidecar: InProcessSidecar, tiny: tuple[Path, Path],
-                                       tmp_path_factory: pytest.TempPathFactory) -> None:
-    reports = _twin(sidecar, tiny, "healthy", tmp_path_factory)
+def test_ddp_run_per_rank_and_combined(sidecar: InProcessSidecar,
+                                       twins: dict[str, list[dict[str, Any]]]) -> None:
+    reports = twins["healthy"]
     assert [r["global_step"] for r in reports] == [STEPS, STEPS]
     assert [r["process_index"] for r in reports] == [0, 1]
     run = _run_of(sidecar, reports)
@@ -126,9 +123,9 @@ def test_ddp_run_per_rank_and_combined(sidecar: InProcessSidecar, tiny: tuple[Pa
 
 @pytest.mark.slow
 def test_frozen_ddp_run_is_caught_on_both_ranks(
-    sidecar: InProcessSidecar, tiny: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+    sidecar: InProcessSidecar, twins: dict[str, list[dict[str, Any]]]
 ) -> None:
-    reports = _twin(sidecar, tiny, "frozen", tmp_path_factory)
+    reports = twins["frozen"]
     assert [r["global_step"] for r in reports] == [STEPS, STEPS]  # trained "normally"
     run = _run_of(sidecar, reports)
     for r in (0, 1):

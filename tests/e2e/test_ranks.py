@@ -57,12 +57,21 @@ def _start(sidecar: InProcessSidecar, mode: str, out: Path, steps: int | str, ru
                             text=True)
 
 
-def _finish(job: subprocess.Popen[str], out: Path) -> list[dict[str, Any]]:
-    _, stderr = job.communicate(timeout=300)
-    assert job.returncode == 0, stderr[-4000:]
+def _reports(out: Path) -> list[dict[str, Any]]:
+    """Both ranks' reports of one run, which lost no event."""
     reports = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert all(r["dropped"] == 0 for r in reports)
     return reports
+
+
+def _wait(job: subprocess.Popen[str]) -> None:
+    _, stderr = job.communicate(timeout=300)
+    assert job.returncode == 0, stderr[-4000:]
+
+
+def _finish(job: subprocess.Popen[str], out: Path) -> list[dict[str, Any]]:
+    _wait(job)
+    return _reports(out)
 
 
 def _run(sidecar: InProcessSidecar, mode: str, out: Path, steps: int
@@ -72,27 +81,23 @@ def _run(sidecar: InProcessSidecar, mode: str, out: Path, steps: int
 
 
 #: The two replica faults and the healthy twin: timing plays no part in them, so they run one
-#: after the other in one launch (each its own run), started by whichever test comes first.
+#: after the other in one launch, each its own run.
 REPLICA_RUNS = {"unwrapped": 6, "init": 6, "healthy": 10}
-_REPLICAS: dict[str, tuple[str, list[dict[str, Any]]]] = {}
 
 
-def _replica_run(sidecar: InProcessSidecar, mode: str,
-                 tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict[str, Any]]]:
-    """(run id, rank reports) of mode's run in the shared launch."""
-    if not _REPLICAS:
-        out = tmp_path_factory.mktemp("replicas")
-        base = f"ranks-{out.name}"
-        job = _start(sidecar, ",".join(REPLICA_RUNS), out,
-                     ",".join(str(n) for n in REPLICA_RUNS.values()), base)
-        _, stderr = job.communicate(timeout=300)
-        assert job.returncode == 0, stderr[-4000:]
-        for name in REPLICA_RUNS:
-            reports = [json.loads((out / name / f"rank{r}.json").read_text()) for r in (0, 1)]
-            assert all(r["dropped"] == 0 for r in reports)
-            assert {r["run_id"] for r in reports} == {f"{base}-{name}"}
-            _REPLICAS[name] = (f"{base}-{name}", reports)
-    return _REPLICAS[mode]
+@pytest.fixture(scope="module")
+def replica_runs(sidecar: InProcessSidecar, tmp_path_factory: pytest.TempPathFactory
+                 ) -> dict[str, tuple[str, list[dict[str, Any]]]]:
+    """Per mode of REPLICA_RUNS: (run id, rank reports)."""
+    out = tmp_path_factory.mktemp("replicas")
+    base = f"ranks-{out.name}"
+    job = _start(sidecar, ",".join(REPLICA_RUNS), out,
+                 ",".join(str(n) for n in REPLICA_RUNS.values()), base)
+    _wait(job)
+    found = {mode: (f"{base}-{mode}", _reports(out / mode)) for mode in REPLICA_RUNS}
+    for run_id, reports in found.values():
+        assert {r["run_id"] for r in reports} == {run_id}
+    return found
 
 
 def test_stuck_rank_is_named_while_rank_0_waits(sidecar: InProcessSidecar,
@@ -153,8 +158,7 @@ def test_stuck_rank_is_named_under_the_trainer(sidecar: InProcessSidecar,
         assert run.ranks[0].step == run.ranks[1].step == ddp_worker.STALL_AFTER
     finally:
         (tmp_path / "release").touch()
-    _, stderr = job.communicate(timeout=300)
-    assert job.returncode == 0, stderr[-4000:]
+    _wait(job)
     assert finding.evidence["rank"] == "1" and finding.evidence["waiting_ranks"] == "0"
     assert finding.evidence["last_step"] == str(ddp_worker.STALL_AFTER)
     # Rank 0 waits in the trainer's token-count gather, before step 3 begins: the training
@@ -178,9 +182,10 @@ def test_straggler_is_reported(sidecar: InProcessSidecar, tmp_path: Path) -> Non
 
 
 @pytest.mark.parametrize("mode", ["unwrapped", "init"])
-def test_replicas_apart_are_critical(mode: str, sidecar: InProcessSidecar,
-                                     tmp_path_factory: pytest.TempPathFactory) -> None:
-    run_id, _ = _replica_run(sidecar, mode, tmp_path_factory)
+def test_replicas_apart_are_critical(
+        mode: str, sidecar: InProcessSidecar,
+        replica_runs: dict[str, tuple[str, list[dict[str, Any]]]]) -> None:
+    run_id, _ = replica_runs[mode]
     finding = sidecar.findings(run_id)["replicas_diverged"]
     assert finding.incidents == 1 and finding.severity == "critical"
     assert finding.evidence["rank"] == "1" and finding.evidence["reference_rank"] == "0"
@@ -191,9 +196,10 @@ def test_replicas_apart_are_critical(mode: str, sidecar: InProcessSidecar,
     print(f"replicas_diverged ({mode}): step {finding.step}, {finding.summary}")
 
 
-def test_healthy_ddp_twin_is_silent(sidecar: InProcessSidecar,
-                                    tmp_path_factory: pytest.TempPathFactory) -> None:
-    run_id, reports = _replica_run(sidecar, "healthy", tmp_path_factory)
+def test_healthy_ddp_twin_is_silent(
+        sidecar: InProcessSidecar,
+        replica_runs: dict[str, tuple[str, list[dict[str, Any]]]]) -> None:
+    run_id, reports = replica_runs["healthy"]
     assert [r["steps"] for r in reports] == [10, 10]
     run = sidecar.seen(run_id)
     for rank in (0, 1):

@@ -28,21 +28,24 @@ FSDP2_CONFIG = {"fsdp": "full_shard", "fsdp_config": {"version": 2}}
 
 
 CONFIGS = {"fsdp2": FSDP2_CONFIG, "none": {}}
-#: Both configs' jobs, run one after the other in one launch by the first test.
-_JOBS: dict[str, list[dict[str, Any]]] = {}
+
+
+@pytest.fixture(scope="module")
+def jobs(sidecar: SidecarProcess, tiny: tuple[Path, Path],
+         tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    """Per config: its healthy job's rank reports, both jobs run one after the other in one
+    launch."""
+    runs = _torchrun_runs(sidecar, tiny, tmp_path_factory.mktemp("configs"),
+                          [("healthy", overrides) for overrides in CONFIGS.values()], 2)
+    return dict(zip(CONFIGS, runs, strict=True))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIGS)
 def test_fsdp_config_that_fell_back_to_ddp_is_visible(
-    config: str, sidecar: SidecarProcess, tiny: tuple[Path, Path],
-    tmp_path_factory: pytest.TempPathFactory
+    config: str, sidecar: SidecarProcess, jobs: dict[str, list[dict[str, Any]]]
 ) -> None:
-    if not _JOBS:
-        runs = _torchrun_runs(sidecar, tiny, tmp_path_factory.mktemp("configs"),
-                              [("healthy", overrides) for overrides in CONFIGS.values()], 2)
-        _JOBS.update(zip(CONFIGS, runs, strict=True))
-    reports = _JOBS[config]
+    reports = jobs[config]
     assert {(r["wrapper"], r["sharded"]) for r in reports} == {("ddp", False)}
     run_id = reports[0]["run_id"]
     run = sidecar.run_status(run_id)

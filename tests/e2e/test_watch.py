@@ -15,6 +15,7 @@ import math
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -74,18 +75,23 @@ def _run_loop(sidecar: SidecarProcess, loop: str, modes: tuple[str, ...],
             _run_loops(sidecar, (loop,), modes, out).items()}
 
 
-#: Each loop's healthy and frozen runs, run in one launch by whichever of its two tests comes
-#: first (a launch of torchrun and its ranks costs far more than the loops).
-_PAIRS: dict[str, dict[str, list[dict[str, Any]]]] = {}
+PairRun = Callable[[str, str], list[dict[str, Any]]]
 
 
-def _pair_run(sidecar: SidecarProcess, loop: str, mode: str,
-              tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    """This mode's rank reports of the loop's healthy-and-frozen launch."""
-    if loop not in _PAIRS:
-        _PAIRS[loop] = _run_loop(sidecar, loop, ("healthy", "frozen"),
-                                 tmp_path_factory.mktemp(f"pair-{loop}"))
-    return _PAIRS[loop][mode]
+@pytest.fixture(scope="module")
+def pair_run(sidecar: SidecarProcess, tmp_path_factory: pytest.TempPathFactory) -> PairRun:
+    """(loop, mode) -> that run's rank reports. Each loop's healthy and frozen runs share one
+    launch, made by whichever of its two tests comes first (a launch of torchrun and its ranks
+    costs far more than the loops)."""
+    launched: dict[str, dict[str, list[dict[str, Any]]]] = {}
+
+    def reports(loop: str, mode: str) -> list[dict[str, Any]]:
+        if loop not in launched:
+            launched[loop] = _run_loop(sidecar, loop, ("healthy", "frozen"),
+                                       tmp_path_factory.mktemp(f"pair-{loop}"))
+        return launched[loop][mode]
+
+    return reports
 
 
 def _findings(sidecar: SidecarProcess, run_id: str, ranks: int, steps: int = STEPS,
@@ -114,8 +120,8 @@ def _check(sidecar: SidecarProcess, loop: str, mode: str, reports: list[dict[str
 @pytest.mark.parametrize("mode", ["healthy", "frozen"])
 @pytest.mark.parametrize("loop", ["single", "accelerate"])
 def test_single_process_loops(loop: str, mode: str, sidecar: SidecarProcess,
-                              tmp_path_factory: pytest.TempPathFactory) -> None:
-    (report,) = _pair_run(sidecar, loop, mode, tmp_path_factory)
+                              pair_run: PairRun) -> None:
+    (report,) = pair_run(loop, mode)
     assert (report["wrapper"], report["layout"], report["sharded"]) == ("none", "identity", False)
     assert report["watched_names"] == ["scale", "backbone.0.weight", "backbone.0.bias",
                                        "head.weight", "head.bias"] or mode == "healthy"
@@ -124,9 +130,8 @@ def test_single_process_loops(loop: str, mode: str, sidecar: SidecarProcess,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["healthy", "frozen"])
-def test_ddp_loop(mode: str, sidecar: SidecarProcess,
-                  tmp_path_factory: pytest.TempPathFactory) -> None:
-    reports = _pair_run(sidecar, "ddp", mode, tmp_path_factory)
+def test_ddp_loop(mode: str, sidecar: SidecarProcess, pair_run: PairRun) -> None:
+    reports = pair_run("ddp", mode)
     assert {(r["wrapper"], r["sharded"]) for r in reports} == {("ddp", False)}
     assert set(reports[0]["watched_names"]) == {"scale", "head.weight", "head.bias"} | (
         {"backbone.0.weight", "backbone.0.bias"} if mode == "frozen" else set())
@@ -135,9 +140,8 @@ def test_ddp_loop(mode: str, sidecar: SidecarProcess,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["healthy", "frozen"])
-def test_fsdp2_loop(mode: str, sidecar: SidecarProcess,
-                    tmp_path_factory: pytest.TempPathFactory) -> None:
-    reports = _pair_run(sidecar, "fsdp2", mode, tmp_path_factory)
+def test_fsdp2_loop(mode: str, sidecar: SidecarProcess, pair_run: PairRun) -> None:
+    reports = pair_run("fsdp2", mode)
     assert {(r["wrapper"], r["layout"], r["sharded"]) for r in reports} == {
         ("fsdp2", "identity", True)}
     # ``scale`` has one element: rank 1's shard of it is empty and is not watched.
@@ -159,8 +163,8 @@ def test_fsdp2_loop(mode: str, sidecar: SidecarProcess,
 @pytest.mark.parametrize("mode", ["healthy", "frozen"])
 @pytest.mark.parametrize("flavour", ["orig", "flat"])
 def test_fsdp1_loop(flavour: str, mode: str, sidecar: SidecarProcess,
-                    tmp_path_factory: pytest.TempPathFactory) -> None:
-    reports = _pair_run(sidecar, f"fsdp1-{flavour}", mode, tmp_path_factory)
+                    pair_run: PairRun) -> None:
+    reports = pair_run(f"fsdp1-{flavour}", mode)
     layout = "identity" if flavour == "orig" else "flat"
     assert {(r["wrapper"], r["layout"], r["sharded"]) for r in reports} == {
         ("fsdp1", layout, True)}
@@ -174,24 +178,23 @@ def test_fsdp1_loop(flavour: str, mode: str, sidecar: SidecarProcess,
 
 
 #: The DeepSpeed loops judged by the session's sidecar, run in turn in one launch (a launch
-#: of two DeepSpeed ranks costs far more than its loops) by whichever test comes first.
+#: of two DeepSpeed ranks costs far more than its loops).
 DEEPSPEED_LOOPS = ("deepspeed", "deepspeed3", "deepspeed-bf16-nomaster")
-_DEEPSPEED: dict[str, list[dict[str, Any]]] = {}
 
 
-def _deepspeed_run(sidecar: SidecarProcess, loop: str,
-                   tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    if not _DEEPSPEED:
-        runs = _run_loops(sidecar, DEEPSPEED_LOOPS, ("healthy",),
-                          tmp_path_factory.mktemp("deepspeed"))
-        _DEEPSPEED.update({name: reports for (name, _), reports in runs.items()})
-    return _DEEPSPEED[loop]
+@pytest.fixture(scope="module")
+def deepspeed_runs(sidecar: SidecarProcess, tmp_path_factory: pytest.TempPathFactory
+                   ) -> dict[str, list[dict[str, Any]]]:
+    """Each of DEEPSPEED_LOOPS' rank reports."""
+    runs = _run_loops(sidecar, DEEPSPEED_LOOPS, ("healthy",), tmp_path_factory.mktemp("deepspeed"))
+    return {loop: reports for (loop, _), reports in runs.items()}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
 def test_deepspeed_loop_is_not_an_empty_optimizer(
-        stage: int, sidecar: SidecarProcess, tmp_path_factory: pytest.TempPathFactory) -> None:
+        stage: int, sidecar: SidecarProcess,
+        deepspeed_runs: dict[str, list[dict[str, Any]]]) -> None:
     """ZeRO-2/3 on CPU with gloo: the optimizer holds flat fp32 partitions, so identity alone
     would report an empty optimizer (a false page on every run); the engine's own map
     (``bit16_groups``, ZeRO-3 ``fp16_groups``) says which model parameters it trains. Under
@@ -199,8 +202,7 @@ def test_deepspeed_loop_is_not_an_empty_optimizer(
     placeholder) and the run is sharded. Healthy only: the frozen setups tried (no trainable
     parameter at initialize, a module swapped after it) make DeepSpeed fail loudly, so there
     is no silent failure to catch."""
-    reports = _deepspeed_run(sidecar, "deepspeed" if stage == 2 else "deepspeed3",
-                             tmp_path_factory)
+    reports = deepspeed_runs["deepspeed" if stage == 2 else "deepspeed3"]
     assert {(r["wrapper"], r["layout"], r["sharded"]) for r in reports} == {
         ("deepspeed", "engine", stage == 3)}
     trained = 32 * 4 + 4 + 1  # head and scale, counted by identity on the model
@@ -240,31 +242,27 @@ def _module_unchanged(state: Path, run_id: str) -> list[dict[str, float]]:
 #: The bf16 loops with fp32 masters, by ZeRO stage: run in turn in one launch against a
 #: sidecar that keeps a state database, read once the sidecar stopped.
 BF16_LOOPS = {0: "deepspeed0-bf16", 2: "deepspeed-bf16", 3: "deepspeed3-bf16"}
-_BF16: dict[int, tuple[list[dict[str, Any]], dict[str, pb.Finding], list[dict[str, float]]]] = {}
+Bf16Run = tuple[list[dict[str, Any]], dict[str, pb.Finding], list[dict[str, float]]]
 
 
-def _bf16_run(stage: int, tmp_path_factory: pytest.TempPathFactory
-              ) -> tuple[list[dict[str, Any]], dict[str, pb.Finding], list[dict[str, float]]]:
-    """(rank reports, findings, per-step unchanged shares by module kind) of stage's run."""
-    if not _BF16:
-        folder = tmp_path_factory.mktemp("bf16")
-        state = folder / "state"
-        with SidecarProcess(folder / "sidecar",
-                            extra_args=["--state-dir", str(state)]) as sidecar:
-            runs = _run_loops(sidecar, tuple(BF16_LOOPS.values()), ("healthy",), folder / "run")
-            found = {loop: (reports, _findings(sidecar, reports[0]["run_id"], 2,
-                                               wrapper="deepspeed"))
-                     for (loop, _), reports in runs.items()}
-        for each, loop in BF16_LOOPS.items():
-            reports, findings = found[loop]
-            _BF16[each] = (reports, findings, _module_unchanged(state, reports[0]["run_id"]))
-    return _BF16[stage]
+@pytest.fixture(scope="module")
+def bf16_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Bf16Run]:
+    """Per stage: (rank reports, findings, per-step unchanged shares by module kind)."""
+    folder = tmp_path_factory.mktemp("bf16")
+    state = folder / "state"
+    with SidecarProcess(folder / "sidecar", extra_args=["--state-dir", str(state)]) as sidecar:
+        runs = _run_loops(sidecar, tuple(BF16_LOOPS.values()), ("healthy",), folder / "run")
+        found = {loop: (reports, _findings(sidecar, reports[0]["run_id"], 2,
+                                           wrapper="deepspeed"))
+                 for (loop, _), reports in runs.items()}
+    return {stage: (*found[loop], _module_unchanged(state, found[loop][0][0]["run_id"]))
+            for stage, loop in BF16_LOOPS.items()}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", BF16_LOOPS)
 def test_deepspeed_bf16_master_weights_are_not_low_precision(
-        stage: int, tmp_path_factory: pytest.TempPathFactory) -> None:
+        stage: int, bf16_runs: dict[int, Bf16Run]) -> None:
     """DeepSpeed with bf16 on CPU (no ZeRO, ZeRO-2, ZeRO-3): the engine casts the model to
     bf16 and the optimizer steps fp32 copies (master weights; flat partitions under ZeRO). At
     lr 1e-4 most elements of the bf16 model copy keep their value in any one step (the step is
@@ -273,7 +271,7 @@ def test_deepspeed_bf16_master_weights_are_not_low_precision(
     ``low_precision_update`` paged this run (at every stage); counted on the tensors the
     optimizer really steps it is fp32, and the run stays silent although the condition the
     detector looks for is there."""
-    reports, findings, shares = _bf16_run(stage, tmp_path_factory)
+    reports, findings, shares = bf16_runs[stage]
     live = reports[0]["live_firing"]
     assert "low_precision_update" in live
     fired = [d for d, value in live.items() if value]  # what fired live
@@ -302,12 +300,12 @@ def test_deepspeed_bf16_master_weights_are_not_low_precision(
 
 @pytest.mark.slow
 def test_deepspeed_bf16_without_master_weights_is_low_precision(
-    sidecar: SidecarProcess, tmp_path_factory: pytest.TempPathFactory
+    sidecar: SidecarProcess, deepspeed_runs: dict[str, list[dict[str, Any]]]
 ) -> None:
     """The failing twin: the same ZeRO-2 bf16 run with DeepSpeed's
     ``bf16_master_weights_and_grads`` and ``bf16_optimizer_states`` steps bf16 partitions, so
     no copy keeps the updates below half a bf16 ULP and most of the head never moves."""
-    reports = _deepspeed_run(sidecar, "deepspeed-bf16-nomaster", tmp_path_factory)
+    reports = deepspeed_runs["deepspeed-bf16-nomaster"]
     for report in reports:
         assert report["layout"] == "engine" and report["master_dtypes"] == ["bfloat16"]
         assert report["optimizer_params_by_dtype"].keys() == {"bfloat16"}

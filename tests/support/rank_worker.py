@@ -74,8 +74,9 @@ def main(modes: str, out: Path, steps: str) -> int:
     for mode, count in runs:
         if len(runs) > 1:
             os.environ["DEADWEIGHT_RUN_ID"] = f"{base}-{mode}"
-        (out / mode if len(runs) > 1 else out).mkdir(parents=True, exist_ok=True)
-        run(mode, out / mode if len(runs) > 1 else out, count)
+        folder = out / mode if len(runs) > 1 else out
+        folder.mkdir(parents=True, exist_ok=True)
+        run(mode, folder, count)
     dist.destroy_process_group()
     return 0
 

@@ -20,6 +20,7 @@ from tests.support import zygote
 SCRIPT = """
 import atexit, os, sys, threading, time
 atexit.register(lambda: print("atexit ran", flush=True))
+# a non-daemon thread still at work when the script's last line runs: exit must wait for it
 threading.Thread(target=lambda: (time.sleep(0.2), print("thread joined", flush=True))).start()
 print("argv", sys.argv[1:], "env", os.environ.get("ZYGOTE_TEST"), "cwd", os.getcwd(),
       "name", __name__, flush=True)

@@ -36,7 +36,7 @@ class StepOutOfOrder(SpecDetector):
         "that resets, and give each job its own run id",
         fires_when="a rank sent `out_of_order_steps` step reports no newer than its newest "
         "step (new sequence numbers, so not re-sends), or one step over a million beyond it "
-        "(refused)",
+        "or below zero (refused), or an outlier step the reports after it went on from below",
         thresholds=(Threshold("out_of_order_steps", "reports",
                               "step reports no newer than the rank's newest before the "
                               "finding fires"),),
@@ -49,8 +49,7 @@ class StepOutOfOrder(SpecDetector):
                            and run.steps_out_of_order < settings.out_of_order_steps):
             return None
         rank, step, newest, why = bad
-        said = ("leaps over a million steps beyond" if why == "too_far"
-                else "is no newer than")
+        said = _SAID.get(why, "is no newer than")
         return Verdict(
             True,
             step=run.step,
@@ -61,6 +60,14 @@ class StepOutOfOrder(SpecDetector):
                       "reason": why, "out_of_order": fmt(run.steps_out_of_order),
                       "too_far": fmt(run.steps_too_far)},
         )
+
+
+#: How each reason of a refused step reads after "rank R step S".
+_SAID = {
+    "too_far": "leaps over a million steps beyond",
+    "negative": "is negative; refused, the newest step stays",
+    "outlier": "was an outlier: the reports after it went on from",
+}
 
 
 class RunIdInUse(SpecDetector):

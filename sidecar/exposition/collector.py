@@ -396,8 +396,10 @@ class DeadweightCollector(Collector):
             "deadweight_steps_refused",
             "Step reports not applied, by reason: out_of_order (no newer than the rank's "
             "newest step, with a new sequence number), too_far (over a million steps beyond "
-            "it, or a first step over 100 million).", labels=["reason"])
-        for reason in ("out_of_order", "too_far"):
+            "it, or a first step over 100 million), negative (below zero), outlier (applied, "
+            "then dropped when the reports after it went on from below it).",
+            labels=["reason"])
+        for reason in ("out_of_order", "too_far", "negative", "outlier"):
             steps.add_metric([reason], float(self.registry.steps_refused[reason]))
         yield steps
         closed = CounterMetricFamily(

@@ -42,6 +42,13 @@ MAX_STEP_JUMP = 1_000_000
 #: Highest step a rank's first report may carry (a run resumed at step 100 million is not one
 #: we will meet; 2**62 is an attack or a corrupt counter).
 MAX_FIRST_STEP = 100_000_000
+#: Consecutive step reports, each behind the rank's newest and each newer than the one before,
+#: that show the newest step(s) were an outlier (one absurd number inside the bounds above):
+#: the outlier points are dropped and the run counts from the reports again. A broken counter
+#: that repeats itself (2, 2, 3) never re-anchors; a one-off absurd number blinds three steps.
+REANCHOR_REPORTS = 3
+#: Most step reports a rank's re-anchoring holds (the oldest goes first).
+STEP_WINDOW_HELD = 64
 
 
 def digest_label(digest: str) -> str:

@@ -106,6 +106,9 @@ class RankState:
         default_factory=lambda: deque(maxlen=LOCAL_SECONDS_WINDOW))
     #: The rank's newest replica samples, newest last.
     replicas: deque[ReplicaSample] = field(default_factory=lambda: deque(maxlen=REPLICA_WINDOW))
+    #: Step reports held back, each behind ``step`` and newer than the one before (with their
+    #: report and its encoding): enough of them re-anchor the rank (``limits.REANCHOR_REPORTS``).
+    behind: list[tuple[StepPoint, pb.StepReport, bytes]] = field(default_factory=list)
 
     @property
     def progress(self) -> int:

@@ -20,7 +20,7 @@ from ...proto import pb
 from ...proto.kinds import EventKind
 from ..detectors import checkpoints
 from ..model import limits
-from ..model.run_state import CheckpointPoint, ReplicaSample, RunState
+from ..model.run_state import CheckpointPoint, RankState, ReplicaSample, RunState
 from ..model.step_point import StepPoint
 from ..store import history
 from ..store.journal import Store
@@ -78,7 +78,8 @@ class EventApplier:
         self.judge: Callable[[RunEntry], None] | None = None
         self.duplicate_events = 0
         #: Step reports refused, by reason: out_of_order (no newer than the rank's newest,
-        #: with a new sequence number) and too_far (beyond ``limits.MAX_STEP_JUMP``).
+        #: with a new sequence number), too_far (beyond ``limits.MAX_STEP_JUMP``), negative,
+        #: and outlier (applied, then dropped when the reports after it re-anchored the rank).
         self.steps_refused: Counter[str] = Counter()
         #: The batch's step history rows, written in one transaction after it (under the
         #: registry lock, so one list serves every run).
@@ -118,8 +119,6 @@ class EventApplier:
         newest = steps[-1].step if steps else None  # the rank's newest step, kept up to date
         newest_is_own = self._newest_is_own(run, rank_id)
         from_report = StepPoint.from_report
-        keep = self._history.append
-        largest_kept = history.MAX_STORED_STEP_BYTES
         try:
             for event, found in zip(request.events, scanned, strict=True):
                 seq = event.seq
@@ -132,28 +131,27 @@ class EventApplier:
                     report = event.step
                     point = from_report(report, now, found)
                     step = point.step
+                    if step < 0:
+                        self._bad_step(run, rank_id, step, newest or 0, "negative")
+                        continue  # no optimizer counts below zero
                     if newest is not None and step <= newest:
                         # A new sequence number with an old step: not a re-send.
                         self.duplicate_events += 1
                         self._bad_step(run, rank_id, step, newest, "out_of_order")
-                        continue  # a repeated or out-of-order step changes nothing
+                        held = self._reanchor(entry, rank, rank_id, point, report, found)
+                        if not held:
+                            continue  # a repeated or out-of-order step changes nothing
+                        newest = steps[-1].step if steps else None
+                        for point, report, found in held:
+                            newest = self._accept(entry, rank, point, report, found, now,
+                                                  newest_is_own)
+                        continue
+                    rank.behind.clear()  # the newest was no outlier: the run went on past it
                     if step > (limits.MAX_FIRST_STEP if newest is None
                                else newest + limits.MAX_STEP_JUMP):
                         self._bad_step(run, rank_id, step, newest or 0, "too_far")
                         continue  # refused: it would make every later step look old
-                    steps.append(point)
-                    newest = rank.step = step
-                    rank.last_step_time = now
-                    run.stepped()
-                    if report.HasField("local_seconds"):
-                        rank.local_seconds.append((step, report.local_seconds))
-                    if newest_is_own:  # the run's newest combined step is this one
-                        if step > entry.history_step:
-                            entry.history_step = step
-                            keep((step, now, found if len(found) <= largest_kept
-                                  else history.encode_step(point, report, True)))
-                    else:
-                        self._keep_step_history(entry, point, report, found, now)
+                    newest = self._accept(entry, rank, point, report, found, now, newest_is_own)
                 elif found is not None:
                     self._handlers[found](entry, rank_id, event, now)
                     if found is EventKind.RUN_START:  # may make the run sharded
@@ -162,11 +160,62 @@ class EventApplier:
             self._keep_history(entry)
         return rank.last_seq
 
+    def _accept(self, entry: RunEntry, rank: RankState, point: StepPoint,
+                report: pb.StepReport, found: bytes, now: float, newest_is_own: bool) -> int:
+        """Apply one step report that moves the rank on; returns the rank's newest step."""
+        step = point.step
+        rank.steps.append(point)
+        rank.step = step
+        rank.last_step_time = now
+        entry.state.stepped()
+        if report.HasField("local_seconds"):
+            rank.local_seconds.append((step, report.local_seconds))
+        if newest_is_own:  # the run's newest combined step is this one
+            if step > entry.history_step:
+                entry.history_step = step
+                self._history.append((step, now, found
+                                      if len(found) <= history.MAX_STORED_STEP_BYTES
+                                      else history.encode_step(point, report, True)))
+        else:
+            self._keep_step_history(entry, point, report, found, now)
+        return step
+
+    def _reanchor(self, entry: RunEntry, rank: RankState, rank_id: int, point: StepPoint,
+                  report: pb.StepReport, found: bytes,
+                  ) -> list[tuple[StepPoint, pb.StepReport, bytes]]:
+        """Hold a step report behind the rank's newest; once ``limits.REANCHOR_REPORTS``
+        reports in a row go on from below the newest, and they outnumber the points above
+        them, those points were an outlier (one absurd step inside the jump bounds, or an
+        absurd first step): they are dropped and the held reports returned, to be applied.
+        Otherwise returns [] and the report changes nothing."""
+        behind = rank.behind
+        if behind and point.step <= behind[-1][0].step:
+            behind.clear()  # not going on: a counter that repeats itself never re-anchors
+        behind.append((point, report, found))
+        if len(behind) > limits.STEP_WINDOW_HELD:
+            del behind[0]
+        first = behind[0][0].step
+        outliers = sum(1 for kept in rank.steps if kept.step >= first)
+        if len(behind) < limits.REANCHOR_REPORTS or outliers > len(behind):
+            return []
+        dropped = rank.steps[-1].step
+        while rank.steps and rank.steps[-1].step >= first:
+            rank.steps.pop()
+        base = rank.steps[-1].step if rank.steps else 0
+        rank.step = base
+        entry.history_step = min(entry.history_step, base)
+        held = list(behind)
+        behind.clear()
+        self._bad_step(entry.state, rank_id, dropped, base, "outlier")
+        log.warning("steps_reanchored", run_id=entry.state.run_id, rank=rank_id,
+                    dropped_steps=outliers, outlier=dropped, resumed_at=first)
+        return held
+
     def _bad_step(self, run: RunState, rank: int, step: int, newest: int, why: str) -> None:
         """A step report not applied: counted on the run (the ``step_out_of_order`` finding)
         and sidecar-wide (``deadweight_steps_refused_total``)."""
         run.bad_step = (rank, step, newest, why)
-        if why == "too_far":
+        if why != "out_of_order":  # too_far, negative, outlier: absurd numbers, seen at once
             run.steps_too_far += 1
         else:
             run.steps_out_of_order += 1

@@ -102,3 +102,72 @@ def test_resent_batches_after_a_reconnect_are_not_out_of_order(
     assert "step_out_of_order" not in firing and "frozen_weights" not in firing
     status = process.run_status(run_id)
     assert status is not None and status.step == 90_005
+
+
+def _absurd_step(step: int, seq: int) -> pb.Event:
+    return pb.Event(seq=seq, step=pb.StepReport(
+        step=step, learning_rate=1e-4, update_sq_sum=0.0, param_sq_sum=1.0, watched_tensors=4,
+        watched_params=1000, optimizer_params=0, unchanged_tensors=4))
+
+
+@pytest.mark.parametrize(("case", "first_real", "absurd", "reason"), [
+    ("ahead", 1, 999_999 + 3, "outlier"),  # inside the jump bound from step 3
+    ("first", None, 99_999_999, "outlier"),  # inside the first-step bound
+    ("negative", 1, -2**62, "negative"),
+])
+def test_one_absurd_step_inside_the_bounds_does_not_blind_a_frozen_run(
+    sidecar: tuple[SidecarProcess, Pipe], case: str, first_real: int | None, absurd: int,
+    reason: str,
+) -> None:
+    """A step 999,999 ahead, a first step of 99,999,999 or a step of -2^62 used to make every
+    later real step "out of order": the frozen run never got frozen_weights (or its STOP),
+    only a no_optimizer_step page with the wrong cause. Now the negative step is refused and
+    the outliers are dropped once the real reports go on from below them."""
+    process, pipe = sidecar
+    run_id = f"absurd-{case}"
+    _send(pipe, run_id, [pb.Event(seq=0, run_start=run_start())])
+    seq, step = 1, 1
+    if first_real is not None:
+        for step in range(1, 4):
+            _send(pipe, run_id, frozen_events(step, seq))
+            seq += 2
+        step += 1
+    _send(pipe, run_id, [_absurd_step(absurd, seq)])
+    seq += 1
+    last = step + 9
+    for real in range(step, last + 1):
+        _send(pipe, run_id, frozen_events(real, seq))
+        seq += 2
+    status = process.run_status(run_id)
+    assert status is not None and status.step == last, status
+    firing = _firing(process, run_id)
+    assert "frozen_weights" in firing, sorted(firing)
+    assert "no_optimizer_step" not in firing
+    finding = firing["step_out_of_order"]
+    assert finding.evidence["reason"] == reason, dict(finding.evidence)
+    assert finding.evidence["step"] == str(absurd)
+
+
+def test_a_healthy_run_with_one_outlier_step_keeps_counting_and_stays_quiet(
+    sidecar: tuple[SidecarProcess, Pipe],
+) -> None:
+    """The control: the same outlier in a healthy run leaves only the reporting finding; the
+    steps after it count again and no step verdict fires."""
+    process, pipe = sidecar
+    run_id = "outlier-healthy"
+    start = run_start()
+    start.membership.optimizer_params = start.membership.trainable_params = 1000
+    start.membership.optimizer_tensors = 4
+    _send(pipe, run_id, [pb.Event(seq=0, run_start=start)])
+    seq = 1
+    for step in range(1, 4):
+        _send(pipe, run_id, healthy_events(step, seq))
+        seq += 2
+    _send(pipe, run_id, [_absurd_step(1_000_002, seq)])
+    seq += 1
+    for step in range(4, 14):
+        _send(pipe, run_id, healthy_events(step, seq))
+        seq += 2
+    status = process.run_status(run_id)
+    assert status is not None and status.step == 13
+    assert set(_firing(process, run_id)) == {"step_out_of_order"}

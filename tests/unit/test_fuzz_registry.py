@@ -243,24 +243,48 @@ def test_unknown_run_id_is_refused(run_id: str, kinds: list[str], seq: int) -> N
 ORDER = Cases()
 
 
+def _kept_steps(order: list[int]) -> tuple[list[int], int]:
+    """The step rules, as a person states them: (the steps a rank keeps, how many reports
+    were no newer than its newest). A negative step is refused. A step no newer than the
+    newest is held back; once ``REANCHOR_REPORTS`` held reports in a row each go on from the
+    one before and outnumber the kept steps at or above the first of them, those kept steps
+    were an outlier: they are dropped and the held reports kept."""
+    kept: list[int] = []
+    behind: list[int] = []
+    old = 0
+    for step in order:
+        if step < 0:
+            continue
+        if kept and step <= kept[-1]:
+            old += 1
+            if behind and step <= behind[-1]:
+                behind = []
+            behind.append(step)
+            outliers = sum(1 for k in kept if k >= behind[0])
+            if len(behind) >= limits.REANCHOR_REPORTS and outliers <= len(behind):
+                kept = [k for k in kept if k < behind[0]] + behind
+                behind = []
+            continue
+        behind = []
+        kept.append(step)
+    return kept, old
+
+
 @settings(FUZZ, max_examples=4800)
 @given(order=st.lists(st.integers(-5, 30), max_size=12))
-def test_out_of_order_and_repeated_steps_change_nothing(order: list[int]) -> None:
+def test_steps_in_any_order_follow_the_step_rules(order: list[int]) -> None:
     registry, run_id = ORDER.registry, ORDER.fresh_run()
     duplicates = registry.duplicate_events
     for seq, step in enumerate(order, start=1):
         event = pb.Event(seq=seq, step=pb.StepReport(step=step, update_sq_sum=1.0,
                                                       learning_rate=1e-4))
         assert not registry.ingest(pb.StreamRequest(run_id=run_id, events=[event])).error
-    kept, highest = [], None
-    for step in order:  # only a step beyond every earlier one is news
-        if highest is None or step > highest:
-            kept.append(step)
-            highest = step
+    kept, old = _kept_steps(order)
     run = registry.run(run_id)
     assert run is not None
     assert [p.step for p in run.ranks[0].steps] == kept
-    assert registry.duplicate_events - duplicates == len(order) - len(kept)
+    assert run.step == (kept[-1] if kept else 0)
+    assert registry.duplicate_events - duplicates == old
 
 
 NONFINITE = Cases()

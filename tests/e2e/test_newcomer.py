@@ -56,6 +56,36 @@ def test_a_stale_socket_from_a_crash_is_replaced(tmp_path: Path) -> None:
         assert process.socket_path == path and process.status().runs == []
 
 
+def test_a_job_that_squats_the_socket_during_a_restart_does_not_keep_the_sidecar_down(
+    tmp_path: Path,
+) -> None:
+    """A process that is no sidecar (here a training-like script) bound ``deadweight.sock``
+    while the sidecar was down: the sidecar used to refuse to start ("another process is
+    listening"), and stayed down. Now it removes the squatter's name, listens there again and
+    logs who squatted; the squatter's own socket stays open but no new client reaches it."""
+    import json
+
+    path = tmp_path / "sock" / "deadweight.sock"
+    path.parent.mkdir()
+    squatter = subprocess.Popen(
+        [sys.executable, "-c", "import socket, sys\n"
+         "s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); s.listen()\n"
+         "print('bound', flush=True); sys.stdin.read()", str(path)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert squatter.stdout is not None and squatter.stdout.readline() == "bound\n"
+        with SidecarProcess(tmp_path) as process:
+            assert process.status().runs == []  # reached over the socket path, not the squat
+            lines = [json.loads(line) for line in process.log_path.read_text().splitlines()
+                     if line.startswith("{")]
+            squat = [line for line in lines if line["event"] == "socket_squatted"]
+            assert squat and squat[0]["pid"] == squatter.pid, lines
+            assert squatter.poll() is None  # nobody was signalled
+    finally:
+        squatter.kill()
+        squatter.wait()
+
+
 @pytest.mark.parametrize(("flags", "message"), [
     (["--metrics-address", "nonsense"], "expected HOST:PORT"),
     (["--listen", "nowhere"], "expected HOST:PORT"),

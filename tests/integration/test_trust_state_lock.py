@@ -45,6 +45,19 @@ def test_second_sidecar_on_one_state_dir_exits_2_naming_the_holder(tmp_path: Pat
         first.stop()
 
 
+def test_deleting_the_lock_file_does_not_let_a_second_sidecar_in(tmp_path: Path) -> None:
+    """A clean-up that deletes ``*.lock`` used to let a second sidecar start on the same
+    journal (both would page and signal for the same incidents): the lock is on the folder."""
+    state = tmp_path / "state"
+    with SidecarProcess(tmp_path / "one", extra_args=["--state-dir", str(state)]) as first:
+        assert first.process is not None
+        (state / "sidecar.lock").unlink()
+        second = _serve(tmp_path / "two", state)
+        assert second.returncode == 2, second.stderr
+        assert "in use by another sidecar" in second.stderr
+        assert first.process.poll() is None and first.status() is not None
+
+
 def test_sidecars_on_different_state_dirs_both_run(tmp_path: Path) -> None:
     """The control: the lock is per state dir, not per machine."""
     with SidecarProcess(tmp_path / "a", extra_args=["--state-dir", str(tmp_path / "sa")]), \

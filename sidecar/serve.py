@@ -75,6 +75,8 @@ class SidecarConfig:
     max_runs: int = 1000
     max_runs_per_process: int = 64
     max_runs_per_uid: int = 256
+    #: A live run that never stepped this long after registering may give up its slot.
+    reclaim_unstepped_seconds: float = 600.0
     #: Ranks held across all runs (``--max-ranks``).
     max_ranks: int = 4096
     run_ttl_seconds: float = 900.0
@@ -302,6 +304,7 @@ def build(config: SidecarConfig) -> Sidecar:
                         max_runs=config.max_runs, ended_ttl_seconds=config.run_ttl_seconds,
                         max_runs_per_process=config.max_runs_per_process,
                         max_runs_per_uid=config.max_runs_per_uid,
+                        reclaim_unstepped_seconds=config.reclaim_unstepped_seconds,
                         store=store, attestor=Attestor(),
                         allow_unattested=config.allow_unattested,
                         silent_run_seconds=config.silent_run_seconds,

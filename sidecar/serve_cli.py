@@ -135,6 +135,7 @@ def sidecar_config(args: argparse.Namespace) -> SidecarConfig:
         dry_run=args.dry_run, policies=dict(args.policy or []), settings=settings(args.setting),
         max_runs=args.max_runs, max_ranks=args.max_ranks,
         max_runs_per_process=args.max_runs_per_process, max_runs_per_uid=args.max_runs_per_uid,
+        reclaim_unstepped_seconds=args.reclaim_unstepped_seconds,
         run_ttl_seconds=args.run_ttl_seconds,
         stop_grace_seconds=args.stop_grace_seconds, kill_grace_seconds=args.kill_grace_seconds,
         allow_unattested=args.allow_unattested, silent_run_seconds=args.silent_run_seconds,
@@ -252,6 +253,11 @@ def add_serve(commands: Commands, default_socket: str) -> None:
     serve.add_argument("--max-runs-per-uid", type=int, default=256,
                        help="most live runs the processes of one uid may hold together "
                        "(default %(default)s)")
+    serve.add_argument("--reclaim-unstepped-seconds", type=float, default=600.0,
+                       metavar="SECONDS",
+                       help="a live run that reported no optimizer step this long after it "
+                       "registered gives up its slot before a newcomer is refused for a full "
+                       "--max-runs or --max-runs-per-uid (default %(default)s)")
     serve.add_argument("--max-ranks", type=int, default=4096,
                        help="most ranks held across all runs (each keeps a window of steps); "
                        "a rank beyond it is refused, after ended runs make room "

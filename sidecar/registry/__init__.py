@@ -107,6 +107,7 @@ class Registry:
         runbook_url_pattern: str = DEFAULT_RUNBOOK_URL_PATTERN,
         max_runs_per_process: int = 64,
         max_runs_per_uid: int = 256,
+        reclaim_unstepped_seconds: float = 600.0,
     ) -> None:
         self.actions = actions or LogOnlyActions()
         self.store = store or Store()
@@ -117,7 +118,8 @@ class Registry:
         self.policies.update(policies or {})
         self._lock = threading.RLock()
         self._table = RunTable(self.store, self.actions.forget, max_runs, ended_ttl_seconds,
-                               max_ranks, max_runs_per_process, max_runs_per_uid)
+                               max_ranks, max_runs_per_process, max_runs_per_uid,
+                               reclaim_unstepped_seconds)
         self._gate = IdentityGate(self.store, attestor, allow_unattested, trainer_uids)
         self._events = EventApplier(self.store, history_queue)
         self.notices = VerdictNotices(self.detectors, runbook_url_pattern)

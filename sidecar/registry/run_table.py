@@ -6,7 +6,10 @@ room when the table is full: the run that ended first goes, else the least recen
 live run of the process that holds the most live runs, when it holds more than the newcomer's
 process would after admission (never the newcomer's own, never a one-run job's).
 Capacity cannot be hoarded: each process (``max_runs_per_process``) and each uid
-(``max_runs_per_uid``) may hold only so many live runs; every refusal is counted by uid.
+(``max_runs_per_uid``) may hold only so many live runs; every refusal is counted by uid. Nor
+can it be held by runs that never step: before a newcomer is refused for a full uid cap or a
+full table, the oldest live run that registered over ``reclaim_unstepped_seconds`` ago and
+never reported an optimizer step (of that uid, or of anyone for the table) gives up its slot.
 All methods are called under the registry lock; store writes go to the run's outbox.
 """
 
@@ -112,12 +115,15 @@ class RunTable:
 
     def __init__(self, store: Store, forget: Callable[[str], None], max_runs: int,
                  ended_ttl_seconds: float, max_ranks: int = 4096,
-                 max_runs_per_process: int = 64, max_runs_per_uid: int = 256) -> None:
+                 max_runs_per_process: int = 64, max_runs_per_uid: int = 256,
+                 reclaim_unstepped_seconds: float = 600.0) -> None:
         self.store = store
         self.forget = forget
         self.max_runs = max_runs
         self.max_runs_per_process = max_runs_per_process
         self.max_runs_per_uid = max_runs_per_uid
+        #: A live run that never stepped this long after it registered may give up its slot.
+        self.reclaim_unstepped_seconds = reclaim_unstepped_seconds
         #: (uid, reason) -> refused registrations (reason: process, uid, table).
         self.refused: Counter[tuple[str, str]] = Counter()
         #: Live runs evicted to let another process in.
@@ -161,14 +167,19 @@ class RunTable:
                 raise CapacityError(
                     f"this process already holds {self.max_runs_per_process} live runs "
                     "(--max-runs-per-process): end some (RunEnd) before starting more")
-            if owner.uid >= 0 and sum(o is not None and o.uid == owner.uid for o in live) >= (
-                    self.max_runs_per_uid):
+            uid = owner.uid
+            if uid >= 0 and sum(o is not None and o.uid == uid for o in live) >= (
+                    self.max_runs_per_uid) and self._reclaim_unstepped(
+                        owner, lambda e: e.owner is not None and e.owner.uid == uid) is None:
                 self._refuse(owner, "uid")
                 raise CapacityError(
                     f"uid {owner.uid} already holds {self.max_runs_per_uid} live runs "
                     "(--max-runs-per-uid)")
         if len(self._runs) < self.max_runs or self._evict_oldest_ended():
             return None
+        reclaimed = self._reclaim_unstepped(owner, lambda e: True)
+        if reclaimed is not None:
+            return reclaimed
         held = self._held()
         hoarder, most = held.most_common(1)[0] if held else (None, 0)
         mine = held.get(owner.process, 0) if owner is not None else 0
@@ -184,6 +195,28 @@ class RunTable:
         log.warning("run_evicted", run_id=victim.state.run_id, owner=hoarder,
                     newcomer=owner.process if owner is not None else "unknown",
                     reason="the table is full and this process holds the most live runs")
+        self._expire(victim.state.run_id, "evicted")
+        return victim
+
+    def _reclaim_unstepped(self, owner: Owner | None,
+                           among: Callable[[RunEntry], bool]) -> RunEntry | None:
+        """Forget the oldest live run (among those ``among`` accepts) that registered over
+        ``reclaim_unstepped_seconds`` ago and never reported an optimizer step; None when
+        there is none. Such a run holds a slot and tells nobody anything: a real job that
+        would be refused for it matters more."""
+        cutoff = time.time() - self.reclaim_unstepped_seconds
+        idle = [e for e in self._runs.values()
+                if not e.state.ended and e.state.created < cutoff and among(e)
+                and not any(rank.steps or rank.step for rank in e.state.ranks.values())]
+        if not idle:
+            return None
+        victim = min(idle, key=lambda e: e.state.created)
+        self.evicted_live += 1
+        log.warning("run_evicted", run_id=victim.state.run_id,
+                    owner=victim.owner.process if victim.owner is not None else "unknown",
+                    newcomer=owner.process if owner is not None else "unknown",
+                    reason=f"no optimizer step in the {self.reclaim_unstepped_seconds:g} s "
+                    "since it registered, and a newcomer needed its slot")
         self._expire(victim.state.run_id, "evicted")
         return victim
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from deadweight.demo.sidecar_process import SidecarProcess
 from deadweight.proto import pb
 from deadweight.sidecar.registry import Peer, Registry
 from tests.support.faults import Pipe, metric_value
+from tests.support.raw_client import frozen_events
 
 ROOT = Path(__file__).resolve().parents[2]
 #: A second process of the same uid that registers runs prefix-0..N-1 over its own stream.
@@ -110,3 +112,83 @@ def test_the_processes_of_one_uid_share_a_cap() -> None:
     end = pb.StreamRequest(run_id="u-0", events=[pb.Event(seq=5, run_end=pb.RunEnd())])
     assert not registry.ingest(end, Peer(pid=1000, uid=7, address="unix:")).error
     assert not registry.ingest(_start("u-6"), Peer(pid=1006, uid=7, address="unix:")).error
+
+
+def test_runs_that_never_step_give_up_the_uid_cap_to_a_real_job() -> None:
+    """Five processes of one uid used to fill its cap with runs that never step, and a real
+    (frozen) job of that uid was refused: never known, never stopped. Runs that registered
+    longer ago than --reclaim-unstepped-seconds without one step now give up their slots,
+    oldest first; a run that steps is never reclaimed."""
+    registry = Registry(max_runs=100, max_runs_per_process=3, max_runs_per_uid=5,
+                        reclaim_unstepped_seconds=0.0)
+    stepping = Peer(pid=900, uid=7, address="unix:")
+    assert not registry.ingest(_start("stepping"), stepping).error
+    assert not registry.ingest(pb.StreamRequest(run_id="stepping", events=frozen_events(1, 1)),
+                               stepping).error
+    for i in range(4):  # the hoarders: one uid, several processes, runs that never step
+        assert not registry.ingest(_start(f"idle-{i}"),
+                                   Peer(pid=1000 + i, uid=7, address="unix:")).error
+    job = Peer(pid=2000, uid=7, address="unix:")
+    assert not registry.ingest(_start("real-job"), job).error
+    live = {run.run_id for run, _ in registry.runs() if not run.ended}
+    assert "real-job" in live and "stepping" in live and "idle-0" not in live
+    assert registry.evicted_live_runs == 1
+    for step in range(1, 8):  # the real job is judged: it is frozen
+        registry.ingest(pb.StreamRequest(run_id="real-job",
+                                         events=frozen_events(step, 2 * step)), job)
+    registry.tick()
+    finding = registry.findings("real-job").get("frozen_weights")
+    assert finding is not None and finding.firing
+
+
+def test_young_runs_keep_their_slots_and_the_newcomer_is_refused() -> None:
+    """The control: runs registered less than --reclaim-unstepped-seconds ago (a job still
+    loading its model) are not reclaimed; the cap holds as before."""
+    registry = Registry(max_runs=100, max_runs_per_process=3, max_runs_per_uid=2,
+                        reclaim_unstepped_seconds=3600.0)
+    for i in range(2):
+        assert not registry.ingest(_start(f"young-{i}"),
+                                   Peer(pid=1000 + i, uid=7, address="unix:")).error
+    refused = registry.ingest(_start("late"), Peer(pid=2000, uid=7, address="unix:")).error
+    assert "uid 7 already holds 2 live runs" in refused
+    assert registry.evicted_live_runs == 0
+
+
+def test_one_run_processes_that_never_step_do_not_lock_a_full_table(tmp_path: Path) -> None:
+    """With the manifest's --max-runs 8, eight one-run processes that never step used to lock
+    the pod's real job out (no process held more than the newcomer would). Once they are older
+    than --reclaim-unstepped-seconds, the oldest gives up its slot to the real job."""
+    with SidecarProcess(tmp_path, extra_args=["--max-runs", "8",
+                                              "--reclaim-unstepped-seconds", "1"]) as process:
+        squatters = [_hoarder(process, f"squat{i}", 1) for i in range(8)]
+        try:
+            assert all(errors == [""] for _, errors in squatters)
+            started = min(r.started_at for r in process.status().runs)
+            pipe = Pipe(process.address)
+            try:
+                deadline = time.monotonic() + 30
+                while True:  # the squatters' runs grow older than the reclaim age
+                    error = pipe.send(_start("real-job")).error
+                    if not error or time.monotonic() > deadline:
+                        break
+                    assert "tracks 8 live runs" in error
+                    time.sleep(0.1)
+                assert not error and time.time() - started >= 1.0
+                seq = 1
+                for step in range(1, 8):
+                    pipe.send(pb.StreamRequest(run_id="real-job",
+                                               events=frozen_events(step, seq)))
+                    seq += 2
+                status = process.run_status("real-job")
+                assert status is not None and status.step == 7
+                assert any(f.detector == "frozen_weights" and f.firing
+                           for f in status.findings)
+                live = {r.run_id for r in process.status().runs if not r.ended}
+                assert len(live) == 8 and "squat0-0" not in live
+            finally:
+                pipe.close()
+        finally:
+            for child, _ in squatters:
+                assert child.stdin is not None
+                child.stdin.close()
+                child.wait(30)

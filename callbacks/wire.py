@@ -165,7 +165,7 @@ def _run_start(r: RunStartRecord) -> pb.RunStart:
         t = r.stop_token
         start.stop_token.CopyFrom(pb.StopTokenCheck(
             token=t.token, token_id=t.token_id, sequences=t.sequences, in_inputs=t.in_inputs,
-            in_labels=t.in_labels, full_rows=t.full_rows))
+            in_labels=t.in_labels, full_rows=t.full_rows, outside_loss=t.outside_loss))
     if r.heads is not None:
         h = r.heads
         start.heads.CopyFrom(pb.HeadCheck(heads=h.heads, new_heads=h.new_heads,

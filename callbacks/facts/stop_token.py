@@ -4,7 +4,9 @@ With ``pad_token == eos_token`` transformers' language-modelling collator masks 
 equal to the pad id, eos included; a chat template or completion mask can leave the end-of-turn
 token outside the loss. Either way the loss looks healthy and the model never learns to stop.
 The check runs the trainer's own collator on the first rows (indexing, not the sampler, so the
-run's data order is untouched) and counts the stop tokens in the inputs and in the labels.
+run's data order is untouched) and counts the stop tokens in the inputs and in the labels,
+and the real tokens the loss leaves out (a prompt outside a completion-only loss: the run
+trains answers that must end, where raw-text pre-training trains every token).
 The stop tokens are the tokenizer's eos and every id the model's generation config stops on
 (a chat model stops on its end-of-turn token, which may differ from eos): the loss trains the
 stop when any of them is a label.
@@ -19,6 +21,8 @@ import torch
 
 #: Rows collated for the check.
 ROWS = 8
+#: The label of a position the loss leaves out (transformers' and TRL's convention).
+IGNORE_INDEX = -100
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,9 @@ class StopTokenFacts:
     in_labels: int
     #: Sequences without padding (every one of them: fixed-length packed blocks).
     full_rows: int = 0
+    #: Real tokens the loss leaves out (label -100): a prompt or template outside a
+    #: completion-only loss. 0 when every real token is trained (raw text, pre-training).
+    outside_loss: int = 0
 
 
 def stop_ids(tokenizer: Any, model: Any = None) -> list[int]:
@@ -83,4 +90,5 @@ def check(train_dataloader: Any, processing_class: Any, model: Any = None,
         in_inputs=int(in_inputs.sum()),
         in_labels=int(torch.isin(labels, stops).sum()),
         full_rows=int(real.all(dim=-1).sum()) if real.dim() == 2 else 0,
+        outside_loss=int(((labels == IGNORE_INDEX) & real).sum()),
     )

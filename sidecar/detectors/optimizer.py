@@ -142,20 +142,36 @@ class GradNotInOptimizer(SpecDetector):
         return Verdict(False, step=latest.step if latest else 0)
 
 
-#: The reference copy GRPO/DPO add when re-training a saved adapter with beta > 0.
+#: The name TRL gives the frozen reference copy it adds when a saved adapter is re-trained
+#: against a reference (DPO, KTO, GRPO and RLOO alike): ``add_adapter("ref", <the trained
+#: adapter's config>)``, its tensors copied from the trained adapter, kept out of the optimizer.
 REFERENCE_ADAPTER = "ref"
 
 
-def _is_reference(run: RunState, name: str) -> bool:
-    return name == REFERENCE_ADAPTER and run.trainer in {"GRPOTrainer", "DPOTrainer",
-                                                         "RLOOTrainer"}
+def _is_reference_copy(share: pb.AdapterCoverage, trained: list[pb.AdapterCoverage]) -> bool:
+    """A frozen reference copy of an adapter that trains: named so and shaped like it.
+
+    Judged by what the trainer did (a copy of the trained adapter under the reference name),
+    not by which trainer it was, so every trainer that keeps such a copy is covered."""
+    return share.name == REFERENCE_ADAPTER and any(
+        (t.tensors, t.params) == (share.tensors, share.params) for t in trained)
+
+
+def _finished_before(idle: pb.AdapterCoverage, adapters: list[pb.AdapterCoverage],
+                     trained: list[pb.AdapterCoverage]) -> bool:
+    """Whether idle was added before every adapter that trains: an earlier adapter kept frozen
+    while a newer one trains (adapters trained one after another: ``add_adapter`` then
+    ``set_adapter``). An adapter added after the one that trains is the one meant to train
+    next, never activated. ``adapters`` is in the order the model added them."""
+    order = {a.name: i for i, a in enumerate(adapters)}
+    return all(order[idle.name] < order[t.name] for t in trained)
 
 
 class InactiveAdapter(SpecDetector):
     """An adapter the run holds is not the one that trains.
 
     Either a second adapter was added but never activated (at train begin: it has tensors, the
-    optimizer holds none of them, while another adapter is in the optimizer), or
+    optimizer holds none of them, while an adapter added before it is in the optimizer), or
     ``set_adapter`` switched adapters mid-run (an adapter the optimizer holds stays unchanged
     for K steps while gradients go to tensors outside the optimizer or another adapter moves).
     """
@@ -168,9 +184,11 @@ class InactiveAdapter(SpecDetector):
         "optimizer (never activated, or switched by set_adapter mid-run)",
         fix="activate the adapter to train (`model.set_adapter(name)`, loaded with "
         "`is_trainable=True`) before building the trainer, and never switch it during training",
-        fires_when="an adapter has tensors but none in the optimizer while another trains; or "
-        "an adapter the optimizer holds stays unchanged while gradients go elsewhere "
-        "(`set_adapter` mid-run). TRL's `ref` copy under GRPO/DPO is exempt",
+        fires_when="an adapter added after the one that trains (or still active) has tensors "
+        "but none in the optimizer; or an adapter the optimizer holds stays unchanged while "
+        "gradients go elsewhere (`set_adapter` mid-run). An earlier adapter left frozen while a "
+        "newer one trains (adapters trained one after another) and TRL's frozen `ref` copy of "
+        "the trained adapter are exempt",
         thresholds=(Threshold("inactive_adapter_steps", "optimizer steps",
                               "consecutive optimizer steps (lr > 0) in which an adapter the "
                               "optimizer holds stayed unchanged while another adapter received "
@@ -184,9 +202,11 @@ class InactiveAdapter(SpecDetector):
         if not isinstance(start, pb.RunStart):
             return start
         adapters = list(start.membership.adapters)
-        trained = {a.name for a in adapters if a.in_optimizer_tensors > 0}
+        training = [a for a in adapters if a.in_optimizer_tensors > 0]
+        trained = {a.name for a in training}
         idle = [a for a in adapters if a.tensors > 0 and a.in_optimizer_tensors == 0
-                and not _is_reference(run, a.name)]
+                and not _is_reference_copy(a, training)
+                and not (not a.active and _finished_before(a, adapters, training))]
         switched = self._switched(run, settings, trained)
         if switched is not None and switched.firing:
             return switched  # the current, more specific verdict

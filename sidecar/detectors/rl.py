@@ -108,27 +108,32 @@ def _update_norm(run: RunState) -> float | None:
 
 
 class ZeroRewardVariance(SpecDetector):
-    """Every completion of a prompt gets the same reward: advantages and gradients are 0.
+    """Every completion of a prompt gets the same combined reward: advantages and gradients are 0.
 
-    Read from ``frac_reward_zero_std`` (1 when every group is flat, e.g. a reward that depends
-    on the prompt only) and each ``rewards/<fn>/std`` (0 when a function is constant), over a
-    window; ``reward_std`` is not used, it stays > 0 when rewards differ only between prompts.
+    The advantage comes from the combined (weighted) reward, so that is what is judged: from
+    ``frac_reward_zero_std`` (1 when every group of the combined reward is flat, e.g. a reward
+    that depends on the prompt only) when the trainer logs it, else from every
+    ``rewards/<fn>/std`` being 0 (all functions constant, or the only one). A constant format
+    or shape reward beside a varying one is a healthy recipe: the varying one still spreads the
+    groups. ``reward_std`` is not used, it stays > 0 when rewards differ only between prompts.
     """
 
     spec = DetectorSpec(
         id="zero_reward_variance",
         severity=Severity.CRITICAL,
         summary="Run {run_id} gets the same reward for every completion of a prompt",
-        meaning="every GRPO group has zero reward spread, so advantages and gradients are zero",
+        meaning="every GRPO group has zero spread in its combined reward, so advantages and "
+        "gradients are zero",
         fix="make the reward depend on the completion (partial credit, not one fallback value) and "
         "sample with spread (`temperature=1.0`, more `num_generations`)",
-        fires_when="`frac_reward_zero_std == 1` or a `rewards/<fn>/std == 0` for a window of "
-        "logs (constant or prompt-only reward); `reward_std` is not used, it stays > 0 when "
+        fires_when="the combined reward is flat for a window of logs: `frac_reward_zero_std == 1` "
+        "(or, where it is not logged, every `rewards/<fn>/std == 0`); a constant function "
+        "beside a varying one is left alone; `reward_std` is not used, it stays > 0 when "
         "rewards differ only between prompts",
         thresholds=(Threshold("zero_reward_logs", "log reports",
-                              "consecutive log reports with frac_reward_zero_std == 1, or with "
-                              "a rewards/<fn>/std == 0 (one such step happens on healthy tiny "
-                              "runs)"),),
+                              "consecutive log reports with frac_reward_zero_std == 1 (or, "
+                              "without it, with every rewards/<fn>/std == 0; one such step "
+                              "happens on healthy tiny runs)"),),
         evidence=(Evidence("frac_reward_zero_std", 1), Evidence("reward_std"),
                   Evidence("reward"), Evidence("grad_norm", 0), Evidence("update_norm", 0)),
         inhibited_by=ROOT_CAUSES,
@@ -136,27 +141,30 @@ class ZeroRewardVariance(SpecDetector):
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
         n = settings.zero_reward_logs
-        flat: dict[str, str] = {}
-        last_step = 0
-        frac = finite_history(run, "frac_reward_zero_std")[-n:]
-        if len(frac) == n and all(v >= 1.0 for _, v in frac):
-            flat["frac_reward_zero_std"] = fmt(frac[-1][1])
-            last_step = frac[-1][0]
-        for key in sorted(run.log_history):
-            if not (key.startswith("rewards/") and key.endswith("/std")):
-                continue
-            window = finite_history(run, key)[-n:]
-            if len(window) == n and all(v == 0 for _, v in window):
-                flat[key] = "0"
-                last_step = max(last_step, window[-1][0])
+        frac = finite_history(run, "frac_reward_zero_std")
+        per_function = {key: finite_history(run, key)[-n:] for key in sorted(run.log_history)
+                        if key.startswith("rewards/") and key.endswith("/std")}
+        constant = sorted(key for key, window in per_function.items()
+                          if len(window) == n and all(v == 0 for _, v in window))
+        if frac:  # the trainer's own measure of the combined reward's groups
+            window = frac[-n:]
+            flat = len(window) == n and all(v >= 1.0 for _, v in window)
+            last_step = window[-1][0]
+        else:  # without it: flat only when every function is (the combined one is then too)
+            flat = bool(per_function) and len(constant) == len(per_function)
+            last_step = max((per_function[key][-1][0] for key in constant), default=0)
         if not flat:
-            return Verdict(False) if frac or run.history("reward") else None
+            return Verdict(False) if frac or per_function or run.history("reward") else None
+        names = ", ".join(key.removeprefix("rewards/").removesuffix("/std") for key in constant)
         return Verdict(
             True,
             step=last_step,
-            summary=(f"no reward spread within groups for {n} log reports "
-                     f"({', '.join(sorted(flat))}); grad_norm={fmt(run.log_value('grad_norm'))}"),
-            evidence={**flat, "window_logs": fmt(n),
+            summary=(f"no spread in the combined reward within groups for {n} log reports"
+                     + (f" (constant reward functions: {names})" if names else "")
+                     + f"; grad_norm={fmt(run.log_value('grad_norm'))}"),
+            evidence={**({"frac_reward_zero_std": fmt(frac[-1][1])} if frac else {}),
+                      **{key: "0" for key in constant},
+                      "window_logs": fmt(n),
                       "reward": fmt(run.log_value("reward")),
                       "reward_std": fmt(run.log_value("reward_std")),
                       "grad_norm": fmt(run.log_value("grad_norm")),

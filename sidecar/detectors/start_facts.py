@@ -27,9 +27,11 @@ class StopTokenUntrained(SpecDetector):
     """The labels of a collated batch never train the stop token: the model never learns to stop.
 
     ``pad_token == eos_token`` with transformers' LM collator masks every eos label; a chat
-    template or completion mask can leave the end-of-turn token outside the loss. Fixed-length
-    packed blocks of plain text (continued pretraining: no row padded, no stop token in any
-    input) have no stop to learn and stay silent.
+    template or completion mask can leave the end-of-turn token outside the loss. When the
+    data holds no stop token at all, what the run is decides: a loss that leaves real tokens
+    out (a prompt outside a completion-only loss: chat or instruction SFT) trains answers that
+    must end; raw text trained on every token (continued pre-training, packed blocks or
+    padded rows) has no stop to learn and stays silent.
     """
 
     spec = DetectorSpec(
@@ -44,8 +46,9 @@ class StopTokenUntrained(SpecDetector):
         "inside the trained part of the template",
         fires_when="at train begin, the trainer's collator applied to the first rows yields "
         "labels without any stop token (`eos_token`, or a stop id of the generation config "
-        "such as a chat template's end of turn); fixed-length packed text blocks with no stop "
-        "token in their inputs are left alone",
+        "such as a chat template's end of turn) while the inputs hold one, or while the loss "
+        "leaves a prompt out (completions that must end); raw text trained on every token "
+        "(continued pre-training) with no stop token in its inputs is left alone",
         evidence=(Evidence("loss"), Evidence("step")),
     )
 
@@ -56,8 +59,11 @@ class StopTokenUntrained(SpecDetector):
         check = start.stop_token
         if check.sequences <= 0 or check.in_labels > 0:
             return Verdict(False)
-        if check.in_inputs == 0 and check.full_rows == check.sequences:
-            return Verdict(False)  # packed text blocks (run_clm's group_texts): no stop to learn
+        if check.in_inputs == 0 and (check.outside_loss == 0
+                                     or check.full_rows == check.sequences):
+            # Raw text trained on every token, or packed blocks (run_clm's group_texts):
+            # continued pre-training, no stop to learn.
+            return Verdict(False)
         where = (f"appears {check.in_inputs} times in the inputs but never in the labels"
                  if check.in_inputs else "appears in neither the inputs nor the labels")
         return Verdict(
@@ -67,7 +73,8 @@ class StopTokenUntrained(SpecDetector):
                      f"{check.sequences} collated sequences: the model never learns to stop"),
             evidence={"token": check.token, "token_id": fmt(check.token_id),
                       "sequences": fmt(check.sequences), "in_inputs": fmt(check.in_inputs),
-                      "in_labels": "0", "step": "0 (train begin)"},
+                      "in_labels": "0", "outside_loss": fmt(check.outside_loss),
+                      "step": "0 (train begin)"},
         )
 
 

@@ -123,8 +123,12 @@ class CompletionLengthCollapse(_Collapse):
 class DpoLikelihoodCollapse(SpecDetector):
     """DPO pushes chosen and rejected likelihoods down together while the margin grows.
 
-    Over the window both implicit rewards stay below the reference (< 0) and fall, while the
-    margin rises: the loss improves because rejected falls faster, not because chosen rises.
+    Over the window both implicit rewards stay below the reference (< 0) and fall while the
+    margin rises, and chosen's fall is as large as the separation: over the window chosen fell
+    by at least what the margin gained (rejected falls less than twice as fast as chosen), and
+    it lies below the reference by at least the margin. The loss improves by lowering both, not
+    by raising chosen. Likelihood displacement in a healthy run (chosen dips a little, well
+    under the margin it opens, and levels off) stays silent.
     """
 
     spec = DetectorSpec(
@@ -132,11 +136,13 @@ class DpoLikelihoodCollapse(SpecDetector):
         severity=Severity.WARNING,
         summary="Run {run_id}: DPO chosen and rejected rewards are both falling",
         meaning="the likelihood of chosen and rejected answers both drop while the margin "
-        "grows: the model is unlearning both",
+        "grows, chosen by as much as the margin: the model is unlearning both",
         fix="add an NLL term on the chosen answers (`DPOConfig(rpo_alpha=1.0)`), lower the "
         "learning rate or raise `beta`",
         fires_when="over the window DPO's `rewards/chosen` and `rewards/rejected` are both "
-        "below 0 and falling while `rewards/margins` grows",
+        "below 0 and falling while `rewards/margins` grows, and chosen fell by at least the "
+        "margin's growth and lies below minus the margin (a dip smaller than the margin it "
+        "opens, normal likelihood displacement, is left alone)",
         thresholds=(Threshold("dpo_window", "log reports",
                               "log reports in the window over which chosen and rejected "
                               "rewards must both fall (and stay below the reference) while the "
@@ -163,14 +169,20 @@ class DpoLikelihoodCollapse(SpecDetector):
 
         below = all(v < 0 for _, v in chosen) and all(v < 0 for _, v in rejected)
         falling = late(chosen) < early(chosen) and late(rejected) < early(rejected)
-        if not (below and falling and late(margins) > early(margins)):
+        gain = late(margins) - early(margins)
+        if not (below and falling and gain > 0):
+            return Verdict(False)
+        # Chosen's fall is large against the separation, over the window and since the
+        # reference: not a dip that levels off while the margin opens.
+        chosen_fall = early(chosen) - late(chosen)
+        if chosen_fall < gain or -late(chosen) < late(margins):
             return Verdict(False)
         return Verdict(
             True,
             step=chosen[-1][0],
             summary=(f"chosen reward fell {early(chosen):.4g} -> {late(chosen):.4g} and rejected "
                      f"{early(rejected):.4g} -> {late(rejected):.4g} while the margin rose "
-                     f"{early(margins):.4g} -> {late(margins):.4g}"),
+                     f"{early(margins):.4g} -> {late(margins):.4g}: both likelihoods collapse"),
             evidence={"chosen_early": fmt(early(chosen)), "chosen_late": fmt(late(chosen)),
                       "rejected_early": fmt(early(rejected)),
                       "rejected_late": fmt(late(rejected)),

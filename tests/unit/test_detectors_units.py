@@ -112,9 +112,45 @@ def test_dpo_margin_growing_with_chosen_rising_is_healthy() -> None:
                           "rewards/margins": 0.2 * step})
     assert "dpo_likelihood_collapse" not in feed.fired()
     for step in range(8, 12):
-        feed.log(step, **{"rewards/chosen": -0.1 * step, "rewards/rejected": -0.3 * step,
-                          "rewards/margins": 0.2 * step})
+        feed.log(step, **{"rewards/chosen": -0.2 * step, "rewards/rejected": -0.3 * step,
+                          "rewards/margins": 0.1 * step})
     assert "dpo_likelihood_collapse" in feed.fired()
+
+
+def test_dpo_chosen_dipping_and_levelling_off_under_a_growing_margin_is_healthy() -> None:
+    """Likelihood displacement: both rewards below the reference and falling a little while
+    the margin opens well past chosen's dip. Not a collapse."""
+    feed = Feed(Registry(settings=DetectorSettings(dpo_window=4)), trainer="DPOTrainer")
+    chosen = [-0.010, -0.020, -0.026, -0.030, -0.032, -0.033, -0.034]
+    for step, c in enumerate(chosen, start=1):
+        margin = 0.01 * step
+        feed.log(step, **{"rewards/chosen": c, "rewards/rejected": c - margin,
+                          "rewards/margins": margin})
+    assert "dpo_likelihood_collapse" not in feed.fired()
+
+
+def test_a_constant_format_reward_beside_a_varying_one_is_not_zero_reward_variance() -> None:
+    """The advantage comes from the combined reward: a constant shape reward beside a varying
+    one leaves the groups spread (frac_reward_zero_std < 1)."""
+    feed = Feed(Registry(settings=DetectorSettings(zero_reward_logs=3)), config=GRPO)
+    for step in range(1, 8):
+        feed.log(step, frac_reward_zero_std=0.0, reward_std=0.2,
+                 **{"rewards/format/std": 0.0, "rewards/accuracy/std": 0.2})
+    assert "zero_reward_variance" not in feed.fired()
+
+
+def test_without_frac_every_function_constant_is_zero_reward_variance_one_is_not() -> None:
+    feed = Feed(Registry(settings=DetectorSettings(zero_reward_logs=3)), config=GRPO)
+    for step in range(1, 5):
+        feed.log(step, reward_std=0.2, **{"rewards/format/std": 0.0,
+                                          "rewards/accuracy/std": 0.2})
+    assert "zero_reward_variance" not in feed.fired()
+    for step in range(5, 8):
+        feed.log(step, reward_std=0.0, **{"rewards/format/std": 0.0,
+                                          "rewards/accuracy/std": 0.0})
+    finding = feed.registry.findings("r")["zero_reward_variance"]
+    assert finding.firing
+    assert finding.evidence["rewards/format/std"] == finding.evidence["rewards/accuracy/std"]
 
 
 #: An adapter digest "d0" (a real digest names the tensors behind it).
@@ -170,19 +206,42 @@ def test_artifact_verdicts_outlive_the_run_and_files_overrule_memory() -> None:
     assert not findings.get("frozen_weights")  # run-scoped verdicts stay resolved
 
 
-def test_reference_adapter_is_not_idle_but_a_second_adapter_is() -> None:
-    adapters = [pb.AdapterCoverage(name="default", tensors=8, params=1024,
-                                   in_optimizer_tensors=8, active=True),
-                pb.AdapterCoverage(name="ref", tensors=8, params=1024, in_optimizer_tensors=0)]
+def _adapters_at_start(run_id: str, trainer: str, *adapters: pb.AdapterCoverage) -> Registry:
     membership = pb.OptimizerMembership(optimizer_tensors=8, optimizer_params=1024,
-                                        adapters=adapters)
+                                        adapters=list(adapters))
     registry = Registry()
-    registry.ingest(pb.StreamRequest(run_id="grpo", events=[pb.Event(seq=1, run_start=pb.RunStart(
-        trainer="GRPOTrainer", membership=membership))]))
-    assert "inactive_adapter" not in registry.findings("grpo")
-    registry.ingest(pb.StreamRequest(run_id="sft", events=[pb.Event(seq=1, run_start=pb.RunStart(
-        trainer="SFTTrainer", membership=membership))]))
+    registry.ingest(pb.StreamRequest(run_id=run_id, events=[pb.Event(seq=1, run_start=pb.RunStart(
+        trainer=trainer, membership=membership))]))
+    return registry
+
+
+def test_reference_copy_is_not_idle_under_any_trainer_but_a_second_adapter_is() -> None:
+    """TRL's frozen "ref" copy of the trained adapter (DPO, KTO, GRPO, RLOO) is exempt by what
+    it is, whatever the trainer; an adapter named so that is no copy of it is not."""
+    trained = pb.AdapterCoverage(name="default", tensors=8, params=1024, in_optimizer_tensors=8,
+                                 active=True)
+    copy = pb.AdapterCoverage(name="ref", tensors=8, params=1024, in_optimizer_tensors=0)
+    for trainer in ("GRPOTrainer", "KTOTrainer", "SomeFutureTrainer"):
+        registry = _adapters_at_start("r", trainer, trained, copy)
+        assert "inactive_adapter" not in registry.findings("r")
+    other = pb.AdapterCoverage(name="ref", tensors=4, params=256, in_optimizer_tensors=0)
+    registry = _adapters_at_start("sft", "SFTTrainer", trained, other)
     assert registry.findings("sft")["inactive_adapter"].evidence["idle_adapters"] == "ref"
+
+
+def test_an_earlier_adapter_left_frozen_is_not_idle_a_newer_one_is() -> None:
+    """Adapters trained one after another: the earlier one stays frozen while the newer one,
+    activated, trains. The newer one left idle while the earlier trains is F6."""
+    first = pb.AdapterCoverage(name="first", tensors=8, params=1024, in_optimizer_tensors=0)
+    second = pb.AdapterCoverage(name="second", tensors=8, params=1024, in_optimizer_tensors=8,
+                                active=True)
+    registry = _adapters_at_start("seq", "SFTTrainer", first, second)
+    assert "inactive_adapter" not in registry.findings("seq")
+    first_trains = pb.AdapterCoverage(name="first", tensors=8, params=1024,
+                                      in_optimizer_tensors=8, active=True)
+    never = pb.AdapterCoverage(name="second", tensors=8, params=1024, in_optimizer_tensors=0)
+    registry = _adapters_at_start("f6", "SFTTrainer", first_trains, never)
+    assert registry.findings("f6")["inactive_adapter"].evidence["idle_adapters"] == "second"
 
 
 def test_stall_clock_starts_when_the_rank_is_heard_not_at_run_creation() -> None:
@@ -320,6 +379,26 @@ def test_start_fact_detectors_wait_for_the_start_and_stay_silent_without_their_f
     run.start = pb.RunStart(trainer="SFTTrainer")
     assert [d.evaluate(run, settings) for d in detectors] == [Verdict(False)] * 4
     run.start = pb.RunStart(trainer="SFTTrainer", dataset_rows=pb.DatasetRows(given=32, kept=2),
-                            stop_token=pb.StopTokenCheck(sequences=4, in_labels=0, token="<eos>"))
+                            stop_token=pb.StopTokenCheck(sequences=4, in_inputs=4, in_labels=0,
+                                                         token="<eos>"))
     fired = [d.spec.id for d in detectors if (v := d.evaluate(run, settings)) and v.firing]
     assert fired == ["stop_token_untrained", "dataset_shrunk"]
+
+
+def test_no_stop_token_in_raw_text_is_pretraining_in_a_masked_prompt_run_it_fires() -> None:
+    """No stop token anywhere in the data: raw text trained on every token (continued
+    pre-training) has nothing to stop; a run whose loss leaves the prompt out trains answers
+    that must end."""
+    from deadweight.sidecar.detectors.base import Verdict
+    from deadweight.sidecar.detectors.start_facts import StopTokenUntrained
+    from deadweight.sidecar.model.run_state import RunState
+
+    run = RunState("r")
+    raw = pb.StopTokenCheck(sequences=8, in_inputs=0, in_labels=0, full_rows=2, outside_loss=0)
+    run.start = pb.RunStart(trainer="Trainer", stop_token=raw)
+    assert StopTokenUntrained().evaluate(run, DetectorSettings()) == Verdict(False)
+    masked = pb.StopTokenCheck(sequences=8, in_inputs=0, in_labels=0, full_rows=2,
+                               outside_loss=40)
+    run.start = pb.RunStart(trainer="Trainer", stop_token=masked)
+    verdict = StopTokenUntrained().evaluate(run, DetectorSettings())
+    assert verdict is not None and verdict.firing and verdict.evidence["outside_loss"] == "40"

@@ -110,20 +110,22 @@ class RunStart(_message.Message):
     def __init__(self, trainer: _Optional[str] = ..., world_size: _Optional[int] = ..., output_dir: _Optional[str] = ..., config: _Optional[_Mapping[str, float]] = ..., config_text: _Optional[_Mapping[str, str]] = ..., versions: _Optional[_Mapping[str, str]] = ..., membership: _Optional[_Union[OptimizerMembership, _Mapping]] = ..., preflight: _Optional[_Union[Preflight, _Mapping]] = ..., initial_adapter: _Optional[_Union[AdapterDigest, _Mapping]] = ..., attestation: _Optional[str] = ..., sharded: _Optional[bool] = ..., host: _Optional[str] = ..., wrapper: _Optional[str] = ..., requested_wrapper: _Optional[str] = ..., stop_token: _Optional[_Union[StopTokenCheck, _Mapping]] = ..., heads: _Optional[_Union[HeadCheck, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., trainable_params_by_dtype: _Optional[_Mapping[str, int]] = ..., dataset_rows: _Optional[_Union[DatasetRows, _Mapping]] = ...) -> None: ...
 
 class StopTokenCheck(_message.Message):
-    __slots__ = ("token", "token_id", "sequences", "in_inputs", "in_labels", "full_rows")
+    __slots__ = ("token", "token_id", "sequences", "in_inputs", "in_labels", "full_rows", "outside_loss")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     IN_INPUTS_FIELD_NUMBER: _ClassVar[int]
     IN_LABELS_FIELD_NUMBER: _ClassVar[int]
     FULL_ROWS_FIELD_NUMBER: _ClassVar[int]
+    OUTSIDE_LOSS_FIELD_NUMBER: _ClassVar[int]
     token: str
     token_id: int
     sequences: int
     in_inputs: int
     in_labels: int
     full_rows: int
-    def __init__(self, token: _Optional[str] = ..., token_id: _Optional[int] = ..., sequences: _Optional[int] = ..., in_inputs: _Optional[int] = ..., in_labels: _Optional[int] = ..., full_rows: _Optional[int] = ...) -> None: ...
+    outside_loss: int
+    def __init__(self, token: _Optional[str] = ..., token_id: _Optional[int] = ..., sequences: _Optional[int] = ..., in_inputs: _Optional[int] = ..., in_labels: _Optional[int] = ..., full_rows: _Optional[int] = ..., outside_loss: _Optional[int] = ...) -> None: ...
 
 class HeadCheck(_message.Message):
     __slots__ = ("heads", "new_heads", "saved_heads", "trainable_heads")

@@ -8,7 +8,9 @@ client library does), at under 1 us per line: a sample's labels are spelled once
 The endpoint faces anything that can reach its port (the manifest serves it on 0.0.0.0), so
 slow clients must not blind it: it is one event loop, where an open connection costs no
 thread; each source address may hold ``MAX_PER_SOURCE`` connections (more are answered 503
-and closed at once, counted in ``deadweight_metrics_http_refused_total``), and a request head
+and closed at once, counted in ``deadweight_metrics_http_refused_total``), all sources
+``MAX_CONNECTIONS``, shared fairly (``_Connections``: a scraper is never crowded out by many
+sources at their own cap), and a request head
 must arrive whole within ``HEAD_DEADLINE_SECONDS`` (one deadline, not one per read), so a
 source trickling hundreds of half-sent requests holds at most its few slots for a few
 seconds while every other source is scraped as usual.
@@ -22,7 +24,6 @@ import asyncio
 import math
 import socket
 import threading
-from collections import Counter
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -220,23 +221,47 @@ class SharedRender:
 
 
 class _Connections:
-    """Open connections by source address: what the per-source and total caps count."""
+    """Open connections by source address: what the per-source and total caps count.
+
+    The total cap is shared fairly: when it is full, a newcomer whose source would hold fewer
+    connections than the source holding the most takes that source's oldest connection (it
+    is cancelled). So many sources each at their own cap (125 loopback addresses, 8 slow
+    connections each) cannot crowd out a scraper that holds one or two.
+    """
 
     def __init__(self) -> None:
-        self.by_source: Counter[str] = Counter()
+        self.by_source: dict[str, list[asyncio.Task[None]]] = {}
         self.total = 0
+        #: Connections cancelled to let a source holding fewer in.
+        self.evicted = 0
 
-    def admit(self, source: str) -> bool:
-        if self.total >= MAX_CONNECTIONS or self.by_source[source] >= MAX_PER_SOURCE:
+    def admit(self, source: str, task: asyncio.Task[None]) -> bool:
+        held = self.by_source.get(source, [])
+        if len(held) >= MAX_PER_SOURCE:
             return False
-        self.by_source[source] += 1
+        if self.total >= MAX_CONNECTIONS and not self._evict_for(len(held)):
+            return False
+        self.by_source.setdefault(source, []).append(task)
         self.total += 1
         return True
 
-    def leave(self, source: str) -> None:
+    def _evict_for(self, held: int) -> bool:
+        """Cancel the oldest connection of the source holding the most, when it holds more
+        than the newcomer's source would after admission; False when none does."""
+        most = max(self.by_source.values(), key=len, default=[])
+        if len(most) <= held + 1:
+            return False
+        most[0].cancel()  # its own clean-up (``leave``) runs when it is cancelled
+        self.evicted += 1
+        return True
+
+    def leave(self, source: str, task: asyncio.Task[None]) -> None:
+        held = self.by_source.get(source)
+        if held is None or task not in held:
+            return
+        held.remove(task)
         self.total -= 1
-        self.by_source[source] -= 1
-        if not self.by_source[source]:
+        if not held:
             del self.by_source[source]
 
 
@@ -289,7 +314,9 @@ class MetricsServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
         source = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
-        if not self._connections.admit(source):
+        task = asyncio.current_task()
+        assert task is not None  # a connection's handler always runs as a task
+        if not self._connections.admit(source, task):
             self.refused += 1
             writer.write(_BUSY)
             await self._close(writer)
@@ -297,10 +324,10 @@ class MetricsServer:
         try:
             while await self._one_request(reader, writer):
                 pass
-        except (OSError, asyncio.TimeoutError):
-            pass  # a client that hangs up or stops reading is not an error of the sidecar
+        except (OSError, asyncio.TimeoutError, asyncio.CancelledError):
+            pass  # a client that hangs up or stops reading (or gave up its slot) is no error
         finally:
-            self._connections.leave(source)
+            self._connections.leave(source, task)
             await self._close(writer)
 
     async def _one_request(self, reader: asyncio.StreamReader,
@@ -376,7 +403,12 @@ class MetricsServer:
             f"/metrics connections closed because the request head did not arrive within "
             f"{HEAD_DEADLINE_SECONDS:g} s.")
         slow.add_metric([], float(self.timed_out))
-        return [refused, slow]
+        evicted = CounterMetricFamily(
+            "deadweight_metrics_http_evicted",
+            f"/metrics connections closed, when all sources held {MAX_CONNECTIONS}, to let in "
+            "a source holding fewer (the oldest of the source holding the most).")
+        evicted.add_metric([], float(self._connections.evicted))
+        return [refused, slow, evicted]
 
     def stop(self) -> None:
         async def close() -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from deadweight.demo.sidecar_process import SidecarProcess
-from deadweight.sidecar.exposition.http import MAX_PER_SOURCE
+from deadweight.sidecar.exposition.http import MAX_CONNECTIONS, MAX_PER_SOURCE
 from tests.support.faults import metric_value
 from tests.support.realprocs import wait_for
 
@@ -134,3 +134,69 @@ def test_a_source_past_its_cap_gets_503_and_its_slots_come_back(
     finally:
         for conn in held:
             conn.close()
+
+
+#: Many sources at their own cap: every address in 127.0.0.2..127.0.0.(1+sources) holds
+#: MAX_PER_SOURCE half-sent requests, reconnecting whatever the sidecar closes.
+MANY = """
+import socket, sys, time
+port, sources, per, seconds = (int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]),
+                               float(sys.argv[4]))
+def connect(source):
+    s = socket.socket()
+    s.bind((f"127.0.0.{2 + source}", 0))
+    s.settimeout(2)
+    s.connect(("127.0.0.1", port))
+    s.setblocking(False)
+    s.send(b"GET /metrics HTTP/1.1\\r\\n")  # a head that never ends
+    return s
+conns = [[i % sources, connect(i % sources)] for i in range(sources * per)]
+print("holding", flush=True)
+deadline = time.monotonic() + seconds
+while time.monotonic() < deadline:
+    for c in conns:
+        try:
+            if c[1].recv(1) == b"":
+                raise OSError
+        except BlockingIOError:
+            continue
+        except OSError:
+            pass
+        c[1].close()
+        try:
+            c[1] = connect(c[0])
+        except OSError:
+            c[1] = socket.socket()
+    time.sleep(0.2)
+"""
+
+
+def test_many_sources_at_their_cap_do_not_crowd_out_the_scraper(
+    sidecar: SidecarProcess,
+) -> None:
+    """1000 slow connections from 125 loopback addresses (8 each, the per-source cap) used to
+    fill the global cap of 512: only 5-9 of ~26 scrapes from Prometheus' address got 200. The
+    total is now shared fairly: a source holding one connection takes a slot from the source
+    holding the most, so every scrape is answered while the flood holds the rest."""
+    port = sidecar.metrics_port
+    sources, seconds = 125, 20.0
+    refused_before = _counter(sidecar.metrics(), "deadweight_metrics_http_refused_total")
+    attacker = subprocess.Popen([sys.executable, "-c", MANY, str(port), str(sources),
+                                 str(MAX_PER_SOURCE), str(seconds)],
+                                stdout=subprocess.PIPE, text=True)
+    try:
+        assert attacker.stdout is not None
+        assert attacker.stdout.readline().strip() == "holding"
+        answered = [_get(port)[0] for _ in range(26)]
+        assert answered == [200] * 26
+    finally:
+        attacker.kill()
+        attacker.wait()
+    # The flood really filled the total: no source passed its own cap, so every refusal
+    # was the total's (1000 connections for 512 slots).
+    refused = _counter(sidecar.metrics(), "deadweight_metrics_http_refused_total")
+    assert refused - refused_before >= sources * MAX_PER_SOURCE - MAX_CONNECTIONS
+
+
+def _counter(text: str, name: str) -> float:
+    return next(float(x.split()[-1]) for x in text.splitlines() if x.startswith(name + " "))

@@ -35,7 +35,7 @@ from ..proto.transport import (
     open_channel,
     unix_socket_path,
 )
-from .digest import AdapterDigest
+from .digest import AdapterDigest, EmbeddingLayers
 from .stream_client import fetch_attestation
 
 log = logging.getLogger("deadweight")
@@ -173,7 +173,9 @@ class _SavingMethod:
             result = type(model).save_pretrained(model, save_directory, *args, **kwargs)
         if writer is not None and kwargs.get("is_main_process", True):
             try:
-                writer.write(Path(save_directory), model)
+                # The summary's digest describes the files as this save wrote them.
+                writer.write(Path(save_directory), model,
+                             kwargs.get("save_embedding_layers", "auto"))
             except Exception:  # the save itself succeeded: never fail it for us
                 log.warning("deadweight: writing the run summary into %s failed",
                             save_directory, exc_info=True)
@@ -189,13 +191,14 @@ class _SavingMethod:
 
 class SummaryOnSave:
     """Wraps ``model.save_pretrained`` on the instance: after every save of the adapter (a
-    checkpoint, ``trainer.save_model(dir)``, a direct call), ``write(dir, model)`` runs.
+    checkpoint, ``trainer.save_model(dir)``, a direct call), ``write(dir, model,
+    save_embedding_layers)`` runs, with the save's own ``save_embedding_layers``.
 
     Installed again on the same model (a second run with a new callback), the writer is
     replaced, not stacked, so a save writes one summary, the newest run's.
     """
 
-    def __init__(self, write: Callable[[Path, Any], None]) -> None:
+    def __init__(self, write: Callable[[Path, Any, EmbeddingLayers], None]) -> None:
         self.write = write
 
     def install(self, model: Any) -> bool:

@@ -13,7 +13,10 @@ saved to, the digest of the adapter in memory and a fresh attestation nonce; the
 the files there itself, signs only if they are those bytes, and fills in the verdicts,
 actions and end reason from its own state and signs. When it cannot (no sidecar, TCP, an old
 sidecar), the summary is written unsigned with the verdicts of ``Status`` and the reason, so
-a gate can tell "no verdict" from "no problem". Asking takes at most ``timeout`` seconds.
+a gate can tell "no verdict" from "no problem". The output folder at train end often holds
+no adapter (only ``checkpoint-*`` folders): its summary is the run's record, unsigned without
+asking (the sidecar signs only adapter files it read) and without a warning, which is kept
+for an adapter a gate would refuse. Asking takes at most ``timeout`` seconds.
 """
 
 from __future__ import annotations
@@ -118,6 +121,12 @@ def unsigned_summary(run_id: str, step: int, adapter: AdapterDigest,
                       ended=False if status is None else status.ended)
 
 
+#: The files a save of an adapter writes (safetensors, or the pickle of an unsafe save).
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+#: Why the run's summary in a folder without adapter files (its output folder) is unsigned.
+NO_ADAPTER_HERE = ("no adapter files in this folder: the run's verdicts only (the sidecar "
+                   "signs a summary beside the adapter files it read)")
+
 #: Runs already warned about an unsigned summary.
 _WARNED_UNSIGNED: set[str] = set()
 
@@ -128,16 +137,22 @@ def write_beside(folder: Path, adapter: AdapterDigest, run_id: str, step: int, a
     Never raises for a sidecar or disk problem: it is logged and the save goes on."""
     if not adapter.tensors or not folder.is_dir():
         return None  # not an adapter run, or the folder is gone
-    body, signature, why = fetch_signed(address, run_id, token, tls_root, adapter, step,
-                                        timeout, folder)
+    holds_adapter = any((folder / name).is_file() for name in ADAPTER_FILES)
+    if holds_adapter:
+        body, signature, why = fetch_signed(address, run_id, token, tls_root, adapter, step,
+                                            timeout, folder)
+    else:  # the run's record in its output folder: the sidecar signs only adapter files
+        body, signature, why = None, None, NO_ADAPTER_HERE
     if body is None:
         status, sidecar = fetch_verdicts(address, run_id, token, tls_root, timeout)
         body = unsigned_summary(run_id, step, adapter, status, sidecar).body()
-        # Said once per run, and only when the sidecar answers otherwise: an unreachable one
-        # has been warned about already, and the unsigned summary says so itself.
-        answered = sidecar == "answered" and run_id not in _WARNED_UNSIGNED
+        # Said once per run, only beside an adapter a gate would refuse, and only when the
+        # sidecar answers otherwise: an unreachable one has been warned about already, and
+        # the unsigned summary says so itself.
+        answered = sidecar == "answered" and holds_adapter and run_id not in _WARNED_UNSIGNED
         level = logging.WARNING if answered else logging.DEBUG
-        _WARNED_UNSIGNED.add(run_id)
+        if answered:
+            _WARNED_UNSIGNED.add(run_id)
         log.log(level, "deadweight: the summary beside %s is not signed by the sidecar (%s); "
                 "a gate that requires signed summaries will refuse this adapter", folder, why)
     try:

@@ -14,6 +14,7 @@ that is not the run's.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import stat
@@ -269,7 +270,8 @@ def test_only_the_runs_own_process_gets_its_summary_signed(
 
 
 def test_the_runs_own_process_gets_no_signature_over_a_digest_its_files_do_not_have(
-    day2: dict[str, Path], signing: tuple[SidecarProcess, Path], tmp_path: Path
+    day2: dict[str, Path], signing: tuple[SidecarProcess, Path], tmp_path: Path,
+    caplog: pytest.LogCaptureFixture
 ) -> None:
     """The forgery: the healthy run's own process asks for its summary over the frozen
     adapter's digest (to lay a healthy signed summary beside the frozen adapter), naming its
@@ -284,8 +286,13 @@ def test_the_runs_own_process_gets_no_signature_over_a_digest_its_files_do_not_h
     frozen_claim = _claim(day2["frozen"])
     assert frozen_claim.combined != _claim(day2["healthy"]).combined
     forged = _copy_adapter(day2["healthy"], tmp_path / "forged", with_summary=False)
-    path = write_beside(forged, frozen_claim, run, 6, sidecar.address, None, None, 10.0)
+    with caplog.at_level(logging.WARNING, logger="deadweight"):
+        path = write_beside(forged, frozen_claim, run, 6, sidecar.address, None, None, 10.0)
     assert path is not None
+    # Beside a real adapter, an unsigned summary is said, naming that adapter's folder (the
+    # run's first such warning: its training wrote none about its output folder).
+    warned = [r.getMessage() for r in caplog.records if "is not signed" in r.getMessage()]
+    assert len(warned) == 1 and f"the summary beside {forged} is not signed" in warned[0], warned
     document = json.loads(path.read_text())
     assert document["signature"] is None
     assert "refused" in document["unsigned_because"]

@@ -191,7 +191,9 @@ def check(inspection: CheckpointInspection, summary_path: Path | None,
              *_verdicts(summary)]
     if summary.sidecar != "answered":
         found.append((NO_VERDICTS, "warning", Verdict(
-            True, summary=f"run {summary.run_id} has no verdicts: {summary.sidecar}",
+            True, summary=f"run {summary.run_id} was never judged by a sidecar, its summary "
+            f"holds no verdicts ({summary.sidecar}): no problem found is not judged healthy "
+            "(exit status 3)",
             evidence={"run_id": summary.run_id})))
     return GateResult(found, notes)
 

@@ -181,7 +181,7 @@ def test_status_says_which_verdict_stopped_a_run(stopping_sidecar: SidecarProces
     assert "root cause empty_optimizer" in line  # the trigger is its symptom
     assert f"action   stop for frozen_weights at step {stops[0].step}: sent" in done.stdout
     frozen = next(f for f in run.findings if f.detector == "frozen_weights")
-    assert f"fired at step {frozen.step}: weights unchanged" in done.stdout
+    assert f"fired at step {frozen.step}; latest: weights unchanged" in done.stdout
 
 
 @pytest.mark.slow

@@ -39,7 +39,8 @@ def test_status_shows_runs_and_verdicts(sidecar: SidecarProcess) -> None:
     # A start without optimizer membership reads as an empty optimizer: a live verdict.
     assert re.search(r"^cli-status +SFTTrainer +1 +3 +\d+s  running; FIRING empty_optimizer$",
                      result.stdout, re.MULTILINE), result.stdout
-    assert "  FIRING   empty_optimizer [critical, policy page] fired at step 0: " in result.stdout
+    assert ("  FIRING   empty_optimizer [critical, policy page] fired at step 0; latest: "
+            in result.stdout)
     assert "      optimizer_params = 0\n" in result.stdout
     text = render(pb.StatusResponse(runs=[pb.RunStatus(
         run_id="r1", trainer="SFTTrainer", ranks=[0], step=7, wrapper="fsdp2", sharded=True,
@@ -48,6 +49,17 @@ def test_status_shows_runs_and_verdicts(sidecar: SidecarProcess) -> None:
             summary="weights unchanged", evidence={"update_norm": "0"}, policy="page")])]))
     assert "r1" in text and "FIRING frozen_weights" in text and "update_norm = 0" in text
     assert "wrapper fsdp2, sharded" in text
+    # A verdict that fired at one checkpoint and still fires at a later one: the step it
+    # fired at and the latest reading are told apart, never one "fired at step 10: ...
+    # step 30" sentence.
+    later = render(pb.StatusResponse(runs=[pb.RunStatus(
+        run_id="r2", trainer="SFTTrainer", ranks=[0], step=30, findings=[pb.Finding(
+            detector="checkpoint_unchanged", severity="critical", firing=True, step=10,
+            summary="checkpoint at step 30 is byte-identical to the initial adapter",
+            policy="page")])]))
+    assert ("checkpoint_unchanged [critical, policy page] fired at step 10; latest: "
+            "checkpoint at step 30 is byte-identical to the initial adapter") in later, later
+    assert "fired at step 10: " not in later
 
 
 def test_status_against_a_dead_socket_is_a_clear_error(tmp_path: Path) -> None:

@@ -113,6 +113,8 @@ def test_day2_frozen_resume_fails_the_gate_and_its_healthy_twin_passes(
     out = frozen.stdout
     assert f"FAIL  {day2['frozen']}" in out
     assert "empty_optimizer (firing at end" in out and "frozen_weights (firing at end" in out
+    # The step each verdict fired at, then its latest reading: one moment each.
+    assert "empty_optimizer (firing at end, critical): fired at step 0; latest: " in out
     assert out.index("empty_optimizer (") < out.index("frozen_weights (")  # cause first
     # Each verdict says what to do, in the detector's own words (the console's fix).
     cause = out.index("empty_optimizer (")

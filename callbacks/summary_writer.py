@@ -121,8 +121,9 @@ def unsigned_summary(run_id: str, step: int, adapter: AdapterDigest,
                       ended=False if status is None else status.ended)
 
 
-#: The files a save of an adapter writes (safetensors, or the pickle of an unsafe save).
-ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+#: The weights files beside which a summary speaks of an adapter: a PEFT save's (safetensors,
+#: or the pickle of an unsafe save) and the one other file the sidecar reads as an adapter.
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin", "model.safetensors")
 #: Why the run's summary in a folder without adapter files (its output folder) is unsigned.
 NO_ADAPTER_HERE = ("no adapter files in this folder: the run's verdicts only (the sidecar "
                    "signs a summary beside the adapter files it read)")

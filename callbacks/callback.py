@@ -323,10 +323,12 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
         for folder, adapter in folders:
             self._summary_at(folder, adapter)
 
-    def _summary_beside(self, folder: Path, model: Any) -> None:
-        """After any save of the adapter (the wrapped ``save_pretrained``): its summary."""
+    def _summary_beside(self, folder: Path, model: Any,
+                        embedding_layers: digest.EmbeddingLayers = "auto") -> None:
+        """After any save of the adapter (the wrapped ``save_pretrained``): its summary, over
+        the tensors that save wrote (``save_embedding_layers``)."""
         if self.run_id and not self._disabled:
-            self._summary_at(folder, digest.digest_adapter(model))
+            self._summary_at(folder, digest.digest_adapter(model, embedding_layers))
 
     def _summary_at(self, folder: Path, adapter: digest.AdapterDigest) -> None:
         promotion.write_beside(folder, adapter, str(self.run_id), self._step, self.address,

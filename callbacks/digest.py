@@ -8,10 +8,14 @@ identical bytes; norms or float sums would miss small updates.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import xxhash
+
+#: PEFT's ``save_embedding_layers``: whether a save writes the embedding layers too ("auto":
+#: when they are targeted or were resized). A digest must follow the save it describes.
+EmbeddingLayers = bool | Literal["auto"]
 
 
 @dataclass(frozen=True)
@@ -37,21 +41,25 @@ def combine(tensors: dict[str, str]) -> str:
     return h.hexdigest()
 
 
-def adapter_state(model: Any) -> dict[str, torch.Tensor]:
-    """The tensors PEFT would save for the active adapter, under their saved names."""
+def adapter_state(model: Any, embedding_layers: EmbeddingLayers = "auto"
+                  ) -> dict[str, torch.Tensor]:
+    """The tensors PEFT would save for the active adapter, under their saved names, by a
+    ``save_pretrained(dir, save_embedding_layers=embedding_layers)``."""
     if not isinstance(getattr(model, "peft_config", None), dict):
         return {}
     from peft import get_peft_model_state_dict
 
     active = getattr(model, "active_adapter", "default")
     name = active if isinstance(active, str) else "default"
-    state: dict[str, torch.Tensor] = get_peft_model_state_dict(model, adapter_name=name)
+    state: dict[str, torch.Tensor] = get_peft_model_state_dict(
+        model, adapter_name=name, save_embedding_layers=embedding_layers)
     return state
 
 
-def digest_adapter(model: Any) -> AdapterDigest:
-    """Digest of the adapter that a save of model would write now (empty for plain models)."""
-    state = adapter_state(model)
+def digest_adapter(model: Any, embedding_layers: EmbeddingLayers = "auto") -> AdapterDigest:
+    """Digest of the adapter that a save of model would write now (empty for plain models),
+    with the save's ``save_embedding_layers`` (a head or embedding saved or left out)."""
+    state = adapter_state(model, embedding_layers)
     tensors = {name: tensor_digest(t) for name, t in state.items()}
     size = sum(t.numel() * t.element_size() for t in state.values())
     return AdapterDigest(combine(tensors), tensors, size)

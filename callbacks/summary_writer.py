@@ -13,7 +13,10 @@ saved to, the digest of the adapter in memory and a fresh attestation nonce; the
 the files there itself, signs only if they are those bytes, and fills in the verdicts,
 actions and end reason from its own state and signs. When it cannot (no sidecar, TCP, an old
 sidecar), the summary is written unsigned with the verdicts of ``Status`` and the reason, so
-a gate can tell "no verdict" from "no problem". Asking takes at most ``timeout`` seconds.
+a gate can tell "no verdict" from "no problem". The output folder at train end often holds
+no adapter (only ``checkpoint-*`` folders): its summary is the run's record, unsigned without
+asking (the sidecar signs only adapter files it read) and without a warning, which is kept
+for an adapter a gate would refuse. Asking takes at most ``timeout`` seconds.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from ..proto.transport import (
     open_channel,
     unix_socket_path,
 )
-from .digest import AdapterDigest
+from .digest import AdapterDigest, EmbeddingLayers
 from .stream_client import fetch_attestation
 
 log = logging.getLogger("deadweight")
@@ -118,6 +121,13 @@ def unsigned_summary(run_id: str, step: int, adapter: AdapterDigest,
                       ended=False if status is None else status.ended)
 
 
+#: The weights files beside which a summary speaks of an adapter: a PEFT save's (safetensors,
+#: or the pickle of an unsafe save) and the one other file the sidecar reads as an adapter.
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin", "model.safetensors")
+#: Why the run's summary in a folder without adapter files (its output folder) is unsigned.
+NO_ADAPTER_HERE = ("no adapter files in this folder: the run's verdicts only (the sidecar "
+                   "signs a summary beside the adapter files it read)")
+
 #: Runs already warned about an unsigned summary.
 _WARNED_UNSIGNED: set[str] = set()
 
@@ -128,16 +138,22 @@ def write_beside(folder: Path, adapter: AdapterDigest, run_id: str, step: int, a
     Never raises for a sidecar or disk problem: it is logged and the save goes on."""
     if not adapter.tensors or not folder.is_dir():
         return None  # not an adapter run, or the folder is gone
-    body, signature, why = fetch_signed(address, run_id, token, tls_root, adapter, step,
-                                        timeout, folder)
+    holds_adapter = any((folder / name).is_file() for name in ADAPTER_FILES)
+    if holds_adapter:
+        body, signature, why = fetch_signed(address, run_id, token, tls_root, adapter, step,
+                                            timeout, folder)
+    else:  # the run's record in its output folder: the sidecar signs only adapter files
+        body, signature, why = None, None, NO_ADAPTER_HERE
     if body is None:
         status, sidecar = fetch_verdicts(address, run_id, token, tls_root, timeout)
         body = unsigned_summary(run_id, step, adapter, status, sidecar).body()
-        # Said once per run, and only when the sidecar answers otherwise: an unreachable one
-        # has been warned about already, and the unsigned summary says so itself.
-        answered = sidecar == "answered" and run_id not in _WARNED_UNSIGNED
+        # Said once per run, only beside an adapter a gate would refuse, and only when the
+        # sidecar answers otherwise: an unreachable one has been warned about already, and
+        # the unsigned summary says so itself.
+        answered = sidecar == "answered" and holds_adapter and run_id not in _WARNED_UNSIGNED
         level = logging.WARNING if answered else logging.DEBUG
-        _WARNED_UNSIGNED.add(run_id)
+        if answered:
+            _WARNED_UNSIGNED.add(run_id)
         log.log(level, "deadweight: the summary beside %s is not signed by the sidecar (%s); "
                 "a gate that requires signed summaries will refuse this adapter", folder, why)
     try:
@@ -173,7 +189,9 @@ class _SavingMethod:
             result = type(model).save_pretrained(model, save_directory, *args, **kwargs)
         if writer is not None and kwargs.get("is_main_process", True):
             try:
-                writer.write(Path(save_directory), model)
+                # The summary's digest describes the files as this save wrote them.
+                writer.write(Path(save_directory), model,
+                             kwargs.get("save_embedding_layers", "auto"))
             except Exception:  # the save itself succeeded: never fail it for us
                 log.warning("deadweight: writing the run summary into %s failed",
                             save_directory, exc_info=True)
@@ -189,13 +207,14 @@ class _SavingMethod:
 
 class SummaryOnSave:
     """Wraps ``model.save_pretrained`` on the instance: after every save of the adapter (a
-    checkpoint, ``trainer.save_model(dir)``, a direct call), ``write(dir, model)`` runs.
+    checkpoint, ``trainer.save_model(dir)``, a direct call), ``write(dir, model,
+    save_embedding_layers)`` runs, with the save's own ``save_embedding_layers``.
 
     Installed again on the same model (a second run with a new callback), the writer is
     replaced, not stacked, so a save writes one summary, the newest run's.
     """
 
-    def __init__(self, write: Callable[[Path, Any], None]) -> None:
+    def __init__(self, write: Callable[[Path, Any, EmbeddingLayers], None]) -> None:
         self.write = write
 
     def install(self, model: Any) -> bool:

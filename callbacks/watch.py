@@ -155,12 +155,14 @@ class Monitor:
         self._summary_beside(folder if folder.is_dir() else folder.parent,
                              layout.unwrap_model(self.model))
 
-    def _summary_beside(self, folder: Path, model: Any) -> None:
+    def _summary_beside(self, folder: Path, model: Any,
+                        embedding_layers: digest.EmbeddingLayers = "auto") -> None:
         """The run's signed summary beside an adapter the loop saved (rank 0; also after
-        ``close``: a loop saves its final adapter after the loop)."""
+        ``close``: a loop saves its final adapter after the loop), over the tensors that save
+        wrote (``save_embedding_layers``)."""
         if self._disabled or self._rank != 0:
             return
-        promotion.write_beside(folder, digest.digest_adapter(model),
+        promotion.write_beside(folder, digest.digest_adapter(model, embedding_layers),
                                self.run_id, self.step, self._run.address, self._run.token,
                                self._run.tls_root(), timeout=SUMMARY_TIMEOUT_SECONDS)
 

@@ -71,7 +71,7 @@ def _gate_options(args: argparse.Namespace) -> GateOptions:
 
 def _inspect(args: argparse.Namespace) -> int:
     from .checkpoints.inspector import NotACheckpoint
-    from .inspect import audit, render
+    from .inspect import audit, exit_status, render
 
     try:
         gate = _gate_options(args)
@@ -82,7 +82,7 @@ def _inspect(args: argparse.Namespace) -> int:
         print(f"deadweight inspect: {err}", file=sys.stderr)
         return 2
     print(render(results))
-    return 1 if any(r.failed for r in results) else 0
+    return exit_status(results)
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -137,9 +137,16 @@ def build_parser(*more_commands: Callable[[Commands], None]) -> argparse.Argumen
     cli_runs.add_runs(commands, f"unix://{DEFAULT_SOCKET}")
 
     inspect = commands.add_parser(
-        "inspect", help="audit checkpoint folders or adapter files offline (exit 1 on findings)")
+        "inspect", help="audit checkpoint folders or adapter files offline (exit 1 on findings)",
+        description="Audit checkpoint folders or adapter files offline: a promotion gate.",
+        epilog="exit status: 0 every adapter passes; 1 one fails the gate; 2 a path is not a "
+        "checkpoint, or a flag is wrong; 3 none fails, but a run summary holds no verdicts "
+        "(written without a sidecar: the run was never judged; UNJUDGED in the listing). "
+        "A gate that accepts only judged runs treats 3 as a failure.")
     inspect.add_argument("paths", nargs="+", metavar="PATH",
-                         help="checkpoint folders or .safetensors files, oldest first")
+                         help="checkpoint folders or .safetensors files, oldest first; a "
+                         "run's output folder stands for its checkpoint-<step> folders and "
+                         "the adapter folders under it (final/)")
     inspect.add_argument("--initial", default=None, metavar="PATH",
                          help="the adapter the run started from: flag checkpoints equal to it")
     inspect.add_argument("--setting", action="append", type=setting, metavar="NAME=VALUE",

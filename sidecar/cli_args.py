@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+import difflib
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from .actions import links as alert_links
 
 if TYPE_CHECKING:
     from .model.settings import DetectorSettings
+
+
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the known name closest to a mistyped one, else ""."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def url_pattern(allowed: frozenset[str]) -> Callable[[str], str]:
@@ -33,8 +40,9 @@ def setting(text: str) -> tuple[str, float]:
     name, sep, value = text.partition("=")
     fields = {f.name: f for f in dataclasses.fields(DetectorSettings)}
     if not sep or name not in fields:
+        unknown = f"unknown setting {name!r}{did_you_mean(name, fields)}; " if sep else ""
         raise argparse.ArgumentTypeError(
-            f"expected NAME=VALUE with NAME one of: {', '.join(sorted(fields))}")
+            f"{unknown}expected NAME=VALUE with NAME one of: {', '.join(sorted(fields))}")
     try:
         return name, float(value)
     except ValueError:

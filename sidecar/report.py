@@ -150,12 +150,12 @@ def headline(record: RunRecord, runbook_url_pattern: str = DEFAULT_RUNBOOK_URL_P
                         "optimizer steps; no critical or warning verdict", None, "", "", [])
     root = verdicts[0]
     if any(v.severity == "critical" for v in verdicts):
-        css, title = "bad", f"NOT LEARNING: root cause {root.detector} (step {root.step})"
+        css, title = "bad", f"NOT LEARNING: root cause {root.detector} (fired at step {root.step})"
         if stopped:
             title += (f"; deadweight stopped the run ({stopped[0].action} for "
                       f"{stopped[0].detector})")
     else:
-        css, title = "warn", f"WARNING: {root.detector} (step {root.step})"
+        css, title = "warn", f"WARNING: {root.detector} (fired at step {root.step})"
     return Headline(css, title, root, fix_sentence(root.detector),
                     runbook_url(runbook_url_pattern, root.detector), verdicts[1:])
 
@@ -185,7 +185,8 @@ def _banner(top: Headline, run: StoredRun) -> str:
         parts.append(f"<p class=runbook><b>Runbook:</b> <a href=\"{url}\">{url}</a> "
                      "(also <a href=\"#runbook\">at the end of this page</a>)</p>")
     if top.others:
-        listed = ", ".join(f"{html.escape(i.detector)} (step {i.step})" for i in top.others)
+        listed = ", ".join(f"{html.escape(i.detector)} (fired at step {i.step})"
+                           for i in top.others)
         parts.append(f"<p class=others>Also fired, in cause order: {listed}</p>")
     parts.append("</section>")
     return "\n".join(parts)
@@ -289,7 +290,8 @@ def render(record: RunRecord, frozen_ratio_floor: float = 0.01,
         parts += ["<h2>Per-module movement</h2>", _module_note(movement), modules]
     parts += [
         "<h2>Verdicts (root causes first)</h2>",
-        _table(("detector", "severity", "policy", "step", "fired", "state", "summary",
+        _table(("detector", "severity", "policy", "fired at step", "fired", "state",
+                "latest summary",
                 "evidence (at firing, latest where it differs)"), [
             (i.detector, i.severity, i.policy, str(i.step), _when(i.fired_at),
              verdict_state(i, run), i.summary, evidence_text(i)) for i in verdicts_of(record)]),

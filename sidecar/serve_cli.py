@@ -10,14 +10,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .actions import links as alert_links
-from .cli_args import setting, settings, url_pattern
+from .cli_args import did_you_mean, setting, settings, url_pattern
 from .detectors import BY_ID
 from .detectors.base import Policy
 
 if TYPE_CHECKING:
     from .cli import Commands
     from .ingest.server import ServerConfig
-    from .serve import SidecarConfig
+    from .serve import Sidecar, SidecarConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -47,13 +47,30 @@ def policy_arg(text: str) -> tuple[str, Policy]:
         raise argparse.ArgumentTypeError(f"expected DETECTOR=ACTION, got {text!r}")
     if detector not in BY_ID:
         raise argparse.ArgumentTypeError(
-            f"unknown detector {detector!r}; known: {', '.join(sorted(BY_ID))}"
+            f"unknown detector {detector!r}{did_you_mean(detector, BY_ID)}; known: "
+            f"{', '.join(sorted(BY_ID))}"
         )
     try:
         return detector, Policy(action)
     except ValueError:
         choices = "|".join(p.value for p in Policy)
         raise argparse.ArgumentTypeError(f"unknown action {action!r}; use {choices}") from None
+
+
+def state_dir_arg(text: str) -> str:
+    """An argparse type: a folder for the state database, existing or creatable (no part of
+    the path is a file), so a mistyped path fails with the flag's name, not a bare errno."""
+    path = Path(text)
+    for part in (path, *path.parents):
+        if not part.exists():
+            continue
+        if not part.is_dir():
+            what = "it is" if part == path else f"{part} is"
+            raise argparse.ArgumentTypeError(
+                f"{text} cannot be the state folder: {what} a file, not a folder (give a "
+                "folder; it is created if missing)")
+        break
+    return text
 
 
 def webhook_url_arg(text: str) -> str:
@@ -112,6 +129,7 @@ def _serve(args: argparse.Namespace) -> int:
     gc_tuning.tune_garbage_collector()
 
     def _stop(signum: int, frame: object) -> None:
+        log_stopping(sidecar, signal.Signals(signum).name)
         sidecar.stop()
 
     signal.signal(signal.SIGTERM, _stop)
@@ -119,6 +137,18 @@ def _serve(args: argparse.Namespace) -> int:
     sidecar.wait()
     sidecar.close()
     return 0
+
+
+def log_stopping(sidecar: Sidecar, why: str) -> None:
+    """One line saying the sidecar stops, why, what it leaves live and where its state is:
+    the runs still live lose their monitoring until a sidecar on the same state resumes them."""
+    import structlog
+
+    live = sum(1 for run, _ in sidecar.registry.runs() if not run.ended)
+    logger = structlog.get_logger("deadweight.sidecar")
+    (logger.warning if live else logger.info)(
+        "sidecar_stopping", reason=f"{why} received", live_runs=live,
+        state_dir=sidecar.state_dir or "none (memory only: the runs are not kept)")
 
 
 def sidecar_config(args: argparse.Namespace) -> SidecarConfig:
@@ -229,7 +259,7 @@ def add_serve(commands: Commands, default_socket: str) -> None:
                        help="read checkpoints only under DIR (repeatable; a run that did "
                        "not attest is read only there); without it, a checkpoint is read when "
                        "its folder and files belong to the run's attested uid")
-    serve.add_argument("--state-dir", default=None, metavar="DIR",
+    serve.add_argument("--state-dir", default=None, metavar="DIR", type=state_dir_arg,
                        help="keep runs, checkpoint hashes, incidents and the action journal "
                        "here (SQLite) so a restart resumes them; default: memory only")
     serve.add_argument("--stop-grace-seconds", type=float, default=120.0, metavar="SECONDS",

@@ -15,6 +15,7 @@ from .model.finding import (
     OPERATOR,
     RESULT_WORDS,
     evidence_pairs,
+    fired_and_latest,
     verdict_state,
 )
 from .registry.status_report import STATUS_MAX_BYTES
@@ -96,7 +97,7 @@ def render(status: pb.StatusResponse) -> str:
             lines.append(f"  wrapper {run.wrapper}" + (", sharded" if run.sharded else ""))
         for f in findings:
             lines.append(f"  {state_mark(f, run.ended)} {f.detector} [{f.severity}, policy "
-                         f"{f.policy}] fired at step {f.step}: {f.summary}")
+                         f"{f.policy}] {fired_and_latest(f.step, f.summary)}")
             lines += [f"      {line}" for line in evidence_lines(f)]
         for a in run.actions:
             at = f" at step {a.step}" if a.step else ""

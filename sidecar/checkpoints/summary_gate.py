@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from ...proto import run_summary
 from ..detectors import BY_ID
 from ..detectors.base import Verdict
+from ..model.finding import fired_and_latest
 from ..model.inspection import CheckpointInspection
 from ..verdicts import causes_first
 
@@ -148,8 +149,8 @@ def _verdicts(summary: run_summary.RunSummary) -> list[Finding]:
         gate = VERDICT if verdict.severity == "critical" else WARNING_VERDICT
         found.append((gate, verdict.severity, Verdict(
             True, step=verdict.step,
-            summary=(f"{verdict.detector} ({state}, {verdict.severity}, step {verdict.step}): "
-                     f"{verdict.summary}"),
+            summary=(f"{verdict.detector} ({state}, {verdict.severity}): "
+                     f"{fired_and_latest(verdict.step, verdict.summary)}"),
             evidence={"run_id": summary.run_id, "detector": verdict.detector,
                       "state": state, "runbook": _runbook(verdict.detector)})))
     return found
@@ -191,7 +192,9 @@ def check(inspection: CheckpointInspection, summary_path: Path | None,
              *_verdicts(summary)]
     if summary.sidecar != "answered":
         found.append((NO_VERDICTS, "warning", Verdict(
-            True, summary=f"run {summary.run_id} has no verdicts: {summary.sidecar}",
+            True, summary=f"run {summary.run_id} was never judged by a sidecar, its summary "
+            f"holds no verdicts ({summary.sidecar}): no problem found is not judged healthy "
+            "(exit status 3)",
             evidence={"run_id": summary.run_id})))
     return GateResult(found, notes)
 

@@ -49,6 +49,13 @@ def evidence_pairs(at_firing: Mapping[str, str], latest: Mapping[str, str]
     return pairs
 
 
+def fired_and_latest(step: int, summary: str) -> str:
+    """``fired at step N; latest: SUMMARY``: a finding keeps the step it fired at while its
+    summary follows each later evaluation, which may name a later step (a checkpoint's); one
+    line must not read as if both were the same moment."""
+    return f"fired at step {step}; latest: {summary}" if summary else f"fired at step {step}"
+
+
 def verdict_state(firing: bool, run_ended: bool, resolved_at: float | None = None,
                   ended_at: float = 0.0) -> str:
     """firing / firing at end / resolved: the one rule every listing uses.

@@ -19,6 +19,8 @@ def _run_example(sidecar: SidecarProcess, run_id: str, out: Path, *flags: str) -
     done = subprocess.run([sys.executable, str(EXAMPLE), "--out", str(out), *flags], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+    # Its output folder holds only checkpoint folders: no word of an unsigned summary there.
+    assert "is not signed" not in done.stderr, done.stderr[-3000:]
     status = sidecar.run_status(run_id)
     assert status is not None, f"the example's run {run_id} never reached the sidecar"
     return {f.detector for f in status.findings}  # every detector that fired at any point

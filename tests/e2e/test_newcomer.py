@@ -211,7 +211,59 @@ def test_status_says_which_verdict_stopped_a_run(stopping_sidecar: SidecarProces
     assert "root cause empty_optimizer" in line  # the trigger is its symptom
     assert f"action   stop for frozen_weights at step {stops[0].step}: sent" in done.stdout
     frozen = next(f for f in run.findings if f.detector == "frozen_weights")
-    assert f"fired at step {frozen.step}: weights unchanged" in done.stdout
+    assert f"fired at step {frozen.step}; latest: weights unchanged" in done.stdout
+
+
+ROOT = Path(__file__).resolve().parents[2]
+#: Set-up lines that install (run by .ci/run before the tests, not again here).
+INSTALLS = ("bash scripts/", "bash .ci/")
+
+
+def _bash_blocks(markdown: str) -> list[list[str]]:
+    """The command lines of each ```bash block (comments and continuation lines dropped)."""
+    blocks, block, inside, continued = [], [], False, False
+    for line in markdown.splitlines():
+        if line.startswith("```"):
+            if inside:
+                blocks.append(block)
+            inside, block = line.strip() == "```bash", []
+            continue
+        if inside and line.strip() and not continued and not line.lstrip().startswith("#"):
+            block.append(line.split(" #")[0].strip())
+        continued = inside and line.rstrip().endswith("\\")
+    return blocks
+
+
+def _program(command: str) -> str:
+    """The program a README command line runs (``VAR=value prog args``: prog)."""
+    words = [w for w in command.split() if "=" not in w.split("/")[0]]
+    return words[0] if words else ""
+
+
+def test_every_readme_command_runs_after_the_set_up_section_in_a_fresh_shell() -> None:
+    """The README's set-up section, then each program its commands call, in a shell with a
+    fresh machine's PATH: `deadweight` and `python` must be the environment's (a README
+    that never activates `.venv` leaves `deadweight: command not found`)."""
+    readme = (ROOT / "README.md").read_text()
+    setup, rest = readme.split("## On a fresh machine", 1)[1].split("\n## ", 1)
+    setup_lines = [line for block in _bash_blocks(setup) for line in block]
+    assert "bash scripts/demo.sh" in setup_lines, setup_lines
+    shell = [line for line in setup_lines if not line.startswith(INSTALLS)]
+    programs = sorted({_program(line) for block in _bash_blocks(rest) for line in block
+                       if not line.startswith(INSTALLS)})
+    assert {"deadweight", "python"} <= set(programs), programs
+    script = "\n".join([*shell, *(f"command -v {p} || {{ echo '{p}: command not found' >&2; "
+                                  "exit 1; }" for p in programs),
+                        "deadweight --version", "python -c 'import deadweight.callbacks'"])
+    done = subprocess.run(["bash", "-euc", script], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={"HOME": os.environ.get("HOME", "/root"),
+                                            "PATH": "/usr/local/bin:/usr/bin:/bin",
+                                            "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, f"after {shell}: {done.stderr}"
+    found = dict(zip(programs, done.stdout.splitlines(), strict=False))
+    for program in ("deadweight", "python"):
+        assert found[program].startswith(str(ROOT / ".venv" / "bin")), found
+    assert done.stdout.splitlines()[len(programs)].startswith("deadweight ")
 
 
 @pytest.mark.slow

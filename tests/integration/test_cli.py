@@ -39,7 +39,8 @@ def test_status_shows_runs_and_verdicts(sidecar: SidecarProcess) -> None:
     # A start without optimizer membership reads as an empty optimizer: a live verdict.
     assert re.search(r"^cli-status +SFTTrainer +1 +3 +\d+s  running; FIRING empty_optimizer$",
                      result.stdout, re.MULTILINE), result.stdout
-    assert "  FIRING   empty_optimizer [critical, policy page] fired at step 0: " in result.stdout
+    assert ("  FIRING   empty_optimizer [critical, policy page] fired at step 0; latest: "
+            in result.stdout)
     assert "      optimizer_params = 0\n" in result.stdout
     text = render(pb.StatusResponse(runs=[pb.RunStatus(
         run_id="r1", trainer="SFTTrainer", ranks=[0], step=7, wrapper="fsdp2", sharded=True,
@@ -48,6 +49,17 @@ def test_status_shows_runs_and_verdicts(sidecar: SidecarProcess) -> None:
             summary="weights unchanged", evidence={"update_norm": "0"}, policy="page")])]))
     assert "r1" in text and "FIRING frozen_weights" in text and "update_norm = 0" in text
     assert "wrapper fsdp2, sharded" in text
+    # A verdict that fired at one checkpoint and still fires at a later one: the step it
+    # fired at and the latest reading are told apart, never one "fired at step 10: ...
+    # step 30" sentence.
+    later = render(pb.StatusResponse(runs=[pb.RunStatus(
+        run_id="r2", trainer="SFTTrainer", ranks=[0], step=30, findings=[pb.Finding(
+            detector="checkpoint_unchanged", severity="critical", firing=True, step=10,
+            summary="checkpoint at step 30 is byte-identical to the initial adapter",
+            policy="page")])]))
+    assert ("checkpoint_unchanged [critical, policy page] fired at step 10; latest: "
+            "checkpoint at step 30 is byte-identical to the initial adapter") in later, later
+    assert "fired at step 10: " not in later
 
 
 def test_status_against_a_dead_socket_is_a_clear_error(tmp_path: Path) -> None:
@@ -65,6 +77,69 @@ def test_bad_policy_flags_are_rejected(policy: str, message: str, tmp_path: Path
     result = _run("serve", "--socket", str(tmp_path / "s.sock"), "--policy", policy)
     assert result.returncode == 2
     assert message in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "hint"),
+    [("--policy", "frozen_weight=stop", "(did you mean 'frozen_weights'?)"),
+     ("--setting", "stalled_second=600", "(did you mean 'stalled_seconds'?)")],
+)
+def test_a_mistyped_name_gets_a_did_you_mean(flag: str, value: str, hint: str,
+                                             tmp_path: Path) -> None:
+    result = _run("serve", "--socket", str(tmp_path / "s.sock"), flag, value)
+    assert result.returncode == 2
+    assert f"unknown {'detector' if flag == '--policy' else 'setting'} " \
+           f"{value.split('=')[0]!r} {hint}" in result.stderr, result.stderr
+    # A name like no known one gets no guess, only the list.
+    far = _run("serve", "--socket", str(tmp_path / "s.sock"), flag, "zzzz=1")
+    assert far.returncode == 2 and "did you mean" not in far.stderr, far.stderr
+
+
+def test_inspect_setting_gets_a_did_you_mean(tmp_path: Path) -> None:
+    result = _run("inspect", str(tmp_path), "--setting", "adapter_bloat_ration=2")
+    assert result.returncode == 2
+    assert "(did you mean 'adapter_bloat_ratio'?)" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("where", ["file", "under_a_file"])
+def test_a_state_dir_that_is_a_file_is_a_clear_usage_error(where: str, tmp_path: Path) -> None:
+    plain = tmp_path / "state.db"
+    plain.write_text("not a folder")
+    state = plain if where == "file" else plain / "state"
+    result = _run("serve", "--socket", str(tmp_path / "s.sock"), "--state-dir", str(state))
+    assert result.returncode == 2, result.stderr
+    assert "Errno" not in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert "argument --state-dir" in result.stderr and "usage:" in result.stderr
+    named = "it is" if where == "file" else f"{plain} is"
+    assert (f"{state} cannot be the state folder: {named} a file, not a folder"
+            in result.stderr), result.stderr
+
+
+def test_a_sigterm_is_logged_with_the_live_runs_and_the_state_dir(tmp_path: Path) -> None:
+    import json
+
+    from deadweight.proto import pb
+    from tests.support.faults import Pipe
+
+    state = tmp_path / "state"
+    sidecar = SidecarProcess(tmp_path / "sc", extra_args=["--state-dir", str(state)]).start()
+    try:
+        pipe = Pipe(sidecar.address)
+        try:
+            start = pb.Event(run_start=pb.RunStart(trainer="SFTTrainer"))
+            assert not pipe.send(pb.StreamRequest(run_id="cli-sigterm", events=[start])).error
+            sidecar.stop()  # SIGTERM, while the run is live
+        finally:
+            pipe.close()
+    finally:
+        sidecar.stop()
+    assert sidecar.process is not None and sidecar.process.returncode == 0
+    lines = [json.loads(x) for x in sidecar.log_path.read_text().splitlines()
+             if '"sidecar_stopping"' in x]
+    assert len(lines) == 1, sidecar.log_path.read_text()
+    assert lines[0]["reason"] == "SIGTERM received"
+    assert lines[0]["live_runs"] == 1 and lines[0]["state_dir"] == str(state)
+    assert lines[0]["level"] == "warning"
 
 
 def test_version() -> None:

@@ -14,6 +14,7 @@ that is not the run's.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import stat
@@ -112,6 +113,8 @@ def test_day2_frozen_resume_fails_the_gate_and_its_healthy_twin_passes(
     out = frozen.stdout
     assert f"FAIL  {day2['frozen']}" in out
     assert "empty_optimizer (firing at end" in out and "frozen_weights (firing at end" in out
+    # The step each verdict fired at, then its latest reading: one moment each.
+    assert "empty_optimizer (firing at end, critical): fired at step 0; latest: " in out
     assert out.index("empty_optimizer (") < out.index("frozen_weights (")  # cause first
     # Each verdict says what to do, in the detector's own words (the console's fix).
     cause = out.index("empty_optimizer (")
@@ -269,7 +272,8 @@ def test_only_the_runs_own_process_gets_its_summary_signed(
 
 
 def test_the_runs_own_process_gets_no_signature_over_a_digest_its_files_do_not_have(
-    day2: dict[str, Path], signing: tuple[SidecarProcess, Path], tmp_path: Path
+    day2: dict[str, Path], signing: tuple[SidecarProcess, Path], tmp_path: Path,
+    caplog: pytest.LogCaptureFixture
 ) -> None:
     """The forgery: the healthy run's own process asks for its summary over the frozen
     adapter's digest (to lay a healthy signed summary beside the frozen adapter), naming its
@@ -284,8 +288,13 @@ def test_the_runs_own_process_gets_no_signature_over_a_digest_its_files_do_not_h
     frozen_claim = _claim(day2["frozen"])
     assert frozen_claim.combined != _claim(day2["healthy"]).combined
     forged = _copy_adapter(day2["healthy"], tmp_path / "forged", with_summary=False)
-    path = write_beside(forged, frozen_claim, run, 6, sidecar.address, None, None, 10.0)
+    with caplog.at_level(logging.WARNING, logger="deadweight"):
+        path = write_beside(forged, frozen_claim, run, 6, sidecar.address, None, None, 10.0)
     assert path is not None
+    # Beside a real adapter, an unsigned summary is said, naming that adapter's folder (the
+    # run's first such warning: its training wrote none about its output folder).
+    warned = [r.getMessage() for r in caplog.records if "is not signed" in r.getMessage()]
+    assert len(warned) == 1 and f"the summary beside {forged} is not signed" in warned[0], warned
     document = json.loads(path.read_text())
     assert document["signature"] is None
     assert "refused" in document["unsigned_because"]
@@ -345,6 +354,60 @@ def test_warnings_are_listed_and_fail_with_fail_on_warning(
     fatal = inspect(final, *strict(key), "--fail-on", "warning")
     assert fatal.returncode == 1, fatal.stdout
     assert f"FAIL  {final}" in fatal.stdout
+
+
+def test_an_adapter_saved_without_its_embedding_layers_is_signed_and_passes(
+    tiny: tuple[Path, Path], signing: tuple[SidecarProcess, Path], tmp_path: Path
+) -> None:
+    """LoRA on the embeddings: PEFT saves the base embedding layers by default (the gate's
+    adapter_bloat); users are told to save with ``save_embedding_layers=False``. The summary
+    describes the files that save wrote, so the sidecar signs it and the strict gate passes
+    it; either adapter under the other's summary fails as not what the run produced."""
+    from peft import get_peft_model
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from deadweight.callbacks import DeadweightCallback
+    from deadweight.demo import runs
+
+    sidecar, key = signing
+    model_dir, _ = tiny
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
+                           runs.lora_config([*runs.LORA_TARGETS, "embed_tokens"]))
+    out = tmp_path / "out"
+    trainer = runs.sft_trainer(
+        model, model_dir, out, [DeadweightCallback(address=sidecar.address,
+                                                   run_id="gate-head-lora")],
+        steps=3, save_strategy="no")
+    trainer.train()
+    lean, full = out / "lean", out / "full"
+    trainer.model.save_pretrained(lean, save_embedding_layers=False)
+    trainer.model.save_pretrained(full)  # "auto": the embeddings' base weights are written too
+    names = {}
+    for folder in (lean, full):
+        with safe_open(folder / "adapter_model.safetensors", "pt") as weights:
+            names[folder] = set(weights.keys())
+    assert names[lean] < names[full]  # the flag really left tensors out
+    for folder in (lean, full):
+        document = json.loads((folder / SUMMARY).read_text())
+        assert document["signature"] is not None, document.get("unsigned_because")
+        assert set(document["summary"]["adapter_tensors"]) == names[folder]
+    passed = inspect(lean, *strict(key))
+    assert passed.returncode == 0, passed.stdout
+    assert f"ok    {lean}" in passed.stdout
+    bloated = inspect(full, *strict(key))  # its own files fail it, not its summary
+    assert bloated.returncode == 1, bloated.stdout
+    assert "adapter_bloat [warning]" in bloated.stdout
+    assert "adapter_not_what_the_run_produced" not in bloated.stdout
+    assert "signature verified" in bloated.stdout
+    # Each adapter under the other's summary: not the bytes the summary describes.
+    for adapter, summary_of in ((lean, full), (full, lean)):
+        swapped = _copy_adapter(adapter, tmp_path / f"{adapter.name}-under-{summary_of.name}",
+                                with_summary=False)
+        shutil.copy(summary_of / SUMMARY, swapped / SUMMARY)
+        failed = inspect(swapped, *strict(key))
+        assert failed.returncode == 1, failed.stdout
+        assert "adapter_not_what_the_run_produced [critical]" in failed.stdout
 
 
 def test_the_summary_up_the_folders_is_found(
@@ -440,7 +503,7 @@ def test_the_save_wrapper_writes_once_keeps_the_model_picklable_and_spares_copie
     model = runs.load_adapter(model_dir, adapter_dir, trainable=True)
     written: list[tuple[Path, Any]] = []
     for _ in range(2):  # a second run's callback on the same model replaces, never stacks
-        SummaryOnSave(lambda folder, saved: written.append((folder, saved))).install(model)
+        SummaryOnSave(lambda folder, saved, _: written.append((folder, saved))).install(model)
     model.save_pretrained(tmp_path / "a")
     assert [(f, m is model) for f, m in written] == [(tmp_path / "a", True)]
 

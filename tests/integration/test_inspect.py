@@ -90,6 +90,75 @@ def test_untrained_bloated_and_pickled_adapters_fail(trained: dict[str, Path], t
     assert "pickle_checkpoint [warning]" in out and "pickle_files=adapter_model.bin" in out
 
 
+def _cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "deadweight.cli", "inspect", *map(str, args)],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_an_output_folder_without_checkpoints_is_inspected_through_its_final_folder(
+        trained: dict[str, Path], tmp_path: Path) -> None:
+    """``save_strategy="no"`` and ``trainer.save_model(out/"final")``: ``inspect out/`` audits
+    ``out/final`` (it exited 2, "no weights here"). Beside checkpoints, ``final/`` is audited
+    on its own: the same bytes as the last checkpoint are no copy of it."""
+    out = tmp_path / "out"
+    shutil.copytree(trained["c4"], out / "final")
+    alone = _cli(out)
+    assert alone.returncode == 0, alone.stdout + alone.stderr
+    assert f"ok    {out / 'final'}" in alone.stdout
+    assert "1 checkpoint(s) inspected" in alone.stdout
+    assert "N-th path given" not in alone.stdout
+    shutil.copytree(trained["c2"], out / "checkpoint-2")
+    shutil.copytree(trained["c4"], out / "checkpoint-4")
+    (out / "exports" / "v1").mkdir(parents=True)
+    shutil.copy(trained["initial"] / "adapter_config.json", out / "exports" / "v1")
+    both = _cli(out)  # exports/v1: a config without weights is a path error, said clearly
+    assert both.returncode == 2 and f"{out / 'exports' / 'v1'}: no " in both.stderr, both.stderr
+    shutil.rmtree(out / "exports")
+    both = _cli(out, "--initial", trained["initial"])
+    assert both.returncode == 0, both.stdout
+    assert "3 checkpoint(s) inspected, 0 with findings" in both.stdout
+    assert both.stdout.index("checkpoint-4") < both.stdout.index(str(out / "final"))
+    # Control: a final adapter that is the initial one resaved still fails, audited alone.
+    shutil.rmtree(out / "final")
+    shutil.copytree(trained["initial"], out / "final")
+    failed = _cli(out, "--initial", trained["initial"])
+    assert failed.returncode == 1, failed.stdout
+    assert f"FAIL  {out / 'final'}" in failed.stdout and "same_as=initial" in failed.stdout
+
+
+def test_a_run_no_sidecar_judged_is_told_apart_from_a_judged_healthy_one(
+        tiny: tuple[Path, Path], tmp_path: Path) -> None:
+    """A real SFT run whose callback found no sidecar: its summary holds no verdicts. The
+    default gate must not read that as healthy: exit status 3 and UNJUDGED (a judged
+    healthy adapter exits 0: test_gate_summary, test_trainer_loggers_and_gate)."""
+    import json
+
+    from deadweight.callbacks import DeadweightCallback
+
+    model_dir, adapter_dir = tiny
+    out = tmp_path / "out"
+    trainer = runs.sft_trainer(
+        runs.load_adapter(model_dir, adapter_dir, trainable=True), model_dir, out,
+        [DeadweightCallback(address=f"unix://{tmp_path}/absent.sock", run_id="never-judged")],
+        steps=2, save_strategy="no")
+    trainer.train()
+    trainer.save_model(str(out / "final"))
+    summary = json.loads((out / "final" / "deadweight-summary.json").read_text())["summary"]
+    assert summary["sidecar"] != "answered" and not summary["verdicts"]
+    result = _cli(out)
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert f"UNJUDGED  {out / 'final'}" in result.stdout
+    assert "run_verdicts_unknown [warning]: run never-judged was never judged by a sidecar" \
+        in result.stdout
+    assert "1 whose run no sidecar judged (exit status 3)" in result.stdout
+    # A gate that fails on warnings fails it outright.
+    assert _cli(out, "--fail-on", "warning").returncode == 1
+    # --help says what each exit status means.
+    helped = subprocess.run([sys.executable, "-m", "deadweight.cli", "inspect", "--help"],
+                            capture_output=True, text=True, timeout=60)
+    assert "3 none fails, but a run summary holds no" in " ".join(helped.stdout.split())
+
+
 def test_a_path_that_is_not_a_checkpoint_exits_2_with_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     result = subprocess.run(

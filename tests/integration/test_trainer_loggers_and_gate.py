@@ -8,6 +8,7 @@ accept the healthy one's, and refuse the healthy one once its bytes change.
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -50,11 +51,23 @@ def _inspect(path: Path) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.slow
 def test_loggers_show_the_verdict_and_the_gate_rejects_the_frozen_adapter(
-    sidecar: SidecarProcess, tiny: tuple[Path, Path], tmp_path: Path
+    sidecar: SidecarProcess, tiny: tuple[Path, Path], tmp_path: Path,
+    caplog: pytest.LogCaptureFixture
 ) -> None:
     frozen_out, healthy_out = tmp_path / "frozen", tmp_path / "healthy"
-    _train(tiny, sidecar, "loggers-frozen", frozen_out, trainable=False)
-    _train(tiny, sidecar, "loggers-healthy", healthy_out, trainable=True)
+    with caplog.at_level(logging.DEBUG, logger="deadweight"):
+        _train(tiny, sidecar, "loggers-frozen", frozen_out, trainable=False)
+        _train(tiny, sidecar, "loggers-healthy", healthy_out, trainable=True)
+    # At train end the output folder holds only checkpoint folders: its summary is the run's
+    # record, unsigned, and no warning says a gate would refuse an adapter that is not there.
+    unsigned = [r for r in caplog.records if "is not signed" in r.getMessage()]
+    assert unsigned and all(r.levelno == logging.DEBUG for r in unsigned), [
+        r.getMessage() for r in unsigned]
+    assert all("no adapter files in this folder" in r.getMessage() for r in unsigned)
+    for out in (frozen_out, healthy_out):  # every adapter the runs wrote: signed
+        for folder in (out, out / "checkpoint-5", out / "checkpoint-10"):
+            document = json.loads((folder / "deadweight-summary.json").read_text())
+            assert document["signature"] is not None, (folder, document)
 
     frozen = _scalars(frozen_out)
     assert frozen["train/deadweight/update_ratio"] and set(

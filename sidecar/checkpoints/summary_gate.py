@@ -6,7 +6,11 @@ signature against the trusted public keys (``--trust-key``), fails an adapter wh
 are not the ones the run digested, lists every verdict of the run (root causes first: the
 sidecar ordered them) and fails on critical ones and on a run the sidecar stopped. Warnings
 are listed and fail only with ``--fail-on warning``; an unsigned or untrusted summary fails
-with ``--require-signed``, a missing one with ``--require-summary``.
+with ``--require-signed``, a missing one with ``--require-summary``. A summary taken while
+the run was live (a checkpoint's) says nothing of what the run did later: under
+``--require-signed`` only one signed at or after the run's end (or its STOP) passes, so a
+summary signed while the run was still healthy cannot be copied back beside the same bytes
+after it froze.
 """
 
 from __future__ import annotations
@@ -35,8 +39,9 @@ MISSING = "summary_missing"
 UNSIGNED = "summary_unsigned"
 UNTRUSTED = "summary_untrusted_key"
 TAMPERED = "summary_tampered"
+NOT_FINAL = "summary_not_final"
 GATE_IDS = frozenset({CHANGED, VERDICT, WARNING_VERDICT, STOPPED, NO_VERDICTS, MISSING,
-                      UNSIGNED, UNTRUSTED, TAMPERED})
+                      UNSIGNED, UNTRUSTED, TAMPERED, NOT_FINAL})
 
 #: Folders above an adapter searched for its run's summary (a checkpoint's output folder,
 #: and one more for ``out/final``-style layouts).
@@ -182,14 +187,23 @@ def check(inspection: CheckpointInspection, summary_path: Path | None,
     if read.signature is not None and read.signature.key_id in options.trusted and not signature:
         notes.append(f"summary of run {summary.run_id}: signature verified (trusted key "
                      f"{read.signature.key_id})")
+    found = [*signature, *_changed(inspection, summary), *_stopped(summary),
+             *_verdicts(summary)]
     if summary.ended:
         notes.append(f"run {summary.run_id} ended ({summary.end_reason or 'n/a'}) at step "
                      f"{summary.step}; {len(summary.verdicts)} verdict(s)")
+    elif options.require_signed:
+        found.append((NOT_FINAL, "critical", Verdict(
+            True, step=summary.step,
+            summary=f"the summary was taken while run {summary.run_id} was live (step "
+            f"{summary.step}): what the run did after it is not in it, and --require-signed "
+            "takes only a summary signed at or after the run's end. Promote the adapter the "
+            "finished run saved (its output folder, or the last checkpoint), whose summary "
+            "is final", evidence={"run_id": summary.run_id, "step": str(summary.step)})))
     else:
         notes.append(f"summary taken while run {summary.run_id} was live (step "
-                     f"{summary.step}): later verdicts are not in it")
-    found = [*signature, *_changed(inspection, summary), *_stopped(summary),
-             *_verdicts(summary)]
+                     f"{summary.step}): later verdicts are not in it (--require-signed "
+                     "refuses such a summary)")
     if summary.sidecar != "answered":
         found.append((NO_VERDICTS, "warning", Verdict(
             True, summary=f"run {summary.run_id} was never judged by a sidecar, its summary "

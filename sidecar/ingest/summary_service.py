@@ -8,11 +8,15 @@ of its choosing (a healthy twin's adapter, bytes it never wrote). The verdicts, 
 the actions and the end reason come from the registry and the journal, so a trainer cannot
 leave a verdict out. Only a process the kernel names as one bound to the run may ask (a fresh
 attestation nonce, redeemed here): another job of the same uid cannot get a healthy run's
-summary signed beside its own adapter.
+summary signed beside its own adapter. Nor the other way round: a run gets no signature over
+an adapter another run produced first (the journal's checkpoints), unless it started from
+those bytes (its initial adapter, a resume), so a clean run cannot launder a critical run's
+adapter folder.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Collection
@@ -24,6 +28,7 @@ from ...proto import pb, run_summary
 from ..checkpoints.access import inspect_as
 from ..checkpoints.inspector import NotACheckpoint
 from ..model.finding import Finding, verdict_state
+from ..store.journal import StoreWriteFailed
 from ..verdicts import causes_first
 
 if TYPE_CHECKING:
@@ -132,6 +137,23 @@ def _asker(registry: Registry, request: pb.SignSummaryRequest) -> ProcessIdentit
     return identity
 
 
+def _produced_here(registry: Registry, request: pb.SignSummaryRequest, incarnation: int,
+                   initial: str) -> None:
+    """Refuse to sign over an adapter another run (or another life of this run id) reported
+    first, unless this run started from it."""
+    digest = request.adapter.combined
+    if digest == initial:
+        return
+    producer = registry.store.first_producer(digest)
+    if producer is None or producer == (request.run_id, incarnation):
+        return
+    other, life = producer
+    raise SummaryRefused(
+        "PERMISSION_DENIED", f"the adapter at {request.path} is the one run {other!r} (life "
+        f"#{life}) produced, and run {request.run_id!r} did not start from it: its verdicts "
+        "are that run's, and this run cannot sign over them")
+
+
 def signed_summary(registry: Registry, signer: SummarySigner, request: pb.SignSummaryRequest,
                    from_unix: bool, now: float | None = None,
                    roots: Collection[str | Path] = ()) -> pb.SignSummaryResponse:
@@ -153,12 +175,19 @@ def signed_summary(registry: Registry, signer: SummarySigner, request: pb.SignSu
                        state.end_reason, state.start.output_dir if state.start else "")
         findings = list(registry.findings(request.run_id).values())
         incarnation = state.incarnation
+        initial = state.start.initial_adapter.combined if state.start else ""
+    _produced_here(registry, request, incarnation, initial)
     # Read outside the lock: hashing an adapter takes longer than a batch may wait.
     adapter = _files(request, [Path(os.path.realpath(r)) for r in roots], identity)
     actions = [{"detector": a.detector, "action": a.action, "result": a.result,
                 "step": str(a.detail.get("step", "") or "")}
                for a in registry.store.actions(run_id=request.run_id,
                                                incarnation=incarnation)[-MAX_ACTIONS:]]
-    body = run_summary.canonical(compose(run, findings, actions, adapter,
-                                         time.time() if now is None else now))
-    return pb.SignSummaryResponse(body=body, signature=signer.sign(body), key_id=signer.key_id)
+    at = time.time() if now is None else now
+    body = run_summary.canonical(compose(run, findings, actions, adapter, at))
+    response = pb.SignSummaryResponse(body=body, signature=signer.sign(body),
+                                      key_id=signer.key_id)
+    # A full disk (logged by the store) must not cost the run its signature.
+    with contextlib.suppress(StoreWriteFailed):
+        registry.store.add_signed_adapter(adapter.combined, run.run_id, incarnation, at)
+    return response

@@ -72,6 +72,10 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     tensors TEXT NOT NULL, bytes INTEGER NOT NULL, time REAL NOT NULL,
     incarnation INTEGER NOT NULL DEFAULT 1);
 CREATE INDEX IF NOT EXISTS checkpoints_run ON checkpoints (run_id, time);
+CREATE TABLE IF NOT EXISTS signed_adapters (
+    digest TEXT NOT NULL, run_id TEXT NOT NULL, incarnation INTEGER NOT NULL,
+    time REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS signed_adapters_digest ON signed_adapters (digest, time);
 CREATE TABLE IF NOT EXISTS incidents (
     run_id TEXT NOT NULL, detector TEXT NOT NULL, incident INTEGER NOT NULL,
     severity TEXT NOT NULL, policy TEXT NOT NULL, step INTEGER NOT NULL, summary TEXT NOT NULL,
@@ -101,6 +105,7 @@ _ADDED_COLUMNS = (
 #: Indexes on columns an older file gains in ``migrate`` (created after it).
 _INDEXES = """
 CREATE INDEX IF NOT EXISTS checkpoints_incarnation ON checkpoints (run_id, incarnation, time);
+CREATE INDEX IF NOT EXISTS checkpoints_digest ON checkpoints (digest, time);
 CREATE INDEX IF NOT EXISTS actions_incarnation ON actions (run_id, incarnation, id);
 """
 #: An older file's bindings (keyed by run id and rank) become incarnation 1's.
@@ -380,6 +385,23 @@ class Store:
         return [CheckpointPoint(step, path, digest, json.loads(tensors), size, at)
                 for step, path, digest, tensors, size, at in reversed(rows)]
 
+    def add_signed_adapter(self, digest: str, run_id: str, incarnation: int,
+                           at: float) -> None:
+        """An adapter whose summary the sidecar signed for a run (it read the files itself):
+        a producer ``first_producer`` knows even when no checkpoint reported those bytes (a
+        script's ``save_model`` after training)."""
+        self._write("INSERT INTO signed_adapters (digest, run_id, incarnation, time) "
+                    "VALUES (?, ?, ?, ?)", (digest, run_id, incarnation, at))
+
+    def first_producer(self, digest: str) -> tuple[str, int] | None:
+        """(run id, incarnation) of the earliest checkpoint or signed summary with this
+        adapter digest; None when no run reported those bytes."""
+        rows = self._read(
+            "SELECT run_id, incarnation FROM (SELECT run_id, incarnation, time FROM checkpoints "
+            "WHERE digest=? UNION ALL SELECT run_id, incarnation, time FROM signed_adapters "
+            "WHERE digest=?) ORDER BY time LIMIT 1", (digest, digest))
+        return (str(rows[0][0]), int(rows[0][1])) if rows else None
+
     # -- incidents -------------------------------------------------------------------------
 
     def open_incident(
@@ -568,8 +590,8 @@ class Store:
                 (ended_before,))]
             try:
                 for life in lives:
-                    for table in ("bindings", "checkpoints", "incidents", "actions", "history",
-                                  "step_batches", "runs"):
+                    for table in ("bindings", "checkpoints", "signed_adapters", "incidents",
+                                  "actions", "history", "step_batches", "runs"):
                         self._write(f"DELETE FROM {table} WHERE run_id=? AND incarnation=?",
                                     life)
             except StoreWriteFailed:

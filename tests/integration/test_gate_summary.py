@@ -518,3 +518,80 @@ def test_the_save_wrapper_writes_once_keeps_the_model_picklable_and_spares_copie
     b = load_file(tmp_path / "b" / "adapter_model.safetensors")
     assert any(not torch.equal(a[k], b[k]) for k in a)
     assert pickle.loads(pickle.dumps(model)) is not None  # no closure on the instance
+
+
+def test_a_clean_run_cannot_launder_a_critical_runs_adapter(
+    day2: dict[str, Path], signing: tuple[SidecarProcess, Path], tmp_path: Path
+) -> None:
+    """Laundering: a second run of the same uid (the healthy day-2 run, bound to this
+    process) asks for its clean summary over a frozen run's adapter folder, naming the bytes
+    truly there. It used to be signed, and the frozen adapter then passed the strict gate.
+    The sidecar now refuses: another run produced those bytes first and this one did not
+    start from them."""
+    from deadweight.callbacks.summary_writer import write_beside
+    from deadweight.demo import runs
+
+    sidecar, key = signing
+    model_dir = day2["model"]
+    fresh = runs.prepare(tmp_path / "fresh-models", "qwen2")[1]
+    frozen = _train(runs.load_adapter(model_dir, fresh, trainable=False), model_dir,
+                    tmp_path / "frozen", sidecar, "gate-launder-frozen")
+    assert inspect(frozen, *strict(key)).returncode == 1  # its own summary fails it
+    launder = _copy_adapter(frozen, tmp_path / "launder", with_summary=False)
+    path = write_beside(launder, _claim(launder), "gate-day2-healthy", 6, sidecar.address,
+                        None, None, 10.0)
+    assert path is not None
+    document = json.loads(path.read_text())
+    assert document["signature"] is None, document
+    assert "gate-launder-frozen" in document["unsigned_because"], document["unsigned_because"]
+    gate = inspect(launder, *strict(key))
+    assert gate.returncode == 1 and "summary_unsigned [critical]" in gate.stdout, gate.stdout
+
+
+def test_a_summary_signed_while_the_run_was_healthy_cannot_be_replayed_after_it_froze(
+    tiny: tuple[Path, Path], signing: tuple[SidecarProcess, Path], tmp_path: Path
+) -> None:
+    """Replay: the summary signed at step 6 while the run was healthy, copied back beside the
+    same adapter bytes after the run froze, used to pass the strict gate (the final summary
+    fails it). A summary taken while the run was live is now refused under --require-signed:
+    only one signed at or after the run's end passes."""
+    import torch
+    from transformers import AutoTokenizer
+
+    import deadweight
+    from deadweight.demo import runs
+
+    sidecar, key = signing
+    model_dir, adapter_dir = tiny
+    out = tmp_path / "out"
+    model = runs.load_adapter(model_dir, adapter_dir, trainable=True)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=2e-3)
+    batch = AutoTokenizer.from_pretrained(model_dir)(["a tiny line to learn"] * 2,
+                                                     return_tensors="pt")
+    with deadweight.watch(model, optimizer, run_id="gate-replay", address=sidecar.address,
+                          output_dir=str(out)) as monitor:
+        for step in range(1, 17):
+            if step == 7:  # from here on the optimizer holds nothing of the model
+                model.save_pretrained(out / "step6")  # a live save: its summary is signed
+                optimizer.param_groups[0]["params"] = [torch.nn.Parameter(torch.zeros(1))]
+            loss = model(**batch, labels=batch["input_ids"]).loss
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(trained, 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+            model.zero_grad()
+            monitor.log(step, loss=loss, grad_norm=norm, learning_rate=2e-3)
+    model.save_pretrained(out / "final")
+    live = json.loads((out / "step6" / SUMMARY).read_text())
+    assert live["signature"] is not None and live["summary"]["ended"] is False
+    assert not [v for v in live["summary"]["verdicts"] if v["severity"] == "critical"]
+    final = inspect(out / "final", *strict(key))
+    assert final.returncode == 1, final.stdout  # the run's final verdicts fail it
+    assert _claim(out / "final").combined == _claim(out / "step6").combined  # same bytes
+    shutil.copy(out / "step6" / SUMMARY, out / "final" / SUMMARY)
+    replayed = inspect(out / "final", *strict(key))
+    assert replayed.returncode == 1, replayed.stdout
+    assert "summary_not_final [critical]" in replayed.stdout
+    # Without --require-signed the live summary is read, and said to be live.
+    assert "taken while run gate-replay was live" in inspect(out / "final").stdout

@@ -32,7 +32,9 @@ class NoOptimizerStep(SpecDetector):
     A raw loop that calls ``backward()`` and logs every iteration but never
     ``optimizer.step()`` trains nothing; no step report ever comes, so no detector over
     steps can speak and ``stalled`` (which waits for steps) needs its long bound. Log
-    reports count: a Trainer logs only after optimizer steps, a raw loop once per iteration.
+    reports count: a Trainer logs only after optimizer steps, a raw loop once per iteration,
+    and a loop under ``accelerator.accumulate`` once per micro-batch: it is judged against the
+    accumulation its prepared optimizer reported at start, not only against a fixed count.
     """
 
     spec = DetectorSpec(

@@ -266,3 +266,25 @@ def test_adapter_frozen_after_a_trainable_load_is_not_told_to_load_trainable(
     classic = live.fired("loaded-frozen")["empty_optimizer"]
     assert classic.evidence["adapter_made_trainable"] == "false"
     assert "is_trainable=True" in fix_sentence("empty_optimizer", classic.evidence)
+
+
+@pytest.mark.slow
+def test_head_saved_in_full_without_a_resize_is_not_told_about_resizing(
+        live: InProcessSidecar, tiny: tuple[Path, Path], tmp_path: Path) -> None:
+    from peft import LoraConfig
+
+    from deadweight.sidecar.detectors import fix_sentence
+
+    model_dir, _ = tiny
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                        modules_to_save=["lm_head"], task_type="CAUSAL_LM")
+    runs.sft_trainer(AutoModelForCausalLM.from_pretrained(model_dir), model_dir,
+                     tmp_path / "head", [live.callback("head-in-full")], steps=2, save_steps=2,
+                     peft_config=config).train()
+    run = live.wait_inspected("head-in-full", 1)
+    assert run.start is not None
+    assert run.start.preflight.embedding_rows == run.start.preflight.base_vocab_size
+    bloat = live.fired("head-in-full")["adapter_bloat"]  # the head is saved in full: real
+    assert bloat.evidence["embeddings_resized"] == "false"
+    fix = fix_sentence("adapter_bloat", bloat.evidence)
+    assert "resize" not in fix.split(":")[1] and "modules_to_save" in fix

@@ -140,7 +140,7 @@ class GradientAccumulating(SpecDetector):
         rises = [b[1] - a[1] for a, b in pairwise(window)]
         rising = all(r > 0 for r in rises)
         growth = window[-1][1] / min(v for _, v in series)
-        half = len(rises) // 2
+        half = max(1, len(rises) // 2)
         early_rise, late_rise = sum(rises[:half]) / half, sum(rises[-half:]) / half
         summed = late_rise <= SUMMED_RISE_ALLOWANCE * early_rise
         # the loss, smoothed over 3 logs, at the window's start and at its end

@@ -215,7 +215,8 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
             trainer=preflight.trainer_name(args),
             config={**preflight.numeric_config(args, int(state.max_steps or 0)),
                     **preflight.adapter_numbers(model)},
-            config_text=preflight.text_config(args),
+            # the Trainer clears the gradients after every optimizer step itself
+            config_text={**preflight.text_config(args), "loop": "trainer"},
             preflight=preflight.gather(model, processing_class),
             requested_wrapper=layout.requested_wrapper(args),
             stop_token=_optional_fact(stop_token.check, train_dataloader, processing_class,

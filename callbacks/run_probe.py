@@ -30,7 +30,7 @@ from ..proto.transport import grpc_target, unix_socket_path
 from . import digest, trainer_logs
 from . import layout as layouts
 from .console import Console
-from .facts import membership, trainable
+from .facts import membership, optimizer_setup, trainable
 from .facts.heads import HeadFacts
 from .facts.preflight import PreflightFacts
 from .facts.preflight import versions as preflight_versions
@@ -135,7 +135,10 @@ def learning_rate(optimizer: Any, lr_scheduler: Any = None) -> float:
         if values:
             return float(values[0])
     for group in getattr(optimizer, "param_groups", []) or []:
-        return float(group.get("lr", 0.0))
+        if optimizer_setup.relative_step(group):  # it ignores group["lr"] (None there)
+            return optimizer_setup.relative_step_size(optimizer, group)
+        lr = group.get("lr", 0.0)
+        return float(lr) if isinstance(lr, int | float) else 0.0
     return 0.0
 
 
@@ -227,7 +230,7 @@ class RunProbe:
                                   lengths=self.membership.watched_lengths)
         numbers, texts = trainable.start_facts(model, optimizer, self.layout,
                                                self.expected_trainable_pct, self.frozen_modules)
-        config = {**(config or {}), **numbers}
+        config = {**(config or {}), **numbers, **optimizer_setup.numbers(optimizer)}
         config_text = {"optimizer": type(layouts.inner_optimizer(optimizer)).__name__,
                        **(config_text or {}), **texts}
         if not self.layout.sharded and self.layout.membership == layouts.IDENTITY:

@@ -164,16 +164,17 @@ def sft_trainer(
     data_collator: Any = None,
     texts: list[str] | None = None,
     rows: dict[str, list[str]] | None = None,
+    optimizers: tuple[Any, Any] = (None, None),
     **overrides: Any,
 ) -> SFTTrainer:
     """An SFTTrainer on generated sentences (or texts, or rows such as prompt/completion or
-    messages), 32 tokens at most."""
+    messages), 32 tokens at most; ``optimizers``: the run's own (optimizer, scheduler)."""
     dataset = Dataset.from_dict(rows or {"text": texts or sample_lines(64, seed=4)})
     trainer: SFTTrainer = _trainer(
         SFTTrainer, SFTConfig, model, model_dir, output_dir, callbacks, dataset, steps=steps,
         warmup=warmup, lr=lr, save_steps=save_steps, tokenizer=tokenizer,
         config={"max_length": 32, "per_device_train_batch_size": 2}, overrides=overrides,
-        peft_config=peft_config, data_collator=data_collator)
+        peft_config=peft_config, data_collator=data_collator, optimizers=optimizers)
     return trainer
 
 

@@ -205,7 +205,7 @@ def render(results: list[AuditResult]) -> str:
             evidence = ", ".join(f"{k}={v}" for k, v in sorted(verdict.evidence.items())
                                  if k not in {"checkpoint", "step"})
             lines.append(f"        evidence: {evidence}")
-            fix = fix_sentence(verdict.evidence.get("detector", detector))
+            fix = fix_sentence(verdict.evidence.get("detector", detector), verdict.evidence)
             if fix:
                 lines.append(f"        fix: {fix}")
     found = sum(1 for r in results if r.findings)

@@ -156,7 +156,7 @@ def headline(record: RunRecord, runbook_url_pattern: str = DEFAULT_RUNBOOK_URL_P
                       f"{stopped[0].detector})")
     else:
         css, title = "warn", f"WARNING: {root.detector} (fired at step {root.step})"
-    return Headline(css, title, root, fix_sentence(root.detector),
+    return Headline(css, title, root, fix_sentence(root.detector, root.evidence),
                     runbook_url(runbook_url_pattern, root.detector), verdicts[1:])
 
 

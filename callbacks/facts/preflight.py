@@ -165,15 +165,19 @@ ADALORA_KEYS = ("tinit", "tfinal", "deltaT", "total_step", "init_r", "target_r")
 
 
 def adapter_numbers(model: Any) -> dict[str, float]:
-    """Numeric settings of the active adapter's method that verdicts need (AdaLoRA's schedule)."""
+    """Numeric settings of the active adapter that verdicts need: whether it was made
+    trainable (``inference_mode``) and AdaLoRA's schedule."""
     peft_config = getattr(model, "peft_config", None)
     if not isinstance(peft_config, dict) or not peft_config:
         return {}
     active = active_adapters(model)
     config = peft_config.get(active[0] if active else "") or next(iter(peft_config.values()))
+    numbers: dict[str, float] = {}
+    mode = getattr(config, "inference_mode", None)
+    if isinstance(mode, bool):  # off: built by get_peft_model or loaded with is_trainable=True
+        numbers["adapter_inference_mode"] = float(mode)
     if str(getattr(config, "peft_type", "")).split(".")[-1] != "ADALORA":
-        return {}
-    numbers = {}
+        return numbers
     for key in ADALORA_KEYS:
         value = getattr(config, key, None)
         if isinstance(value, int | float) and not isinstance(value, bool):

@@ -18,6 +18,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -59,9 +60,10 @@ def check_url(url: str) -> str:
     return url
 
 
-def first_fix(detector: str) -> str:
-    """The detector's fix in one sentence (its spec's, as everywhere a verdict is told)."""
-    return fix_sentence(detector)
+def first_fix(detector: str, evidence: Mapping[str, str] | None = None) -> str:
+    """The detector's fix in one sentence (its spec's, as the evidence selects it, as
+    everywhere a verdict is told)."""
+    return fix_sentence(detector, evidence)
 
 
 @dataclass(eq=False)  # one page each: found in the queue by identity
@@ -142,7 +144,7 @@ class WebhookNotifier:
         runbook = runbook_url(self.runbook_url_pattern, detector)
         dashboard = dashboard_url(self.dashboard_url_pattern, run_id)
         cause = format_description(description, evidence)
-        fix = first_fix(detector) or "see the runbook"
+        fix = first_fix(detector, evidence) or "see the runbook"
         at = starts_at.timestamp() if isinstance(starts_at, datetime) else starts_at
         lines = [
             f"[{severity.upper()}] {summary}",

@@ -9,6 +9,8 @@ index and the README table follow from the spec.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from .base import Detector, SpecDetector, Verdict
 from .checkpoints import (
     AdapterBloat,
@@ -145,13 +147,14 @@ def root_causes_of(detector: str) -> tuple[str, ...]:
     return found.spec.inhibited_by if found is not None else ()
 
 
-def fix_sentence(detector: str) -> str:
-    """The fix of one detector as a sentence: its spec's ``fix``, the one source of the fix
-    wording wherever a verdict is told (console, report, pages, webhooks, runbook index),
-    capitalised and closed. '' for an id that is no detector."""
+def fix_sentence(detector: str, evidence: Mapping[str, str] | None = None) -> str:
+    """The fix of one detector as a sentence: its spec's ``fix`` (or the ``fix_cases`` entry
+    the verdict's evidence selects), the one source of the fix wording wherever a verdict is
+    told (console, report, pages, webhooks, runbook index), capitalised and closed. '' for an
+    id that is no detector."""
     found = BY_ID.get(detector)
     if found is None:
         return ""
-    fix = found.spec.fix.strip()
+    fix = found.spec.fix_for(evidence).strip()
     fix = fix[:1].upper() + fix[1:]
     return fix if fix.endswith(".") else fix + "."

@@ -109,6 +109,30 @@ def fmt(value: float | int | None) -> str:
 RL_TRAINERS = frozenset({"GRPOTrainer", "RLOOTrainer"})
 
 
+#: The evidence key (and the ``fix_cases`` key) telling whether the adapter was made
+#: trainable: "true" (``is_trainable=True`` or ``get_peft_model``: PEFT's ``inference_mode``
+#: off), "false" (loaded for inference), "unknown" (no adapter, or a client that did not say).
+ADAPTER_MADE_TRAINABLE = "adapter_made_trainable"
+
+
+def adapter_made_trainable(run: RunState) -> str:
+    """Whether the run's adapter was loaded or built trainable (see ADAPTER_MADE_TRAINABLE)."""
+    mode = run.config.get("adapter_inference_mode")
+    if mode is None or run.start is None or not run.start.preflight.is_peft:
+        return "unknown"
+    return "false" if mode > 0 else "true"
+
+
+#: The fix when the adapter was made trainable and still holds nothing that trains: something
+#: froze it afterwards (PEFT's ``prepare_model_for_kbit_training`` sets ``requires_grad=False``
+#: on every parameter).
+FROZEN_AFTER_LOAD_FIX = (
+    "the adapter was made trainable and frozen afterwards: call "
+    "`prepare_model_for_kbit_training` (it sets `requires_grad=False` on every parameter) before "
+    "`get_peft_model` / `PeftModel.from_pretrained(..., is_trainable=True)`, never after, and "
+    "freeze nothing after the adapter is built")
+
+
 def is_rl(run: RunState) -> bool:
     """A GRPO/RLOO-style run: named so, or configured with num_generations."""
     return run.trainer in RL_TRAINERS or "num_generations" in run.config

@@ -14,6 +14,7 @@ from .spec import (
     ROOT_CAUSES,
     DetectorSpec,
     Evidence,
+    FixCase,
     Policy,
     Severity,
     Threshold,
@@ -157,6 +158,15 @@ class AdapterNeverTrained(_InspectedCheckpoint):
         )
 
 
+def _embeddings_resized(run: RunState) -> str:
+    """"true"/"false" from the facts at train begin (embedding rows against the base model's
+    vocabulary), "unknown" when either was not read."""
+    f = run.start.preflight if run.start is not None else None
+    if f is None or f.embedding_rows <= 0 or f.base_vocab_size <= 0:
+        return "unknown"
+    return str(f.embedding_rows != f.base_vocab_size).lower()
+
+
 class AdapterBloat(_InspectedCheckpoint):
     """The adapter file carries tensors of the base model (embeddings, lm_head) larger than
     the adapter's own tensors."""
@@ -176,6 +186,13 @@ class AdapterBloat(_InspectedCheckpoint):
                               "base-model parameters saved in an adapter, relative to the "
                               "adapter method's own parameters"),),
         evidence=(Evidence("checkpoint_adapter_bytes", 483328), Evidence("checkpoints_total")),
+        fix_cases=(FixCase(
+            "embeddings_resized", "false",
+            "nothing was resized: the adapter carries the head or embedding because "
+            "`modules_to_save` lists it (a tied `lm_head` is saved in full with its embedding) "
+            "or `target_modules` names the embedding; keep full heads out of "
+            "`modules_to_save` unless they must train, and save with "
+            "`save_embedding_layers=False` when the embeddings did not change"),),
     )
 
     def judge_inspected(self, run: RunState, point: CheckpointPoint, ins: CheckpointInspection,
@@ -197,6 +214,7 @@ class AdapterBloat(_InspectedCheckpoint):
                       "ratio": fmt(extra / own),
                       "adapter_bytes": fmt(ins.tensor_bytes),
                       "non_adapter_tensors": ",".join(n for n, _ in names[:5]),
+                      "embeddings_resized": _embeddings_resized(run),
                       "step": fmt(point.step)},
         )
 

@@ -12,6 +12,7 @@ import math
 
 from ..model.run_state import RunState
 from ..model.settings import DetectorSettings
+from ..model.step_point import StepPoint
 from .base import SpecDetector, Verdict, finite_history, fmt
 from .spec import DetectorSpec, Evidence, Policy, Severity, Threshold
 
@@ -31,11 +32,15 @@ class LossDivergence(SpecDetector):
         policy=Policy.OBSERVE,
         summary="Run {run_id} diverges: its loss rose far above where it started",
         meaning="the finite loss rose to many times the run's own early loss and stayed "
-        "there (a too-high learning rate, a bad data shard, a broken scheduler)",
+        "there, or every step moves the weights further than any weight is large while the "
+        "loss does not improve (a too-high learning rate, a bad data shard, a broken scheduler)",
         fix="lower the learning rate (or add warmup), clip gradients (`max_grad_norm`), and "
         "restart from the last checkpoint before the divergence",
         fires_when="consecutive logged losses above `divergence_factor` times the run's early "
-        "loss (the smallest magnitude of its first logs, at least `loss_scale_floor`)",
+        "loss (the smallest magnitude of its first logs, at least `loss_scale_floor`), or "
+        "`divergence_logs` consecutive optimizer steps that each moved the weights by "
+        "`divergence_update_rms` per element (RMS) and a tenth of their norm while the newest "
+        "loss is no lower than the early loss",
         thresholds=(
             Threshold("divergence_factor", "ratio", "how many times its early loss a loss "
                       "must reach to count as diverged"),
@@ -45,6 +50,9 @@ class LossDivergence(SpecDetector):
                       "it fires"),
             Threshold("loss_scale_floor", "loss", "the smallest early-loss scale (a GRPO loss "
                       "near 0 is judged against this)"),
+            Threshold("divergence_update_rms", "weight units", "a step moving the weights by "
+                      "this much per element (RMS) is blown up: no trained weight is that "
+                      "large (a LoRA at lr 20 moves 13; lr 2e-4 moves 2e-4)"),
         ),
         evidence=(Evidence("loss", 185.0), Evidence("update_norm", 53.0),
                   Evidence("learning_rate")),
@@ -56,6 +64,9 @@ class LossDivergence(SpecDetector):
         if len(early) < settings.divergence_baseline_logs:
             return None
         scale = max(min(abs(v) for _, v in early), settings.loss_scale_floor)
+        blown = _blown_up_weights(run, settings, losses, min(v for _, v in early))
+        if blown is not None:
+            return blown
         limit = settings.divergence_factor * scale
         later = losses  # the early window's own logs count too: a run can diverge at once
         streak = 0
@@ -79,6 +90,51 @@ class LossDivergence(SpecDetector):
                       "first_diverged_step": fmt(diverged[0][0]), "step": fmt(last_step),
                       "learning_rate": fmt(run.log_value("learning_rate"))},
         )
+
+
+#: The least share of the weights' own norm a step must move to count as blown up (with the
+#: per-element size below): a model whose weights are all large moves by large amounts too.
+BLOWN_UP_SHARE = 0.1
+
+
+def _blown_up_weights(run: RunState, settings: DetectorSettings,
+                      losses: list[tuple[int, float]], early_loss: float) -> Verdict | None:
+    """An absurd learning rate that neither overflows nor lifts the loss tenfold: each of the
+    last steps moved the weights by `divergence_update_rms` per element or more (no trained
+    weight is that large, no healthy step moves it that far) while the loss is no better than
+    where it started. Tiny LoRA at lr 20: 13 per element a step, loss 5.7 -> 5.8, and the grad
+    norm collapses (the model saturates) instead of exploding."""
+    steps = [p for p in run.combined_steps() if p.learning_rate > 0 and not p.skipped]
+    window = steps[-settings.divergence_logs:]
+    if len(window) < settings.divergence_logs or losses[-1][1] < early_loss:
+        return None
+
+    def rms(point: StepPoint) -> float:
+        n = point.optimizer_params or point.watched_params
+        return point.update_norm / math.sqrt(n) if n > 0 else 0.0
+
+    def blown(point: StepPoint) -> bool:
+        weights = math.sqrt(point.param_sq_sum) if math.isfinite(point.param_sq_sum) else 0.0
+        return rms(point) >= settings.divergence_update_rms \
+            and point.update_norm >= BLOWN_UP_SHARE * weights
+    if not all(blown(p) for p in window):
+        return None
+    first, last = window[0], window[-1]
+    share = last.update_norm / math.sqrt(last.param_sq_sum) if last.param_sq_sum > 0 else 0.0
+    return Verdict(
+        True,
+        step=last.step,
+        summary=(f"each of steps {first.step}-{last.step} moved every weight by "
+                 f"{fmt(rms(last))} on average ({share:.2g}x the weights' own norm) at lr "
+                 f"{fmt(last.learning_rate)}, while the loss went {fmt(early_loss)} -> "
+                 f"{fmt(losses[-1][1])}: the learning rate is far too high; lower it (LoRA "
+                 f"1e-4..2e-4, full fine-tune 1e-5..5e-5) and restart"),
+        evidence={"update_rms": fmt(rms(last)), "update_norm": fmt(last.update_norm),
+                  "weights_norm": fmt(math.sqrt(last.param_sq_sum)),
+                  "learning_rate": fmt(last.learning_rate), "loss": fmt(losses[-1][1]),
+                  "early_loss": fmt(early_loss), "first_blown_step": fmt(first.step),
+                  "step": fmt(last.step)},
+    )
 
 
 def grad_norm_series(run: RunState) -> list[tuple[int, float]]:

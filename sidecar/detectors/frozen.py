@@ -8,8 +8,17 @@ from ..model.run_state import RunState
 from ..model.settings import DetectorSettings
 from ..model.step_point import StepPoint
 from . import optimizer_family
-from .base import SpecDetector, Streak, Verdict, fmt, trailing_streak
-from .spec import DetectorSpec, Evidence, Severity, Threshold
+from .base import (
+    ADAPTER_MADE_TRAINABLE,
+    FROZEN_AFTER_LOAD_FIX,
+    SpecDetector,
+    Streak,
+    Verdict,
+    adapter_made_trainable,
+    fmt,
+    trailing_streak,
+)
+from .spec import DetectorSpec, Evidence, FixCase, Severity, Threshold
 
 #: Also read by lora_lr_too_low (K steps at lr 0 after the warmup).
 FROZEN_STEPS = Threshold("frozen_steps", "optimizer steps",
@@ -60,8 +69,8 @@ class FrozenWeights(SpecDetector):
         id="frozen_weights",
         severity=Severity.CRITICAL,
         summary="Run {run_id} reports a live loss but its weights do not move",
-        meaning="optimizer steps with lr > 0, finite loss and grad_norm > 0 left every "
-        "trainable weight unchanged",
+        meaning="optimizer steps with lr > 0 and a finite loss left every trainable weight "
+        "unchanged, though a gradient flowed or the optimizer holds nothing to train",
         fix="stop the run and fix what froze it: resume adapters with `is_trainable=True`, or let "
         "the trainer wrap the model (`peft_config=LoraConfig(...)`)",
         fires_when="consecutive optimizer steps at lr > 0 moved no weight (or moved less than "
@@ -72,6 +81,7 @@ class FrozenWeights(SpecDetector):
         evidence=(Evidence("frozen_steps", 12), Evidence("update_norm", 0),
                   Evidence("update_ratio", 0), Evidence("loss"), Evidence("grad_norm"),
                   Evidence("learning_rate")),
+        fix_cases=(FixCase(ADAPTER_MADE_TRAINABLE, "true", FROZEN_AFTER_LOAD_FIX),),
     )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
@@ -115,6 +125,7 @@ class FrozenWeights(SpecDetector):
                 "optimizer_params": fmt(last.optimizer_params),
                 "unchanged_tensors": f"{last.unchanged_tensors}/{last.watched_tensors}",
                 "grad_not_in_optimizer_tensors": fmt(last.grad_not_in_optimizer_tensors),
+                ADAPTER_MADE_TRAINABLE: adapter_made_trainable(run),
             },
         )
 

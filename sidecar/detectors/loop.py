@@ -13,8 +13,17 @@ from .spec import DetectorSpec, Evidence, Policy, Severity, Threshold
 
 NO_STEP_LOGS = Threshold("no_step_logs", "log reports",
                          "log reports without an optimizer step before it fires (twice the "
-                         "most seen between two steps, when that is more: a loop that logs "
-                         "every micro-batch)")
+                         "optimizer's accumulation, or twice the most seen between two steps, "
+                         "when that is more: a loop that logs every micro-batch)")
+
+
+def accumulation_steps(run: RunState) -> int:
+    """Micro-batches per optimizer step: what the prepared optimizer reported (accelerate's
+    ``GradientState``) or the config's ``gradient_accumulation_steps``, the larger; 1 if none."""
+    config = run.config
+    reported = max(config.get("optimizer_accumulation_steps", 1.0),
+                   config.get("gradient_accumulation_steps", 1.0))
+    return max(1, int(reported))
 
 
 class NoOptimizerStep(SpecDetector):
@@ -23,7 +32,9 @@ class NoOptimizerStep(SpecDetector):
     A raw loop that calls ``backward()`` and logs every iteration but never
     ``optimizer.step()`` trains nothing; no step report ever comes, so no detector over
     steps can speak and ``stalled`` (which waits for steps) needs its long bound. Log
-    reports count: a Trainer logs only after optimizer steps, a raw loop once per iteration.
+    reports count: a Trainer logs only after optimizer steps, a raw loop once per iteration,
+    and a loop under ``accelerator.accumulate`` once per micro-batch: it is judged against the
+    accumulation its prepared optimizer reported at start, not only against a fixed count.
     """
 
     spec = DetectorSpec(
@@ -34,8 +45,9 @@ class NoOptimizerStep(SpecDetector):
         "missing, or called on another optimizer), so nothing trains",
         fix="call `optimizer.step()` (then `optimizer.zero_grad()`) every iteration or "
         "accumulation window, and pass the optimizer that really steps to `deadweight.watch`",
-        fires_when="`no_step_logs` log reports (or twice the most seen between two steps) "
-        "arrived since the last optimizer step, or since the start when there was none",
+        fires_when="`no_step_logs` log reports (or twice the optimizer's gradient accumulation, "
+        "or twice the most seen between two steps) arrived since the last optimizer step, or "
+        "since the start when there was none",
         thresholds=(NO_STEP_LOGS,),
         evidence=(Evidence("step", 0), Evidence("loss")),
     )
@@ -44,7 +56,9 @@ class NoOptimizerStep(SpecDetector):
         if run.start is None:
             return None
         unstepped = run.unstepped_logs
-        bound = max(settings.no_step_logs, 2 * run.most_logs_between_steps)
+        accumulation = accumulation_steps(run)
+        # a loop that logs each micro-batch logs `accumulation` times per real step
+        bound = max(settings.no_step_logs, 2 * accumulation, 2 * run.most_logs_between_steps)
         if len(unstepped) < bound:
             return Verdict(False)
         last_step = run.step
@@ -54,21 +68,42 @@ class NoOptimizerStep(SpecDetector):
             True,
             step=logged[bound - 1],
             summary=(f"{len(logged)} log reports (logged steps {logged[0]}-{logged[-1]}) "
-                     f"arrived since {since} without an optimizer step: call "
-                     f"optimizer.step() on the optimizer deadweight watches"),
+                     f"arrived since {since} without an optimizer step"
+                     + (f" (the optimizer accumulates {accumulation} micro-batches a step)"
+                        if accumulation > 1 else "")
+                     + ": call optimizer.step() on the optimizer deadweight watches"),
             evidence={"log_reports_without_step": fmt(len(logged)),
+                      "accumulation_steps": fmt(accumulation),
                       "last_optimizer_step": fmt(last_step),
                       "first_logged_step": fmt(logged[0]), "last_logged_step": fmt(logged[-1]),
                       "loss": fmt(run.log_value("loss"))},
         )
 
 
-class GradientAccumulating(SpecDetector):
-    """The gradient norm climbs step after step while the loss does not improve.
+#: How much faster the window's second half may rise than its first and still read as summed
+#: gradients (a sum adds about one batch's gradient a step: its rise is steady or slows down; a
+#: rise that speeds up is a weight scale growing, a saddle left, a divergence).
+SUMMED_RISE_ALLOWANCE = 1.25
 
-    The sign of a missing ``zero_grad``: each backward adds to the gradients of every step
-    before, so the norm the optimizer steps with grows steadily (a healthy run's falls or
-    wanders) and the loss stops improving.
+
+def _falls_steadily(losses: list[float]) -> bool:
+    """The loss fell at every log but at most one: a run that learns, whatever its grad norm
+    does (a summed gradient drives a noisy loss up and down)."""
+    if len(losses) < 3:
+        return False
+    rises = sum(b >= a for a, b in pairwise(losses))
+    return rises <= 1
+
+
+class GradientAccumulating(SpecDetector):
+    """Gradients are summed across optimizer steps: ``zero_grad`` is missing from a raw loop.
+
+    Each backward adds to the gradients of every step before, so the norm the optimizer steps
+    with rises at every step, by about one batch's gradient each time: steadily or slowing
+    down, never speeding up, and smoothly even while the batches' losses jump. A healthy run's
+    norm falls or wanders; when it does rise for a while (a zero-initialised head growing, a
+    saddle left behind, full-batch training) the rise speeds up or the loss falls at every log.
+    A Trainer clears the gradients after every step itself: its runs are never judged.
     """
 
     spec = DetectorSpec(
@@ -76,12 +111,15 @@ class GradientAccumulating(SpecDetector):
         severity=Severity.WARNING,
         policy=Policy.OBSERVE,
         summary="Run {run_id} accumulates gradients across steps (zero_grad missing?)",
-        meaning="the gradient norm rose at every step of a window while the loss did not "
-        "improve: gradients are summed across steps instead of cleared",
+        meaning="the gradient norm rose at every step of a window, steadily as summed gradients "
+        "do, while the loss did not fall steadily: gradients are summed across steps instead of "
+        "cleared",
         fix="call `optimizer.zero_grad(set_to_none=True)` after every `optimizer.step()`",
-        fires_when="the grad norm rose at each of the last `accumulating_logs` steps, to "
-        "`accumulating_growth` times the run's smallest, while the loss (a mean of 3 logs) fell "
-        "by less than `accumulating_loss_drop` over the window",
+        fires_when="in a raw loop (never a Trainer, which clears gradients itself), the grad norm "
+        "rose at each of the last `accumulating_logs` steps to `accumulating_growth` times the "
+        "run's smallest, its rise did not speed up (the window's second half rose at most "
+        "1.25x as fast as its first, as a sum does), the loss did not fall at every log of "
+        "the window, and it (a mean of 3 logs) fell by less than `accumulating_loss_drop`",
         thresholds=(
             Threshold("accumulating_logs", "steps", "the window of rising grad norms"),
             Threshold("accumulating_growth", "ratio", "how many times the run's smallest "
@@ -93,12 +131,18 @@ class GradientAccumulating(SpecDetector):
     )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
+        if run.start is not None and run.start.config_text.get("loop") == "trainer":
+            return Verdict(False)  # the Trainer calls zero_grad after every optimizer step
         series = grad_norm_series(run)
         window = series[-(settings.accumulating_logs + 1):]
         if len(window) <= settings.accumulating_logs:
             return None
-        rising = all(b[1] > a[1] for a, b in pairwise(window))
+        rises = [b[1] - a[1] for a, b in pairwise(window)]
+        rising = all(r > 0 for r in rises)
         growth = window[-1][1] / min(v for _, v in series)
+        half = max(1, len(rises) // 2)
+        early_rise, late_rise = sum(rises[:half]) / half, sum(rises[-half:]) / half
+        summed = late_rise <= SUMMED_RISE_ALLOWANCE * early_rise
         # the loss, smoothed over 3 logs, at the window's start and at its end
         losses = finite_history(run, "loss")
         head = [v for s, v in losses if s <= window[0][0]][-3:]
@@ -106,18 +150,21 @@ class GradientAccumulating(SpecDetector):
         loss = sum(v for _, v in losses[-3:]) / len(losses[-3:]) if losses else None
         improving = start_loss is not None and loss is not None \
             and loss < (1 - settings.accumulating_loss_drop) * start_loss
-        if not rising or growth < settings.accumulating_growth or improving:
+        steady = _falls_steadily([v for s, v in losses if s >= window[0][0]])
+        if not rising or not summed or growth < settings.accumulating_growth or improving \
+                or steady:
             return Verdict(False)
         first, last = window[0], window[-1]
         return Verdict(
             True,
             step=last[0],
             summary=(f"grad norm rose at every step from {fmt(first[1])} (step {first[0]}) to "
-                     f"{fmt(last[1])} (step {last[0]}; {growth:.3g}x the run's smallest) while "
-                     f"the loss went {fmt(start_loss)} -> {fmt(loss)}: call "
-                     f"optimizer.zero_grad() every step"),
+                     f"{fmt(last[1])} (step {last[0]}; {growth:.3g}x the run's smallest), "
+                     f"about as much each step as summed gradients rise, while the loss went "
+                     f"{fmt(start_loss)} -> {fmt(loss)}: call optimizer.zero_grad() every step"),
             evidence={"grad_norm": fmt(last[1]), "window_start_grad_norm": fmt(first[1]),
-                      "growth": fmt(growth), "loss": fmt(loss),
+                      "growth": fmt(growth), "early_rise_per_step": fmt(early_rise),
+                      "late_rise_per_step": fmt(late_rise), "loss": fmt(loss),
                       "window_start_loss": fmt(start_loss), "step": fmt(last[0])},
         )
 

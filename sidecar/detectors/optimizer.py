@@ -6,14 +6,26 @@ from ...proto import pb
 from ..model.run_state import RunState
 from ..model.settings import DetectorSettings
 from ..model.step_point import StepPoint
-from .base import SpecDetector, Verdict, fmt, start_facts_or_silent
+from .base import (
+    ADAPTER_MADE_TRAINABLE,
+    FROZEN_AFTER_LOAD_FIX,
+    SpecDetector,
+    Verdict,
+    adapter_made_trainable,
+    fmt,
+    start_facts_or_silent,
+)
 from .spec import (
     ROOT_CAUSES,
     DetectorSpec,
     Evidence,
+    FixCase,
     Severity,
     Threshold,
 )
+
+#: The fix shown when the run reported the adapter was made trainable.
+_FROZEN_AFTER_LOAD = (FixCase(ADAPTER_MADE_TRAINABLE, "true", FROZEN_AFTER_LOAD_FIX),)
 
 #: ``OptimizerMembership.layout`` when the client could not map the optimizer's partitions.
 MEMBERSHIP_UNKNOWN = "unknown"
@@ -38,6 +50,7 @@ class EmptyOptimizer(SpecDetector):
         "`PeftModel.from_pretrained` without `is_trainable=True`)",
         evidence=(Evidence("optimizer_params", 0), Evidence("trainable_params", 0),
                   Evidence("grad_norm"), Evidence("loss")),
+        fix_cases=_FROZEN_AFTER_LOAD,
     )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
@@ -60,6 +73,7 @@ class EmptyOptimizer(SpecDetector):
                 "trainable_params": fmt(m.trainable_params),
                 "adapter_params": fmt(m.adapter_params),
                 "adapter_tensors": fmt(m.adapter_tensors),
+                ADAPTER_MADE_TRAINABLE: adapter_made_trainable(run),
                 "step": "0 (train begin)",
             },
         )
@@ -89,6 +103,7 @@ class GradNotInOptimizer(SpecDetector):
         evidence=(Evidence("grad_not_in_optimizer_params", 8), Evidence("optimizer_params", 0),
                   Evidence("grad_norm"), Evidence("update_norm", 0)),
         inhibited_by=ROOT_CAUSES,
+        fix_cases=_FROZEN_AFTER_LOAD,
     )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
@@ -121,6 +136,7 @@ class GradNotInOptimizer(SpecDetector):
                     "step": fmt(latest.step),
                     "update_norm": fmt(latest.update_norm),
                     "grad_norm": fmt(run.log_value("grad_norm")),
+                    ADAPTER_MADE_TRAINABLE: adapter_made_trainable(run),
                 },
             )
         if m.trainable_not_in_optimizer_tensors > 0:
@@ -136,6 +152,7 @@ class GradNotInOptimizer(SpecDetector):
                         m.trainable_not_in_optimizer_tensors),
                     "trainable_tensors": fmt(m.trainable_tensors),
                     "optimizer_tensors": fmt(m.optimizer_tensors),
+                    ADAPTER_MADE_TRAINABLE: adapter_made_trainable(run),
                     "step": "0 (train begin)",
                 },
             )

@@ -127,11 +127,14 @@ class EmbeddingResized(SpecDetector):
 
 
 class LoraLrTooLow(SpecDetector):
-    """The configured learning rate cannot train the adapter in this run.
+    """The learning rate the optimizer really uses cannot train the adapter in this run.
 
-    Fires for a learning rate of 0, a warmup at least as long as the run (the peak rate is
-    never reached), a PEFT run below the LoRA floor (the full fine-tune defaults: 2e-5 for SFT,
-    1e-6 for GRPO/DPO), or K optimizer steps at lr 0 after the warmup.
+    Judged on the optimizer's own rate (reported at train begin), not on an argument it may
+    ignore; an optimizer that sets its own step size (Adafactor's ``relative_step``) is never
+    judged by a configured rate. Fires for a learning rate of 0, a warmup at least as long as
+    the run (the peak rate is never reached), a PEFT run below the LoRA floor (the full
+    fine-tune defaults: 2e-5 for SFT, 1e-6 for GRPO/DPO), or K optimizer steps at lr 0 after
+    the warmup.
     """
 
     spec = DetectorSpec(
@@ -142,9 +145,10 @@ class LoraLrTooLow(SpecDetector):
         "learns almost nothing",
         fix="set the LoRA learning rate range explicitly (`learning_rate=1e-4` to `2e-4`) and "
         "check that the warmup ends",
-        fires_when="learning rate 0, a warmup at least as long as the run, a PEFT run below the "
-        "LoRA floor (the full fine-tune defaults 2e-5 / 1e-6), or K steps at lr 0 after the "
-        "warmup",
+        fires_when="the learning rate the optimizer really uses (its own, not an argument it "
+        "ignores; none for Adafactor's `relative_step`) is 0 or, in a PEFT run, below the LoRA "
+        "floor (the full fine-tune defaults 2e-5 / 1e-6); a warmup at least as long as the run; "
+        "or K steps at lr 0 after the warmup",
         thresholds=(Threshold("lora_lr_floor", "learning rate",
                               "a PEFT run configured below this learning rate is flagged (full "
                               "fine-tune defaults are 2e-5 for SFT, 1e-6 for GRPO/DPO; LoRA "
@@ -158,17 +162,24 @@ class LoraLrTooLow(SpecDetector):
         if run.start is None:
             return None
         config = run.config
-        lr = config.get("learning_rate")
+        # the rate the optimizer really uses: its own (a Trainer handed an optimizer steps at
+        # that one's rate), none at all when it sets its own step size (Adafactor's
+        # relative_step ignores any configured rate), else the configured one
+        own_step_size = config.get("optimizer_relative_step", 0.0) > 0
+        lr = None if own_step_size else config.get("optimizer_lr", config.get("learning_rate"))
         total = int(config.get("total_steps", 0))
         warmup = warmup_steps(run)
         is_peft = run.start.preflight.is_peft
         evidence = {
             "learning_rate": fmt(lr),
+            "configured_learning_rate": fmt(config.get("learning_rate")),
             "warmup_steps": fmt(warmup),
             "total_steps": fmt(total),
             "is_peft": str(is_peft).lower(),
             "lora_lr_floor": fmt(settings.lora_lr_floor),
         }
+        if own_step_size:
+            return Verdict(False)  # no configured rate or schedule is what it steps with
         reason = ""
         if lr is not None and lr <= 0:
             reason = "learning rate is 0"

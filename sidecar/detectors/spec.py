@@ -8,7 +8,7 @@ README's detector table, and the annotations of the pages the sidecar pushes its
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -59,6 +59,16 @@ class Evidence:
 
 
 @dataclass(frozen=True)
+class FixCase:
+    """A fix that replaces the spec's ``fix`` when the verdict's evidence rules its usual cause
+    out (``evidence[key] == value``): the fix shown must follow what the run reported."""
+
+    key: str
+    value: str
+    fix: str
+
+
+@dataclass(frozen=True)
 class DetectorSpec:
     """Identity, wording, thresholds and evidence of one detector.
 
@@ -83,11 +93,20 @@ class DetectorSpec:
     cadence: str = "at once"
     #: Root-cause detectors whose firing silences this one's page for the same run.
     inhibited_by: tuple[str, ...] = ()
+    #: Fixes for evidence that rules the usual cause out (the first that matches wins).
+    fix_cases: tuple[FixCase, ...] = ()
 
     @property
     def runbook(self) -> str:
         """The runbook's file name under ``alerts/runbooks/`` (and the sidecar's /runbooks/)."""
         return f"{self.id}.md"
+
+    def fix_for(self, evidence: Mapping[str, str] | None = None) -> str:
+        """The fix the evidence supports: a matching ``fix_cases`` entry, else ``fix``."""
+        for case in self.fix_cases:
+            if evidence is not None and evidence.get(case.key) == case.value:
+                return case.fix
+        return self.fix
 
     def render_summary(self, run_id: str) -> str:
         return self.summary.format(run_id=run_id)

@@ -42,11 +42,12 @@ class DetectorSettings:
     divergence_baseline_logs: int = 3
     divergence_logs: int = 2
     loss_scale_floor: float = 0.5
+    divergence_update_rms: float = 1.0
     spike_z: float = 4.0
     spike_warmup_logs: int = 5
     spike_sigma_floor: float = 0.25
     no_step_logs: int = 8
-    accumulating_logs: int = 6
+    accumulating_logs: int = 8
     accumulating_growth: float = 3.0
     accumulating_loss_drop: float = 0.75
     negligible_update_steps: int = 3

@@ -52,7 +52,7 @@ class VerdictNotices:
                 detector=detector, severity=finding.severity, policy=finding.policy,
                 incident=finding.incidents, step=finding.step, evidence=finding.summary,
                 cause=_sentence(spec.meaning if spec else finding.summary),
-                fix=_sentence(spec.fix) if spec else "",
+                fix=_sentence(spec.fix_for(finding.evidence)) if spec else "",
                 runbook_url=self._links.get(detector, ""), cause_rank=cause_rank(detector)))
         return notices
 

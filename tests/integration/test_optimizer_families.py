@@ -1,7 +1,8 @@
 """``frozen_weights`` judges a step by what its own optimizer would have moved.
 
 Real raw loops under ``deadweight.watch`` with every optimizer family: healthy plain SGD,
-momentum SGD, Adafactor (torch's and transformers'), a Lion update and AdamW stay silent;
+momentum SGD, Adafactor (torch's and transformers', with a rate or its own relative step
+size), a Lion update and AdamW stay silent;
 the same loops with the optimizer built over a copy of the model (nothing moves) fire.
 The healthy SGD runs are the false page the Adam-only ratio gave: their Adam-like ratio
 ``update_L2/(lr·√n)`` sits below the floor while every weight moves.
@@ -16,7 +17,8 @@ from tests.support import loops
 from tests.support.inprocess_sidecar import InProcessSidecar
 
 FAMILIES = {"sgd": "sgd", "sgd-momentum": "sgd", "adafactor-torch": "adafactor",
-            "adafactor-transformers": "adafactor", "lion": "adam", "adamw": "adam"}
+            "adafactor-transformers": "adafactor", "adafactor-relative": "adafactor",
+            "lion": "adam", "adamw": "adam"}
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))

@@ -47,12 +47,21 @@ def transformers_adafactor(params: Iterable[Any]) -> torch.optim.Optimizer:
                      warmup_init=False)
 
 
+def transformers_adafactor_relative(params: Iterable[Any]) -> torch.optim.Optimizer:
+    """The recipe transformers documents: Adafactor sets its own step size (no lr at all)."""
+    from transformers.optimization import Adafactor
+
+    return Adafactor(params, lr=None, scale_parameter=True, relative_step=True,
+                     warmup_init=False)
+
+
 #: name -> how the loop builds its optimizer over the parameters it is handed.
 OPTIMIZERS: dict[str, Callable[[Iterable[Any]], torch.optim.Optimizer]] = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05),
     "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9),
     "adafactor-torch": lambda ps: torch.optim.Adafactor(ps, lr=1e-2),
     "adafactor-transformers": transformers_adafactor,
+    "adafactor-relative": transformers_adafactor_relative,
     "lion": lambda ps: Lion(ps, lr=1e-4),
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
 }

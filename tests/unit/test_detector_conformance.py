@@ -371,8 +371,9 @@ ROWS = [
         Case(logs(*[{"grad_norm": v} for v in (1.0, 1.1, 0.9, 1.0, 1.05, 0.95, 1.02)]),
              start())),
     Row("gradient_accumulating",
-        Case(stepped(*[{"grad_norm": 1.5 ** i, "loss": 2.0} for i in range(8)]), start()),
-        Case(stepped(*[{"grad_norm": 1.0, "loss": 2.0} for _ in range(8)]), start())),
+        # summed gradients: the norm rises by one batch's gradient a step
+        Case(stepped(*[{"grad_norm": 1.0 + i, "loss": 2.0} for i in range(10)]), start()),
+        Case(stepped(*[{"grad_norm": 1.0, "loss": 2.0} for _ in range(10)]), start())),
     Row("negligible_updates",
         Case(steps(3, update_sq=1e-10, param_sq_sum=1e6), start()),
         Case(steps(3, update_sq=1e-6, param_sq_sum=1.0), start())),

@@ -402,3 +402,40 @@ def test_no_stop_token_in_raw_text_is_pretraining_in_a_masked_prompt_run_it_fire
     run.start = pb.RunStart(trainer="Trainer", stop_token=masked)
     verdict = StopTokenUntrained().evaluate(run, DetectorSettings())
     assert verdict is not None and verdict.firing and verdict.evidence["outside_loss"] == "40"
+
+
+def _accumulating(norms: list[float], losses: list[float], **start: object) -> set[str]:
+    feed = Feed(Registry(), trainer="Sequential", config={"learning_rate": 1e-3}, **start)
+    for step, (norm, loss) in enumerate(zip(norms, losses, strict=True), start=1):
+        feed.step(step)
+        feed.log(step, grad_norm=norm, loss=loss)
+    return feed.fired() & {"gradient_accumulating"}
+
+
+def test_gradient_accumulating_needs_a_summed_rise_and_a_loss_that_does_not_learn() -> None:
+    noisy = [2.8, 2.9, 1.8, 2.2, 1.9, 1.4, 1.5, 1.4, 0.8, 1.7]  # a loop's jumping batches
+    summed = [0.056, 0.109, 0.148, 0.181, 0.222, 0.244, 0.267, 0.289, 0.301, 0.333]
+    assert _accumulating(summed, noisy) == {"gradient_accumulating"}
+    # the same rise under a Trainer, which clears gradients itself
+    trainer = {"config_text": {"loop": "trainer"}}
+    assert not _accumulating(summed, noisy, **trainer)
+    # a rise that speeds up (a saddle left, a head growing) is no sum
+    speeding = [0.053, 0.055, 0.059, 0.064, 0.071, 0.081, 0.094, 0.109, 0.127, 0.148]
+    assert not _accumulating(speeding, noisy)
+    # a steady rise while the loss falls at every log is a run that learns
+    falling = [1.39 - 0.01 * i for i in range(10)]
+    assert not _accumulating(summed, falling)
+
+
+def test_lora_lr_is_the_rate_the_optimizer_really_uses() -> None:
+    def fired(config: dict[str, float]) -> bool:
+        feed = Feed(Registry(), trainer="SFTTrainer", config={"total_steps": 10, **config},
+                    preflight=pb.Preflight(is_peft=True))
+        feed.step(1, lr=1e-3)
+        return "lora_lr_too_low" in feed.fired()
+
+    assert fired({"learning_rate": 2e-5})  # F9: the full fine-tune default, really used
+    assert fired({"learning_rate": 2e-4, "optimizer_lr": 1e-6})  # its own optimizer's rate
+    assert not fired({"learning_rate": 2e-5, "optimizer_lr": 2e-4})
+    # Adafactor's relative_step ignores the configured rate
+    assert not fired({"learning_rate": 2e-5, "optimizer_relative_step": 1.0})

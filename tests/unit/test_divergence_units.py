@@ -44,3 +44,33 @@ def test_grad_norm_spike_adapts_to_the_run_and_passes() -> None:
     assert _fires(GradNormSpike(), "grad_norm", [*steady, 0.6])  # 12x its level
     assert not _fires(GradNormSpike(), "grad_norm", [*steady, 0.6, 0.05])  # passed
     assert not _fires(GradNormSpike(), "grad_norm", [0.05, 0.06, 0.9])  # still warming up
+
+
+def _stepped_run(updates: list[tuple[float, float]], losses: list[float]) -> RunState:
+    """A run whose optimizer steps moved (update_sq_sum, param_sq_sum) over 1024 params."""
+    from deadweight.proto import pb
+    from deadweight.sidecar.model.step_point import StepPoint
+
+    run = _run("loss", losses)
+    rank = run.rank(0)
+    for step, (update_sq, param_sq) in enumerate(updates, start=1):
+        rank.steps.append(StepPoint.from_report(pb.StepReport(
+            step=step, learning_rate=20.0, update_sq_sum=update_sq, param_sq_sum=param_sq,
+            watched_params=1024, optimizer_params=1024, watched_tensors=8), 0.0))
+    return run
+
+
+def test_loss_divergence_names_steps_larger_than_any_weight() -> None:
+    flat = [5.72, 5.79, 5.82, 5.81, 5.83]  # the loss of a LoRA at lr 20: no tenfold rise
+    # 13 per element a step (1024 params), weights of norm 554..1317: an absurd rate
+    blown = [(13.0 ** 2 * 1024, 554.0 ** 2), (13.0 ** 2 * 1024, 963.0 ** 2),
+             (12.0 ** 2 * 1024, 1317.0 ** 2)]
+    verdict = LossDivergence().evaluate(_stepped_run(blown, flat), SETTINGS)
+    assert verdict is not None and verdict.firing and "far too high" in verdict.summary
+    # the same steps while the loss improves: a verdict on the loss alone would be needed
+    falling = [5.72, 5.1, 4.6, 4.0, 3.5]
+    assert not LossDivergence().evaluate(_stepped_run(blown, falling), SETTINGS).firing
+    # a zero-initialised tensor trained alone: each step is all of its norm, yet 1e-3 per
+    # element (lr 1e-3): no weight is blown up
+    small = [(1e-6 * 1024, (1e-3 * s) ** 2 * 1024) for s in (1, 2, 3)]
+    assert not LossDivergence().evaluate(_stepped_run(small, flat), SETTINGS).firing

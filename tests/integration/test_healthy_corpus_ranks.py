@@ -23,6 +23,7 @@ import pytest
 from deadweight.demo.sidecar_process import free_port
 from tests.support import healthy_ranks_worker
 from tests.support.healthy_recipes import (
+    BEGIN,
     Kit,
     console,
     corpus_sidecar,
@@ -75,6 +76,7 @@ def test_multi_rank_loop_ends_without_a_verdict(loop: str, live: InProcessSideca
     assert sorted(live.seen(run_id).ranks) == [0, 1]
     # its begin and end lines, and every line that names no run (a verdict line names none)
     own = [line for line in launch["console"] if run_id in line or "corpus-" not in line]
+    assert any(BEGIN.match(line) for line in own), own  # the console was read
     problems = verdicts_and_noise(live, [(run_id, healthy_ranks_worker.STEPS)], own, ())
     assert problems == [], "\n".join(problems)
 

@@ -457,8 +457,10 @@ def clm_variable_rows(kit: Kit) -> list[Ran]:
 
 def _optimized(kit: Kit, run_id: str, lr: float | None = None, optim: str | None = None,
                build: Callable[[Any], tuple[Any, Any]] | None = None) -> list[Ran]:
-    """SFT of a LoRA under one optimizer: by name (``optim``), or built by the script and
-    handed to the trainer (``build(model) -> (optimizer, scheduler)``)."""
+    """SFT of a LoRA under one optimizer: by name (``optim``) at learning rate ``lr``, or
+    built by the script and handed to the trainer (``build(model) -> (optimizer,
+    scheduler)``), the config's learning rate then left at its default, as scripts leave it
+    (the optimizer carries its own)."""
     from datasets import Dataset
     from peft import get_peft_model
     from transformers import AutoTokenizer
@@ -466,8 +468,11 @@ def _optimized(kit: Kit, run_id: str, lr: float | None = None, optim: str | None
 
     model = get_peft_model(_base(kit), runs.lora_config())
     extra: dict[str, Any] = {"optim": optim} if optim else {}
+    common = runs.common_args(6, 0, lr or 0.0, 3)
+    if lr is None:
+        del common["learning_rate"]
     args = SFTConfig(output_dir=str(kit.folder), max_length=32, per_device_train_batch_size=2,
-                     **runs.common_args(6, 0, lr or 2e-4, 3), **extra)
+                     **common, **extra)
     trainer = SFTTrainer(model=model, args=args,
                          train_dataset=Dataset.from_dict({"text": sample_lines(64, seed=4)}),
                          processing_class=AutoTokenizer.from_pretrained(kit.model_dir),

@@ -174,12 +174,6 @@ def verdicts_and_noise(live: InProcessSidecar, ran: list[Ran], lines: list[str],
     return problems
 
 
-def fired(live: InProcessSidecar, ran: list[Ran]) -> list[str]:
-    """``detector [severity]`` of every verdict on the recipe's runs: the corpus table."""
-    return sorted({f"{d} [{f.severity}]" for run_id, _ in ran
-                   for d, f in live.fired(run_id).items()})
-
-
 # -- TRL trainers ----------------------------------------------------------------------------
 
 def _base(kit: Kit) -> Any:
@@ -525,7 +519,7 @@ def logged(kit: Kit, run_id: str, count: int) -> None:
              15, what=f"log {count} of {run_id}")
 
 
-def accelerate_loop(kit: Kit, accumulation: int, optimizer_steps: int = 3) -> list[Ran]:
+def accelerate_loop(kit: Kit, accumulation: int, optimizer_steps: int = 6) -> list[Ran]:
     """An Accelerate loop over the whole tiny model, ``accumulate`` over ``accumulation``
     micro-batches, the loop logging every micro-batch under its own count."""
     from accelerate import Accelerator
@@ -565,7 +559,7 @@ def accelerate_4(kit: Kit) -> list[Ran]:
 
 
 def accelerate_16(kit: Kit) -> list[Ran]:
-    return accelerate_loop(kit, 16)
+    return accelerate_loop(kit, 16, optimizer_steps=4)
 
 
 def cnn() -> torch.nn.Module:

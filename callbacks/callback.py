@@ -44,6 +44,7 @@ from transformers.utils import logging as hf_logging
 
 from . import digest, layout, trainer_logs
 from . import summary_writer as promotion
+from .adapter_home import adapter_home
 from .directives import Directives
 from .facts import dataset_rows, heads, membership, preflight, resume, stop_token
 from .run_probe import (
@@ -332,6 +333,7 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
             self._summary_at(folder, digest.digest_adapter(model, embedding_layers))
 
     def _summary_at(self, folder: Path, adapter: digest.AdapterDigest) -> None:
+        folder = adapter_home(folder, self._model)  # a named adapter is saved in its folder
         promotion.write_beside(folder, adapter, str(self.run_id), self._step, self.address,
                                self._run.token, self._run.tls_root(),
                                timeout=SUMMARY_TIMEOUT_SECONDS)

@@ -25,7 +25,7 @@ import re
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -37,6 +37,7 @@ from watchdog.observers.api import ObservedWatch
 from ..model.inspection import CheckpointInspection
 from . import access
 from .inspector import (
+    ADAPTER_FILE,
     CheckpointRefused,
     NotACheckpoint,
     inspect_path,
@@ -93,6 +94,17 @@ def _signature(folder: Path) -> tuple[tuple[str, int, int], ...]:
                      if p.is_file())
     except OSError:
         return ()
+
+
+def adapter_folder(path: Path, adapter: str) -> Path:
+    """Where a checkpoint holds the run's active adapter: PEFT saves an adapter not named
+    "default" into a subfolder of its name (the folder itself then holds the "default"
+    adapter, if any), and the callback's digests are of the active adapter. An adapter
+    name is the client's word: only a plain folder name is followed."""
+    if adapter in ("", "default", ".", "..") or Path(adapter).name != adapter:
+        return path
+    named = path / adapter
+    return named if (named / ADAPTER_FILE).is_file() else path
 
 
 def _step(path: Path) -> int:
@@ -199,6 +211,13 @@ class CheckpointWatcher:
     def _run_uids(self, run_id: str) -> set[int]:
         return {w.owner_uid for w in self._watched.values()
                 if w.run_id == run_id and w.owner_uid is not None}
+
+    def _active_adapter(self, run_id: str) -> str:
+        """The adapter the run trains, as its start reported it ("" when unknown)."""
+        known = getattr(self.sink, "run", None)
+        run = known(run_id) if callable(known) else None
+        start = getattr(run, "start", None)
+        return str(start.preflight.active_adapter) if start is not None else ""
 
     def _foreign(self, run_id: str, path: Path, files: bool = True) -> str | None:
         """Why a folder (and, with files, every entry in it) is not the run's own
@@ -321,8 +340,21 @@ class CheckpointWatcher:
             log.warning("checkpoint_skipped", run_id=pending.run_id, path=str(pending.path),
                         reason=escape)
             return
+        target = adapter_folder(pending.path, self._active_adapter(pending.run_id))
+        if target != pending.path:  # the named adapter's own subfolder: the same checks
+            foreign = self._foreign(pending.run_id, target)
+            if foreign is not None:
+                self._refuse(pending.run_id, target, foreign, life)
+                return
+            escape = access.leaves_folder(target)
+            if escape is not None:
+                log.warning("checkpoint_skipped", run_id=pending.run_id, path=str(target),
+                            reason=escape)
+                return
         try:
-            inspection = inspect_path(pending.path)
+            inspection = inspect_path(target)
+            if target != pending.path:  # it stands for the checkpoint the run reported
+                inspection = replace(inspection, path=str(pending.path))
         except CheckpointRefused as err:
             self._refuse(pending.run_id, pending.path, str(err), life)
             return

@@ -29,6 +29,7 @@ MULTIPROCESS_FILES = frozenset({
     "tests/e2e/test_image.py",
     "tests/e2e/test_trainer_wrapper.py",
     "tests/integration/test_trust_measure_race.py",
+    "tests/integration/test_healthy_corpus_ranks.py",  # torchrun, a CPU hog
 })
 MULTIPROCESS_UNIT = "multiprocess"
 

@@ -190,6 +190,7 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         tls_key=Path(args.tls_key).read_bytes() if args.tls_key else None,
         insecure=args.insecure,
         auth_failure_burst=args.auth_failure_burst,
+        auth_failure_refill_seconds=args.auth_failure_refill,
         watch_roots=tuple(args.watch_root or ()),
         socket_group=args.socket_group,
     )
@@ -251,7 +252,10 @@ def add_serve(commands: Commands, default_socket: str) -> None:
                        help="bearer token TCP clients must present")
     serve.add_argument("--auth-failure-burst", type=int, default=20, metavar="N",
                        help="failed TCP tokens a host may present before its calls are "
-                       "refused unread; one more is allowed each second (default %(default)s)")
+                       "refused unread (default %(default)s)")
+    serve.add_argument("--auth-failure-refill", type=float, default=1.0, metavar="SECONDS",
+                       help="a throttled host may try once more after this long "
+                       "(default %(default)s)")
     serve.add_argument("--insecure", action="store_true",
                        help="allow TCP without TLS and token (never for a shared network)")
     serve.add_argument("--allow-unattested", action="store_true",

@@ -27,7 +27,7 @@ from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 from ...proto import MAX_MESSAGE_BYTES, add_monitor_servicer, pb, pb_grpc
 from ...proto.transport import bearer_matches
 from ..registry import CheckedBatch, Peer, Registry
-from .auth_failures import DEFAULT_BURST, AuthFailures
+from .auth_failures import DEFAULT_BURST, DEFAULT_REFILL_PER_SECOND, AuthFailures
 from .socket_access import grant, secure_folder
 from .summary_service import SummaryRefused, signed_summary
 
@@ -71,6 +71,8 @@ class ServerConfig:
     insecure: bool = False
     #: Failed TCP authentications a host may make before it is throttled.
     auth_failure_burst: int = DEFAULT_BURST
+    #: ... and how long until a throttled host may try once more.
+    auth_failure_refill_seconds: float = 1.0 / DEFAULT_REFILL_PER_SECOND
     grpc_options: list[tuple[str, int]] = field(
         default_factory=lambda: [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -341,7 +343,8 @@ class SidecarServer:
         self.registry = registry
         self.config = config
         #: Failed TCP authentications (shared by every listener; exported on /metrics).
-        self.auth_failures = AuthFailures(config.auth_failure_burst)
+        self.auth_failures = AuthFailures(config.auth_failure_burst,
+                                          1.0 / config.auth_failure_refill_seconds)
         self.signer = signer
         self.oncall = oncall
         self.grpc_port: int | None = None

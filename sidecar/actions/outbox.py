@@ -160,6 +160,8 @@ class DestinationWorker:
             for old in superseded:  # the newer one answers for the page the older carried
                 if delivery.page is None and old.page is not None:
                     delivery.page, delivery.on_result = old.page, old.on_result
+                    delivery.journaled = True  # so a crash before it is acknowledged
+                    # still finds the page's delivery in the journal
             self._settle([d for d in superseded if d is not delivery], SUPERSEDED)
         if delivery.journaled and self.journal is not None:
             # A failed write is counted and logged by the store: the page is still sent now.

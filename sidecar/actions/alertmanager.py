@@ -41,7 +41,7 @@ from .outbox import (
     destination_key,
     idempotency_key,
 )
-from .pager_health import DEFAULT_ATTEMPTS, Outcome, TargetHealth, target_label
+from .pager_health import DEFAULT_ATTEMPTS, Outcome, TargetHealth, page_of, target_label
 
 __all__ = ["AlertmanagerPusher", "alert_name", "dashboard_url", "format_description",
            "runbook_url"]
@@ -142,6 +142,7 @@ class AlertmanagerPusher:
         }
         key = (run_id, detector)
         starts = _coerce_ts(starts_at)
+        page = page_of(on_result, page)
         with self._lock:
             previous = self._firing.get(key)
             if previous is not None:

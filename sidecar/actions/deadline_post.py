@@ -34,10 +34,13 @@ class PostResult:
 def post(url: str, body: bytes, headers: dict[str, str], deadline: float) -> PostResult:
     """POST body to url, all of it within deadline seconds; a 3xx is refused."""
     parts = urlsplit(url)
-    host = parts.hostname or ""
+    try:
+        port = parts.port
+    except ValueError as err:  # a port that is no number: this URL can never be delivered to
+        return PostResult(False, 0, f"bad port in the URL: {err}")
     connection_type = (http.client.HTTPSConnection if parts.scheme == "https"
                        else http.client.HTTPConnection)
-    connection = connection_type(host, parts.port, timeout=deadline)
+    connection = connection_type(parts.hostname or "", port, timeout=deadline)
     expired = threading.Event()
 
     def cut() -> None:

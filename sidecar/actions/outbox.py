@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import structlog
 
 from ..store.journal import StoredDelivery, StoreWriteFailed
-from .deadline_post import post
+from .deadline_post import PostResult, post
 from .pager_health import DEFAULT_ATTEMPTS, DELIVERED, FAILED, Outcome, TargetHealth
 
 log = structlog.get_logger("deadweight.pager")
@@ -289,9 +289,13 @@ class DestinationWorker:
                 return
 
     def _attempt(self, due: list[Delivery], deadline: float) -> None:
-        body = json.dumps(self.encoding.body(due, time.time())).encode()
         headers = {"Idempotency-Key": due[0].idempotency_key} if len(due) == 1 else {}
-        result = post(self.url, body, headers, deadline)
+        try:
+            body = json.dumps(self.encoding.body(due, time.time())).encode()
+            result = post(self.url, body, headers, deadline)
+        except Exception as err:  # a bug must not end this thread: the queue would only age
+            log.exception("pager_attempt_crashed", target=self.health.target)
+            result = PostResult(False, 0, f"{type(err).__name__}: {err}")
         self.health.tried(result.ok)
         if result.ok:
             with self._lock:

@@ -118,3 +118,10 @@ class PageSettler:
 
     def __call__(self, result: str) -> None:
         self.tell(result)
+
+
+def page_of(on_result: Outcome | None, page: int | None = None) -> int | None:
+    """The journaled page an outcome settles: page when given, else a ``PageSettler``'s."""
+    if page is not None:
+        return page
+    return on_result.page if isinstance(on_result, PageSettler) else None

@@ -14,7 +14,7 @@ from datetime import datetime
 from typing import Protocol
 
 from .outbox import DestinationWorker, restore_pages
-from .pager_health import Outcome, PageOutcome, PageSettler, TargetHealth
+from .pager_health import Outcome, PageOutcome, TargetHealth, page_of
 
 
 class PagerTarget(Protocol):
@@ -56,7 +56,7 @@ class PagerSet:
         evidence: dict[str, str] | None = None, starts_at: float | None = None,
         on_result: Outcome | None = None, reassert: bool = False,
     ) -> None:
-        page = on_result.page if isinstance(on_result, PageSettler) else None
+        page = page_of(on_result)
         outcome = PageOutcome(len(self.targets), on_result) if on_result is not None else None
         for index, target in enumerate(self.targets):
             target.fire(run_id, detector, severity, summary, description, evidence,

@@ -43,7 +43,7 @@ from .outbox import (
     destination_key,
     idempotency_key,
 )
-from .pager_health import DEFAULT_ATTEMPTS, Outcome, TargetHealth, target_label
+from .pager_health import DEFAULT_ATTEMPTS, Outcome, TargetHealth, page_of, target_label
 
 log = structlog.get_logger("deadweight.pager")
 
@@ -105,6 +105,7 @@ class WebhookNotifier:
             return
         body = self.message(run_id, detector, severity, summary, description, evidence or {},
                             starts_at)
+        page = page_of(on_result, page)
         key = idempotency_key(self.destination, run_id, detector, FIRE,
                               float(body["starts_at"]), page)
         body["idempotency_key"] = key

@@ -29,9 +29,12 @@ class Received:
 class Receiver:
     """A webhook and an Alertmanager API (``/api/v2/alerts``) on one port."""
 
-    def __init__(self, mode: str = OK, port: int = 0, location: str = "") -> None:
+    def __init__(self, mode: str = OK, port: int = 0, location: str = "",
+                 drip_detector: str = "") -> None:
         self.mode = mode
         self.location = location
+        #: In mode OK, drip the answer to messages about this detector only.
+        self.drip_detector = drip_detector
         self.received: list[Received] = []
         self._lock = threading.Lock()
         receiver = self
@@ -46,6 +49,10 @@ class Receiver:
             def do_POST(self) -> None:
                 raw = self.rfile.read(int(self.headers.get("Content-Length", "0")))
                 mode = receiver.mode
+                if mode == OK and receiver.drip_detector and isinstance(
+                        body := json.loads(raw), dict) and body.get(
+                        "detector") == receiver.drip_detector:
+                    mode = DRIP
                 if mode == DRIP:
                     receiver._note("POST-drip", self.path, dict(self.headers),
                                    json.loads(raw))

@@ -76,19 +76,18 @@ def test_status_and_runs_read_the_token_from_a_file_or_the_environment(
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
     token_file.chmod(0o600)
-    for command in ("status", "runs"):
-        from_file = _command(cert, port, command, "--token-file", str(token_file))
-        assert from_file.returncode == 0, from_file.stderr
-        assert "warning" not in from_file.stderr
-        from_env = _command(cert, port, command, env={"DEADWEIGHT_TOKEN": TOKEN})
-        assert from_env.returncode == 0, from_env.stderr
-        assert "warning" not in from_env.stderr
-        in_argv = _command(cert, port, command, "--token", TOKEN)
-        assert in_argv.returncode == 0, in_argv.stderr
-        assert "--token shows in the process list" in in_argv.stderr
-        assert "--token-file" in in_argv.stderr
-        wrong = _command(cert, port, command, "--token-file", str(tmp_path / "absent"))
-        assert wrong.returncode == 2 and "absent" in wrong.stderr
+    from_file = _command(cert, port, "status", "--token-file", str(token_file))
+    assert from_file.returncode == 0, from_file.stderr
+    assert "warning" not in from_file.stderr
+    from_env = _command(cert, port, "runs", env={"DEADWEIGHT_TOKEN": TOKEN})
+    assert from_env.returncode == 0, from_env.stderr
+    assert "warning" not in from_env.stderr
+    in_argv = _command(cert, port, "runs", "--token", TOKEN)
+    assert in_argv.returncode == 0, in_argv.stderr
+    assert "--token shows in the process list" in in_argv.stderr
+    assert "--token-file" in in_argv.stderr
+    absent = _command(cert, port, "status", "--token-file", str(tmp_path / "absent"))
+    assert absent.returncode == 2 and "absent" in absent.stderr
 
 
 def _status(channel: grpc.Channel, token: str) -> grpc.StatusCode:

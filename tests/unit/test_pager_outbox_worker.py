@@ -65,3 +65,22 @@ def test_what_one_worker_left_unacknowledged_the_next_sends_once(tmp_path: Path)
         second.close(flush_timeout=0.1)
         hook.close()
         store.close()
+
+
+def test_credentials_in_the_url_go_as_basic_auth_and_never_into_the_label() -> None:
+    import base64
+
+    hook = Receiver(OK)
+    told: list[str] = []
+    notifier = WebhookNotifier(f"http://pager:s%40cret@127.0.0.1:{hook.port}/hook",
+                               **FAST)  # type: ignore[arg-type]
+    try:
+        notifier.fire("run-3", "frozen_weights", "critical", "s", "d", on_result=told.append)
+        wait_for(lambda: told == [DELIVERED], 10, what="the page delivered")
+        [request] = hook.requests("POST", "/hook")
+        assert request.headers["Authorization"] == "Basic " + base64.b64encode(
+            b"pager:s@cret").decode()
+        assert notifier.health.target == f"webhook 127.0.0.1:{hook.port}"
+    finally:
+        notifier.close(flush_timeout=0.1)
+        hook.close()

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .cli_args import add_token_args, token_from
+from .cli_token import add_token_args, token_from
 
 if TYPE_CHECKING:
     from .cli import Commands

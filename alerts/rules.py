@@ -40,8 +40,10 @@ class Patterns:
 
     ``docs`` is where the runbook of ``DeadweightSidecarDown`` lives: that alert fires when
     the sidecar cannot answer, so a link to the sidecar's own ``/runbooks/`` would be dead
-    exactly then. Set it (``--docs-url-pattern``) to a wiki or a long-lived copy; without it
-    the runbook pattern is used, and the description carries the first steps itself.
+    exactly then. ``python -m alerts.generate`` sets it to the repository's runbook file
+    (``DEFAULT_DOCS_URL_PATTERN``) unless ``--docs-url-pattern`` names a wiki or a long-lived
+    copy; a ``Patterns`` made without it uses the runbook pattern (one that already points
+    somewhere stable), and the description carries the first steps itself.
     """
 
     runbook: str

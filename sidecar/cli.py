@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .. import __version__
-from . import cli_runs, oncall_cli, serve_cli
+from . import cli_runs, cli_token, oncall_cli, serve_cli
 from .actions import links as alert_links
 from .cli_args import setting, settings, url_pattern
 
@@ -36,7 +36,12 @@ def _status(args: argparse.Namespace) -> int:
 
     try:
         tls_ca = Path(args.tls_ca).read_bytes() if args.tls_ca else None
-        response = status.fetch(args.address, args.token, tls_ca=tls_ca)
+        token = cli_token.token_from(args, "status")
+    except OSError as err:
+        print(f"deadweight status: {err}", file=sys.stderr)
+        return 2
+    try:
+        response = status.fetch(args.address, token, tls_ca=tls_ca)
     except grpc.RpcError as err:
         print(f"deadweight: cannot reach the sidecar at {args.address}: {err.code().name}",
               file=sys.stderr)
@@ -126,8 +131,7 @@ def build_parser(*more_commands: Callable[[Commands], None]) -> argparse.Argumen
     status_cmd = commands.add_parser("status", help="live runs and verdicts of a sidecar")
     status_cmd.add_argument("--address", default=f"unix://{DEFAULT_SOCKET}",
                             help="sidecar address (default %(default)s)")
-    status_cmd.add_argument("--token", default=None,
-                            help="bearer token (a TCP sidecar requires one)")
+    cli_token.add_token_args(status_cmd)
     status_cmd.add_argument("--tls-ca", default=None, metavar="FILE",
                             help="PEM CA that signed a TCP sidecar's certificate")
     status_cmd.add_argument("--json", action="store_true",

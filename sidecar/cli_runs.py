@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .cli_token import add_token_args, token_from
+
 if TYPE_CHECKING:
     from .cli import Commands
 
@@ -42,7 +44,12 @@ def _runs(args: argparse.Namespace) -> int:
 
         try:
             tls_ca = Path(args.tls_ca).read_bytes() if args.tls_ca else None
-            response = status.fetch(args.address, args.token, tls_ca=tls_ca)
+            token = token_from(args, "runs")
+        except OSError as err:
+            print(f"deadweight runs: {err}", file=sys.stderr)
+            return 2
+        try:
+            response = status.fetch(args.address, token, tls_ca=tls_ca)
         except grpc.RpcError as err:
             print(f"deadweight runs: cannot reach the sidecar at {args.address}: "
                   f"{err.code().name} (or list a state dir: --state-dir DIR)", file=sys.stderr)
@@ -61,7 +68,7 @@ def add_runs(commands: Commands, default_address: str) -> None:
                       "sidecar needs to run) instead of asking a live sidecar")
     runs.add_argument("--address", default=default_address,
                       help="live sidecar address (default %(default)s)")
-    runs.add_argument("--token", default=None, help="bearer token (a TCP sidecar requires one)")
+    add_token_args(runs)
     runs.add_argument("--tls-ca", default=None, metavar="FILE",
                       help="PEM CA that signed a TCP sidecar's certificate")
     runs.add_argument("--json", action="store_true",

@@ -65,6 +65,12 @@ class SidecarConfig:
     alertmanager_url: str | None = None
     #: Chat or incident webhooks paged directly, one JSON message per incident.
     webhook_urls: tuple[str, ...] = ()
+    #: The pager outbox's clocks: one attempt's deadline, the retry backoff, and how often
+    #: firing alerts are re-asserted to Alertmanager.
+    pager_deadline: float = 10.0
+    pager_backoff: float = 0.5
+    pager_backoff_max: float = 30.0
+    pager_resend_interval: float = 60.0
     #: None: this sidecar's own /runbooks/ on the address /metrics is served at (its real
     #: port once bound), so the link follows ``--metrics-address``.
     runbook_url_pattern: str | None = None
@@ -142,10 +148,11 @@ class Sidecar:
         #: Stop and silence by hand (needs the actions, which journal them).
         self.oncall = (Oncall(registry, actions, registry.attestor)
                        if actions is not None else None)
+        self.server = SidecarServer(registry, config, oncall=self.oncall)
         self.collector = DeadweightCollector(registry, actions, registry.detectors,
                                              attestation=self.attestation,
-                                             pagers=pager.health() if pager else ())
-        self.server = SidecarServer(registry, config, oncall=self.oncall)
+                                             pagers=pager.health() if pager else (),
+                                             auth_failures=self.server.auth_failures)
         self._http: MetricsServer | None = None
         #: How to stop each part that started, in start order.
         self._running: list[Callable[[], None]] = []
@@ -170,6 +177,9 @@ class Sidecar:
                     raise StartupError(str(err)) from err
         if self.oncall is not None and self.store is not None:
             self.oncall.silences.load(self.store)  # before resume re-asserts pages
+        if self.pager is not None and self.actions is not None:
+            # What a previous sidecar journaled and no receiver acknowledged goes first.
+            self.pager.restore(self.actions.settle_restored_page)
         self.registry.resume()
         if self.oncall is not None:
             clock = SilenceClock(self.oncall)
@@ -285,10 +295,14 @@ def build(config: SidecarConfig) -> Sidecar:
     runbooks = config.runbook_url_pattern or DEFAULT_RUNBOOK_URL_PATTERN
     targets: list[PagerTarget] = []
     if config.alertmanager_url:
-        targets.append(AlertmanagerPusher(config.alertmanager_url, runbooks,
-                                          config.dashboard_url_pattern))
-    targets += [WebhookNotifier(url, index, runbooks, config.dashboard_url_pattern)
-                for index, url in enumerate(config.webhook_urls)]
+        targets.append(AlertmanagerPusher(
+            config.alertmanager_url, runbooks, config.dashboard_url_pattern, journal=store,
+            resend_interval=config.pager_resend_interval, deadline=config.pager_deadline,
+            backoff_initial=config.pager_backoff, backoff_max=config.pager_backoff_max))
+    targets += [WebhookNotifier(
+        url, index, runbooks, config.dashboard_url_pattern, journal=store,
+        deadline=config.pager_deadline, backoff_initial=config.pager_backoff,
+        backoff_max=config.pager_backoff_max) for index, url in enumerate(config.webhook_urls)]
     pager = PagerSet(targets) if targets else None
 
     def escalate(run: RunSnapshot, finding: Finding, stop_at: float, stop_step: int) -> None:

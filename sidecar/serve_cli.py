@@ -83,6 +83,20 @@ def webhook_url_arg(text: str) -> str:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def webhook_urls_from(files: list[str] | None) -> tuple[str, ...]:
+    """The webhook URLs kept in files (one a line; blank lines and # comments skipped), so
+    no secret in a URL shows in the process list. Raises OSError or ValueError."""
+    from .actions.webhook import check_url
+
+    urls = []
+    for name in files or ():
+        for line in Path(name).read_text().splitlines():
+            text = line.strip()
+            if text and not text.startswith("#"):
+                urls.append(check_url(text))
+    return tuple(urls)
+
+
 def _serve(args: argparse.Namespace) -> int:
     import structlog
 
@@ -105,10 +119,15 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     if cpu is not None:
         structlog.get_logger("deadweight.sidecar").info("cpu_pinned", cpu=cpu, asked=args.cpu)
+    if args.webhook_url:
+        structlog.get_logger("deadweight.sidecar").warning(
+            "webhook_url_in_argv", urls=len(args.webhook_url),
+            note="every user of this machine can read --webhook-url in the process list, "
+            "with the secret its path or user:password@ carries; use --webhook-url-file")
     try:
         config = sidecar_config(args)
         check_transport(config.server)
-    except (InsecureTransport, OSError) as err:
+    except (InsecureTransport, OSError, ValueError) as err:
         print(f"deadweight serve: {err}", file=sys.stderr)
         return 2
     signal_capability.announce(capability, config.trainer_uids,
@@ -157,7 +176,11 @@ def sidecar_config(args: argparse.Namespace) -> SidecarConfig:
 
     return SidecarConfig(
         server=_server_config(args), state_dir=args.state_dir,
-        alertmanager_url=args.alertmanager_url, webhook_urls=tuple(args.webhook_url or ()),
+        alertmanager_url=args.alertmanager_url,
+        webhook_urls=tuple(args.webhook_url or ()) + webhook_urls_from(args.webhook_url_file),
+        pager_deadline=args.pager_deadline, pager_backoff=args.pager_backoff,
+        pager_backoff_max=args.pager_backoff_max,
+        pager_resend_interval=args.pager_resend_interval,
         runbook_url_pattern=args.runbook_url_pattern,
         dashboard_url_pattern=args.dashboard_url_pattern or (
             alert_links.dashboard_pattern_for(args.grafana_url) if args.grafana_url
@@ -197,6 +220,8 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         tls_cert=Path(args.tls_cert).read_bytes() if args.tls_cert else None,
         tls_key=Path(args.tls_key).read_bytes() if args.tls_key else None,
         insecure=args.insecure,
+        auth_failure_burst=args.auth_failure_burst,
+        auth_failure_refill_seconds=args.auth_failure_refill,
         watch_roots=tuple(args.watch_root or ()),
         socket_group=args.socket_group,
     )
@@ -217,7 +242,23 @@ def add_serve(commands: Commands, default_socket: str) -> None:
     serve.add_argument("--webhook-url", action="append", type=webhook_url_arg, default=None,
                        metavar="URL", help="also page this chat or incident webhook directly: "
                        "one JSON message per incident with a Slack-compatible text field "
-                       "(repeatable; for teams without Alertmanager)")
+                       "(repeatable; for teams without Alertmanager). The URL shows in "
+                       "the process list: prefer --webhook-url-file")
+    serve.add_argument("--webhook-url-file", action="append", default=None, metavar="FILE",
+                       help="page the webhook URLs this file holds, one a line (repeatable; "
+                       "keeps a URL's secret path or user:password@ out of the process list)")
+    serve.add_argument("--pager-deadline", type=float, default=10.0, metavar="SECONDS",
+                       help="one delivery attempt to a pager target, connect to last byte "
+                       "of the answer (default %(default)s)")
+    serve.add_argument("--pager-backoff", type=float, default=0.5, metavar="SECONDS",
+                       help="first wait before a failed delivery is tried again; it doubles "
+                       "up to --pager-backoff-max, until the target acknowledges "
+                       "(default %(default)s)")
+    serve.add_argument("--pager-backoff-max", type=float, default=30.0, metavar="SECONDS",
+                       help="(default %(default)s)")
+    serve.add_argument("--pager-resend-interval", type=float, default=60.0, metavar="SECONDS",
+                       help="how often firing alerts are re-asserted to Alertmanager (their "
+                       "endsAt is 4 times this ahead; default %(default)s)")
     serve.add_argument("--runbook-url-pattern", type=url_pattern(alert_links.RUNBOOK_PLACEHOLDERS),
                        default=None, metavar="PATTERN",
                        help="runbook_url of pushed alerts; {detector} and {alertname} are "
@@ -240,6 +281,12 @@ def add_serve(commands: Commands, default_socket: str) -> None:
     serve.add_argument("--tls-key", default=None, metavar="FILE", help="PEM private key")
     serve.add_argument("--token-file", default=None, metavar="FILE",
                        help="bearer token TCP clients must present")
+    serve.add_argument("--auth-failure-burst", type=int, default=20, metavar="N",
+                       help="failed TCP tokens a host may present before its calls are "
+                       "refused unread (default %(default)s)")
+    serve.add_argument("--auth-failure-refill", type=float, default=1.0, metavar="SECONDS",
+                       help="a throttled host may try once more after this long "
+                       "(default %(default)s)")
     serve.add_argument("--insecure", action="store_true",
                        help="allow TCP without TLS and token (never for a shared network)")
     serve.add_argument("--allow-unattested", action="store_true",

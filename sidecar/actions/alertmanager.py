@@ -3,23 +3,21 @@
 The sidecar pages even when no Prometheus scrapes it. The labels are exactly the ones the
 Prometheus rules in alerts/ produce ({alertname, run_id, detector, severity}) and the
 annotations carry the same summary, runbook_url and dashboard_url (``alert_links``), so
-Alertmanager sees one alert whichever path delivers it first. Callers only touch a dict under
-a lock; one background thread does all network I/O, retries with backoff, and re-sends firing
-alerts periodically because Alertmanager resolves an alert whose endsAt passes without one.
-Each POST counts in the target's ``TargetHealth`` (``pager_health``); a page whose alert was
-not taken after ``max_attempts`` POSTs is told ``failed`` (and ``delivered`` if a later one
-takes it), so the journal says what happened instead of "queued" forever.
+Alertmanager sees one alert whichever path delivers it first. Callers only record the alert;
+the pager outbox (``outbox``) journals it, delivers it from this destination's own thread
+under a total deadline, retries until Alertmanager acknowledges it, re-sends what a killed
+sidecar left unacknowledged, and re-asserts firing alerts every ``resend_interval`` (also
+right after a restart, from the open incidents) because Alertmanager resolves an alert
+whose endsAt passes without one.
 """
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass
+from collections.abc import Sequence
 from datetime import datetime, timezone
+from typing import Any
 
 import structlog
 
@@ -33,14 +31,17 @@ from .links import (
     dashboard_url,
     runbook_url,
 )
-from .pager_health import (
-    DEFAULT_ATTEMPTS,
-    DELIVERED,
-    FAILED,
-    Outcome,
-    TargetHealth,
-    target_label,
+from .outbox import (
+    FIRE,
+    RESOLVE,
+    Delivery,
+    DestinationWorker,
+    Journal,
+    Timing,
+    destination_key,
+    idempotency_key,
 )
+from .pager_health import DEFAULT_ATTEMPTS, Outcome, TargetHealth, page_of, target_label
 
 __all__ = ["AlertmanagerPusher", "alert_name", "dashboard_url", "format_description",
            "runbook_url"]
@@ -60,23 +61,6 @@ def _coerce_ts(value: float | datetime | None) -> float:
     return float(value)
 
 
-@dataclass
-class _Alert:
-    labels: dict[str, str]
-    annotations: dict[str, str]
-    starts_at: float
-    ends_at: float | None  # None while firing: set to now + validity at each send
-
-    def payload(self, now: float, validity: float) -> dict[str, object]:
-        ends = self.ends_at if self.ends_at is not None else now + validity
-        return {
-            "labels": self.labels,
-            "annotations": self.annotations,
-            "startsAt": _rfc3339(self.starts_at),
-            "endsAt": _rfc3339(ends),
-        }
-
-
 def format_description(description: str, evidence: dict[str, str]) -> str:
     """Append the evidence as `key=value` pairs, in the order given, unless already quoted."""
     if not evidence or "Evidence:" in description:
@@ -86,14 +70,18 @@ def format_description(description: str, evidence: dict[str, str]) -> str:
 
 
 class AlertmanagerPusher:
-    """Send firing/resolved alerts to `<url>/api/v2/alerts` from a background thread.
+    """Send firing/resolved alerts to `<url>/api/v2/alerts` through the pager outbox.
 
-    `fire` and `resolve` never block on the network: they record the alert and wake the
-    thread. Pending updates coalesce per (run_id, detector), so the backlog is bounded by the
-    number of distinct alerts (and by `max_pending`, beyond which the oldest are dropped and
-    counted). A failed POST is retried with exponential backoff; firing alerts are re-sent every
-    `resend_interval` seconds with endsAt = now + `validity_factor` * resend_interval.
+    `fire` and `resolve` never block on the network: they record the alert and hand it to
+    the destination's worker. Queued updates coalesce per (run_id, detector), so the backlog
+    is bounded by the number of distinct alerts (and by `max_pending`, beyond which the
+    oldest are dropped and counted). Firing alerts are re-sent every `resend_interval`
+    seconds with endsAt = now + `validity_factor` * resend_interval.
     """
+
+    coalesce = True
+    batch = 256
+    failure_event = "alertmanager_push_failed"
 
     def __init__(
         self,
@@ -103,39 +91,31 @@ class AlertmanagerPusher:
         *,
         resend_interval: float = 60.0,
         validity_factor: float = 4.0,
-        timeout: float = 5.0,
+        deadline: float = 10.0,
         backoff_initial: float = 0.5,
         backoff_max: float = 30.0,
         max_pending: int = 10_000,
         max_attempts: int = DEFAULT_ATTEMPTS,
+        journal: Journal | None = None,
     ) -> None:
         self.url = url.rstrip("/") + "/api/v2/alerts"
-        #: Attempts, failures and the last delivery of this target (``/metrics``).
+        #: Attempts, failures, the last delivery and the backlog of this target (/metrics).
         self.health = TargetHealth("alertmanager", target_label("alertmanager", url))
         self.max_attempts = max_attempts
         self.runbook_url_pattern = check_pattern(runbook_url_pattern, RUNBOOK_PLACEHOLDERS)
         self.dashboard_url_pattern = check_pattern(dashboard_url_pattern, DASHBOARD_PLACEHOLDERS)
         self.resend_interval = resend_interval
         self.validity = validity_factor * resend_interval
-        self.timeout = timeout
-        self.backoff_initial = backoff_initial
-        self.backoff_max = backoff_max
-        self.max_pending = max_pending
-        self._final_timeout = timeout
-        self.sent_batches = 0
-        self.failed_posts = 0
-        self.dropped = 0
         self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._firing: dict[tuple[str, str], _Alert] = {}
-        self._pending: dict[tuple[str, str], _Alert] = {}
-        #: Pages waiting to be told delivered/failed, and the POSTs each has had.
-        self._outcomes: dict[tuple[str, str], Outcome] = {}
-        self._tries: dict[tuple[str, str], int] = {}
-        self._thread = threading.Thread(target=self._run, name="deadweight-alertmanager",
-                                        daemon=True)
-        self._thread.start()
+        #: (run_id, detector) -> the alert as firing (endsAt set at each send).
+        self._firing: dict[tuple[str, str], dict[str, Any]] = {}
+        self.destination = destination_key("alertmanager", url)
+        self.worker = DestinationWorker(
+            self.url, self.destination, self.health, self,
+            Timing(deadline=deadline, backoff_initial=backoff_initial, backoff_max=backoff_max,
+                   max_attempts=max_attempts, reassert_interval=resend_interval,
+                   max_pending=max_pending),
+            journal, name="alertmanager")
 
     # -- caller side (never blocks on I/O) ------------------------------------------------
 
@@ -150,28 +130,29 @@ class AlertmanagerPusher:
         starts_at: float | datetime | None = None,
         on_result: Outcome | None = None,
         reassert: bool = False,
+        page: int | None = None,
     ) -> None:
         """Record a firing alert and schedule its delivery; on_result hears whether it was
         delivered or failed (reassert: the same alert again after a restart, sent as such:
-        Alertmanager merges it with the one it has)."""
+        Alertmanager merges it with the one it has; not journaled, the incidents are)."""
         annotations = {
             "summary": summary,
             "description": format_description(description, evidence or {}),
             **self._links(run_id, detector),
         }
-        alert = _Alert(self._labels(run_id, detector, severity), annotations,
-                       _coerce_ts(starts_at), None)
         key = (run_id, detector)
+        starts = _coerce_ts(starts_at)
+        page = page_of(on_result, page)
         with self._lock:
             previous = self._firing.get(key)
             if previous is not None:
-                alert.starts_at = min(alert.starts_at, previous.starts_at)
+                starts = min(starts, float(previous["startsAt"]))
+            alert = self._alert(run_id, detector, severity, annotations, starts, None)
             self._firing[key] = alert
-            self._enqueue(key, alert)
-            if on_result is not None:
-                self._outcomes[key] = on_result
-                self._tries[key] = 0
-        self._wake.set()
+        self.worker.submit(Delivery(
+            key, FIRE, alert, idempotency_key(self.destination, run_id, detector, FIRE, starts,
+                                              page),
+            time.time(), page=page, on_result=on_result, journaled=not reassert))
 
     def resolve(
         self,
@@ -185,15 +166,14 @@ class AlertmanagerPusher:
         ends = _coerce_ts(ends_at)
         with self._lock:
             previous = self._firing.pop(key, None)
-            if previous is not None:
-                annotations, starts = previous.annotations, previous.starts_at
-            else:
-                annotations = self._links(run_id, detector)
-                starts = ends
-            alert = _Alert(self._labels(run_id, detector, severity), annotations,
-                           min(starts, ends), ends)
-            self._enqueue(key, alert)
-        self._wake.set()
+        if previous is not None:
+            annotations, starts = previous["annotations"], float(previous["startsAt"])
+        else:
+            annotations, starts = self._links(run_id, detector), ends
+        alert = self._alert(run_id, detector, severity, annotations, min(starts, ends), ends)
+        self.worker.submit(Delivery(
+            key, RESOLVE, alert, idempotency_key(self.destination, run_id, detector, RESOLVE,
+                                                 ends, None), time.time()))
 
     def firing(self) -> list[tuple[str, str]]:
         """(run_id, detector) of the alerts currently firing from this pusher."""
@@ -202,17 +182,65 @@ class AlertmanagerPusher:
 
     def pending_count(self) -> int:
         """Updates waiting for delivery (bounded by max_pending)."""
-        with self._lock:
-            return len(self._pending)
+        return self.worker.pending_count()
+
+    @property
+    def sent_batches(self) -> int:
+        """POSTs Alertmanager acknowledged."""
+        attempts, failures, _ = self.health.read()
+        return attempts - failures
+
+    @property
+    def failed_posts(self) -> int:
+        return self.health.read()[1]
+
+    @property
+    def dropped(self) -> int:
+        return self.worker.dropped
 
     def close(self, flush_timeout: float = 2.0) -> None:
-        """Stop the thread after one last attempt (bounded by `flush_timeout`) to deliver."""
-        self._final_timeout = min(self.timeout, flush_timeout)
-        self._stop.set()
-        self._wake.set()
-        self._thread.join(timeout=flush_timeout + self.timeout + 1.0)
+        """Stop the thread after one last attempt (bounded by `flush_timeout`) to deliver;
+        what was not acknowledged stays journaled for the next start."""
+        self.worker.close(flush_timeout)
+
+    # -- the outbox's encoding -------------------------------------------------------------
+
+    def body(self, deliveries: Sequence[Delivery], now: float) -> object:
+        """The API v2 body: one alert per (run_id, detector), endsAt fresh while firing."""
+        alerts: dict[tuple[str, str], dict[str, Any]] = {}
+        for delivery in deliveries:
+            alert = delivery.payload
+            ends = alert.get("endsAt")
+            item = {"labels": alert["labels"], "annotations": alert["annotations"],
+                    "startsAt": _rfc3339(float(alert["startsAt"])),
+                    "endsAt": _rfc3339(float(ends) if ends is not None
+                                       else now + self.validity)}
+            if alert.get("generatorURL"):
+                item["generatorURL"] = alert["generatorURL"]
+            alerts[delivery.alert] = item
+        return list(alerts.values())
+
+    def refresh(self, now: float) -> list[Delivery]:
+        """The firing alerts, re-asserted (not journaled: the open incidents are)."""
+        with self._lock:
+            firing = list(self._firing.items())
+        return [Delivery(key, FIRE, alert, idempotency_key(
+            self.destination, key[0], key[1], FIRE, float(alert["startsAt"]), None), now,
+            journaled=False) for key, alert in firing]
 
     # -- internals -------------------------------------------------------------------------
+
+    def _alert(self, run_id: str, detector: str, severity: str, annotations: dict[str, str],
+               starts: float, ends: float | None) -> dict[str, Any]:
+        alert: dict[str, Any] = {"labels": self._labels(run_id, detector, severity),
+                                 "annotations": annotations, "startsAt": starts,
+                                 "endsAt": ends}
+        # Where the alert came from: the run's dashboard (Prometheus links its graph), when
+        # one is configured.
+        generator = dashboard_url(self.dashboard_url_pattern, run_id)
+        if generator:
+            alert["generatorURL"] = generator
+        return alert
 
     def _links(self, run_id: str, detector: str) -> dict[str, str]:
         """The annotations the rules carry too: the runbook and, when a dashboard pattern is
@@ -227,110 +255,3 @@ class AlertmanagerPusher:
     def _labels(run_id: str, detector: str, severity: str) -> dict[str, str]:
         return {"alertname": alert_name(detector), "run_id": run_id,
                 "detector": detector, "severity": severity}
-
-    def _enqueue(self, key: tuple[str, str], alert: _Alert) -> None:
-        self._pending.pop(key, None)
-        self._pending[key] = alert
-        while len(self._pending) > self.max_pending:
-            oldest = next(iter(self._pending))
-            del self._pending[oldest]
-            self.dropped += 1
-
-    def _take_batch(self, include_firing: bool) -> dict[tuple[str, str], _Alert]:
-        with self._lock:
-            batch = dict(self._pending)
-            self._pending.clear()
-            if include_firing:
-                for key, alert in self._firing.items():
-                    batch.setdefault(key, alert)
-        return batch
-
-    def _restore(self, batch: dict[tuple[str, str], _Alert]) -> None:
-        with self._lock:
-            for key, alert in batch.items():
-                # A newer update for the same key supersedes the failed one.
-                if key not in self._pending:
-                    if alert.ends_at is None and key not in self._firing:
-                        continue  # resolved meanwhile
-                    self._pending[key] = alert
-            while len(self._pending) > self.max_pending:
-                del self._pending[next(iter(self._pending))]
-                self.dropped += 1
-
-    def _told(self, batch: dict[tuple[str, str], _Alert], ok: bool) -> None:
-        """Tell the pages in batch what became of them: delivered, or failed once their
-        POSTs reach max_attempts (told once; a later delivery still tells delivered)."""
-        tell: list[tuple[Outcome, str]] = []
-        with self._lock:
-            for key in batch:
-                outcome = self._outcomes.get(key)
-                if outcome is None:
-                    continue
-                if ok:
-                    del self._outcomes[key]
-                    self._tries.pop(key, None)
-                    tell.append((outcome, DELIVERED))
-                    continue
-                self._tries[key] = tries = self._tries.get(key, 0) + 1
-                if tries == self.max_attempts:
-                    tell.append((outcome, FAILED))
-        for outcome, result in tell:
-            try:
-                outcome(result)
-            except Exception:  # the journal's own failure must not stop delivery
-                log.exception("page_outcome_failed", target=self.health.target)
-
-    def _post(self, batch: dict[tuple[str, str], _Alert], timeout: float) -> bool:
-        now = time.time()
-        body = []
-        for alert in batch.values():
-            item = alert.payload(now, self.validity)
-            # Where the alert came from: the run's dashboard (Prometheus links its graph),
-            # when one is configured.
-            generator = dashboard_url(self.dashboard_url_pattern, alert.labels["run_id"])
-            if generator:
-                item["generatorURL"] = generator
-            body.append(item)
-        request = urllib.request.Request(
-            self.url, data=json.dumps(body).encode(), method="POST",
-            headers={"Content-Type": "application/json"},
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=timeout) as response:
-                response.read()
-        except (urllib.error.URLError, OSError, ValueError) as exc:
-            self.failed_posts += 1
-            self.health.tried(False)
-            log.warning("alertmanager_push_failed", target=self.health.target,
-                        error=str(exc), alerts=len(batch), failures=self.health.failures)
-            self._told(batch, ok=False)
-            return False
-        self.sent_batches += 1
-        self.health.tried(True)
-        self._told(batch, ok=True)
-        return True
-
-    def _run(self) -> None:
-        next_resend = time.monotonic() + self.resend_interval
-        backoff = 0.0
-        while True:
-            self._wake.wait(max(0.0, next_resend - time.monotonic()))
-            self._wake.clear()
-            stopping = self._stop.is_set()
-            resend_due = time.monotonic() >= next_resend
-            batch = self._take_batch(include_firing=resend_due)
-            if resend_due:
-                next_resend = time.monotonic() + self.resend_interval
-            if batch:
-                timeout = self._final_timeout if stopping else self.timeout
-                if self._post(batch, timeout):
-                    backoff = 0.0
-                else:
-                    self._restore(batch)
-                    backoff = min(self.backoff_max, max(self.backoff_initial, backoff * 2))
-                    if not stopping:
-                        # Sleep out the backoff unless asked to stop.
-                        self._stop.wait(backoff)
-                        self._wake.set()
-            if stopping:
-                return

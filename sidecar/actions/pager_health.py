@@ -4,12 +4,15 @@ A page that cannot be delivered is worse than none if nobody learns of it, so ev
 Alertmanager push, each ``--webhook-url``) keeps a ``TargetHealth`` that ``/metrics`` exports
 as ``deadweight_pager_attempts_total``, ``deadweight_pager_failures_total`` and
 ``deadweight_pager_last_success_timestamp_seconds`` (label ``target``, plus ``kind``), and the
-shipped ``DeadweightPagerFailing`` alert reads. A target's label names its kind and its
-host:port only, never the URL's path or query (a chat webhook's path is its secret).
+shipped ``DeadweightPagerFailing`` alert reads, with the outbox's backlog
+(``deadweight_pager_queued``, ``deadweight_pager_oldest_unacknowledged_age_seconds``): a
+receiver that never acknowledges shows as a queue that only ages. A target's label names its
+kind and its host:port only, never the URL's path or query (a chat webhook's path is its secret).
 
 A page's journal row starts ``queued`` and is settled by the targets through ``Outcome``:
 ``delivered`` once every target took it, ``failed`` once one of them gave up after its retry
-budget (a later delivery settles it to ``delivered`` again).
+budget (a later delivery settles it to ``delivered`` again; it is tried until acknowledged,
+also after a restart: ``outbox``).
 """
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ class TargetHealth:
     attempts: int = 0
     failures: int = 0
     last_success: float = 0.0  # unix seconds; 0: never
+    #: Deliveries waiting for an acknowledgement, and when the oldest was queued (0: none).
+    pending: int = 0
+    oldest_pending: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def tried(self, ok: bool, at: float | None = None) -> None:
@@ -59,6 +65,19 @@ class TargetHealth:
     def read(self) -> tuple[int, int, float]:
         with self._lock:
             return self.attempts, self.failures, self.last_success
+
+    def queued(self, pending: int, oldest: float) -> None:
+        """The outbox's queue for this target: its size and its oldest delivery's time."""
+        with self._lock:
+            self.pending, self.oldest_pending = pending, oldest
+
+    def backlog(self, now: float | None = None) -> tuple[int, float]:
+        """Deliveries waiting, and the age in seconds of the oldest (0: none waits)."""
+        with self._lock:
+            pending, oldest = self.pending, self.oldest_pending
+        if not pending or not oldest:
+            return pending, 0.0
+        return pending, max(0.0, (time.time() if now is None else now) - oldest)
 
 
 class PageOutcome:
@@ -87,3 +106,22 @@ class PageOutcome:
             self._settle(verdict)
 
         return told
+
+
+@dataclass(frozen=True)
+class PageSettler:
+    """The outcome of one journaled page: its action id travels with every delivery of it
+    (``outbox``), so a page restored after a restart is settled in the journal as well."""
+
+    page: int
+    tell: Outcome
+
+    def __call__(self, result: str) -> None:
+        self.tell(result)
+
+
+def page_of(on_result: Outcome | None, page: int | None = None) -> int | None:
+    """The journaled page an outcome settles: page when given, else a ``PageSettler``'s."""
+    if page is not None:
+        return page
+    return on_result.page if isinstance(on_result, PageSettler) else None

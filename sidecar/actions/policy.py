@@ -32,6 +32,7 @@ from ..detectors import BY_ID, root_causes_of
 from ..detectors.base import Policy
 from ..model.finding import OPERATOR, Finding, RunFacts, RunSnapshot
 from ..store.journal import ActionRow, Store, StoreWriteFailed
+from .pager_health import PageSettler
 from .silences import Silences
 
 log = structlog.get_logger("deadweight.actions")
@@ -50,7 +51,9 @@ class Pager(Protocol):
     """Where pages go (``pagers.PagerSet``: the Alertmanager push and the webhooks).
 
     on_result hears "delivered" or "failed" (after the targets' retry budget); reassert marks
-    the same page sent again after a restart (a webhook posts nothing for it)."""
+    the same page sent again after a restart (a webhook posts nothing for it). A journaled
+    page's on_result is a ``PageSettler``: its action id goes with each delivery, so a
+    restart settles the page too."""
 
     def fire(
         self, run_id: str, detector: str, severity: str, summary: str, description: str,
@@ -322,8 +325,18 @@ class Actions:
             return
         event = self._event(run, finding, "page", "queued")
         action_id = self.record(event)
-        self._fire_pager(run, finding, on_result=functools.partial(
-            self._page_settled, action_id, event))
+        self._fire_pager(run, finding, on_result=PageSettler(action_id, functools.partial(
+            self._page_settled, action_id, event)))
+
+    def settle_restored_page(self, action_id: int, result: str) -> None:
+        """A page a previous sidecar journaled, delivered or failed after the restart (the
+        pager outbox sent it again): its journal row and counters move as any page's."""
+        row = self.store.action(action_id)
+        if row is None:
+            return
+        self._page_settled(action_id, ActionEvent(
+            row.run_id, row.trainer, row.detector, row.incident, row.action, row.result,
+            detail=dict(row.detail), incarnation=row.incarnation), result)
 
     def _page_settled(self, action_id: int, queued: ActionEvent, result: str) -> None:
         """A page's targets told what became of it (from their thread): the journal row goes

@@ -27,6 +27,7 @@ from ..actions.pager_health import TargetHealth
 from ..actions.policy import Actions
 from ..detectors.base import Detector
 from ..ingest.attestation import AttestationServer
+from ..ingest.auth_failures import THROTTLED, WRONG_TOKEN, AuthFailures
 from ..model.finding import Finding
 from ..model.limits import digest_label
 from ..model.run_state import RunState
@@ -186,8 +187,11 @@ class DeadweightCollector(Collector):
         self, registry: Registry, actions: Actions | None, detectors: tuple[Detector, ...],
         attestation: AttestationServer | None = None,
         pagers: Iterable[TargetHealth] = (),
+        auth_failures: AuthFailures | None = None,
     ) -> None:
         self.registry = registry
+        #: Failed TCP authentications (None: no TCP listener counts them here).
+        self.auth_failures = auth_failures
         #: The pager targets whose health is exported (``pager_health``).
         self.pagers = tuple(pagers)
         self.actions = actions
@@ -233,6 +237,7 @@ class DeadweightCollector(Collector):
             actions = self._action_metrics({run.run_id for run, _ in runs})
             guards = list(self._guard_metrics())
         guards += self._pager_metrics()
+        guards.append(self._auth_metrics())
         guards.append(self._silence_metrics())
         return info, figures, actions, guards
 
@@ -437,8 +442,22 @@ class DeadweightCollector(Collector):
                 silenced.add_metric([silence.run_id, silence.detector], 1.0)
         return silenced
 
+    def _auth_metrics(self) -> Metric:
+        """Failed TCP authentications: wrong or missing tokens, and calls refused unread
+        from a host that failed too often (``ingest.auth_failures``)."""
+        failures = CounterMetricFamily(
+            "deadweight_auth_failures",
+            "TCP calls refused for their bearer token: wrong_token (missing or wrong), "
+            "throttled (the host failed too often; its token was not compared).",
+            labels=["result"])
+        counts = self.auth_failures.counts if self.auth_failures is not None else {}
+        for result in (WRONG_TOKEN, THROTTLED):
+            failures.add_metric([result], float(counts.get(result, 0)))
+        return failures
+
     def _pager_metrics(self) -> list[Metric]:
-        """Per pager target: POSTs tried, failed, and when one last got through."""
+        """Per pager target: POSTs tried, failed, when one last got through, and the
+        outbox's backlog (its size and the age of its oldest delivery)."""
         labels = ["target", "kind"]
         attempts = CounterMetricFamily(
             "deadweight_pager_attempts", "Deliveries tried to the pager target (POSTs).",
@@ -450,13 +469,22 @@ class DeadweightCollector(Collector):
         last = _gauge("deadweight_pager_last_success_timestamp_seconds",
                       "Unix time of the pager target's last successful delivery (0: never).",
                       labels)
+        queued = _gauge("deadweight_pager_queued",
+                        "Deliveries to the pager target not yet acknowledged (the pager "
+                        "outbox retries them, also after a restart).", labels)
+        oldest = _gauge("deadweight_pager_oldest_unacknowledged_age_seconds",
+                        "Age of the pager target's oldest unacknowledged delivery (0: none "
+                        "waits); one that only grows is a stuck queue.", labels)
         for health in self.pagers:
             tried, failed, success = health.read()
+            pending, age = health.backlog()
             values = [health.target, health.kind]
             attempts.add_metric(values, float(tried))
             failures.add_metric(values, float(failed))
             last.add_metric(values, success)
-        return [attempts, failures, last]
+            queued.add_metric(values, float(pending))
+            oldest.add_metric(values, age)
+        return [attempts, failures, last, queued, oldest]
 
     def _action_metrics(self, live: set[str]) -> Metric:
         """Actions of the live runs (an expired run's counters leave with it)."""

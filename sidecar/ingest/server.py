@@ -28,6 +28,7 @@ from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 from ...proto import MAX_MESSAGE_BYTES, add_monitor_servicer, pb, pb_grpc
 from ...proto.transport import bearer_matches
 from ..registry import CheckedBatch, Peer, Registry
+from .auth_failures import DEFAULT_BURST, DEFAULT_REFILL_PER_SECOND, AuthFailures
 from .socket_access import grant, secure_folder
 from .summary_service import SummaryRefused, signed_summary
 
@@ -69,6 +70,10 @@ class ServerConfig:
     socket_group: int | None = None
     #: Allow TCP without TLS and a token (a private test network only).
     insecure: bool = False
+    #: Failed TCP authentications a host may make before it is throttled.
+    auth_failure_burst: int = DEFAULT_BURST
+    #: ... and how long until a throttled host may try once more.
+    auth_failure_refill_seconds: float = 1.0 / DEFAULT_REFILL_PER_SECOND
     grpc_options: list[tuple[str, int]] = field(
         default_factory=lambda: [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -82,9 +87,12 @@ class MonitorServicer(pb_grpc.MonitorServiceServicer):  # type: ignore[misc]
 
     def __init__(self, registry: Registry, token: str | None = None,
                  signer: SummarySigner | None = None, oncall: Oncall | None = None,
-                 watch_roots: tuple[str, ...] = ()) -> None:
+                 watch_roots: tuple[str, ...] = (),
+                 auth_failures: AuthFailures | None = None) -> None:
         self.registry = registry
         self.token = token
+        #: Failed tokens per peer host: throttled, logged, counted.
+        self.auth_failures = auth_failures or AuthFailures()
         self.signer = signer
         #: Where adapter files may be read for a signature (as the checkpoint watcher reads).
         self.watch_roots = watch_roots
@@ -92,10 +100,19 @@ class MonitorServicer(pb_grpc.MonitorServiceServicer):  # type: ignore[misc]
         self.oncall = oncall
 
     async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
-        """TCP callers present the bearer token; the unix socket is guarded by its mode."""
-        if self.token is None or context.peer().startswith("unix:"):
+        """TCP callers present the bearer token; the unix socket is guarded by its mode. A
+        host that failed too often is refused before its token is compared
+        (``auth_failures``)."""
+        peer = context.peer()
+        if self.token is None or peer.startswith("unix:"):
             return
+        wait = self.auth_failures.throttled(peer)
+        if wait > 0:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"too many failed authentications from this host: retry in "
+                                f"{wait:.0f} s")
         if not bearer_matches(context.invocation_metadata(), self.token):
+            self.auth_failures.failed(peer)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
 
     async def Stream(
@@ -368,6 +385,9 @@ class SidecarServer:
                  signer: SummarySigner | None = None, oncall: Oncall | None = None) -> None:
         self.registry = registry
         self.config = config
+        #: Failed TCP authentications (shared by every listener; exported on /metrics).
+        self.auth_failures = AuthFailures(config.auth_failure_burst,
+                                          1.0 / config.auth_failure_refill_seconds)
         self.signer = signer
         self.oncall = oncall
         self.grpc_port: int | None = None
@@ -403,7 +423,8 @@ class SidecarServer:
     def _new_server(self) -> grpc.aio.Server:
         server = grpc.aio.server(options=self.config.grpc_options)
         add_monitor_servicer(MonitorServicer(self.registry, self.config.token, self.signer,
-                                             self.oncall, self.config.watch_roots),
+                                             self.oncall, self.config.watch_roots,
+                                             self.auth_failures),
                              server)
         return server
 

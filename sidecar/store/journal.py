@@ -89,6 +89,13 @@ CREATE TABLE IF NOT EXISTS actions (
     action TEXT NOT NULL, result TEXT NOT NULL, rank INTEGER, pid INTEGER,
     dry_run INTEGER NOT NULL, detail TEXT NOT NULL, incarnation INTEGER NOT NULL DEFAULT 1);
 CREATE INDEX IF NOT EXISTS actions_incident ON actions (run_id, detector, incident);
+CREATE TABLE IF NOT EXISTS pager_outbox (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, destination TEXT NOT NULL,
+    idempotency_key TEXT NOT NULL, page INTEGER, run_id TEXT NOT NULL, detector TEXT NOT NULL,
+    kind TEXT NOT NULL, payload TEXT NOT NULL, created REAL NOT NULL,
+    attempts INTEGER NOT NULL DEFAULT 0, last_error TEXT NOT NULL DEFAULT '',
+    settled TEXT, settled_at REAL);
+CREATE INDEX IF NOT EXISTS pager_outbox_open ON pager_outbox (destination, settled, id);
 """ + "".join(_REKEYED.values())
 
 #: Columns added since the first layout: (table, column, declaration), added to an older file.
@@ -206,6 +213,23 @@ class StoredIncident:
     def latest_evidence(self) -> dict[str, str]:
         """The newest evidence noted: at resolution or run end, else at firing."""
         return self.last_evidence or self.evidence
+
+
+@dataclass(frozen=True)
+class StoredDelivery:
+    """One page (or resolution) to one pager destination, journaled before it is tried and
+    settled once acknowledged (``actions.outbox``): those still open at a restart go again."""
+
+    id: int
+    destination: str
+    idempotency_key: str
+    page: int | None  # the page's action id (None: a resolution or a re-assertion)
+    run_id: str
+    detector: str
+    kind: str
+    payload: dict[str, Any]
+    created: float
+    attempts: int
 
 
 @dataclass(frozen=True)
@@ -589,6 +613,9 @@ class Store:
                 "SELECT run_id, incarnation FROM runs WHERE ended=1 AND ended_at < ?",
                 (ended_before,))]
             try:
+                # Deliveries older than the retention go too, settled or not (a page a
+                # month old is noise, not news).
+                self._write("DELETE FROM pager_outbox WHERE created < ?", (ended_before,))
                 for life in lives:
                     for table in ("bindings", "checkpoints", "signed_adapters", "incidents",
                                   "actions", "history", "step_batches", "runs"):
@@ -597,6 +624,50 @@ class Store:
             except StoreWriteFailed:
                 return 0  # a full disk: pruning waits for the next start
         return len(lives)
+
+    def action(self, action_id: int) -> ActionRow | None:
+        """One journaled action by its id."""
+        rows = self._read(
+            "SELECT id, time, run_id, trainer, detector, incident, action, result, rank, pid, "
+            "dry_run, detail, incarnation FROM actions WHERE id=?", (action_id,))
+        return None if not rows else ActionRow(
+            rows[0][0], rows[0][1], rows[0][2], rows[0][3], rows[0][4], rows[0][5], rows[0][6],
+            rows[0][7], rows[0][8], rows[0][9], bool(rows[0][10]), json.loads(rows[0][11]),
+            rows[0][12])
+
+    # -- the pager outbox ------------------------------------------------------------------
+
+    def add_delivery(self, destination: str, idempotency_key: str, page: int | None,
+                     run_id: str, detector: str, kind: str, payload: dict[str, Any],
+                     created: float) -> int:
+        """Journal one delivery before its first attempt (committed when this returns)."""
+        return self._write(
+            "INSERT INTO pager_outbox (destination, idempotency_key, page, run_id, detector, "
+            "kind, payload, created) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (destination, idempotency_key, page, run_id, detector, kind,
+             json.dumps(payload, sort_keys=True), created))
+
+    def delivery_tried(self, delivery_id: int, error: str) -> None:
+        """One more failed attempt, and why."""
+        self._write("UPDATE pager_outbox SET attempts=attempts+1, last_error=? WHERE id=?",
+                    (error, delivery_id))
+
+    def settle_deliveries(self, delivery_ids: Sequence[int], result: str) -> None:
+        """Deliveries done with: acknowledged, superseded by a newer one, or dropped."""
+        if not delivery_ids:
+            return
+        marks = ", ".join("?" * len(delivery_ids))
+        self._write(f"UPDATE pager_outbox SET settled=?, settled_at=? WHERE id IN ({marks}) "
+                    "AND settled IS NULL", (result, time.time(), *delivery_ids))
+
+    def open_deliveries(self, destination: str) -> list[StoredDelivery]:
+        """The destination's deliveries not yet settled, oldest first."""
+        rows = self._read(
+            "SELECT id, destination, idempotency_key, page, run_id, detector, kind, payload, "
+            "created, attempts FROM pager_outbox WHERE destination=? AND settled IS NULL "
+            "ORDER BY id", (destination,))
+        return [StoredDelivery(r[0], r[1], r[2], r[3], r[4], r[5], r[6], json.loads(r[7]),
+                               r[8], r[9]) for r in rows]
 
     def has_action(self, run_id: str, detector: str, incident: int, action: str,
                    incarnation: int | None = None) -> bool:

@@ -110,7 +110,8 @@ def _silence(args: argparse.Namespace) -> int:
 def add(commands: Commands) -> None:
     """Register ``stop`` and ``silence`` on the CLI's sub-commands."""
     stop = commands.add_parser(
-        "stop", help="send STOP to one run now (journaled; the sidecar's uid or root only)")
+        "stop", help="send STOP to one run now (journaled; operators only: root, serve "
+        "--operator-uid)")
     stop.add_argument("run_id", metavar="RUN_ID")
     stop.add_argument("--reason", default=None, help="why, shown on the trainer's console "
                       "and kept in the journal")
@@ -118,7 +119,7 @@ def add(commands: Commands) -> None:
 
     silence = commands.add_parser(
         "silence", help="keep one detector of one run from paging for a while (journaled; "
-        "the sidecar's uid or root only)")
+        "operators only: root, serve --operator-uid)")
     silence.add_argument("run_id", metavar="RUN_ID")
     silence.add_argument("detector", metavar="DETECTOR")
     silence.add_argument("--for", dest="duration", type=_duration, default=_duration(

@@ -137,16 +137,17 @@ class Sidecar:
                          "checkpoints are read when their folder and files belong to the "
                          "run's attested uid")
         self.attestation: AttestationServer | None = None
+        operators = operator_uids(registry.trainer_uids, config.operator_uids)
         if config.socket_path and registry.attestor is not None:
             # The operator's uids attest too (``deadweight stop``/``silence``); a RunStart
             # from one of them is still refused unless it is a trainer uid.
-            allowed = (registry.trainer_uids | operator_uids() if registry.trainer_uids
+            allowed = (registry.trainer_uids | operators if registry.trainer_uids
                        else frozenset())
             self.attestation = AttestationServer(attest_path(config.socket_path),
                                                  registry.attestor, group=config.socket_group,
                                                  allowed_uids=allowed)
         #: Stop and silence by hand (needs the actions, which journal them).
-        self.oncall = (Oncall(registry, actions, registry.attestor)
+        self.oncall = (Oncall(registry, actions, registry.attestor, operators)
                        if actions is not None else None)
         self.server = SidecarServer(registry, config, oncall=self.oncall)
         self.collector = DeadweightCollector(registry, actions, registry.detectors,

@@ -214,6 +214,7 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         token = Path(args.token_file).read_text().strip() or None
     return ServerConfig(
         socket_path=args.socket,
+        operator_uids=tuple(args.operator_uid or ()),
         metrics_address=args.metrics_address,
         listen=args.listen,
         token=token,
@@ -296,6 +297,10 @@ def add_serve(commands: Commands, default_socket: str) -> None:
                        metavar="UID", help="only attested processes of this uid may report "
                        "runs (repeatable; default: the sidecar's own uid and root, so another "
                        "uid that can reach the socket cannot report)")
+    serve.add_argument("--operator-uid", action="append", type=int, default=None,
+                       metavar="UID", help="a uid that may `deadweight stop` and `silence` "
+                       "runs besides root (repeatable). The sidecar's own uid may too, unless "
+                       "it is a trainer uid: on-call powers never come with being a trainer")
     serve.add_argument("--socket-group", type=int, default=None, metavar="GID",
                        help="hand the unix sockets (mode 0660) to this group, one the sidecar "
                        "and the trainer share, when they run as different uids (default: the "

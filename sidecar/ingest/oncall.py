@@ -1,7 +1,9 @@
 """On-call's hands on a running sidecar: stop one run, silence one detector on one run.
 
 Both arrive as RPCs (``Stop``, ``Silence``) on the unix socket and are allowed only to the
-sidecar's own uid or root, as the kernel names the caller: the command fetches a nonce from
+operators, as the kernel names the caller: root, the ``--operator-uid`` uids, and the
+sidecar's own uid when no training job runs as it (on-call powers must not come with being a
+trainer: a job that may report runs may not stop another). The command fetches a nonce from
 the attestation socket (``SO_PEERCRED``) and sends it with the request; a nonce is redeemed
 once, so nothing in a message can claim a uid. Every command is journaled like a verdict's
 action: STOP under the detector ``operator`` (once per incarnation of a run: a second
@@ -52,9 +54,13 @@ class Refused(Exception):
         self.permission = permission
 
 
-def operator_uids() -> frozenset[int]:
-    """Who may stop and silence: the sidecar's own uid and root."""
-    return frozenset({os.geteuid(), 0})
+def operator_uids(trainer_uids: Iterable[int] = (), extra: Iterable[int] = ()
+                  ) -> frozenset[int]:
+    """Who may stop and silence: root, the uids named with ``--operator-uid``, and the
+    sidecar's own uid unless it is a trainer uid (in a set-up where jobs run as the sidecar's
+    uid, any job could otherwise stop every other run)."""
+    own = os.geteuid()
+    return frozenset({0, *extra} | ({own} if own not in set(trainer_uids) else set()))
 
 
 class Oncall:
@@ -81,10 +87,13 @@ class Oncall:
         identity = self.attestor.redeem(nonce) if self.attestor is not None else None
         if identity is None:
             raise Refused("no valid attestation: run the command on the sidecar's host as "
-                          "the sidecar's uid or root", permission=True)
+                          "an operator uid (root, or serve --operator-uid)", permission=True)
         if identity.uid not in self.allowed_uids:
             raise Refused(f"uid {identity.uid} may not stop or silence runs (only uids "
-                          f"{sorted(self.allowed_uids)})", permission=True)
+                          f"{sorted(self.allowed_uids)}): training jobs run as a trainer uid, "
+                          "and on-call powers do not come with it; run the command as root, "
+                          "or give on-call its own uid (serve --operator-uid)",
+                          permission=True)
         return identity
 
     def stop(self, request: pb.StopRequest, caller: ProcessIdentity) -> pb.StopResponse:

@@ -68,6 +68,8 @@ class ServerConfig:
     watch_roots: tuple[str, ...] = ()
     #: The group the unix sockets are handed to (``--socket-group``); None: the sidecar's.
     socket_group: int | None = None
+    #: Uids that may stop and silence besides root (``--operator-uid``; ``oncall``).
+    operator_uids: tuple[int, ...] = ()
     #: Allow TCP without TLS and a token (a private test network only).
     insecure: bool = False
     #: Failed TCP authentications a host may make before it is throttled.

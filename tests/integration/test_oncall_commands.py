@@ -181,3 +181,55 @@ def test_a_trainer_uid_that_attests_may_not_stop_or_silence(
             assert tcp.returncode == 2 and "unix socket only" in tcp.stderr
         finally:
             stop_all(job)
+
+
+SIDECAR_UID, OPERATOR_UID = 12347, 12348
+
+
+class _SidecarAs(SidecarProcess):
+    """``deadweight serve`` as SIDECAR_UID, whose uid is also the trainers' (the default)."""
+
+    def command(self) -> list[str]:
+        return ["setpriv", "--reuid", str(SIDECAR_UID), "--regid", str(SIDECAR_UID),
+                "--groups", "0", *super().command()]
+
+
+def test_a_job_of_the_sidecars_own_uid_may_not_stop_another_run(shared: Path) -> None:
+    """Where jobs run as the sidecar's uid (the quick start, the compose stack), a job used to
+    stop any other, healthy run with ``deadweight stop``: the sidecar's uid was always an
+    operator. Now it is one only when it is no trainer uid; on-call gets root or its own
+    ``--operator-uid``, which a training job does not have."""
+    from deadweight.proto import pb
+    from tests.support.faults import Pipe
+    from tests.support.raw_client import run_start
+
+    folder = shared / "own-uid"
+    (folder / "sc").mkdir(parents=True)
+    for made in (folder, folder / "sc"):
+        os.chown(made, SIDECAR_UID, SIDECAR_UID)
+    as_job = ("setpriv", "--reuid", str(SIDECAR_UID), "--regid", str(SIDECAR_UID),
+              "--groups", "0")
+    # On-call is in the socket's group (the sidecar's), as a trainer of another uid would be.
+    as_operator = ("setpriv", "--reuid", str(OPERATOR_UID), "--regid", str(OPERATOR_UID),
+                   "--groups", f"0,{SIDECAR_UID}")
+    with _SidecarAs(folder / "sc", extra_args=["--operator-uid", str(OPERATOR_UID)],
+                    watch_roots=[shared]) as sidecar:
+        os.chmod(folder / "sc", 0o755)
+        os.chmod(folder / "sc" / "sock", 0o755)
+        pipe = Pipe(sidecar.address)  # root, a trainer uid by default, reports a run
+        try:
+            answer = pipe.send(pb.StreamRequest(run_id="job-healthy", events=[
+                pb.Event(run_start=run_start())]))
+            assert not answer.error, answer.error
+            refused = cli("stop", "job-healthy", "--address", sidecar.address, prefix=as_job)
+            assert refused.returncode == 2, refused.stdout + refused.stderr
+            assert f"uid {SIDECAR_UID} may not stop" in refused.stderr, refused.stderr
+            run = sidecar.run_status("job-healthy")
+            assert run is not None and not [a for a in run.actions if a.detector == "operator"]
+            done = cli("stop", "job-healthy", "--address", sidecar.address, "--reason",
+                       "on-call", prefix=as_operator)
+            assert done.returncode == 0, done.stdout + done.stderr
+            run = sidecar.run_status("job-healthy")
+            assert run is not None and [a for a in run.actions if a.detector == "operator"]
+        finally:
+            pipe.close()

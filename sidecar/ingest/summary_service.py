@@ -9,9 +9,9 @@ the actions and the end reason come from the registry and the journal, so a trai
 leave a verdict out. Only a process the kernel names as one bound to the run may ask (a fresh
 attestation nonce, redeemed here): another job of the same uid cannot get a healthy run's
 summary signed beside its own adapter. Nor the other way round: a run gets no signature over
-an adapter another run produced first (the journal's checkpoints), unless it started from
-those bytes (its initial adapter, a resume), so a clean run cannot launder a critical run's
-adapter folder.
+an adapter another run produced first with a critical verdict (the journal's checkpoints and
+signed summaries), unless it started from those bytes (its initial adapter, a resume), so a
+clean run cannot launder a critical run's adapter folder.
 """
 
 from __future__ import annotations
@@ -139,8 +139,10 @@ def _asker(registry: Registry, request: pb.SignSummaryRequest) -> ProcessIdentit
 
 def _produced_here(registry: Registry, request: pb.SignSummaryRequest, incarnation: int,
                    initial: str) -> None:
-    """Refuse to sign over an adapter another run (or another life of this run id) reported
-    first, unless this run started from it."""
+    """Refuse to sign over an adapter that another run (or another life of this run id)
+    reported first and that drew a critical verdict there, unless this run started from it.
+    A deterministic recipe run twice writes the same bytes twice: when the first run was
+    healthy, the second one's signature gives those bytes no better record than they had."""
     digest = request.adapter.combined
     if digest == initial:
         return
@@ -148,10 +150,12 @@ def _produced_here(registry: Registry, request: pb.SignSummaryRequest, incarnati
     if producer is None or producer == (request.run_id, incarnation):
         return
     other, life = producer
+    if not registry.store.had_critical(other, life):
+        return
     raise SummaryRefused(
         "PERMISSION_DENIED", f"the adapter at {request.path} is the one run {other!r} (life "
-        f"#{life}) produced, and run {request.run_id!r} did not start from it: its verdicts "
-        "are that run's, and this run cannot sign over them")
+        f"#{life}) produced, with a critical verdict, and run {request.run_id!r} did not "
+        "start from it: its verdicts are that run's, and this run cannot sign over them")
 
 
 def signed_summary(registry: Registry, signer: SummarySigner, request: pb.SignSummaryRequest,

@@ -426,6 +426,11 @@ class Store:
             "WHERE digest=?) ORDER BY time LIMIT 1", (digest, digest))
         return (str(rows[0][0]), int(rows[0][1])) if rows else None
 
+    def had_critical(self, run_id: str, incarnation: int) -> bool:
+        """Whether a critical verdict ever fired on this life of the run id."""
+        return bool(self._read("SELECT 1 FROM incidents WHERE run_id=? AND incarnation=? AND "
+                               "severity='critical' LIMIT 1", (run_id, incarnation)))
+
     # -- incidents -------------------------------------------------------------------------
 
     def open_incident(

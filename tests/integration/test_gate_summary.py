@@ -543,7 +543,11 @@ def test_a_clean_run_cannot_launder_a_critical_runs_adapter(
     assert path is not None
     document = json.loads(path.read_text())
     assert document["signature"] is None, document
-    assert "gate-launder-frozen" in document["unsigned_because"], document["unsigned_because"]
+    why = document["unsigned_because"]
+    # The first run that wrote these bytes and drew a critical verdict: the frozen run (or an
+    # earlier frozen run of this module over the same, deterministic, bytes).
+    assert "with a critical verdict" in why and "did not start from it" in why, why
+    assert "'gate-day2-healthy' did not" in why and "is the one run 'gate-day2-healthy'" not in why
     gate = inspect(launder, *strict(key))
     assert gate.returncode == 1 and "summary_unsigned [critical]" in gate.stdout, gate.stdout
 

@@ -10,6 +10,15 @@ index and the README table follow from the spec.
 from __future__ import annotations
 
 from .base import Detector, SpecDetector, Verdict
+from .baseline import (
+    BaselineGradNorm,
+    BaselineLearningRate,
+    BaselineLoss,
+    BaselineModulesChanged,
+    BaselineRecipeChanged,
+    BaselineRlSignals,
+    BaselineUpdateSize,
+)
 from .checkpoints import (
     AdapterBloat,
     AdapterNeverTrained,
@@ -116,6 +125,13 @@ ALL: tuple[Detector, ...] = (
     CheckpointRefused(),
     StepOutOfOrder(),
     RunIdInUse(),
+    BaselineRecipeChanged(),
+    BaselineModulesChanged(),
+    BaselineLearningRate(),
+    BaselineGradNorm(),
+    BaselineUpdateSize(),
+    BaselineLoss(),
+    BaselineRlSignals(),
 )
 
 BY_ID: dict[str, Detector] = {d.id: d for d in ALL}

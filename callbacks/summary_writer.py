@@ -115,7 +115,8 @@ def unsigned_summary(run_id: str, step: int, adapter: AdapterDigest,
                       adapter_digest=adapter.combined, sidecar=sidecar,
                       end_reason="" if status is None else status.end_reason,
                       verdicts=verdicts, actions=actions,
-                      ended=False if status is None else status.ended)
+                      ended=False if status is None else status.ended,
+                      baseline="" if status is None else status.baseline)
 
 
 #: Runs already warned about an unsigned summary.

@@ -187,6 +187,8 @@ def check(inspection: CheckpointInspection, summary_path: Path | None,
     else:
         notes.append(f"summary taken while run {summary.run_id} was live (step "
                      f"{summary.step}): later verdicts are not in it")
+    if summary.baseline:
+        notes.append(f"run {summary.run_id} was judged against baseline {summary.baseline}")
     found = [*signature, *_changed(inspection, summary), *_stopped(summary),
              *_verdicts(summary)]
     if summary.sidecar != "answered":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 from collections.abc import Iterator
 from contextlib import redirect_stdout
 from dataclasses import dataclass
@@ -78,7 +79,14 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Results]:
         assert _cli("baseline", "save", "healthy-0", "healthy-0b", "--state-dir", str(state),
                     "--output", str(wide))[0] == 0
         for run_id, variation in HEALTHY.items():
-            loops.run(run_id, sidecar.address, baseline=baseline, **variation)
+            if run_id == "seeds-2-3":  # an unedited script: the environment names the baseline
+                os.environ["DEADWEIGHT_BASELINE"] = str(baseline)
+                try:
+                    loops.run(run_id, sidecar.address, **variation)
+                finally:
+                    del os.environ["DEADWEIGHT_BASELINE"]
+            else:
+                loops.run(run_id, sidecar.address, baseline=baseline, **variation)
         with loops.cpu_hog():
             loops.run("busy", sidecar.address, seed=4, data_seed=4, baseline=baseline)
         for fault in loops.FAULTS:
@@ -152,8 +160,10 @@ def test_the_frozen_stage_names_the_module_and_its_update_ratio(results: Results
 def test_status_names_the_baseline(results: Results) -> None:
     from deadweight.sidecar import status
 
-    text = status.render(results.sidecar.registry.status())
-    assert f"judged against baseline {results.baseline.name}" in text
+    for run_id in ("seed-1", "seeds-2-3"):  # named by baseline=, and by DEADWEIGHT_BASELINE
+        text = status.render(results.sidecar.registry.status(run_id))
+        assert f"judged against baseline {results.baseline.name} (runs healthy-0;" in text
+    assert "judged against" not in status.render(results.sidecar.registry.status("healthy-0"))
 
 
 def test_a_baseline_calibrates_negligible_updates(tmp_path: Path) -> None:
@@ -214,6 +224,9 @@ def test_grpo_beta_changed_to_zero_is_caught(results: Results, tiny: tuple[Path,
     finding = fired["baseline_rl_signals"]
     assert finding.step <= DETECT_WITHIN and "kl" in finding.summary
     assert "config.beta: 0.04 -> 0" in fired["baseline_recipe_changed"].summary
+    # the run summary beside its checkpoint says which baseline it was judged against
+    _, out = _cli("inspect", str(tmp_path / "grpo-beta-0" / f"checkpoint-{GRPO_STEPS}"))
+    assert "was judged against baseline grpo.baseline.json (runs grpo-0;" in out, out
 
 
 def test_the_report_draws_the_baseline_behind_the_run(results: Results) -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from ...proto import pb
 from ..model.run_state import RunState
-from .model import Band, Baseline, BaselineError
+from .model import Band, Baseline, BaselineError, margin
 
 #: Parsed baselines by RunStart identity: (the message, the baseline or the error).
 _PARSED: dict[int, tuple[pb.RunStart, Baseline | BaselineError]] = {}
@@ -70,13 +70,6 @@ def total_steps(run: RunState, baseline: Baseline) -> int:
     return int(total) if total and total > 0 else baseline.steps
 
 
-def margin(band: Band, relative: float) -> float:
-    """How far outside its band a value may lie: the band's own width, or ``relative`` of
-    its size, whichever is larger (one healthy run gives a narrow band; seeds differ)."""
-    size = max(abs(band.low), abs(band.high))
-    return max(band.high - band.low, relative * size, 1e-12)
-
-
 def side(value: float, band: Band, relative: float) -> int:
     """+1 above the widened band, -1 below it, 0 inside."""
     width = margin(band, relative)
@@ -123,30 +116,42 @@ class Deviation:
                 "points_outside": str(self.points)}
 
 
+#: Points a walk goes back at most: a deviation this long is reported as "since" the step
+#: that far back (its first step is older), and a run deviating on every figure costs the
+#: sidecar a bounded walk per evaluation.
+MAX_WALK = 64
+
+
 def deviation(baseline: Baseline, quantity: str, newest_first: Iterable[tuple[int, float]],
               total: int, needed: int, relative: float) -> Deviation | None:
     """The trailing run of points (step, value), given newest first, outside the band on one
     side, when it is at least ``needed`` long; None otherwise (or when the baseline lacks the
-    quantity). The walk stops at the first point inside the band: a healthy run costs one
-    point per evaluation."""
-    if quantity not in baseline.series:
+    quantity). The walk stops at the first point inside the band (a healthy run costs one
+    point per evaluation) and after MAX_WALK points."""
+    limits = baseline.limits(quantity, relative)
+    if not limits:
         return None
-    streak: list[tuple[int, float, Band]] = []
+    bins, total = len(limits), total or baseline.steps
+    streak: list[tuple[int, float]] = []
     direction = 0
     for step, value in newest_first:
         if value != value:  # NaN: neither in nor out (nonfinite_loss speaks of it)
             continue
-        band = baseline.band(quantity, step, total)
-        if band is None:
+        inside = limits[max(0, min(bins - 1, (step - 1) * bins // total))]
+        if inside is None:
             break
-        where = side(value, band, relative)
+        where = 1 if value > inside[1] else -1 if value < inside[0] else 0
         if where == 0 or (direction and where != direction):
             break
         direction = where
-        streak.append((step, value, band))
+        streak.append((step, value))
+        if len(streak) >= MAX_WALK:
+            break
     if len(streak) < needed:
         return None
     streak.reverse()
-    step, value, band = streak[-1]
+    step, value = streak[-1]
+    band = baseline.band(quantity, step, total)
+    assert band is not None  # its limits were there
     return Deviation(quantity, direction, streak[0][0], streak[needed - 1][0], step, value,
                      band, len(streak))

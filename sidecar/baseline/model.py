@@ -85,6 +85,23 @@ class Baseline:
     version: int = VERSION
     #: The file's name, as the run named it (not part of the content).
     name: str = field(default="", compare=False)
+    #: (quantity, relative margin) -> per bin, the (lowest, highest) value inside the widened
+    #: band: worked out once, read at every point a detector walks.
+    _limits: dict[tuple[str, float], tuple[tuple[float, float] | None, ...]] = field(
+        default_factory=dict, compare=False, repr=False)
+
+    def limits(self, quantity: str, relative: float
+               ) -> tuple[tuple[float, float] | None, ...]:
+        """Per bin of the quantity, the values a run may show there (``margin`` beyond the
+        band on either side); None where the baseline saw none."""
+        key = (quantity, relative)
+        found = self._limits.get(key)
+        if found is None:
+            found = tuple(None if b is None else (b.low - margin(b, relative),
+                                                  b.high + margin(b, relative))
+                          for b in self.series.get(quantity, ()))
+            self._limits[key] = found
+        return found
 
     def band(self, quantity: str, step: int, total: int) -> Band | None:
         """The quantity's band at a run's step of total steps (normalised to the baseline's)."""
@@ -152,6 +169,13 @@ class Baseline:
             )
         except (TypeError, ValueError, AttributeError) as err:
             raise BaselineError(f"baseline is damaged: {err}") from err
+
+
+def margin(band: Band, relative: float) -> float:
+    """How far outside its band a value may lie: the band's own width, or ``relative`` of
+    its size, whichever is larger (one healthy run gives a narrow band; seeds differ)."""
+    size = max(abs(band.low), abs(band.high))
+    return max(band.high - band.low, relative * size, 1e-12)
 
 
 def bin_of(step: int, total: int, bins: int = BINS) -> int:

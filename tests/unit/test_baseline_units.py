@@ -10,7 +10,7 @@ import pytest
 from deadweight.callbacks import baseline_file
 from deadweight.proto import pb
 from deadweight.sidecar.baseline import fingerprint as prints
-from deadweight.sidecar.baseline.live import deviation, label, parsed, side
+from deadweight.sidecar.baseline.live import MAX_WALK, deviation, label, parsed, side
 from deadweight.sidecar.baseline.model import (
     BINS,
     MAX_BASELINE_BYTES,
@@ -128,3 +128,11 @@ def test_the_client_reads_the_named_file_or_the_environment(
     big.write_bytes(b" " * (baseline_file.MAX_BASELINE_BYTES + 1))
     assert baseline_file.read(big) is None
     assert "cannot be read" in caplog.text and "larger than" in caplog.text
+
+
+def test_a_long_deviation_is_walked_back_a_bounded_way() -> None:
+    baseline = _baseline(loss=tuple(Band(1.0, 1.2, 1.4) for _ in range(BINS)))
+    far = [(s, 9.0) for s in range(1, 201)]
+    found = deviation(baseline, "loss", far[::-1], 200, 5, 0.25)
+    assert found is not None and found.points == MAX_WALK
+    assert found.step == 200 and found.first_step == 200 - MAX_WALK + 1

@@ -18,7 +18,7 @@ from ..baseline.model import Baseline, BaselineError
 from ..baseline.quantities import MARGIN_SCALE, RL_QUANTITIES, point_value, update_over_lr
 from ..model.run_state import RunState
 from ..model.settings import DetectorSettings
-from ..model.step_point import StepPoint, module_label
+from ..model.step_point import MAX_MODULE_KINDS_PER_STEP, StepPoint, module_label
 from .base import SpecDetector, Verdict, fmt, trailing_streak
 from .spec import DetectorSpec, Evidence, Policy, Severity, Threshold
 
@@ -176,8 +176,8 @@ class BaselineModulesChanged(SpecDetector):
 
         def still(point: StepPoint) -> set[str]:
             updates = point.groups.updates
-            if not updates:
-                return set()
+            if not updates or len(updates) >= MAX_MODULE_KINDS_PER_STEP:
+                return set()  # no groups, or more than a step keeps: absence means nothing
             moving = {module_label(k) for k, square, _, _, _ in updates if square > 0}
             return always - moving
 

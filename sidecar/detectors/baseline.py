@@ -272,19 +272,66 @@ class BaselineUpdateSize(SpecDetector):
         id="baseline_update_size",
         severity=Severity.WARNING,
         summary="Run {run_id}'s updates are sized unlike its baseline's",
-        meaning="each optimizer step moves the weights by far more or far less per element "
-        "than healthy runs of this recipe did at the same point",
+        meaning="each optimizer step moves the weights (or one module kind's) by far more or "
+        "far less per element than healthy runs of this recipe did",
         fix="compare learning rate, optimizer, its epsilon and betas, gradient clipping and "
         "what trains with the baseline's recipe",
-        fires_when=f"`baseline_steps` consecutive optimizer steps outside the band; {CHECKED}",
+        fires_when="`baseline_steps` consecutive optimizer steps outside the band, or a module "
+        "kind's update ratio (per-element update over lr) beyond the range the baseline's runs "
+        "showed, by a factor of 1 + 4 x `baseline_margin`, at each of the newest "
+        f"`baseline_steps` steps; {CHECKED}",
         thresholds=(STEPS, MARGIN),
         evidence=(Evidence("update_norm"), Evidence("learning_rate")),
     )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
-        return _verdict(run, _trajectory(run, settings, ("update_rms",), False),
-                        "compare the optimizer, its settings and what trains with the "
-                        "baseline's")
+        fix = "compare the optimizer, its settings and what trains with the baseline's"
+        found = _trajectory(run, settings, ("update_rms",), False)
+        if found is None or found[1] is not None:
+            return _verdict(run, found, fix)
+        return _module_ratio(run, settings, found[0], fix) or _verdict(run, found, fix)
+
+
+def _module_ratio(run: RunState, settings: DetectorSettings, baseline: Baseline, fix: str
+                  ) -> Verdict | None:
+    """A module kind whose update ratio (per-element update over lr) lay outside the range
+    the baseline's runs showed over their whole length, by more than a factor of 1 + 2 x its
+    margin, on one side, at each of the newest ``baseline_steps`` steps (a per-group
+    learning rate or clipping that changed)."""
+    newest = [p for p in run.combined_steps()[-settings.baseline_steps:]
+              if not p.skipped and p.learning_rate > 0]
+    if len(newest) < settings.baseline_steps:
+        return None
+    # a ratio is positive and the band spans the whole run (Adam's early steps are larger):
+    # out means beyond it by a factor, not by its width (which would reach below zero)
+    factor = 1.0 + 2.0 * settings.baseline_margin * MARGIN_SCALE["update_rms"]
+    sides: dict[str, list[tuple[int, float]]] = {}
+    for point in newest:
+        for kind, square, elements, _, _ in point.groups.updates:
+            name = module_label(kind)
+            facts = baseline.modules.get(name)
+            ratio = update_over_lr(square, elements, point.learning_rate)
+            if facts is None or facts.update_over_lr is None or ratio is None:
+                continue
+            band = facts.update_over_lr
+            where = 1 if ratio > band.high * factor else -1 if ratio < band.low / factor else 0
+            if where:
+                sides.setdefault(f"{name}{where:+d}", []).append((point.step, ratio))
+    for key, points in sorted(sides.items()):
+        if len(points) < len(newest):
+            continue
+        name, above = key[:-2], key.endswith("+1")
+        healthy = baseline.modules[name].update_over_lr
+        assert healthy is not None
+        step, ratio = points[-1]
+        return Verdict(True, step=step, summary=(
+            f"{name} update ratio {ratio:.3g} {'above' if above else 'under'} the baseline's band "
+            f"{healthy.low:.3g}..{healthy.high:.3g} at steps {points[0][0]}-{step} (baseline "
+            f"{baseline.name or 'unnamed'}): {fix}"),
+            evidence={"quantity": "update_over_lr", "module": name, "step": str(step),
+                      "value": f"{ratio:.6g}", "band_low": f"{healthy.low:.6g}",
+                      "band_high": f"{healthy.high:.6g}", "baseline": baseline.name})
+    return None
 
 
 class BaselineRlSignals(SpecDetector):

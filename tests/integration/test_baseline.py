@@ -39,6 +39,7 @@ EXPECTED = {
     "warmup_stuck": ("baseline_learning_rate", "learning_rate"),
     "nll_on_logits": ("baseline_loss", "loss"),
     "same_batch": ("baseline_loss", "loss"),
+    "head_lr_tiny": ("baseline_update_size", "head update ratio"),
 }
 HEALTHY = {"seed-1": dict(seed=1), "data-order-7": dict(data_seed=7),
            "seeds-2-3": dict(seed=2, data_seed=3)}

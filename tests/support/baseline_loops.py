@@ -11,7 +11,9 @@ wrong without any error:
 - ``no_zero_grad``: gradients are never cleared;
 - ``warmup_stuck``: ``scheduler.step()`` is never called, so lr stays at its warmup value;
 - ``nll_on_logits``: the loss type changed (``nll_loss`` on raw logits, no log-softmax);
-- ``same_batch``: ``next(iter(loader))`` every step on an unshuffled loader.
+- ``same_batch``: ``next(iter(loader))`` every step on an unshuffled loader;
+- ``head_lr_tiny``: the head's parameter group got a hundredth of the learning rate (a
+  per-group multiplier applied by mistake).
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ FEATURES, HIDDEN, CLASSES = 16, 32, 4
 ROWS, BATCH = 1024, 32
 STEPS, WARMUP = 60, 6
 LR = 3e-3
-FAULTS = ("frozen_stage_trains", "no_zero_grad", "warmup_stuck", "nll_on_logits", "same_batch")
+FAULTS = ("frozen_stage_trains", "no_zero_grad", "warmup_stuck", "nll_on_logits", "same_batch",
+          "head_lr_tiny")
 
 
 class Classifier(nn.Module):
@@ -96,7 +99,14 @@ def run(run_id: str, address: str, *, seed: int = 0, data_seed: int = 0,
         for module in model.backbone():
             module.requires_grad_(False)
             module.eval()
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    if fault == "head_lr_tiny":
+        head = set(map(id, model.head.parameters()))
+        optimizer = torch.optim.AdamW([
+            {"params": [p for p in trained if id(p) not in head]},
+            {"params": list(model.head.parameters()), "lr": LR / 100}], lr=LR)
+    else:
+        optimizer = torch.optim.AdamW(trained, lr=LR)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     loader = torch.utils.data.DataLoader(
         dataset(), batch_size=BATCH, shuffle=fault != "same_batch", drop_last=True,

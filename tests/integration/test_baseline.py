@@ -167,28 +167,21 @@ def test_status_names_the_baseline(results: Results) -> None:
     assert "judged against" not in status.render(results.sidecar.registry.status("healthy-0"))
 
 
-def test_a_baseline_calibrates_negligible_updates(tmp_path: Path) -> None:
+def test_a_baseline_calibrates_negligible_updates(results: Results, tmp_path: Path) -> None:
     """A recipe whose healthy steps move its large weights by ~1e-7 of their norm: without a
     baseline negligible_updates fires on it; with one it stays silent (and so do the
     baseline_* detectors), while the same recipe at lr 1e-9 still fires."""
-    state = tmp_path / "state"
-    state.mkdir()
-    sidecar = InProcessSidecar(tmp_path / "dw.sock", registry=Registry(
-        settings=DetectorSettings(), store=Store(state))).start()
-    try:
-        loops.large_weights_run("large-0", sidecar.address, lr=1e-5)
-        assert "negligible_updates" in sidecar.fired("large-0")  # the fixed floor pages
-        baseline = tmp_path / "large.baseline.json"
-        assert _cli("baseline", "save", "large-0", "--state-dir", str(state),
-                    "--output", str(baseline))[0] == 0
-        loops.large_weights_run("large-1", sidecar.address, lr=1e-5, seed=1,
-                                baseline=baseline)
-        assert sidecar.fired("large-1") == {}
-        loops.large_weights_run("large-tiny-lr", sidecar.address, lr=1e-9, seed=1,
-                                baseline=baseline)
-        assert "negligible_updates" in sidecar.fired("large-tiny-lr")
-    finally:
-        sidecar.stop()
+    sidecar = results.sidecar
+    loops.large_weights_run("large-0", sidecar.address, lr=1e-5)
+    assert "negligible_updates" in sidecar.fired("large-0")  # the fixed floor pages
+    baseline = tmp_path / "large.baseline.json"
+    assert _cli("baseline", "save", "large-0", "--state-dir", str(results.state_dir),
+                "--output", str(baseline))[0] == 0
+    loops.large_weights_run("large-1", sidecar.address, lr=1e-5, seed=1, baseline=baseline)
+    assert sidecar.fired("large-1") == {}
+    loops.large_weights_run("large-tiny-lr", sidecar.address, lr=1e-9, seed=1,
+                            baseline=baseline)
+    assert "negligible_updates" in sidecar.fired("large-tiny-lr")
 
 
 GRPO_STEPS = 24

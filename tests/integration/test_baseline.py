@@ -69,8 +69,9 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Results]:
     folder = tmp_path_factory.mktemp("bl")
     state = folder / "state"
     state.mkdir()
-    registry = Registry(settings=DetectorSettings(), store=Store(state))
-    sidecar = InProcessSidecar(folder / "dw.sock", registry=registry).start()
+    store = Store(state)
+    sidecar = InProcessSidecar(folder / "dw.sock", registry=Registry(
+        settings=DetectorSettings(), store=store)).start()
     try:
         loops.run("healthy-0", sidecar.address)
         loops.run("healthy-0b", sidecar.address, seed=5, data_seed=5)
@@ -95,6 +96,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Results]:
         yield Results(state, baseline, wide, sidecar)
     finally:
         sidecar.stop()
+        store.close()
 
 
 def test_save_writes_a_small_versioned_readable_file(results: Results) -> None:

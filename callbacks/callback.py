@@ -34,6 +34,7 @@ entry with ``deadweight/stopped_by`` (the root cause's detector id) and
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -121,17 +122,20 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
         tls_ca: str | None = None,
         expected_trainable_pct: tuple[float, float] | None = None,
         frozen_modules: Sequence[str] | None = None,
+        baseline: str | os.PathLike[str] | None = None,
     ) -> None:
         """``expected_trainable_pct``: (low, high) percent of the model's parameters the
         optimizer should train (else ``DEADWEIGHT_EXPECTED_TRAINABLE_PCT``, "LOW-HIGH");
-        ``frozen_modules``: module names that must not move (else ``DEADWEIGHT_FROZEN_MODULES``).
+        ``frozen_modules``: module names that must not move (else ``DEADWEIGHT_FROZEN_MODULES``);
+        ``baseline``: a baseline file of a known-good run of the recipe (else
+        ``DEADWEIGHT_BASELINE``), sent to the sidecar, which compares this run with it.
         """
         self._run = RunProbe(address, run_id, token, tls_ca=tls_ca, settings=settings,
                              require_sidecar=require_sidecar,
                              start_timeout_seconds=start_timeout_seconds,
                              console_logger=console_log,
                              expected_trainable_pct=expected_trainable_pct,
-                             frozen_modules=frozen_modules)
+                             frozen_modules=frozen_modules, baseline=baseline)
         self._directives = Directives(self._run, "stopping training")
         self._disabled = False
         self._model: Any = None

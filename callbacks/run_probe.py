@@ -27,7 +27,7 @@ import torch
 from ..proto import pb
 from ..proto.kinds import EventKind
 from ..proto.transport import grpc_target, unix_socket_path
-from . import digest, trainer_logs
+from . import baseline_file, digest, trainer_logs
 from . import layout as layouts
 from .console import Console
 from .facts import membership, optimizer_setup, trainable
@@ -164,7 +164,10 @@ class RunProbe:
         console_logger: logging.Logger | None = None,
         expected_trainable_pct: tuple[float, float] | None = None,
         frozen_modules: Sequence[str] | None = None,
+        baseline: str | os.PathLike[str] | None = None,
     ) -> None:
+        #: The known-good run this one is compared with: (content, file name), or None.
+        self.baseline = baseline_file.read(baseline)
         self.expected_trainable_pct = trainable.resolve_band(expected_trainable_pct)
         self.frozen_modules = trainable.resolve_frozen(frozen_modules)
         self.address = address or os.environ.get("DEADWEIGHT_ADDRESS") or DEFAULT_ADDRESS
@@ -256,6 +259,7 @@ class RunProbe:
             heads=heads,
             resume=resume,
             dataset_rows=dataset_rows,
+            baseline=self.baseline,
         )
         self.client = StreamClient(self.address, run_id, rank, to_event, token=self.token,
                                    settings=self.settings, tls_ca=self.tls_ca)

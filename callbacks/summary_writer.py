@@ -118,7 +118,8 @@ def unsigned_summary(run_id: str, step: int, adapter: AdapterDigest,
                       adapter_digest=adapter.combined, sidecar=sidecar,
                       end_reason="" if status is None else status.end_reason,
                       verdicts=verdicts, actions=actions,
-                      ended=False if status is None else status.ended)
+                      ended=False if status is None else status.ended,
+                      baseline="" if status is None else status.baseline)
 
 
 #: The weights files beside which a summary speaks of an adapter: a PEFT save's (safetensors,

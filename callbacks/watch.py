@@ -86,6 +86,7 @@ class Monitor:
         start_timeout_seconds: float = 1.0,
         expected_trainable_pct: tuple[float, float] | None = None,
         frozen_modules: Sequence[str] | None = None,
+        baseline: str | os.PathLike[str] | None = None,
         stop_how: str = "monitor.should_stop is set",
     ) -> None:
         """stop_how: what a STOP does here, in the console's words (a driver over the
@@ -100,7 +101,7 @@ class Monitor:
                              require_sidecar=require_sidecar,
                              start_timeout_seconds=start_timeout_seconds,
                              expected_trainable_pct=expected_trainable_pct,
-                             frozen_modules=frozen_modules)
+                             frozen_modules=frozen_modules, baseline=baseline)
         self._directives = Directives(self._run, stop_how)
         self._disabled = False
         self._closed = False
@@ -295,8 +296,10 @@ def watch(model: Any, optimizer: Any, run_id: str | None = None, address: str | 
     Keyword options: ``token``, ``output_dir`` (the folder the sidecar watches for
     checkpoints), ``trainer`` (a name for the run's kind), ``config``, ``settings``,
     ``tls_ca``, ``require_sidecar``, ``start_timeout_seconds``, ``expected_trainable_pct``
-    ((low, high) percent of the model's parameters that should train) and ``frozen_modules``
-    (module names that must not move). Address, run id and token
+    ((low, high) percent of the model's parameters that should train), ``frozen_modules``
+    (module names that must not move) and ``baseline`` (a baseline file of a known-good run
+    of the recipe, else ``DEADWEIGHT_BASELINE``: the sidecar compares the run with it).
+    Address, run id and token
     default to ``DEADWEIGHT_ADDRESS``, ``DEADWEIGHT_RUN_ID`` and ``DEADWEIGHT_TOKEN``.
     """
     return Monitor(model, optimizer, run_id, address, **options)

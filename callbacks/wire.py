@@ -47,6 +47,8 @@ class RunStartRecord:
     heads: HeadFacts | None = None
     resume: ResumeFacts | None = None
     dataset_rows: tuple[int, int] | None = None
+    #: The baseline file's content and name, when the run names one (``baseline_file``).
+    baseline: tuple[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -176,6 +178,8 @@ def _run_start(r: RunStartRecord) -> pb.RunStart:
             checkpoint=r.resume.checkpoint, step=r.resume.step,
             checkpoint_adapter=digest_message(r.resume.checkpoint_adapter),
             first_loss=r.resume.first_loss, last_loss=r.resume.last_loss))
+    if r.baseline is not None:
+        start.baseline, start.baseline_name = r.baseline
     if r.dataset_rows is not None:
         start.dataset_rows.CopyFrom(pb.DatasetRows(given=r.dataset_rows[0],
                                                    kept=r.dataset_rows[1]))

@@ -78,6 +78,8 @@ class RunSummary:
     output_dir: str = ""
     #: Unix seconds when the sidecar composed it (0: not the sidecar's).
     signed_at: int = 0
+    #: The baseline the run was judged against ("" when it named none).
+    baseline: str = ""
 
     def critical(self) -> list[SummaryVerdict]:
         """Critical verdicts that fired during the run (resolved ones included: a run that
@@ -162,7 +164,7 @@ def from_body(body: Any) -> RunSummary:
         verdicts=[_verdict(v) for v in body.get("verdicts", [])],
         actions=[{str(k): str(v) for k, v in a.items()} for a in body.get("actions", [])],
         ended=bool(body.get("ended", False)), output_dir=str(body.get("output_dir", "")),
-        signed_at=int(body.get("signed_at", 0)),
+        signed_at=int(body.get("signed_at", 0)), baseline=str(body.get("baseline", "")),
     )
 
 

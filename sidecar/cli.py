@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from .. import __version__
 from . import cli_runs, cli_token, oncall_cli, serve_cli
 from .actions import links as alert_links
+from .baseline import cli as baseline_cli
 from .cli_args import setting, settings, url_pattern
 
 if TYPE_CHECKING:
@@ -186,6 +187,7 @@ def build_parser(*more_commands: Callable[[Commands], None]) -> argparse.Argumen
                             "(default %(default)s)")
     report_cmd.set_defaults(func=_report)
     oncall_cli.add(commands)
+    baseline_cli.add(commands)
     for add in more_commands:
         add(commands)
     return parser

@@ -284,6 +284,7 @@ def render(record: RunRecord, frozen_ratio_floor: float = 0.01,
                       if report_plots.series(record.logs, k)[0]], verdicts)
     if preference is not None:
         parts += ["<h2 id=preference>Preference signals (DPO implicit rewards)</h2>", preference]
+    parts += _baseline_section(record)
     movement = module_movement(record)
     modules = report_plots.modules(movement)
     if modules is not None:
@@ -310,6 +311,27 @@ def render(record: RunRecord, frozen_ratio_floor: float = 0.01,
                   "</h2>", _embedded_runbook(top.root.detector, runbook_url_pattern)]
     parts.append("</body></html>")
     return "\n".join(parts)
+
+
+def _baseline_section(record: RunRecord) -> list[str]:
+    """The run's figures over the bands of the baseline it was judged against (none: [])."""
+    from .baseline.live import label, parsed
+    from .baseline.model import Baseline
+    from .baseline.plots import overlay
+
+    start = record.run.start
+    baseline = parsed(start)
+    if start is None or baseline is None:
+        return []
+    head = [f"<h2 id=baseline>Compared with baseline {html.escape(label(start))}</h2>"]
+    if not isinstance(baseline, Baseline):
+        return [*head, "<p class='caption crit'>The baseline could not be read: nothing was "
+                "compared.</p>"]
+    total = int(start.config.get("total_steps", 0.0)) or baseline.steps
+    drawn = overlay(record.steps, record.logs, baseline, total)
+    caption = ("<p class=caption>Grey: the band healthy runs of this recipe showed at each "
+               "point of training (dashed: their median); blue: this run.</p>")
+    return [*head, caption, drawn or "<p class=quiet>no figure in common</p>"]
 
 
 _RUNBOOK_LINK = re.compile(r'href="([a-z0-9_]+)\.md"')

@@ -95,6 +95,8 @@ def render(status: pb.StatusResponse) -> str:
         )
         if run.wrapper:
             lines.append(f"  wrapper {run.wrapper}" + (", sharded" if run.sharded else ""))
+        if run.baseline:
+            lines.append(f"  judged against baseline {run.baseline}")
         for f in findings:
             lines.append(f"  {state_mark(f, run.ended)} {f.detector} [{f.severity}, policy "
                          f"{f.policy}] {fired_and_latest(f.step, f.summary)}")

@@ -204,6 +204,8 @@ def check(inspection: CheckpointInspection, summary_path: Path | None,
         notes.append(f"summary taken while run {summary.run_id} was live (step "
                      f"{summary.step}): later verdicts are not in it (--require-signed "
                      "refuses such a summary)")
+    if summary.baseline:
+        notes.append(f"run {summary.run_id} was judged against baseline {summary.baseline}")
     if summary.sidecar != "answered":
         found.append((NO_VERDICTS, "warning", Verdict(
             True, summary=f"run {summary.run_id} was never judged by a sidecar, its summary "

@@ -12,6 +12,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from .base import Detector, SpecDetector, Verdict
+from .baseline import (
+    BaselineGradNorm,
+    BaselineLearningRate,
+    BaselineLoss,
+    BaselineModulesChanged,
+    BaselineRecipeChanged,
+    BaselineRlSignals,
+    BaselineUpdateSize,
+)
 from .checkpoints import (
     AdapterBloat,
     AdapterNeverTrained,
@@ -118,6 +127,13 @@ ALL: tuple[Detector, ...] = (
     CheckpointRefused(),
     StepOutOfOrder(),
     RunIdInUse(),
+    BaselineRecipeChanged(),
+    BaselineModulesChanged(),
+    BaselineLearningRate(),
+    BaselineGradNorm(),
+    BaselineUpdateSize(),
+    BaselineLoss(),
+    BaselineRlSignals(),
 )
 
 BY_ID: dict[str, Detector] = {d.id: d for d in ALL}

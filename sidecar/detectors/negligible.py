@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+from ..baseline.calibrate import negligible_floor
 from ..model.run_state import RunState
 from ..model.settings import DetectorSettings
 from ..model.step_point import StepPoint
@@ -39,7 +40,8 @@ class NegligibleUpdates(SpecDetector):
         "scheduler's peak and warmup, and retrain before promoting",
         fires_when="`negligible_update_steps` consecutive steps at lr > 0 each moved the "
         "weights by less than `negligible_relative_update` of their norm (healthy tiny runs: "
-        "9e-5..5e-3); it stands for the whole run and in its summary",
+        "9e-5..5e-3; a run with a baseline: a tenth of its lowest healthy value, when lower); "
+        "it stands for the whole run and in its summary",
         thresholds=(
             Threshold("negligible_update_steps", "optimizer steps", "consecutive negligible "
                       "steps before it fires"),
@@ -53,7 +55,7 @@ class NegligibleUpdates(SpecDetector):
         steps = run.combined_steps()
         if not steps:
             return None
-        floor = settings.negligible_relative_update
+        floor = negligible_floor(run, settings)  # the fixed one, or below a baseline's
 
         def negligible(p: StepPoint) -> bool:
             rel = relative_update(p)

@@ -149,6 +149,9 @@ CAUSES_FIRST: tuple[str, ...] = (
     "pickle_checkpoint", "checkpoint_refused",
     # how the run is reported (two jobs on one id, steps that go back)
     "run_id_in_use", "step_out_of_order",
+    # unlike the known-good run it names: what trains, then the trajectories (a cause first)
+    "baseline_recipe_changed", "baseline_modules_changed", "baseline_learning_rate",
+    "baseline_grad_norm", "baseline_update_size", "baseline_loss", "baseline_rl_signals",
 )
 _CAUSE_RANK = {detector: rank for rank, detector in enumerate(CAUSES_FIRST)}
 

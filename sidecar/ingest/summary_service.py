@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ...proto import pb, run_summary
+from ..baseline.live import label as baseline_label
 from ..checkpoints.access import inspect_as
 from ..checkpoints.inspector import NotACheckpoint
 from ..model.finding import Finding, verdict_state
@@ -59,6 +60,7 @@ class _RunView:
     ended_at: float
     end_reason: str
     output_dir: str
+    baseline: str = ""
 
 
 def summary_state(finding: Finding, ended: bool, ended_at: float) -> str:
@@ -81,6 +83,7 @@ def compose(run: _RunView, findings: list[Finding], actions: list[dict[str, str]
         adapter_digest=adapter.combined, sidecar="answered",
         end_reason=run.end_reason if run.ended else "", verdicts=ordered, actions=actions,
         ended=run.ended, output_dir=run.output_dir, signed_at=int(now),
+        baseline=run.baseline,
     ).body()
 
 
@@ -176,7 +179,8 @@ def signed_summary(registry: Registry, signer: SummarySigner, request: pb.SignSu
                 "PERMISSION_DENIED", f"{identity.describe()} is not a process of run "
                 f"{request.run_id!r}: only the run's own processes get its summary signed")
         run = _RunView(state.run_id, state.step, state.ended, state.ended_at,
-                       state.end_reason, state.start.output_dir if state.start else "")
+                       state.end_reason, state.start.output_dir if state.start else "",
+                       baseline_label(state.start))
         findings = list(registry.findings(request.run_id).values())
         incarnation = state.incarnation
         initial = state.start.initial_adapter.combined if state.start else ""

@@ -102,6 +102,10 @@ def _digest(name: str, digest: pb.AdapterDigest) -> str | None:
     )
 
 
+#: Largest baseline a RunStart may carry (``deadweight baseline save`` writes a few kB).
+MAX_BASELINE_BYTES = 64 * 1024
+
+
 def _run_start(start: pb.RunStart) -> str | None:
     m, f = start.membership, start.preflight
     return (
@@ -129,6 +133,8 @@ def _run_start(start: pb.RunStart) -> str | None:
                                      *start.heads.saved_heads, *start.heads.trainable_heads])
         or _text("run_start.resume.checkpoint", start.resume.checkpoint)
         or _digest("run_start.resume.checkpoint_adapter", start.resume.checkpoint_adapter)
+        or _text("run_start.baseline", start.baseline, MAX_BASELINE_BYTES)
+        or _text("run_start.baseline_name", start.baseline_name)
     )
 
 

@@ -62,3 +62,6 @@ class DetectorSettings:
     rollout_logp_difference: float = 0.1
     rollout_rise: float = 3.0
     rollout_logp_ceiling: float = 0.5
+    baseline_steps: int = 5
+    baseline_margin: float = 0.25
+    baseline_module_steps: int = 2

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import operator
+import re
 import sys
 from typing import NamedTuple
 
@@ -24,10 +25,21 @@ MAX_MODULE_KINDS_PER_STEP = 64
 MAX_DTYPE_TEXT = 64
 
 
+_SAFE_NAME = re.compile(r"[^A-Za-z0-9_.\-]")
+
+
+def module_label(kind: str) -> str:
+    """A module kind as the run's stored history names it (and a baseline, from it)."""
+    return _SAFE_NAME.sub("_", kind)[:64]
+
+
 #: One adapter's figures in a step: (name, update_sq_sum, unchanged_tensors, tensors).
 AdapterFigures = tuple[str, float, int, int]
 #: One module kind's figures in a step: (kind, dtype, elements, unchanged_elements).
 ModuleFigures = tuple[str, str, int, int]
+#: One module kind's movement in a step: (kind, update_sq_sum, elements, tensors,
+#: unchanged_tensors); read by the baseline comparison (which kinds move, and how far).
+ModuleUpdate = tuple[str, float, int, int, int]
 
 
 class StepGroups:
@@ -40,20 +52,22 @@ class StepGroups:
     Groups already known (summed over a sharded run's ranks) are held as they are.
     """
 
-    __slots__ = ("_adapters", "_encoded", "_modules")
+    __slots__ = ("_adapters", "_encoded", "_modules", "_updates")
 
     def __init__(self, adapters: tuple[AdapterFigures, ...] = (),
-                 modules: tuple[ModuleFigures, ...] = ()) -> None:
+                 modules: tuple[ModuleFigures, ...] = (),
+                 updates: tuple[ModuleUpdate, ...] = ()) -> None:
         self._encoded: bytes | None = None
         self._adapters = adapters
         self._modules = modules
+        self._updates = updates
 
     @classmethod
     def encoded(cls, report_bytes: bytes) -> StepGroups:
         """The groups of a serialized ``StepReport``, decoded when first read."""
         groups = object.__new__(cls)  # once per step received: no __init__ call
         groups._encoded = report_bytes
-        groups._adapters = groups._modules = ()
+        groups._adapters = groups._modules = groups._updates = ()
         return groups
 
     @property
@@ -73,11 +87,18 @@ class StepGroups:
             self._decode(self._encoded)
         return self._modules
 
+    @property
+    def updates(self) -> tuple[ModuleUpdate, ...]:
+        if self._encoded is not None:
+            self._decode(self._encoded)
+        return self._updates
+
     def _decode(self, encoded: bytes) -> None:
         # Two threads may both decode (the registry lock is not always held by readers): each
         # writes the same figures, and the bytes are dropped only after both are set.
         adapters: list[AdapterFigures] = []
         modules: list[ModuleFigures] = []
+        updates: list[ModuleUpdate] = []
         intern = sys.intern
         for group in pb.StepReport.FromString(encoded).groups:
             kind = group.kind
@@ -85,13 +106,16 @@ class StepGroups:
                 if len(adapters) < MAX_ADAPTERS_PER_STEP:
                     adapters.append((intern(group.name[:MAX_GROUP_NAME]), group.update_sq_sum,
                                      group.unchanged_tensors, group.tensors))
-            elif kind == "module" and len(modules) < MAX_MODULE_KINDS_PER_STEP:
+            elif kind == "module" and len(updates) < MAX_MODULE_KINDS_PER_STEP:
                 elements = group.elements
+                updates.append((intern(group.name[:MAX_GROUP_NAME]), group.update_sq_sum,
+                                elements, group.tensors, group.unchanged_tensors))
                 if elements > 0:
                     modules.append((intern(group.name[:MAX_GROUP_NAME]),
                                     intern(group.dtype[:MAX_DTYPE_TEXT]), elements,
                                     group.unchanged_elements))
         self._adapters, self._modules = tuple(adapters), tuple(modules)
+        self._updates = tuple(updates)
         self._encoded = None
 
     def __eq__(self, other: object) -> bool:

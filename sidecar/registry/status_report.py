@@ -8,6 +8,7 @@ hostile client's long strings never make Status fail.
 from __future__ import annotations
 
 from ...proto import pb
+from ..baseline.live import label as baseline_label
 from ..detectors.spec import root_causes_first
 from ..model.finding import SEVERITY_ORDER, Finding, verdict_state
 from ..model.run_state import RunState
@@ -82,6 +83,7 @@ def status_response(runs: list[tuple[RunState, list[Finding]]],
                 end_reason=run.end_reason if run.ended else "",
                 started_at=run.created,
                 incarnation=run.incarnation,
+                baseline=baseline_label(run.start),
                 ended_at=run.ended_at if run.ended else 0.0,
                 actions=[
                     pb.ActionTaken(detector=a.detector, action=a.action, result=a.result,

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import struct
 from collections.abc import Iterator, Sequence
 
 from ...proto import pb
-from ..model.step_point import StepPoint
+from ..model.step_point import StepPoint, module_label
 
 #: Log keys worth a plot: the loss-only view, the RL signals and DPO's rewards.
 LOG_KEYS = frozenset({
@@ -28,13 +27,13 @@ LOG_KEYS = frozenset({
     "frac_reward_zero_std", "entropy", "completions/mean_length",
     "completions/clipped_ratio", "completions/mean_terminated_length",
     "rewards/chosen", "rewards/rejected", "rewards/margins",
+    "num_tokens",  # tokens seen so far: a baseline's tokens per step
 })
 #: Module kinds kept per step (groups of kind "module"); the rest are summed as "other".
 MAX_MODULE_KINDS = 24
 #: Largest step report kept as it came (a LoRA run's, with a group per module kind and
 #: adapter, is a few hundred bytes).
 MAX_STORED_STEP_BYTES = 4096
-_SAFE_NAME = re.compile(r"[^A-Za-z0-9_.\-]")
 #: A packed step's header: step, time, form (b"R": a StepReport, b"J": figures as JSON), and
 #: the length of what follows.
 _PACKED = struct.Struct("<qdcI")
@@ -54,10 +53,17 @@ def step_series(point: StepPoint, report: pb.StepReport) -> dict[str, float]:
     ratio = point.update_ratio
     if ratio is not None:
         series["update_ratio"] = ratio
+    # what a baseline compares a run with: the optimizer's size, its gradient, its step's size
+    # relative to the weights (read from the report, so they cost nothing at ingest)
+    series["params"] = float(point.optimizer_params or point.watched_params)
+    if point.grad_sq_sum is not None:
+        series["grad_l2"] = _root(point.grad_sq_sum)
+    if point.param_sq_sum > 0:
+        series["relative_update"] = point.update_norm / _root(point.param_sq_sum)
     modules = [g for g in report.groups if g.kind == "module"]
     modules.sort(key=lambda g: -g.update_sq_sum)
     for index, group in enumerate(modules):
-        name = _SAFE_NAME.sub("_", group.name)[:64] if index < MAX_MODULE_KINDS else "other"
+        name = module_label(group.name) if index < MAX_MODULE_KINDS else "other"
         prefix = f"module/{name}/"
         series[prefix + "update_norm"] = series.get(prefix + "update_norm", 0.0) + _root(
             group.update_sq_sum)

@@ -19,6 +19,8 @@ from typing import Any
 import pytest
 
 from deadweight.proto import pb
+from deadweight.sidecar.baseline import fingerprint as prints
+from deadweight.sidecar.baseline.model import BINS, Band, Baseline, ModuleFacts
 from deadweight.sidecar.detectors import BY_ID
 from deadweight.sidecar.model.inspection import CheckpointInspection
 from deadweight.sidecar.model.nonces import Attestor
@@ -118,6 +120,27 @@ def inspected(**facts: Any) -> Play:
 def start(config: dict[str, float] | None = None, trainer: str = "SFTTrainer",
           **facts: Any) -> dict[str, Any]:
     return {"trainer": trainer, "config": SFT if config is None else config, **facts}
+
+
+def judged(config: dict[str, float], trainer: str = "SFTTrainer", modules: tuple[str, ...] = (),
+           baseline_config: dict[str, float] | None = None, **series: float) -> dict[str, Any]:
+    """A run's start that names a baseline of the recipe whose fingerprint is config's (or
+    baseline_config's) and trainer's, whose module kinds all moved, and whose figures sit at
+    the values given at every point of training."""
+    recipe = pb.RunStart(trainer=trainer, config=baseline_config or config,
+                         membership=MEMBERSHIP)
+    baseline = Baseline(
+        runs=("healthy",), steps=20, fingerprint=prints.fingerprint(recipe),
+        modules={m: ModuleFacts(1.0, 2, Band(1.0, 1.0, 1.0)) for m in modules},
+        series={q: tuple(Band(v, v, v) for _ in range(BINS)) for q, v in series.items()})
+    return {**start(config, trainer), "baseline": baseline.to_json(),
+            "baseline_name": "recipe.baseline.json"}
+
+
+def moving(*kinds: str) -> list[pb.GroupUpdate]:
+    """A step's module groups, each kind moved."""
+    return [pb.GroupUpdate(name=k, kind="module", update_sq_sum=1e-6, tensors=2, elements=100,
+                           dtype="float32") for k in kinds]
 
 
 def peft(**preflight: Any) -> pb.Preflight:
@@ -401,6 +424,29 @@ ROWS = [
         Case(logs(*[{"sampling/sampling_logp_difference/mean": v}
                     for v in (0.015, 0.016, 0.014, 0.015, 0.016, 0.015)]),
              start(GRPO, trainer="GRPOTrainer"))),
+    Row("baseline_recipe_changed",
+        Case(steps(3), judged(SFT, baseline_config={**SFT, "learning_rate": 1e-4})),
+        Case(steps(3), judged(SFT))),
+    Row("baseline_modules_changed",
+        Case(steps(3, groups=moving("head", "stage0")), judged(SFT, modules=("head",))),
+        Case(steps(3, groups=moving("head")), judged(SFT, modules=("head",)))),
+    Row("baseline_learning_rate",
+        Case(steps(8, lr=1e-5), judged(SFT, learning_rate=1e-4)),
+        Case(steps(8), judged(SFT, learning_rate=1e-4))),
+    Row("baseline_grad_norm",
+        Case(steps(8, grad_norm=10.0), judged(SFT, grad_norm=1.0)),
+        Case(steps(8), judged(SFT, grad_norm=1.0))),
+    Row("baseline_update_size",
+        Case(steps(8, update_sq=1e-4), judged(SFT, update_rms=1e-3 / 32)),
+        Case(steps(8), judged(SFT, update_rms=1e-3 / 32))),
+    Row("baseline_loss",
+        Case(steps(8, loss=0.2), judged(SFT, loss=2.0)),
+        Case(steps(8), judged(SFT, loss=2.0))),
+    Row("baseline_rl_signals",
+        Case(stepped(*[{"loss": 0.0, "kl": 0.01, "reward_std": 0.01}] * 6),
+             judged(GRPO, "GRPOTrainer", reward_std=0.2)),
+        Case(stepped(*[{"loss": 0.0, "kl": 0.01, "reward_std": 0.2}] * 6),
+             judged(GRPO, "GRPOTrainer", reward_std=0.2))),
 ]
 BY_ROW = {row.detector: row for row in ROWS}
 

@@ -40,7 +40,7 @@ class Event(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., time_seconds: _Optional[float] = ..., run_start: _Optional[_Union[RunStart, _Mapping]] = ..., step: _Optional[_Union[StepReport, _Mapping]] = ..., log: _Optional[_Union[LogReport, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointReport, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., run_end: _Optional[_Union[RunEnd, _Mapping]] = ..., replica: _Optional[_Union[ReplicaDigest, _Mapping]] = ...) -> None: ...
 
 class RunStart(_message.Message):
-    __slots__ = ("trainer", "world_size", "output_dir", "config", "config_text", "versions", "membership", "preflight", "initial_adapter", "attestation", "sharded", "host", "wrapper", "requested_wrapper", "stop_token", "heads", "resume", "trainable_params_by_dtype", "dataset_rows")
+    __slots__ = ("trainer", "world_size", "output_dir", "config", "config_text", "versions", "membership", "preflight", "initial_adapter", "attestation", "sharded", "host", "wrapper", "requested_wrapper", "stop_token", "heads", "resume", "trainable_params_by_dtype", "dataset_rows", "baseline", "baseline_name")
     class ConfigEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,8 @@ class RunStart(_message.Message):
     RESUME_FIELD_NUMBER: _ClassVar[int]
     TRAINABLE_PARAMS_BY_DTYPE_FIELD_NUMBER: _ClassVar[int]
     DATASET_ROWS_FIELD_NUMBER: _ClassVar[int]
+    BASELINE_FIELD_NUMBER: _ClassVar[int]
+    BASELINE_NAME_FIELD_NUMBER: _ClassVar[int]
     trainer: str
     world_size: int
     output_dir: str
@@ -107,7 +109,9 @@ class RunStart(_message.Message):
     resume: Resume
     trainable_params_by_dtype: _containers.ScalarMap[str, int]
     dataset_rows: DatasetRows
-    def __init__(self, trainer: _Optional[str] = ..., world_size: _Optional[int] = ..., output_dir: _Optional[str] = ..., config: _Optional[_Mapping[str, float]] = ..., config_text: _Optional[_Mapping[str, str]] = ..., versions: _Optional[_Mapping[str, str]] = ..., membership: _Optional[_Union[OptimizerMembership, _Mapping]] = ..., preflight: _Optional[_Union[Preflight, _Mapping]] = ..., initial_adapter: _Optional[_Union[AdapterDigest, _Mapping]] = ..., attestation: _Optional[str] = ..., sharded: _Optional[bool] = ..., host: _Optional[str] = ..., wrapper: _Optional[str] = ..., requested_wrapper: _Optional[str] = ..., stop_token: _Optional[_Union[StopTokenCheck, _Mapping]] = ..., heads: _Optional[_Union[HeadCheck, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., trainable_params_by_dtype: _Optional[_Mapping[str, int]] = ..., dataset_rows: _Optional[_Union[DatasetRows, _Mapping]] = ...) -> None: ...
+    baseline: str
+    baseline_name: str
+    def __init__(self, trainer: _Optional[str] = ..., world_size: _Optional[int] = ..., output_dir: _Optional[str] = ..., config: _Optional[_Mapping[str, float]] = ..., config_text: _Optional[_Mapping[str, str]] = ..., versions: _Optional[_Mapping[str, str]] = ..., membership: _Optional[_Union[OptimizerMembership, _Mapping]] = ..., preflight: _Optional[_Union[Preflight, _Mapping]] = ..., initial_adapter: _Optional[_Union[AdapterDigest, _Mapping]] = ..., attestation: _Optional[str] = ..., sharded: _Optional[bool] = ..., host: _Optional[str] = ..., wrapper: _Optional[str] = ..., requested_wrapper: _Optional[str] = ..., stop_token: _Optional[_Union[StopTokenCheck, _Mapping]] = ..., heads: _Optional[_Union[HeadCheck, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., trainable_params_by_dtype: _Optional[_Mapping[str, int]] = ..., dataset_rows: _Optional[_Union[DatasetRows, _Mapping]] = ..., baseline: _Optional[str] = ..., baseline_name: _Optional[str] = ...) -> None: ...
 
 class StopTokenCheck(_message.Message):
     __slots__ = ("token", "token_id", "sequences", "in_inputs", "in_labels", "full_rows", "outside_loss")
@@ -448,7 +452,7 @@ class StatusResponse(_message.Message):
     def __init__(self, runs: _Optional[_Iterable[_Union[RunStatus, _Mapping]]] = ...) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("run_id", "trainer", "ranks", "step", "last_seen_seconds", "ended", "findings", "end_reason", "actions", "wrapper", "sharded", "silences", "started_at", "ended_at", "incarnation")
+    __slots__ = ("run_id", "trainer", "ranks", "step", "last_seen_seconds", "ended", "findings", "end_reason", "actions", "wrapper", "sharded", "silences", "started_at", "ended_at", "incarnation", "baseline")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     TRAINER_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
@@ -464,6 +468,7 @@ class RunStatus(_message.Message):
     STARTED_AT_FIELD_NUMBER: _ClassVar[int]
     ENDED_AT_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    BASELINE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     trainer: str
     ranks: _containers.RepeatedScalarFieldContainer[int]
@@ -479,7 +484,8 @@ class RunStatus(_message.Message):
     started_at: float
     ended_at: float
     incarnation: int
-    def __init__(self, run_id: _Optional[str] = ..., trainer: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., step: _Optional[int] = ..., last_seen_seconds: _Optional[float] = ..., ended: _Optional[bool] = ..., findings: _Optional[_Iterable[_Union[Finding, _Mapping]]] = ..., end_reason: _Optional[str] = ..., actions: _Optional[_Iterable[_Union[ActionTaken, _Mapping]]] = ..., wrapper: _Optional[str] = ..., sharded: _Optional[bool] = ..., silences: _Optional[_Iterable[_Union[SilenceStatus, _Mapping]]] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    baseline: str
+    def __init__(self, run_id: _Optional[str] = ..., trainer: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., step: _Optional[int] = ..., last_seen_seconds: _Optional[float] = ..., ended: _Optional[bool] = ..., findings: _Optional[_Iterable[_Union[Finding, _Mapping]]] = ..., end_reason: _Optional[str] = ..., actions: _Optional[_Iterable[_Union[ActionTaken, _Mapping]]] = ..., wrapper: _Optional[str] = ..., sharded: _Optional[bool] = ..., silences: _Optional[_Iterable[_Union[SilenceStatus, _Mapping]]] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., incarnation: _Optional[int] = ..., baseline: _Optional[str] = ...) -> None: ...
 
 class SilenceStatus(_message.Message):
     __slots__ = ("detector", "until", "reason")

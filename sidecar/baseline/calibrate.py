@@ -1,0 +1,31 @@
+"""Thresholds of the fixed detectors, read from a run's baseline where it names one.
+
+A fixed constant encodes what healthy looks like on the recipes it was checked against; a
+recipe whose healthy behaviour is unusual (a model whose weights are large against any step,
+so each step moves them by less than ``negligible_relative_update`` of their norm) would page
+at every run. Its baseline shows what healthy is for it: the threshold moves below the
+lowest healthy value, by a decade, and never above the fixed one (a baseline can only quiet a
+detector on what healthy runs of the recipe really did).
+"""
+
+from __future__ import annotations
+
+from ..model.run_state import RunState
+from ..model.settings import DetectorSettings
+from .live import baseline_of
+
+#: How far below the lowest healthy value a calibrated floor lies.
+FLOOR_DECADES = 10.0
+
+
+def negligible_floor(run: RunState, settings: DetectorSettings) -> float:
+    """``negligible_updates``' relative-update floor for this run."""
+    floor = settings.negligible_relative_update
+    baseline = baseline_of(run)
+    if baseline is None:
+        return floor
+    lows = [b.low for b in baseline.series.get("relative_update", ()) if b is not None
+            and b.low > 0]
+    if not lows:
+        return floor
+    return min(floor, min(lows) / FLOOR_DECADES)

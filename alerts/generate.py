@@ -59,8 +59,8 @@ ALERTMANAGER_FILE = rules.ALERTMANAGER_FILE
 
 
 def _causes() -> list[str]:
-    """The root causes some detector's page waits for (``inhibited_by``)."""
-    return sorted({c for d in SPECS for c in d.inhibited_by})
+    """The causes some detector's page waits for (the causal graph's ``symptom_of``)."""
+    return sorted({c for d in SPECS for c in rules.inhibitors(d)})
 
 
 def runbook_index() -> str:

@@ -8,7 +8,7 @@ counted by (action, result) for ``deadweight_actions_total`` and logged with its
 and stopped at most once, also across restarts (the journal is checked first). A detector
 silenced on the run (``silences``) does not page: the page is journaled ``silenced`` and sent
 when the silence expires if the verdict still stands (``unsilenced``). A silenced root cause
-keeps inhibiting its symptoms (``inhibited_by``) while it fires, as the Alertmanager
+keeps inhibiting its symptoms (the causal graph, ``symptom_of``) while it fires, as the Alertmanager
 inhibition does for a cause that pages: their pages are held the same way (journaled
 ``silenced`` with ``by`` the cause) until the silence ends or the cause clears.
 """
@@ -202,7 +202,7 @@ class Actions:
 
     def silenced_by(self, run: RunFacts, detector: str) -> str:
         """What keeps the detector's page quiet on the run: the detector itself when it is
-        silenced, else a root cause of it (``inhibited_by``) silenced while it fires on the
+        silenced, else a cause of it (``root_causes_of``) silenced while it fires on the
         run (a silenced cause keeps inhibiting its symptoms); '' when nothing does."""
         if self.silences.active(run.run_id, detector):
             return detector

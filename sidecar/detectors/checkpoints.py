@@ -77,6 +77,7 @@ class CheckpointUnchanged(SpecDetector):
     """The latest checkpoint is byte-identical to the previous one or to the initial adapter."""
 
     spec = DetectorSpec(
+        symptom_of=(*ROOT_CAUSES, "no_optimizer_step", "zero_gradient"),
         id="checkpoint_unchanged",
         severity=Severity.CRITICAL,
         scope="artifact",
@@ -90,7 +91,6 @@ class CheckpointUnchanged(SpecDetector):
         cadence="every checkpoint after a step that should have moved weights",
         evidence=(Evidence("checkpoint_unchanged_total", 2), Evidence("checkpoints_total"),
                   Evidence("update_norm", 0), Evidence("loss")),
-        inhibited_by=ROOT_CAUSES,
     )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
@@ -121,6 +121,7 @@ class AdapterNeverTrained(_InspectedCheckpoint):
     """
 
     spec = DetectorSpec(
+        symptom_of=(*ROOT_CAUSES, "no_optimizer_step", "zero_gradient"),
         id="adapter_never_trained",
         severity=Severity.CRITICAL,
         scope="artifact",
@@ -137,7 +138,6 @@ class AdapterNeverTrained(_InspectedCheckpoint):
         cadence="every inspected checkpoint",
         evidence=(Evidence("checkpoints_total"), Evidence("checkpoint_adapter_bytes"),
                   Evidence("update_norm", 0)),
-        inhibited_by=ROOT_CAUSES,
     )
 
     def judge_inspected(self, run: RunState, point: CheckpointPoint, ins: CheckpointInspection,
@@ -162,6 +162,7 @@ class AdapterBloat(_InspectedCheckpoint):
     the adapter's own tensors."""
 
     spec = DetectorSpec(
+        symptom_of=("embedding_resized",),
         id="adapter_bloat",
         severity=Severity.WARNING,
         scope="artifact",

@@ -57,6 +57,8 @@ class FrozenWeights(SpecDetector):
     """
 
     spec = DetectorSpec(
+        symptom_of=("empty_optimizer", "inactive_adapter", "zero_reward_variance",
+                    "optimizer_steps_skipped", "grad_not_in_optimizer"),
         id="frozen_weights",
         severity=Severity.CRITICAL,
         summary="Run {run_id} reports a live loss but its weights do not move",

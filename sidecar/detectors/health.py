@@ -95,6 +95,7 @@ class Stalled(SpecDetector):
     """
 
     spec = DetectorSpec(
+        symptom_of=("rank_stalled",),
         id="stalled",
         severity=Severity.CRITICAL,
         summary="Run {run_id} stopped making progress",
@@ -114,7 +115,6 @@ class Stalled(SpecDetector):
                               "steps and evaluations")),
         evidence=(Evidence("seconds_since_last_step"), Evidence("step")),
         # The rank that stopped, named, is the root cause of a stall of the whole run.
-        inhibited_by=("rank_stalled",),
     )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
@@ -152,6 +152,7 @@ class DecayOnlyUpdate(SpecDetector):
     """
 
     spec = DetectorSpec(
+        symptom_of=("zero_gradient", *ROOT_CAUSES),
         id="decay_only_update",
         severity=Severity.WARNING,
         summary="Run {run_id} moves its weights by weight decay alone",
@@ -165,7 +166,6 @@ class DecayOnlyUpdate(SpecDetector):
                               "consecutive logged steps with grad_norm exactly 0 and a weight "
                               "update"),),
         evidence=(Evidence("update_norm"), Evidence("grad_norm", 0), Evidence("learning_rate")),
-        inhibited_by=ROOT_CAUSES,
     )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:

@@ -72,6 +72,7 @@ class GradientAccumulating(SpecDetector):
     """
 
     spec = DetectorSpec(
+        symptom_of=("grad_not_in_optimizer",),
         id="gradient_accumulating",
         severity=Severity.WARNING,
         policy=Policy.OBSERVE,

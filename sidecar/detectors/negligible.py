@@ -28,6 +28,8 @@ class NegligibleUpdates(SpecDetector):
     """K consecutive steps at lr > 0 each moved the weights by less than a tiny fraction."""
 
     spec = DetectorSpec(
+        symptom_of=("lora_lr_too_low", "zero_reward_variance", "zero_gradient",
+                    "frozen_weights"),
         id="negligible_updates",
         severity=Severity.WARNING,
         scope="artifact",

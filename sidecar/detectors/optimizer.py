@@ -8,7 +8,6 @@ from ..model.settings import DetectorSettings
 from ..model.step_point import StepPoint
 from .base import SpecDetector, Verdict, fmt, start_facts_or_silent
 from .spec import (
-    ROOT_CAUSES,
     DetectorSpec,
     Evidence,
     Severity,
@@ -75,6 +74,7 @@ class GradNotInOptimizer(SpecDetector):
     """
 
     spec = DetectorSpec(
+        symptom_of=("empty_optimizer", "inactive_adapter"),
         id="grad_not_in_optimizer",
         severity=Severity.CRITICAL,
         summary="Run {run_id} computes gradients for parameters its optimizer does not hold",
@@ -88,7 +88,6 @@ class GradNotInOptimizer(SpecDetector):
         cadence="at once, per step",
         evidence=(Evidence("grad_not_in_optimizer_params", 8), Evidence("optimizer_params", 0),
                   Evidence("grad_norm"), Evidence("update_norm", 0)),
-        inhibited_by=ROOT_CAUSES,
     )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:

@@ -67,6 +67,7 @@ class KlStuckZero(SpecDetector):
     """
 
     spec = DetectorSpec(
+        symptom_of=ROOT_CAUSES,
         id="kl_stuck_zero",
         severity=Severity.WARNING,
         summary="Run {run_id} logs a KL of exactly 0 after the first step",
@@ -80,7 +81,6 @@ class KlStuckZero(SpecDetector):
                               "consecutive log reports with `kl` exactly 0 (after warmup) "
                               "before it fires"),),
         evidence=(Evidence("kl", 0), Evidence("update_norm"), Evidence("step")),
-        inhibited_by=ROOT_CAUSES,
     )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
@@ -131,7 +131,6 @@ class ZeroRewardVariance(SpecDetector):
                               "runs)"),),
         evidence=(Evidence("frac_reward_zero_std", 1), Evidence("reward_std"),
                   Evidence("reward"), Evidence("grad_norm", 0), Evidence("update_norm", 0)),
-        inhibited_by=ROOT_CAUSES,
     )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:

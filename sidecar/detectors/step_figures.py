@@ -34,6 +34,7 @@ class ZeroGradient(SpecDetector):
     """
 
     spec = DetectorSpec(
+        symptom_of=("zero_reward_variance",),
         id="zero_gradient",
         severity=Severity.CRITICAL,
         summary="Run {run_id} trains with a gradient of exactly zero",

@@ -114,6 +114,21 @@ def test_a_frozen_run_prints_each_verdict_once_and_its_healthy_twin_none(
 
 
 @pytest.mark.slow
+def test_a_script_that_quiets_transformers_still_sees_every_console_line(
+    sidecar: SidecarProcess, tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """``transformers.logging.set_verbosity_error()`` leaves transformers' own loggers at
+    ERROR: deadweight's lines ride on a logger of their own, so its WARNING lines (the run's
+    begin line) and every verdict of a real sidecar still reach the console."""
+    lines, _ = _train(tiny, tmp_path / "quiet", "frozen-quiet", sidecar.address, "console-q")
+    assert any("deadweight: run console-q reports to the sidecar at" in line for line in lines)
+    verdicts = [_detector(line) for line in _verdict_lines(lines)]
+    assert {"empty_optimizer", "frozen_weights"} <= set(verdicts)
+    assert len(verdicts) == len(set(verdicts))  # one line each, not one per handler
+    assert any(line.startswith("deadweight: run console-q ended") for line in lines)
+
+
+@pytest.mark.slow
 def test_without_a_sidecar_the_run_says_at_once_it_is_not_monitored(
     tiny: tuple[Path, Path], tmp_path: Path
 ) -> None:

@@ -188,11 +188,11 @@ class Console:
                 self.held += 1
 
     def ordered(self) -> list[pb.VerdictNotice]:
-        """The latest incident of each detector, root causes first."""
+        """The latest incident of each detector, root causes first, information last."""
         latest: dict[str, pb.VerdictNotice] = {}
         for notice in self.verdicts.values():
             latest[notice.detector] = notice
-        return sorted(latest.values(), key=lambda n: n.cause_rank)
+        return sorted(latest.values(), key=lambda n: (n.severity == "info", n.cause_rank))
 
     def root_cause(self, trigger: str, firing: Iterable[str]) -> str:
         """The first cause among the verdicts firing now and the trigger."""

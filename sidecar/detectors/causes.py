@@ -90,9 +90,20 @@ class CausalGraph:
         return self._rank.get(detector, len(self._rank))
 
     def causes_first(self, detectors: Iterable[str]) -> list[str]:
-        """The ids once each, every cause before its symptoms; ids the graph does not know
-        keep their given order after the known ones."""
-        return sorted(dict.fromkeys(detectors), key=self.rank)
+        """The ids once each, every cause before its symptoms; information that causes none
+        of the others listed after what is wrong (a list leads with its root cause, not with
+        a note such as ``no_kl_anchor``); ids the graph does not know keep their given order
+        after the known ones."""
+        ids = list(dict.fromkeys(detectors))
+        causing = {c for d in ids for c in self.causes_of(d)}
+
+        def key(detector: str) -> tuple[bool, int]:
+            spec = self._specs.get(detector)
+            note = (spec is not None and spec.severity is Severity.INFO
+                    and detector not in causing)
+            return note, self.rank(detector)
+
+        return sorted(ids, key=key)
 
     def edges(self) -> list[tuple[str, str]]:
         """(cause, symptom) as the specs declare them, in order."""

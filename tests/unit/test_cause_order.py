@@ -109,3 +109,12 @@ def test_every_detector_says_its_fix_in_one_sentence() -> None:
         fix = detector.spec.fix
         assert fix and not fix.endswith(".") and ". " not in fix, detector.id
         assert len(fix) <= 200, detector.id
+
+
+def test_a_list_leads_with_what_is_wrong_not_with_information() -> None:
+    # no_kl_anchor (info) is read early in the phase order but causes nothing listed here.
+    assert root_causes_first(["zero_gradient", "no_kl_anchor", "zero_reward_variance"]) == [
+        "zero_reward_variance", "zero_gradient", "no_kl_anchor"]
+    # Among notes alone, the graph's order stands.
+    assert root_causes_first(["no_kl_anchor", "sharding_fallback"]) == [
+        "sharding_fallback", "no_kl_anchor"]

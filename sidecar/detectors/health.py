@@ -22,6 +22,9 @@ class NonfiniteLoss(SpecDetector):
     """The loss or gradient norm is NaN or infinite, or an update wrote non-finite weights."""
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin"),
+        false_positives=("an fp16 run whose loss scaler logs one inf grad norm on a step it then "
+                         "skips is normal at the start of training"),
         id="nonfinite_loss",
         severity=Severity.CRITICAL,
         summary="Run {run_id} reports a NaN or infinite loss or grad norm",
@@ -95,6 +98,9 @@ class Stalled(SpecDetector):
     """
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin", "stall-clock-starts-when-heard"),
+        false_positives=("a step longer than the window (a long evaluation, a huge generation, a "
+                         "checkpoint upload) with heartbeats still arriving"),
         symptom_of=("rank_stalled",),
         id="stalled",
         severity=Severity.CRITICAL,
@@ -152,6 +158,9 @@ class DecayOnlyUpdate(SpecDetector):
     """
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin"),
+        false_positives=("none known: weight decay with a gradient of exactly 0 moves weights "
+                         "without learning on any run"),
         symptom_of=("zero_gradient", *ROOT_CAUSES),
         id="decay_only_update",
         severity=Severity.WARNING,

@@ -26,6 +26,11 @@ class EmptyOptimizer(SpecDetector):
     """
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin",
+                         "deepspeed-zero-loop", "optimizer-family-loops"),
+        false_positives=("none known on a trainer: a healthy run's optimizer always holds a "
+                         "parameter; an optimizer the probe cannot map (some DeepSpeed wrappers) "
+                         "is reported unknown, not empty"),
         id="empty_optimizer",
         severity=Severity.CRITICAL,
         latching=True,
@@ -74,6 +79,9 @@ class GradNotInOptimizer(SpecDetector):
     """
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin"),
+        false_positives=("parameters left with requires_grad on purpose but trained by a second "
+                         "optimizer the probe does not see"),
         symptom_of=("empty_optimizer", "inactive_adapter"),
         id="grad_not_in_optimizer",
         severity=Severity.CRITICAL,
@@ -160,6 +168,9 @@ class InactiveAdapter(SpecDetector):
     """
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin", "grpo-dpo-ref-adapter"),
+        false_positives=("a second adapter loaded on purpose for inference or comparison and never"
+                         " meant to train (TRL's own `ref` copy is exempt)"),
         id="inactive_adapter",
         severity=Severity.CRITICAL,
         summary="Run {run_id} trains an adapter other than the one it saves",

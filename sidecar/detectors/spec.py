@@ -94,11 +94,13 @@ class DetectorSpec:
     #: causes in the causal graph, ``causes.CausalGraph``): they are listed before it, their
     #: fix is the one shown first, their firing inhibits its page and silencing them quiets it.
     symptom_of: tuple[str, ...] = ()
-    #: The healthy recipes (names of ``HEALTHY_MATRIX`` and of other healthy controls in the
-    #: tests) this detector ran on and stayed silent: what its severity was checked against.
+    #: The healthy recipes this detector ran on and stayed silent, what its severity was
+    #: checked against: ``MATRIX`` (every recipe of ``HEALTHY_MATRIX``), ``CONFORMANCE_TWIN``
+    #: (its healthy twin in ``tests/unit/test_detector_conformance.py``) and named healthy
+    #: controls of the tests (kebab-case, after the test that runs them).
     checked_against: tuple[str, ...] = ()
-    #: Where it could misfire on a healthy run, in a sentence or two ("" is not allowed: a
-    #: detector with none says why none is known).
+    #: Where it could still misfire on a healthy run, in a sentence or two (a detector with
+    #: none says "none known" and why). A detector with a known misfire is not ``critical``.
     false_positives: str = ""
 
     @property
@@ -128,6 +130,12 @@ HEALTHY_MATRIX: tuple[str, ...] = (
     "grpo-gpt2-beta-lora-warmup-decay", "sft-qwen2-bf16-base-fp32-adapter", "rloo-qwen2-lora",
     "kto-llama-lora", "reward-qwen2-seq-cls", "distillation-qwen2-lora",
 )
+
+
+#: ``checked_against``'s name for the whole healthy matrix, and for a detector's healthy twin
+#: in the conformance table.
+MATRIX = "healthy-matrix"
+CONFORMANCE_TWIN = "conformance-twin"
 
 
 #: Every detector in the phase a person meets it: what was set up wrong before step 1, then

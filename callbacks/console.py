@@ -195,12 +195,14 @@ class Console:
         return sorted(latest.values(), key=lambda n: (n.severity == "info", n.cause_rank))
 
     def root_cause(self, trigger: str, firing: Iterable[str]) -> str:
-        """The first cause among the verdicts firing now and the trigger."""
-        candidates = {n.detector: n.cause_rank for n in self.ordered()
+        """The first cause among the verdicts firing now and the trigger (information, such
+        as ``no_kl_anchor`` on a GRPO run with beta 0, is never named the root cause of a
+        STOP that a verdict of something wrong triggered)."""
+        candidates = {n.detector: (n.severity == "info", n.cause_rank) for n in self.ordered()
                       if n.detector in set(firing) | {trigger}}
         if not candidates:
             return trigger
-        return min(candidates, key=lambda d: (candidates[d], d != trigger))
+        return min(candidates, key=lambda d: (*candidates[d], d != trigger))
 
     def stopped(self, directive: pb.Directive, firing: Iterable[str], how: str) -> str:
         """The STOP line, once: the root cause first, then the trigger; returns the mark.

@@ -509,3 +509,25 @@ def test_the_report_command_on_the_console_opens_the_report(
     assert done.returncode == 0, done.stderr
     assert "root cause empty_optimizer" in page.read_text()
 
+
+
+def test_a_note_is_never_named_the_root_cause_nor_leads_the_summary() -> None:
+    """A GRPO run with beta 0 carries ``no_kl_anchor`` (information) from step 0, read early in
+    the cause order: a STOP for a constant reward still names the reward, and the summary at
+    train end leads with what is wrong."""
+    out = io.StringIO()
+    logger = logging.getLogger("deadweight.test-note")
+    logger.addHandler(logging.StreamHandler(out))
+    logger.propagate = False
+    console = Console(logger, "r", "unix:///s")
+    console.begin(True, 1.0)
+    note = pb.VerdictNotice(detector="no_kl_anchor", severity="info", incident=1, step=0,
+                            cause="No anchor", fix="set beta", cause_rank=15)
+    console.notices([note, _notice("zero_reward_variance", rank=23),
+                     _notice("zero_gradient", rank=24)])
+    firing = ["no_kl_anchor", "zero_reward_variance", "zero_gradient"]
+    assert console.root_cause("zero_gradient", firing) == "zero_reward_variance"
+    console.end(5, "completed", firing)
+    summary = out.getvalue().splitlines()[-1]
+    assert summary.split("root cause first: ")[1].startswith("zero_reward_variance ("), summary
+    assert summary.index("zero_gradient (") < summary.index("no_kl_anchor (")

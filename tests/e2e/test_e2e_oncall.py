@@ -296,7 +296,7 @@ def test_frozen_run_pages_once_with_evidence_and_resolves(
         assert "<h1>DeadweightEmptyOptimizer</h1>" in response.read().decode()
     assert FROZEN_RUN in notes["summary"] + notes["description"]
     assert "optimizer_params=0" in notes["description"], notes["description"]
-    assert "grad_norm=" in notes["description"]
+    assert "trainable_params=0" in notes["description"]
     # Its symptoms are inhibited by the root cause: no page for them in this run.
     assert all(a["labels"]["detector"] not in ("grad_not_in_optimizer", "frozen_weights")
                for n in pages for a in n["alerts"] if a["status"] == "firing")

@@ -23,8 +23,9 @@ class NonfiniteLoss(SpecDetector):
 
     spec = DetectorSpec(
         checked_against=("healthy-matrix", "conformance-twin"),
-        false_positives=("an fp16 run whose loss scaler logs one inf grad norm on a step it then "
-                         "skips is normal at the start of training"),
+        false_positives=("an inf grad norm on a step the fp16 scaler skipped is left out; one "
+                         "bad batch whose NaN loss the next logs recover from fires until a "
+                         "finite log clears it"),
         id="nonfinite_loss",
         severity=Severity.CRITICAL,
         summary="Run {run_id} reports a NaN or infinite loss or grad norm",

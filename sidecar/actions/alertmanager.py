@@ -8,7 +8,10 @@ a lock; one background thread does all network I/O, retries with backoff, and re
 alerts periodically because Alertmanager resolves an alert whose endsAt passes without one.
 Each POST counts in the target's ``TargetHealth`` (``pager_health``); a page whose alert was
 not taken after ``max_attempts`` POSTs is told ``failed`` (and ``delivered`` if a later one
-takes it), so the journal says what happened instead of "queued" forever.
+takes it), so the journal says what happened instead of "queued" forever. ``mute`` posts an
+Alertmanager silence before the alerts queued after it (a silence that takes a page back:
+its resolution then reaches no receiver) and ``unmute`` ends it after the alerts queued
+before it (the page asserted again is in first).
 """
 
 from __future__ import annotations
@@ -110,6 +113,7 @@ class AlertmanagerPusher:
         max_attempts: int = DEFAULT_ATTEMPTS,
     ) -> None:
         self.url = url.rstrip("/") + "/api/v2/alerts"
+        self.silences_url = url.rstrip("/") + "/api/v2/silences"
         #: Attempts, failures and the last delivery of this target (``/metrics``).
         self.health = TargetHealth("alertmanager", target_label("alertmanager", url))
         self.max_attempts = max_attempts
@@ -133,6 +137,14 @@ class AlertmanagerPusher:
         #: Pages waiting to be told delivered/failed, and the POSTs each has had.
         self._outcomes: dict[tuple[str, str], Outcome] = {}
         self._tries: dict[tuple[str, str], int] = {}
+        #: Mutes to send before the next alerts (``mute``), and the Alertmanager silence id
+        #: of each (run_id, detector) muted, so a changed silence updates the same one.
+        self._mutes: list[tuple[tuple[str, str], dict[str, object]]] = []
+        self._silence_ids: dict[tuple[str, str], str] = {}
+        #: Mutes to end once the alerts queued before them went out (``unmute``).
+        self._unmutes: list[tuple[str, str]] = []
+        self._taken_mutes: tuple[list[tuple[tuple[str, str], dict[str, object]]],
+                                 list[tuple[str, str]]] = ([], [])
         self._thread = threading.Thread(target=self._run, name="deadweight-alertmanager",
                                         daemon=True)
         self._thread.start()
@@ -195,6 +207,71 @@ class AlertmanagerPusher:
             self._enqueue(key, alert)
         self._wake.set()
 
+    def mute(self, run_id: str, detectors: list[str], until: float, comment: str) -> None:
+        """Mute the run's alerts of these detectors in Alertmanager until ``until`` (an
+        Alertmanager silence, the first detector's, updated in place when muted again).
+
+        On-call's silence takes a page back: its alert is then resolved on both paths, and
+        without the mute Alertmanager would tell the pager "resolved" for a fault that still
+        stands. Sent before any alert queued after it, so the resolution arrives muted."""
+        matchers = [{"name": "run_id", "value": run_id, "isRegex": False, "isEqual": True},
+                    {"name": "detector", "value": "|".join(detectors), "isRegex": True,
+                     "isEqual": True}]
+        body: dict[str, object] = {
+            "matchers": matchers, "startsAt": _rfc3339(time.time()),
+            "endsAt": _rfc3339(until), "createdBy": "deadweight",
+            "comment": comment or f"deadweight silence {run_id} {detectors[0]}"}
+        with self._lock:
+            self._mutes.append(((run_id, detectors[0]), body))
+        self._wake.set()
+
+    def unmute(self, run_id: str, detector: str) -> None:
+        """End the detector's mute on the run (its silence ended): sent after the alerts
+        queued before it, so the page the sidecar asserts again is in Alertmanager first and
+        the alert never shows resolved in between."""
+        with self._lock:
+            self._unmutes.append((run_id, detector))
+        self._wake.set()
+
+    def _send_unmutes(self, unmutes: list[tuple[str, str]], timeout: float) -> None:
+        for key in unmutes:
+            known = self._silence_ids.pop(key, None)
+            if known is None:
+                continue
+            request = urllib.request.Request(
+                self.silences_url.removesuffix("s") + f"/{known}", method="DELETE")
+            try:
+                with urllib.request.urlopen(request, timeout=timeout) as response:
+                    response.read()
+            except (urllib.error.URLError, OSError, ValueError) as exc:
+                self.health.tried(False)  # the mute then ends at its own time
+                log.warning("alertmanager_unmute_failed", target=self.health.target,
+                            error=str(exc), run_id=key[0], detector=key[1])
+                continue
+            self.health.tried(True)
+
+    def _send_mutes(self, mutes: list[tuple[tuple[str, str], dict[str, object]]],
+                    timeout: float) -> None:
+        """POST the mutes, in order (one try each: a mute that fails is logged)."""
+        for key, body in mutes:
+            known = self._silence_ids.get(key)
+            if known:
+                body = {**body, "id": known}
+            request = urllib.request.Request(
+                self.silences_url, data=json.dumps(body).encode(), method="POST",
+                headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=timeout) as response:
+                    answer = json.loads(response.read() or b"{}")
+            except (urllib.error.URLError, OSError, ValueError) as exc:
+                self.health.tried(False)
+                log.warning("alertmanager_mute_failed", target=self.health.target,
+                            error=str(exc), run_id=key[0], detector=key[1])
+                continue
+            self.health.tried(True)
+            if isinstance(answer, dict) and answer.get("silenceID"):
+                self._silence_ids[key] = str(answer["silenceID"])
+
     def firing(self) -> list[tuple[str, str]]:
         """(run_id, detector) of the alerts currently firing from this pusher."""
         with self._lock:
@@ -237,7 +314,11 @@ class AlertmanagerPusher:
             self.dropped += 1
 
     def _take_batch(self, include_firing: bool) -> dict[tuple[str, str], _Alert]:
+        """The alerts to send now; the mutes and unmutes queued before them are taken under
+        the same lock (``_taken_mutes``), so each goes out in the order it was asked for."""
         with self._lock:
+            self._taken_mutes = (self._mutes, self._unmutes)
+            self._mutes, self._unmutes = [], []
             batch = dict(self._pending)
             self._pending.clear()
             if include_firing:
@@ -319,6 +400,9 @@ class AlertmanagerPusher:
             stopping = self._stop.is_set()
             resend_due = time.monotonic() >= next_resend
             batch = self._take_batch(include_firing=resend_due)
+            mutes, unmutes = self._taken_mutes
+            # Before the alerts queued after them: a resolution they mute arrives muted.
+            self._send_mutes(mutes, self._final_timeout if stopping else self.timeout)
             if resend_due:
                 next_resend = time.monotonic() + self.resend_interval
             if batch:
@@ -332,5 +416,7 @@ class AlertmanagerPusher:
                         # Sleep out the backoff unless asked to stop.
                         self._stop.wait(backoff)
                         self._wake.set()
+            # After the alerts queued before them (taken with the batch, not after it).
+            self._send_unmutes(unmutes, self._final_timeout if stopping else self.timeout)
             if stopping:
                 return

@@ -96,11 +96,24 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         raw = self.rfile.read(int(self.headers.get("Content-Length", "0")))
         with self.server.lock:
             self.server.posts.append((self.path, json.loads(raw)))
-        status = 200
+        status, answer = 200, b""
         if self.server.forward_to is not None:
             request = urllib.request.Request(
                 self.server.forward_to + self.path, data=raw, method="POST",
                 headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=5) as response:
+                status, answer = response.status, response.read()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(answer)))
+        self.end_headers()
+        self.wfile.write(answer)  # Alertmanager's answer (a silence's id), relayed
+
+    def do_DELETE(self) -> None:
+        """A mute the sidecar ends (an Alertmanager silence), relayed."""
+        status = 200
+        if self.server.forward_to is not None:
+            request = urllib.request.Request(self.server.forward_to + self.path,
+                                             method="DELETE")
             with urllib.request.urlopen(request, timeout=5) as response:
                 status = response.status
         self.send_response(status)

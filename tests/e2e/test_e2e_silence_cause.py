@@ -77,7 +77,7 @@ class Stack:
                 if a["labels"].get("run_id") == run_id and a["status"] == "firing"}
 
     def pushed(self, run_id: str) -> list[dict[str, Any]]:
-        return [a for body in self.pushes.bodies() for a in body
+        return [a for body in self.pushes.bodies("/api/v2/alerts") for a in body
                 if a["labels"].get("run_id") == run_id]
 
     def messages(self, run_id: str) -> list[dict[str, Any]]:

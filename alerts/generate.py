@@ -62,8 +62,8 @@ ALERTMANAGER_FILE = rules.ALERTMANAGER_FILE
 
 
 def _causes() -> list[str]:
-    """The root causes some detector's page waits for (``inhibited_by``)."""
-    return sorted({c for d in SPECS for c in d.inhibited_by})
+    """The causes some detector's page waits for (the causal graph's ``symptom_of``)."""
+    return sorted({c for d in SPECS for c in rules.inhibitors(d)})
 
 
 def runbook_index() -> str:
@@ -93,19 +93,27 @@ def runbook_index() -> str:
         "symptom rules leave out runs whose cause is firing and silenced; the sidecar journals",
         "the symptom's page `silenced` by the cause). When the silence ends the cause pages",
         "and inhibits them again; if the cause clears first, a symptom that still fires pages.",
-        "Likewise a silenced `stalled` keeps DeadweightRunStale quiet for its run.",
+        "Likewise a silenced `stalled` keeps DeadweightRunStale quiet for its run. A silence",
+        "that takes back a page already out never reads \"resolved\" on the pager: the",
+        "sidecar mutes it (and its symptoms) in Alertmanager first, until it pages them again.",
+        "",
+        "Severity means the same for every alert: critical, this run's output is certainly",
+        "wrong or useless, on evidence a healthy run cannot produce (pager); warning, likely",
+        "wrong (ticket); info, worth knowing. Each detector's spec names the healthy recipes",
+        "it was checked against and where it could still misfire (the last column).",
         "",
         "Edit a runbook here, or a detector's `spec`, then regenerate the rules, their tests,",
         f"the Alertmanager example, this index and the packaged copy with `{COMMAND}`.",
         "",
-        "| alert | severity | resolves | runbook | what it means | the fix |",
-        "|---|---|---|---|---|---|",
+        "| alert | severity | resolves | runbook | what it means | the fix | may misfire when |",
+        "|---|---|---|---|---|---|---|",
     ]
     for d in SPECS:
         resolves = ("when the live run recovers, or the run restarts healthy or expires"
                     if d.scope == "run" else "when the run restarts healthy or expires")
         lines.append(f"| {alert_name(d.id)} | {d.severity.value} | {resolves} | "
-                     f"[{d.runbook}]({d.runbook}) | {d.meaning} | {d.fix} |")
+                     f"[{d.runbook}]({d.runbook}) | {d.meaning} | {d.fix} | "
+                     f"{d.false_positives} |")
     about = {SIDECAR_DOWN: ("when scraped again",
                             "the sidecar is down or no scrape target matches",
                             "restart `deadweight serve`; runs keep training and reconnect"),
@@ -119,7 +127,7 @@ def runbook_index() -> str:
     for alert in MONITORING:
         resolves, meaning, fix = about[alert]
         lines.append(f"| {alert.name} | critical | {resolves} | "
-                     f"[{alert.runbook}.md]({alert.runbook}.md) | {meaning} | {fix} |")
+                     f"[{alert.runbook}.md]({alert.runbook}.md) | {meaning} | {fix} | - |")
     return "\n".join(lines) + "\n"
 
 

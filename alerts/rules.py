@@ -21,6 +21,7 @@ from deadweight.sidecar.actions.links import (
     runbook_url,
 )
 from deadweight.sidecar.detectors import ALL, BY_ID
+from deadweight.sidecar.detectors.causes import CausalGraph
 from deadweight.sidecar.detectors.spec import DetectorSpec
 
 RULES_FILE = "deadweight.rules.yml"
@@ -135,6 +136,12 @@ def dump(data: Any, header: str = HEADER) -> str:
 RUN_LABEL = "{{ $labels.run_id }}"
 
 
+def inhibitors(d: DetectorSpec) -> tuple[str, ...]:
+    """The causes whose firing inhibits the detector's alert on the run, from the causal graph
+    of ``SPECS`` (``CausalGraph.inhibitors_of``)."""
+    return CausalGraph(SPECS).inhibitors_of(d.id)
+
+
 def firing_expr(d: DetectorSpec) -> str:
     """Alert expression: exactly the labels run_id, detector, severity survive.
 
@@ -147,8 +154,9 @@ def firing_expr(d: DetectorSpec) -> str:
     # A detector silenced on the run by hand (``deadweight silence``) pages on neither path.
     expr += (" unless on (run_id, detector) "
              "max by (run_id, detector) (deadweight_detector_silenced == 1)")
-    if d.inhibited_by:
-        expr += silenced_cause_clause(d.inhibited_by)
+    causes = inhibitors(d)
+    if causes:
+        expr += silenced_cause_clause(causes)
     return expr
 
 
@@ -429,10 +437,10 @@ def detector_tests(d: DetectorSpec, patterns: Patterns) -> list[dict[str, Any]]:
     ok_series += _detector_series("run-silenced", d, f"1x{STEPS}", f"1x{STEPS}", values)
     ok_series.append({"series": f'deadweight_detector_silenced{{{JOB}, run_id="run-silenced", '
                                 f'detector="{d.id}"}}', "values": f"1x{STEPS}"})
-    if d.inhibited_by:
+    if inhibitors(d):
         # A symptom whose root cause fires on the run and is silenced: quiet with it; the
         # same symptom once that silenced cause cleared: it pages (firing case).
-        cause = d.inhibited_by[0]
+        cause = inhibitors(d)[0]
         ok_series += _detector_series("run-cause-silenced", d, f"1x{STEPS}", f"1x{STEPS}",
                                       values)
         ok_series += _cause_series("run-cause-silenced", cause, f"1x{STEPS}")
@@ -617,11 +625,14 @@ def rule_tests(job_selector: str, stale_seconds: int, patterns: Patterns) -> dic
 
 
 def inhibitions() -> dict[tuple[str, ...], list[str]]:
-    """Root causes -> the detectors they silence for the same run, from each spec."""
+    """Causes -> the detectors they inhibit for the same run, from the causal graph (each
+    symptom with every cause, direct or not, at least as severe as itself: Alertmanager
+    inhibition is not transitive)."""
     out: dict[tuple[str, ...], list[str]] = {}
     for d in SPECS:
-        if d.inhibited_by:
-            out.setdefault(d.inhibited_by, []).append(d.id)
+        causes = inhibitors(d)
+        if causes:
+            out.setdefault(causes, []).append(d.id)
     return out
 
 

@@ -41,11 +41,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
-from transformers.utils import logging as hf_logging
 
 from . import digest, layout, trainer_logs
 from . import summary_writer as promotion
 from .adapter_home import adapter_home
+from .console import console_logger
 from .directives import Directives
 from .facts import dataset_rows, heads, membership, preflight, resume, stop_token
 from .run_probe import (
@@ -62,8 +62,9 @@ from .stream_client import ClientSettings, StreamClient
 from .update.probe import UpdateProbe
 
 log = logging.getLogger("deadweight")
-#: The trainer's console lines go through transformers' logging (its verbosity applies).
-console_log = hf_logging.get_logger("transformers.deadweight")
+#: The trainer's console lines: deadweight's own logger and handler, so a script that quiets
+#: transformers (``set_verbosity_error()``) still sees every verdict.
+console_log = console_logger()
 
 T = TypeVar("T")
 

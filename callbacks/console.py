@@ -8,17 +8,21 @@ an ABORT names the root cause, not just the detector that triggered it, with its
 ``kill`` policy the STOP also says the process is terminated if training goes on. At train
 end a short summary, root causes first.
 
-Lines go out at WARNING (ERROR for critical verdicts): the level a trainer's console shows by
-default, so a verdict is never hidden behind the INFO lines the framework keeps quiet. Progress
-bars on the terminal are cleared around each line and redrawn after it, so a line never ends
-up glued to the end of a bar.
+Lines go out at WARNING (ERROR for critical verdicts) on deadweight's own logger
+(``deadweight.console``, its own stderr handler, ``console_logger``): the framework's verbosity
+(``transformers.logging.set_verbosity_error()``, which many training scripts call) never hides
+them, and a verdict is never lost behind the INFO lines the framework keeps quiet. Progress bars
+on the terminal are cleared around each line and redrawn after it, so a line never ends up
+glued to the end of a bar.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from typing import TextIO
 
 from ..proto import pb
 
@@ -26,6 +30,40 @@ from ..proto import pb
 MAX_VERDICT_LINES = 20
 
 _LEVELS = {"critical": logging.ERROR}
+
+#: The console logger's name: ``logging.getLogger(CONSOLE_LOGGER).setLevel(...)`` tunes it.
+CONSOLE_LOGGER = "deadweight.console"
+
+
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever ``sys.stderr`` is when a line goes out (a script or a test may have
+    replaced it since the logger was made)."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property  # type: ignore[override]
+    def stream(self) -> TextIO:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: TextIO) -> None:
+        """The stream is always the current stderr."""
+
+
+def console_logger() -> logging.Logger:
+    """deadweight's console logger, with its own stderr handler and level (WARNING), apart
+    from any framework's: lines do not propagate (one line each, not one per handler up the
+    tree), and a level set on it by hand is kept."""
+    logger = logging.getLogger(CONSOLE_LOGGER)
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+        if logger.level == logging.NOTSET:
+            logger.setLevel(logging.WARNING)
+    return logger
 
 
 @contextmanager
@@ -150,19 +188,21 @@ class Console:
                 self.held += 1
 
     def ordered(self) -> list[pb.VerdictNotice]:
-        """The latest incident of each detector, root causes first."""
+        """The latest incident of each detector, root causes first, information last."""
         latest: dict[str, pb.VerdictNotice] = {}
         for notice in self.verdicts.values():
             latest[notice.detector] = notice
-        return sorted(latest.values(), key=lambda n: n.cause_rank)
+        return sorted(latest.values(), key=lambda n: (n.severity == "info", n.cause_rank))
 
     def root_cause(self, trigger: str, firing: Iterable[str]) -> str:
-        """The first cause among the verdicts firing now and the trigger."""
-        candidates = {n.detector: n.cause_rank for n in self.ordered()
+        """The first cause among the verdicts firing now and the trigger (information, such
+        as ``no_kl_anchor`` on a GRPO run with beta 0, is never named the root cause of a
+        STOP that a verdict of something wrong triggered)."""
+        candidates = {n.detector: (n.severity == "info", n.cause_rank) for n in self.ordered()
                       if n.detector in set(firing) | {trigger}}
         if not candidates:
             return trigger
-        return min(candidates, key=lambda d: (candidates[d], d != trigger))
+        return min(candidates, key=lambda d: (*candidates[d], d != trigger))
 
     def stopped(self, directive: pb.Directive, firing: Iterable[str], how: str) -> str:
         """The STOP line, once: the root cause first, then the trigger; returns the mark.

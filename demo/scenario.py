@@ -35,8 +35,7 @@ def _quiet() -> None:
 
     transformers.logging.set_verbosity_error()
     # ... but deadweight's own console lines under the Trainer (the run id and its sidecar at
-    # train begin, warnings) are what a user sees: they stay.
-    logging.getLogger("transformers.deadweight").setLevel(logging.WARNING)
+    # train begin, warnings) are what a user sees: they stay (their own logger and level).
     transformers.logging.disable_progress_bar()
     from huggingface_hub.utils import disable_progress_bars
 

@@ -8,13 +8,19 @@ the pager outbox (``outbox``) journals it, delivers it from this destination's o
 under a total deadline, retries until Alertmanager acknowledges it, re-sends what a killed
 sidecar left unacknowledged, and re-asserts firing alerts every ``resend_interval`` (also
 right after a restart, from the open incidents) because Alertmanager resolves an alert
-whose endsAt passes without one.
+whose endsAt passes without one. ``mute`` posts an Alertmanager silence at once (before the
+resolution a silence then queues: on-call's silence takes a page back, and a muted resolution
+reaches no receiver, so a silence never reads "resolved"); ``unmute`` ends it once the alerts
+queued before it were acknowledged (the page asserted again is in first).
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import Any
@@ -47,6 +53,19 @@ __all__ = ["AlertmanagerPusher", "alert_name", "dashboard_url", "format_descript
            "runbook_url"]
 
 log = structlog.get_logger("deadweight.pager")
+
+#: Longest wait for Alertmanager to take a mute (on-call's silence command waits for it).
+MUTE_DEADLINE = 3.0
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A 3xx is a failure, never followed (as for the pages themselves)."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+_OPENER = urllib.request.build_opener(_NoRedirect)
 
 
 def _rfc3339(ts: float) -> str:
@@ -109,6 +128,9 @@ class AlertmanagerPusher:
         self._lock = threading.Lock()
         #: (run_id, detector) -> the alert as firing (endsAt set at each send).
         self._firing: dict[tuple[str, str], dict[str, Any]] = {}
+        self.silences_url = url.rstrip("/") + "/api/v2/silences"
+        #: (run_id, cause) -> (the Alertmanager silence id of its mute, the detectors muted).
+        self._mutes: dict[tuple[str, str], tuple[str, list[str]]] = {}
         self.destination = destination_key("alertmanager", url)
         self.worker = DestinationWorker(
             self.url, self.destination, self.health, self,
@@ -197,6 +219,67 @@ class AlertmanagerPusher:
     @property
     def dropped(self) -> int:
         return self.worker.dropped
+
+    def mute(self, run_id: str, detectors: list[str], until: float, comment: str) -> None:
+        """Mute the run's alerts of these detectors (the first is the silenced cause) until
+        ``until`` with an Alertmanager silence, updated in place when muted again. Posted now,
+        within ``MUTE_DEADLINE`` (on-call's command waits), so it is in before the
+        resolution the silence queues next; a failure is logged and counted."""
+        key = (run_id, detectors[0])
+        matchers = [{"name": "run_id", "value": run_id, "isRegex": False, "isEqual": True},
+                    {"name": "detector", "value": "|".join(detectors), "isRegex": True,
+                     "isEqual": True}]
+        body: dict[str, object] = {
+            "matchers": matchers, "startsAt": _rfc3339(time.time()),
+            "endsAt": _rfc3339(until), "createdBy": "deadweight",
+            "comment": comment or f"deadweight silence {run_id} {detectors[0]}"}
+        with self._lock:
+            known = self._mutes.get(key)
+        if known is not None:
+            body["id"] = known[0]
+        request = urllib.request.Request(self.silences_url, data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"},
+                                         method="POST")
+        try:
+            with _OPENER.open(request, timeout=MUTE_DEADLINE) as response:
+                silence_id = str(json.loads(response.read() or b"{}").get("silenceID", ""))
+        except (urllib.error.URLError, OSError, ValueError) as err:
+            self.health.tried(False)
+            log.warning("alertmanager_mute_failed", target=self.health.target, run_id=run_id,
+                        detector=detectors[0], error=str(err))
+            return
+        self.health.tried(True)
+        if silence_id:
+            with self._lock:
+                self._mutes[key] = (silence_id, list(detectors))
+
+    def unmute(self, run_id: str, detector: str) -> None:
+        """End the cause's mute (its silence ended) once no alert it muted is still queued:
+        the page the sidecar asserts again is in Alertmanager first, so the alert never
+        shows resolved in between. Off the caller's thread."""
+        with self._lock:
+            known = self._mutes.pop((run_id, detector), None)
+        if known is None:
+            return
+        silence_id, muted = known
+        keys = {(run_id, name) for name in muted}
+
+        def end() -> None:
+            give_up = time.monotonic() + 2 * self.worker.timing.deadline + MUTE_DEADLINE
+            while keys & self.worker.pending_alerts() and time.monotonic() < give_up:
+                time.sleep(0.05)
+            request = urllib.request.Request(
+                self.silences_url.removesuffix("s") + f"/{silence_id}", method="DELETE")
+            try:
+                with _OPENER.open(request, timeout=MUTE_DEADLINE) as response:
+                    response.read()
+                self.health.tried(True)
+            except (urllib.error.URLError, OSError, ValueError) as err:
+                self.health.tried(False)  # the mute then ends at its own time
+                log.warning("alertmanager_unmute_failed", target=self.health.target,
+                            run_id=run_id, detector=detector, error=str(err))
+
+        threading.Thread(target=end, name="deadweight-unmute", daemon=True).start()
 
     def close(self, flush_timeout: float = 2.0) -> None:
         """Stop the thread after one last attempt (bounded by `flush_timeout`) to deliver;

@@ -208,6 +208,11 @@ class DestinationWorker:
         with self._lock:
             return len(self._queue)
 
+    def pending_alerts(self) -> set[AlertKey]:
+        """The alerts with a delivery still queued (not yet acknowledged)."""
+        with self._lock:
+            return {delivery.alert for delivery in self._queue}
+
     def close(self, flush_timeout: float = 2.0) -> None:
         """Stop after one last attempt (bounded by flush_timeout); what is still unsettled
         stays journaled and goes again after the restart."""

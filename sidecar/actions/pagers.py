@@ -77,6 +77,19 @@ class PagerSet:
 
         return restore_pages([t.worker for t in self.targets], outcome_for)
 
+    def mute(self, run_id: str, detectors: list[str], until: float, comment: str) -> None:
+        """Mute on the targets that can (Alertmanager); a webhook never posts resolutions."""
+        for target in self.targets:
+            mute = getattr(target, "mute", None)
+            if callable(mute):
+                mute(run_id, detectors, until, comment)
+
+    def unmute(self, run_id: str, detector: str) -> None:
+        for target in self.targets:
+            unmute = getattr(target, "unmute", None)
+            if callable(unmute):
+                unmute(run_id, detector)
+
     def close(self, flush_timeout: float = 2.0) -> None:
         for target in self.targets:
             target.close(flush_timeout)

@@ -8,9 +8,11 @@ counted by (action, result) for ``deadweight_actions_total`` and logged with its
 and stopped at most once, also across restarts (the journal is checked first). A detector
 silenced on the run (``silences``) does not page: the page is journaled ``silenced`` and sent
 when the silence expires if the verdict still stands (``unsilenced``). A silenced root cause
-keeps inhibiting its symptoms (``inhibited_by``) while it fires, as the Alertmanager
+keeps inhibiting its symptoms (the causal graph, ``symptom_of``) while it fires, as the Alertmanager
 inhibition does for a cause that pages: their pages are held the same way (journaled
-``silenced`` with ``by`` the cause) until the silence ends or the cause clears.
+``silenced`` with ``by`` the cause) until the silence ends or the cause clears. A silence
+that takes back a page already out mutes it first where the pager can (``muting``: an
+Alertmanager silence), so the resolution that follows never reads "resolved" on the pager.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any, Protocol
 import structlog
 
 from ...proto import pb
-from ..detectors import BY_ID, root_causes_of
+from ..detectors import BY_ID, GRAPH, root_causes_of
 from ..detectors.base import Policy
 from ..model.finding import OPERATOR, Finding, RunFacts, RunSnapshot
 from ..store.journal import ActionRow, Store, StoreWriteFailed
@@ -38,6 +40,9 @@ from .silences import Silences
 log = structlog.get_logger("deadweight.actions")
 
 LEVEL = {Policy.OBSERVE: 0, Policy.PAGE: 1, Policy.STOP: 2, Policy.KILL: 3}
+#: How long a mute outlasts its silence: time for the sidecar to page again what still fires,
+#: so the pager never sees the alert resolved in between.
+MUTE_GRACE_SECONDS = 120.0
 
 
 
@@ -205,7 +210,7 @@ class Actions:
 
     def silenced_by(self, run: RunFacts, detector: str) -> str:
         """What keeps the detector's page quiet on the run: the detector itself when it is
-        silenced, else a root cause of it (``inhibited_by``) silenced while it fires on the
+        silenced, else a cause of it (``root_causes_of``) silenced while it fires on the
         run (a silenced cause keeps inhibiting its symptoms); '' when nothing does."""
         if self.silences.active(run.run_id, detector):
             return detector
@@ -286,6 +291,24 @@ class Actions:
         if (policy_level(finding.policy) >= LEVEL[Policy.PAGE] and self.pager is not None
                 and not self.dry_run and self._paged(run, finding)):
             self.pager.resolve(run.run_id, finding.detector, finding.severity)
+
+    def muting(self, run: RunFacts, cause: str, until: float, reason: str) -> None:
+        """A silence began (or changed) on a firing verdict: the pages it takes back, its own
+        and those of the symptoms it inhibits, are muted where the pager can (an Alertmanager
+        silence) until a little after it ends. Both paths then resolve the alert, and a
+        muted resolution reaches no pager: a silence never reads "resolved" for a fault that
+        still stands. When it ends the sidecar pages again what still fires."""
+        mute = getattr(self.pager, "mute", None)
+        if self.dry_run or not callable(mute):
+            return
+        mute(run.run_id, [cause, *GRAPH.inhibits(cause)], until + MUTE_GRACE_SECONDS,
+             reason or f"deadweight silence of {cause}")
+
+    def unmuting(self, run_id: str, cause: str) -> None:
+        """A silence ended: its mute ends once what still fires was paged again."""
+        unmute = getattr(self.pager, "unmute", None)
+        if not self.dry_run and callable(unmute):
+            unmute(run_id, cause)
 
     def unsilenced(self, run: RunFacts, finding: Finding) -> None:
         """A silence ended on a firing incident: page it now (journaled once), or, if it was

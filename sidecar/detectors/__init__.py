@@ -21,6 +21,7 @@ from .baseline import (
     BaselineRlSignals,
     BaselineUpdateSize,
 )
+from .causes import CausalGraph
 from .checkpoints import (
     AdapterBloat,
     AdapterNeverTrained,
@@ -138,6 +139,10 @@ ALL: tuple[Detector, ...] = (
 
 BY_ID: dict[str, Detector] = {d.id: d for d in ALL}
 
+#: Which verdict can be a symptom of which (the specs' ``symptom_of``): the order of every
+#: list of verdicts, the inhibitions and the reach of a silence.
+GRAPH = CausalGraph(d.spec for d in ALL)
+
 #: Detectors that judge what a run wrote: they keep their verdict after the run ends.
 ARTIFACT_IDS = frozenset(d.id for d in ALL if d.scope == "artifact")
 
@@ -145,6 +150,7 @@ __all__ = [
     "ALL",
     "ARTIFACT_IDS",
     "BY_ID",
+    "GRAPH",
     "Detector",
     "DetectorSpec",
     "Policy",
@@ -157,10 +163,10 @@ __all__ = [
 
 
 def root_causes_of(detector: str) -> tuple[str, ...]:
-    """The root causes whose firing inhibits this detector's page for the same run (its
-    spec's ``inhibited_by``; () for a cause, or an id that is no detector)."""
-    found = BY_ID.get(detector)
-    return found.spec.inhibited_by if found is not None else ()
+    """The causes whose firing inhibits this detector's page for the same run, and whose
+    silence quiets it while they fire (``GRAPH.inhibitors_of``; () for a root cause, or an id
+    that is no detector)."""
+    return GRAPH.inhibitors_of(detector)
 
 
 def fix_sentence(detector: str, evidence: Mapping[str, str] | None = None) -> str:

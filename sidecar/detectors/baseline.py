@@ -78,6 +78,11 @@ class BaselineRecipeChanged(SpecDetector):
 
     spec = DetectorSpec(
         id="baseline_recipe_changed",
+        checked_against=("healthy-matrix", "conformance-twin", "baseline-healthy-seeds",
+                         "baseline-busy-machine"),
+        false_positives=("fires on any recipe field that differs from the baseline's, a "
+                         "deliberate change too (another learning rate, another dataset "
+                         "size); it is information and pages nobody"),
         severity=Severity.INFO,
         policy=Policy.OBSERVE,
         latching=True,
@@ -119,6 +124,11 @@ class BaselineModulesChanged(SpecDetector):
 
     spec = DetectorSpec(
         id="baseline_modules_changed",
+        checked_against=("healthy-matrix", "conformance-twin", "baseline-healthy-seeds",
+                         "baseline-busy-machine"),
+        false_positives=("a run that unfreezes a module kind on purpose, a deliberate change"
+                         " of recipe the baseline does not know; its evidence names the "
+                         "module kind"),
         severity=Severity.WARNING,
         summary="Run {run_id} trains other modules than its baseline",
         meaning="a module kind the baseline never moved moves at every step (a freeze that "
@@ -199,6 +209,11 @@ class BaselineGradNorm(SpecDetector):
 
     spec = DetectorSpec(
         id="baseline_grad_norm",
+        checked_against=("healthy-matrix", "conformance-twin", "baseline-healthy-seeds",
+                         "baseline-busy-machine"),
+        false_positives=("a run on other data than the baseline's (the same recipe on "
+                         "another dataset) can leave the grad-norm band for the five points "
+                         "in a row it needs"),
         severity=Severity.WARNING,
         summary="Run {run_id}'s gradient norm left its baseline's band",
         meaning="the gradient norm stays above or under the band healthy runs of this recipe "
@@ -226,6 +241,10 @@ class BaselineLoss(SpecDetector):
 
     spec = DetectorSpec(
         id="baseline_loss",
+        checked_against=("healthy-matrix", "conformance-twin", "baseline-healthy-seeds",
+                         "baseline-busy-machine"),
+        false_positives=("a run on other data or another tokenizer than the baseline's "
+                         "shifts its loss out of the band while it learns"),
         severity=Severity.WARNING,
         summary="Run {run_id}'s loss left its baseline's band",
         meaning="the loss stays above or under the band healthy runs of this recipe showed at "
@@ -248,6 +267,10 @@ class BaselineLearningRate(SpecDetector):
 
     spec = DetectorSpec(
         id="baseline_learning_rate",
+        checked_against=("healthy-matrix", "conformance-twin", "baseline-healthy-seeds",
+                         "baseline-busy-machine"),
+        false_positives=("a schedule or learning rate changed on purpose leaves the band; "
+                         "the recipe line says what changed"),
         severity=Severity.WARNING,
         summary="Run {run_id}'s learning rate left its baseline's band",
         meaning="the learning rate the optimizer really uses differs from the schedule healthy "
@@ -270,6 +293,10 @@ class BaselineUpdateSize(SpecDetector):
 
     spec = DetectorSpec(
         id="baseline_update_size",
+        checked_against=("healthy-matrix", "conformance-twin", "baseline-healthy-seeds",
+                         "baseline-busy-machine"),
+        false_positives=("a learning rate or optimizer changed on purpose moves the update "
+                         "size out of the band; the recipe line says what changed"),
         severity=Severity.WARNING,
         summary="Run {run_id}'s updates are sized unlike its baseline's",
         meaning="each optimizer step moves the weights (or one module kind's) by far more or "
@@ -339,6 +366,10 @@ class BaselineRlSignals(SpecDetector):
 
     spec = DetectorSpec(
         id="baseline_rl_signals",
+        checked_against=("healthy-matrix", "conformance-twin", "baseline-healthy-seeds",
+                         "baseline-busy-machine", "baseline-grpo-seeds"),
+        false_positives=("a reward function or KL coefficient changed on purpose moves "
+                         "reward, reward_std or kl out of the band"),
         severity=Severity.WARNING,
         summary="Run {run_id}'s RL signals left its baseline's band",
         meaning="reward, reward_std, kl or entropy stays outside the band healthy runs of this "

@@ -78,6 +78,11 @@ class CheckpointUnchanged(SpecDetector):
     """The latest checkpoint is byte-identical to the previous one or to the initial adapter."""
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin",
+                         "warmup-lr-zero-checkpoint", "one-ulp-change"),
+        false_positives=("none known past warmup: a checkpoint saved at an lr-0 warmup step is "
+                         "left out"),
+        symptom_of=(*ROOT_CAUSES, "no_optimizer_step", "zero_gradient"),
         id="checkpoint_unchanged",
         severity=Severity.CRITICAL,
         scope="artifact",
@@ -91,7 +96,6 @@ class CheckpointUnchanged(SpecDetector):
         cadence="every checkpoint after a step that should have moved weights",
         evidence=(Evidence("checkpoint_unchanged_total", 2), Evidence("checkpoints_total"),
                   Evidence("update_norm", 0), Evidence("loss")),
-        inhibited_by=ROOT_CAUSES,
     )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
@@ -122,6 +126,10 @@ class AdapterNeverTrained(_InspectedCheckpoint):
     """
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin", "peft-methods-trained"),
+        false_positives=("none known: a trained adapter always leaves its identity; prompt and "
+                         "prefix tuning have no identity and are left out"),
+        symptom_of=(*ROOT_CAUSES, "no_optimizer_step", "zero_gradient"),
         id="adapter_never_trained",
         severity=Severity.CRITICAL,
         scope="artifact",
@@ -138,7 +146,6 @@ class AdapterNeverTrained(_InspectedCheckpoint):
         cadence="every inspected checkpoint",
         evidence=(Evidence("checkpoints_total"), Evidence("checkpoint_adapter_bytes"),
                   Evidence("update_norm", 0)),
-        inhibited_by=ROOT_CAUSES,
     )
 
     def judge_inspected(self, run: RunState, point: CheckpointPoint, ins: CheckpointInspection,
@@ -172,6 +179,11 @@ class AdapterBloat(_InspectedCheckpoint):
     the adapter's own tensors."""
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin",
+                         "new-tokens-trainable-token-indices"),
+        false_positives=("an adapter that carries base tensors on purpose (modules_to_save of a "
+                         "large head)"),
+        symptom_of=("embedding_resized",),
         id="adapter_bloat",
         severity=Severity.WARNING,
         scope="artifact",
@@ -227,6 +239,8 @@ class EmptyAdapter(_InspectedCheckpoint):
     """
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin", "healthy-checkpoints"),
+        false_positives="none known: a weights file with no element holds no model",
         id="empty_adapter",
         severity=Severity.CRITICAL,
         scope="artifact",
@@ -265,6 +279,9 @@ class PickleCheckpoint(_InspectedCheckpoint):
     """A checkpoint holds pickled weights (``.bin``, ``.pt``): loading them runs code."""
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin", "trainer-resume-pickles"),
+        false_positives=("a trusted pickle the user wrote on purpose; the Trainer's own resume "
+                         "files are not counted"),
         id="pickle_checkpoint",
         severity=Severity.WARNING,
         scope="artifact",
@@ -299,6 +316,9 @@ class CheckpointRefused(SpecDetector):
     over a size cap, or not a regular file. Its verdicts are unknown, and it may be an attack."""
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin"),
+        false_positives=("a checkpoint folder on shared storage owned by a service uid, or a "
+                         "symlinked output folder"),
         id="checkpoint_refused",
         severity=Severity.WARNING,
         # Observed, not paged: the run's own uid names the paths, so a page on every

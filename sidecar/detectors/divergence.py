@@ -27,6 +27,9 @@ class LossDivergence(SpecDetector):
     """
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin", "real-loss-series-healthy"),
+        false_positives=("a loss that rises on purpose (curriculum to harder data, a new task "
+                         "phase) or a run whose early loss is unusually small"),
         id="loss_divergence",
         severity=Severity.WARNING,
         policy=Policy.OBSERVE,
@@ -187,6 +190,8 @@ class GradNormSpike(SpecDetector):
     """
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin"),
+        false_positives="one hard batch in a healthy run: information only",
         id="grad_norm_spike",
         severity=Severity.INFO,
         policy=Policy.OBSERVE,

@@ -66,6 +66,12 @@ class FrozenWeights(SpecDetector):
     """
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin", "optimizer-family-loops"),
+        false_positives=("none known past warmup: every healthy run moved its weights at every "
+                         "step at lr > 0; an optimizer family whose update floor is unknown could "
+                         "misjudge a tiny update"),
+        symptom_of=("empty_optimizer", "inactive_adapter", "zero_reward_variance",
+                    "optimizer_steps_skipped", "grad_not_in_optimizer"),
         id="frozen_weights",
         severity=Severity.CRITICAL,
         summary="Run {run_id} reports a live loss but its weights do not move",

@@ -22,6 +22,10 @@ class NonfiniteLoss(SpecDetector):
     """The loss or gradient norm is NaN or infinite, or an update wrote non-finite weights."""
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin"),
+        false_positives=("an inf grad norm on a step the fp16 scaler skipped is left out; one "
+                         "bad batch whose NaN loss the next logs recover from fires until a "
+                         "finite log clears it"),
         id="nonfinite_loss",
         severity=Severity.CRITICAL,
         summary="Run {run_id} reports a NaN or infinite loss or grad norm",
@@ -95,6 +99,10 @@ class Stalled(SpecDetector):
     """
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin", "stall-clock-starts-when-heard"),
+        false_positives=("a step longer than the window (a long evaluation, a huge generation, a "
+                         "checkpoint upload) with heartbeats still arriving"),
+        symptom_of=("rank_stalled",),
         id="stalled",
         severity=Severity.CRITICAL,
         summary="Run {run_id} stopped making progress",
@@ -114,7 +122,6 @@ class Stalled(SpecDetector):
                               "steps and evaluations")),
         evidence=(Evidence("seconds_since_last_step"), Evidence("step")),
         # The rank that stopped, named, is the root cause of a stall of the whole run.
-        inhibited_by=("rank_stalled",),
     )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
@@ -152,6 +159,10 @@ class DecayOnlyUpdate(SpecDetector):
     """
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin"),
+        false_positives=("none known: weight decay with a gradient of exactly 0 moves weights "
+                         "without learning on any run"),
+        symptom_of=("zero_gradient", *ROOT_CAUSES),
         id="decay_only_update",
         severity=Severity.WARNING,
         summary="Run {run_id} moves its weights by weight decay alone",
@@ -165,7 +176,6 @@ class DecayOnlyUpdate(SpecDetector):
                               "consecutive logged steps with grad_norm exactly 0 and a weight "
                               "update"),),
         evidence=(Evidence("update_norm"), Evidence("grad_norm", 0), Evidence("learning_rate")),
-        inhibited_by=ROOT_CAUSES,
     )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:

@@ -38,6 +38,9 @@ class NoOptimizerStep(SpecDetector):
     """
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin", "optimizer-family-loops"),
+        false_positives=("a loop that logs far more often than it steps, beyond twice its own "
+                         "largest accumulation window seen so far"),
         id="no_optimizer_step",
         severity=Severity.CRITICAL,
         summary="Run {run_id} runs and logs but makes no optimizer step",
@@ -107,6 +110,10 @@ class GradientAccumulating(SpecDetector):
     """
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin"),
+        false_positives=("a run whose gradient norm grows for a window while the loss stalls for "
+                         "another reason (a learning-rate warmup on a plateau)"),
+        symptom_of=("grad_not_in_optimizer",),
         id="gradient_accumulating",
         severity=Severity.WARNING,
         policy=Policy.OBSERVE,
@@ -179,6 +186,9 @@ class DeclaredFrozenMoved(SpecDetector):
     """
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin"),
+        false_positives=("a declared set that names modules the run does train on purpose; silent "
+                         "without a declared set"),
         id="declared_frozen_moved",
         severity=Severity.WARNING,
         policy=Policy.OBSERVE,

@@ -29,6 +29,11 @@ class NegligibleUpdates(SpecDetector):
     """K consecutive steps at lr > 0 each moved the weights by less than a tiny fraction."""
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin"),
+        false_positives=("a very large model whose healthy relative update per step is below the "
+                         "floor"),
+        symptom_of=("lora_lr_too_low", "zero_reward_variance", "zero_gradient",
+                    "frozen_weights"),
         id="negligible_updates",
         severity=Severity.WARNING,
         scope="artifact",

@@ -16,7 +16,6 @@ from .base import (
     start_facts_or_silent,
 )
 from .spec import (
-    ROOT_CAUSES,
     DetectorSpec,
     Evidence,
     FixCase,
@@ -39,6 +38,11 @@ class EmptyOptimizer(SpecDetector):
     """
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin",
+                         "deepspeed-zero-loop", "optimizer-family-loops"),
+        false_positives=("none known on a trainer: a healthy run's optimizer always holds a "
+                         "parameter; an optimizer the probe cannot map (some DeepSpeed wrappers) "
+                         "is reported unknown, not empty"),
         id="empty_optimizer",
         severity=Severity.CRITICAL,
         latching=True,
@@ -89,6 +93,10 @@ class GradNotInOptimizer(SpecDetector):
     """
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin"),
+        false_positives=("parameters left with requires_grad on purpose but trained by a second "
+                         "optimizer the probe does not see"),
+        symptom_of=("empty_optimizer", "inactive_adapter"),
         id="grad_not_in_optimizer",
         severity=Severity.CRITICAL,
         summary="Run {run_id} computes gradients for parameters its optimizer does not hold",
@@ -102,7 +110,6 @@ class GradNotInOptimizer(SpecDetector):
         cadence="at once, per step",
         evidence=(Evidence("grad_not_in_optimizer_params", 8), Evidence("optimizer_params", 0),
                   Evidence("grad_norm"), Evidence("update_norm", 0)),
-        inhibited_by=ROOT_CAUSES,
         fix_cases=_FROZEN_AFTER_LOAD,
     )
 
@@ -194,6 +201,9 @@ class InactiveAdapter(SpecDetector):
     """
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin", "grpo-dpo-ref-adapter"),
+        false_positives=("a second adapter loaded on purpose for inference or comparison and never"
+                         " meant to train (TRL's own `ref` copy is exempt)"),
         id="inactive_adapter",
         severity=Severity.CRITICAL,
         summary="Run {run_id} trains an adapter other than the one it saves",

@@ -39,6 +39,10 @@ class RankStalled(SpecDetector):
     """
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin",
+                         "ddp-gloo-2-ranks", "every-rank-in-a-long-step"),
+        false_positives=("a rank doing legitimate rank-only work (a save or an evaluation on rank "
+                         "0) for longer than the window"),
         id="rank_stalled",
         severity=Severity.CRITICAL,
         summary="Run {run_id} has a rank that stopped while the others wait for it",
@@ -114,6 +118,9 @@ class RankStraggler(SpecDetector):
     """
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin", "ddp-gloo-2-ranks"),
+        false_positives=("a rank that does more work by design (rank 0 logging or evaluation): "
+                         "information for the job's owner"),
         id="rank_straggler",
         severity=Severity.WARNING,
         summary="Run {run_id} has a rank that every other rank waits for",
@@ -180,6 +187,10 @@ class ReplicasDiverged(SpecDetector):
     """
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin",
+                         "ddp-gloo-2-ranks", "replicas-equal-to-rounding"),
+        false_positives=("replicas that differ by more than the tolerance through legitimate "
+                         "non-determinism (different kernels per rank, stochastic rounding)"),
         id="replicas_diverged",
         severity=Severity.CRITICAL,
         summary="Run {run_id} has ranks whose copies of the same weights disagree",

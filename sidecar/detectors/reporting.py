@@ -25,6 +25,8 @@ class StepOutOfOrder(SpecDetector):
     forged), and the steps it sends are not applied."""
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin", "resent-batches-after-reconnect"),
+        false_positives="a loop that reports an epoch or a counter that resets on purpose",
         id="step_out_of_order",
         severity=Severity.WARNING,
         policy=Policy.OBSERVE,
@@ -76,6 +78,8 @@ class RunIdInUse(SpecDetector):
     process still runs). The newcomer is refused and told so; this run keeps its rank."""
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin"),
+        false_positives="a relaunch while the old process is still exiting",
         id="run_id_in_use",
         severity=Severity.WARNING,
         policy=Policy.OBSERVE,

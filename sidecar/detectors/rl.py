@@ -30,6 +30,9 @@ class KlMissing(SpecDetector):
     """beta > 0 yet the trainer never logs ``kl``: the KL term is not computed as configured."""
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin"),
+        false_positives=("a run that logs rarely (large logging_steps) or whose trainer names its "
+                         "KL key differently"),
         id="kl_missing",
         severity=Severity.WARNING,
         summary="Run {run_id} was configured with a KL penalty but logs no KL",
@@ -67,6 +70,10 @@ class KlStuckZero(SpecDetector):
     """
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin"),
+        false_positives=("the first steps of a run whose reference is the policy's own start (KL "
+                         "is 0 until the policy moves); the warmup and step 1 are left out"),
+        symptom_of=ROOT_CAUSES,
         id="kl_stuck_zero",
         severity=Severity.WARNING,
         summary="Run {run_id} logs a KL of exactly 0 after the first step",
@@ -80,7 +87,6 @@ class KlStuckZero(SpecDetector):
                               "consecutive log reports with `kl` exactly 0 (after warmup) "
                               "before it fires"),),
         evidence=(Evidence("kl", 0), Evidence("update_norm"), Evidence("step")),
-        inhibited_by=ROOT_CAUSES,
     )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
@@ -119,6 +125,11 @@ class ZeroRewardVariance(SpecDetector):
     """
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin",
+                         "reward-std-alone", "single-flat-reward-step"),
+        false_positives=("a task so easy or so hard that every completion of every group scores "
+                         "the same for a window (binary rewards late in training) is healthy for a"
+                         " while"),
         id="zero_reward_variance",
         severity=Severity.CRITICAL,
         summary="Run {run_id} gets the same reward for every completion of a prompt",
@@ -136,7 +147,6 @@ class ZeroRewardVariance(SpecDetector):
                               "happens on healthy tiny runs)"),),
         evidence=(Evidence("frac_reward_zero_std", 1), Evidence("reward_std"),
                   Evidence("reward"), Evidence("grad_norm", 0), Evidence("update_norm", 0)),
-        inhibited_by=ROOT_CAUSES,
     )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
@@ -180,6 +190,9 @@ class CompletionsTruncated(SpecDetector):
     """
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin", "grpo-terminating-model"),
+        false_positives=("tiny test models and short max_completion_length settings where no "
+                         "completion can end; a task whose answers are meant to be cut"),
         id="completions_truncated",
         severity=Severity.WARNING,
         summary="Run {run_id}: no completion ever ends",

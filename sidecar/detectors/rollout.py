@@ -32,6 +32,9 @@ class RolloutStale(SpecDetector):
     """The trainer's log-probabilities of sampled tokens drift away from the engine's."""
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin", "rollout-healthy-twin"),
+        false_positives=("a run whose logp difference rises for a reason other than stale weights "
+                         "(numerics changed mid-run); only on vLLM generation"),
         id="rollout_stale",
         severity=Severity.CRITICAL,
         summary="Run {run_id} generates its rollouts with stale weights",

@@ -30,6 +30,9 @@ class PartialTargetModules(SpecDetector):
     """
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin"),
+        false_positives=("a target list shared across architectures on purpose, where some names "
+                         "exist only in other models"),
         id="partial_target_modules",
         severity=Severity.WARNING,
         latching=True,
@@ -77,6 +80,10 @@ class EmbeddingResized(SpecDetector):
     """
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin",
+                         "new-tokens-trainable-token-indices", "new-tokens-modules-to-save"),
+        false_positives=("an embedding resized to a padded multiple (`pad_to_multiple_of`) whose "
+                         "extra rows are never used"),
         id="embedding_resized",
         severity=Severity.WARNING,
         latching=True,
@@ -138,6 +145,9 @@ class LoraLrTooLow(SpecDetector):
     """
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin"),
+        false_positives=("a LoRA run that deliberately uses a low rate (a large rank or alpha "
+                         "scaling, rsLoRA, a careful second stage) is flagged though it learns"),
         id="lora_lr_too_low",
         severity=Severity.WARNING,
         summary="Run {run_id} trains a LoRA adapter with a full-fine-tune learning rate",
@@ -208,6 +218,9 @@ class NoKlAnchor(SpecDetector):
     """
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin"),
+        false_positives=("by design it fires on every GRPO/RLOO run with beta 0 (TRL's default), "
+                         "most of which are fine: information only"),
         id="no_kl_anchor",
         severity=Severity.INFO,
         policy=Policy.OBSERVE,
@@ -246,6 +259,9 @@ class ShardingFallback(SpecDetector):
     """
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin", "ddp-gloo-2-ranks"),
+        false_positives=("a config that names FSDP or DeepSpeed but is meant to run unsharded here"
+                         " (a CPU smoke test)"),
         id="sharding_fallback",
         severity=Severity.INFO,
         policy=Policy.OBSERVE,

@@ -14,6 +14,15 @@ from typing import Literal
 
 
 class Severity(str, enum.Enum):
+    """What a verdict says about the run's output, the same for every detector.
+
+    ``critical``: this run's output is certainly wrong or useless, on evidence a healthy run
+    cannot produce (pages on-call). ``warning``: the output is likely wrong (a ticket).
+    ``info``: worth knowing, nothing is wrong by itself. A detector's spec names the healthy
+    recipes it was checked against (``checked_against``) and where it could still misfire
+    (``false_positives``): a detector that can misfire on a healthy run is not critical.
+    """
+
     CRITICAL = "critical"
     WARNING = "warning"
     INFO = "info"
@@ -91,10 +100,20 @@ class DetectorSpec:
     scope: Scope = "run"
     thresholds: tuple[Threshold, ...] = ()
     cadence: str = "at once"
-    #: Root-cause detectors whose firing silences this one's page for the same run.
-    inhibited_by: tuple[str, ...] = ()
     #: Fixes for evidence that rules the usual cause out (the first that matches wins).
     fix_cases: tuple[FixCase, ...] = ()
+    #: The detectors whose fault can produce this one's verdict on the same run (its direct
+    #: causes in the causal graph, ``causes.CausalGraph``): they are listed before it, their
+    #: fix is the one shown first, their firing inhibits its page and silencing them quiets it.
+    symptom_of: tuple[str, ...] = ()
+    #: The healthy recipes this detector ran on and stayed silent, what its severity was
+    #: checked against: ``MATRIX`` (every recipe of ``HEALTHY_MATRIX``), ``CONFORMANCE_TWIN``
+    #: (its healthy twin in ``tests/unit/test_detector_conformance.py``) and named healthy
+    #: controls of the tests (kebab-case, after the test that runs them).
+    checked_against: tuple[str, ...] = ()
+    #: Where it could still misfire on a healthy run, in a sentence or two (a detector with
+    #: none says "none known" and why). A detector with a known misfire is not ``critical``.
+    false_positives: str = ""
 
     @property
     def runbook(self) -> str:
@@ -116,33 +135,47 @@ class DetectorSpec:
         return f"Run {run_id}: {self.meaning}. Evidence: {evidence}."
 
 
-#: Root causes of "nothing learns": while one fires for a run, its symptoms (zero reward
-#: spread, unchanged checkpoints, ...) would only page twice for the same fault.
+#: The causes of "nothing learns" most of its symptoms (unchanged checkpoints, a KL stuck at 0,
+#: decay-only movement) name in ``symptom_of``.
 ROOT_CAUSES = ("frozen_weights", "empty_optimizer")
 
+#: The healthy matrix of ``tests/integration/test_catalogue_healthy.py``: real runs of every
+#: TRL trainer on CPU that learn, on which every detector ran and stayed silent (only
+#: ``no_kl_anchor``, information, fires for GRPO/RLOO with beta 0). A contract test keeps the
+#: names equal to the matrix's.
+HEALTHY_MATRIX: tuple[str, ...] = (
+    "sft-qwen2-lora-warmup-accum-decay", "sft-llama-adapter", "dpo-qwen2-lora-warmup",
+    "dpo-gpt2-adapter-decay", "grpo-qwen2-beta0-lora", "grpo-llama-beta-adapter-accum",
+    "grpo-gpt2-beta-lora-warmup-decay", "sft-qwen2-bf16-base-fp32-adapter", "rloo-qwen2-lora",
+    "kto-llama-lora", "reward-qwen2-seq-cls", "distillation-qwen2-lora",
+)
 
-#: Every detector in the order a person should read its verdicts: a cause before the symptoms
-#: it produces (what was set up wrong before step 1, then what the steps show, the frozen
-#: weights, their symptoms, and last what the run wrote). Consistent with ``inhibited_by``: a
-#: root cause comes before every detector it inhibits, with one exception: gradients that no
-#: optimizer applies are why weights stay frozen (the optimizer got the wrong parameters, or
-#: ``requires_grad`` came back after it was built), so ``grad_not_in_optimizer`` reads before
-#: ``frozen_weights`` though its page waits for it. Console, status, report, summary and
-#: inspect all list verdicts through ``root_causes_first``.
-CAUSES_FIRST: tuple[str, ...] = (
+
+#: ``checked_against``'s name for the whole healthy matrix, and for a detector's healthy twin
+#: in the conformance table.
+MATRIX = "healthy-matrix"
+CONFORMANCE_TWIN = "conformance-twin"
+
+
+#: Every detector in the phase a person meets it: what was set up wrong before step 1, then
+#: what the steps show, the frozen weights, their symptoms, and last what the run wrote. The
+#: order verdicts are listed in is the causal graph's (``symptom_of``: a cause before each of
+#: its symptoms, ``causes.CausalGraph.order``); this phase order only breaks its ties, so the
+#: order a person reads stays put when an edge is added.
+PHASE_ORDER: tuple[str, ...] = (
     # set up wrong at train begin
     "empty_optimizer", "base_weights_trained", "resume_lost_adapter", "inactive_adapter",
     "partial_target_modules", "trainable_out_of_band", "declared_frozen_moved",
     "lora_lr_too_low", "embedding_resized", "unsaved_head", "stop_token_untrained",
     "dataset_shrunk", "adalora_not_allocated", "sharding_fallback", "kl_missing", "no_kl_anchor",
-    # what the steps show that stops learning
+    # what the steps show that stops learning (a reward without spread zeroes the gradient)
     "no_optimizer_step", "replicas_diverged", "nonfinite_loss", "loss_divergence",
-    "grad_norm_spike", "rollout_stale", "optimizer_steps_skipped", "zero_gradient",
-    "low_precision_update", "rank_stalled", "stalled", "rank_straggler",
+    "grad_norm_spike", "rollout_stale", "optimizer_steps_skipped", "zero_reward_variance",
+    "zero_gradient", "low_precision_update", "rank_stalled", "stalled", "rank_straggler",
     # the headline verdict, then its symptoms (gradients that no optimizer applies and no
     # zero_grad clears also accumulate: their growth is a symptom there)
     "grad_not_in_optimizer", "frozen_weights", "gradient_accumulating", "negligible_updates",
-    "zero_reward_variance", "decay_only_update", "kl_stuck_zero", "entropy_collapse",
+    "decay_only_update", "kl_stuck_zero", "entropy_collapse",
     "completion_length_collapse", "completions_truncated", "dpo_likelihood_collapse",
     # what the run wrote
     "checkpoint_unchanged", "adapter_never_trained", "empty_adapter", "adapter_bloat",
@@ -153,15 +186,18 @@ CAUSES_FIRST: tuple[str, ...] = (
     "baseline_recipe_changed", "baseline_modules_changed", "baseline_learning_rate",
     "baseline_grad_norm", "baseline_update_size", "baseline_loss", "baseline_rl_signals",
 )
-_CAUSE_RANK = {detector: rank for rank, detector in enumerate(CAUSES_FIRST)}
 
 
 def cause_rank(detector_id: str) -> int:
-    """Where a detector's verdict goes in a list (lower first); unknown ids go last."""
-    return _CAUSE_RANK.get(detector_id, len(_CAUSE_RANK))
+    """Where a detector's verdict goes in a list (lower first; ``causes.CausalGraph.rank``)."""
+    from . import GRAPH  # the graph needs every detector's spec, which imports this module
+
+    return GRAPH.rank(detector_id)
 
 
 def root_causes_first(detector_ids: Iterable[str]) -> list[str]:
-    """The ids once each, root causes before their symptoms (``CAUSES_FIRST``); ids it does
-    not know keep their given order after the known ones."""
-    return sorted(dict.fromkeys(detector_ids), key=cause_rank)
+    """The ids once each, every cause before its symptoms (``causes.CausalGraph.causes_first``);
+    ids it does not know keep their given order after the known ones."""
+    from . import GRAPH
+
+    return GRAPH.causes_first(detector_ids)

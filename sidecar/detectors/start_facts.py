@@ -35,6 +35,10 @@ class StopTokenUntrained(SpecDetector):
     """
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin", "packed-plain-text-blocks"),
+        false_positives=("reads only the first collated rows: a dataset whose first rows lack the "
+                         "stop token while later rows have it; continued pre-training on plain "
+                         "text that should never stop"),
         id="stop_token_untrained",
         severity=Severity.WARNING,
         latching=True,
@@ -83,6 +87,8 @@ class UnsavedHead(SpecDetector):
     with a new random head (frozen and random all along, or trained and then lost)."""
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin"),
+        false_positives="a head the script saves itself, apart from the adapter",
         id="unsaved_head",
         severity=Severity.CRITICAL,
         latching=True,
@@ -122,6 +128,8 @@ class DatasetShrunk(SpecDetector):
     """The trainer dropped part of the training rows during its own preparation, unannounced."""
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin"),
+        false_positives="a filter the user wants (rows over max_length dropped on purpose)",
         id="dataset_shrunk",
         severity=Severity.WARNING,
         latching=True,
@@ -170,6 +178,10 @@ class ResumeLostAdapter(SpecDetector):
     """
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin", "day2-resume-healthy-twin"),
+        false_positives=("the first-loss rule is a heuristic: a resume onto a new data order or a "
+                         "harder shard can raise the first loss without any adapter being lost "
+                         "(the digest rule has no known false positive)"),
         id="resume_lost_adapter",
         severity=Severity.CRITICAL,
         latching=True,
@@ -253,6 +265,9 @@ class AdaloraNotAllocated(SpecDetector):
     (transformers and TRL never do), so it trains as a plain LoRA of rank ``init_r``."""
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin"),
+        false_positives=("a run that calls update_and_allocate outside the optimizer step in a way"
+                         " the probe does not see"),
         id="adalora_not_allocated",
         severity=Severity.WARNING,
         summary="Run {run_id} trains AdaLoRA as plain LoRA",

@@ -34,6 +34,10 @@ class ZeroGradient(SpecDetector):
     """
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin", "zero-gradient-logs-out-of-order"),
+        false_positives=("none known on a trainer at lr > 0: a healthy loss always gives some "
+                         "gradient; skipped fp16 steps are left out"),
+        symptom_of=("zero_reward_variance",),
         id="zero_gradient",
         severity=Severity.CRITICAL,
         summary="Run {run_id} trains with a gradient of exactly zero",
@@ -89,6 +93,9 @@ class OptimizerStepsSkipped(SpecDetector):
     """
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin"),
+        false_positives=("an fp16 GradScaler calibrating its scale at the start of training skips "
+                         "a few steps in a row on a healthy run"),
         id="optimizer_steps_skipped",
         severity=Severity.CRITICAL,
         summary="Run {run_id} skips every optimizer step",
@@ -159,6 +166,9 @@ class LowPrecisionUpdate(SpecDetector):
     """
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin", "deepspeed-bf16-master-weights"),
+        false_positives=("a bf16 run whose optimizer keeps fp32 master weights the probe cannot "
+                         "see"),
         id="low_precision_update",
         severity=Severity.WARNING,
         summary="Run {run_id} loses most small updates to bf16/fp16 rounding",

@@ -30,6 +30,10 @@ class BaseWeightsTrained(SpecDetector):
     """
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin", "lora-modules-to-save"),
+        false_positives=("none known: weights the adapter save leaves out are lost at save by "
+                         "construction; a run that saves the full model itself (not through the "
+                         "adapter) would be flagged though nothing is lost"),
         id="base_weights_trained",
         severity=Severity.CRITICAL,
         latching=True,
@@ -89,6 +93,8 @@ class TrainableOutOfBand(SpecDetector):
     """
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin", "lora-twin-expected-band"),
+        false_positives="a band set too narrow by the user; silent without a band",
         id="trainable_out_of_band",
         severity=Severity.WARNING,
         policy=Policy.OBSERVE,

@@ -74,6 +74,10 @@ class EntropyCollapse(_Collapse):
     """
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin",
+                         "sft-learning-its-data", "constant-entropy"),
+        false_positives=("a policy that becomes confident because it learned the task (entropy "
+                         "falls while reward rises for good reasons)"),
         id="entropy_collapse",
         severity=Severity.WARNING,
         summary="Run {run_id}: policy entropy is collapsing",
@@ -99,6 +103,8 @@ class CompletionLengthCollapse(_Collapse):
     """Mean completion length fell far below the run's own start (a GRPO shortcut)."""
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin"),
+        false_positives="a task whose right answers are short, learned as the run goes",
         id="completion_length_collapse",
         severity=Severity.WARNING,
         summary="Run {run_id}: completions are getting much shorter",
@@ -132,6 +138,9 @@ class DpoLikelihoodCollapse(SpecDetector):
     """
 
     spec = DetectorSpec(
+        checked_against=("healthy-matrix", "conformance-twin", "dpo-margin-grows-chosen-rises"),
+        false_positives=("DPO commonly lowers both likelihoods a little while learning; the window"
+                         " may catch a healthy run"),
         id="dpo_likelihood_collapse",
         severity=Severity.WARNING,
         summary="Run {run_id}: DPO chosen and rejected rewards are both falling",

@@ -156,6 +156,7 @@ class Oncall:
         if found is not None:
             run, finding = found
             if finding is not None and finding.firing:
+                self.actions.muting(run, request.detector, until, reason)
                 self.actions.silenced(run, finding)
                 # The symptoms it inhibits stay quiet with it (a silenced cause still
                 # inhibits them): their pages out resolve too.
@@ -174,6 +175,7 @@ class Oncall:
                           found[0].incarnation if found else 1)
             run, finding = found if found is not None else (None, None)
             if run is None or finding is None or not finding.firing:
+                self.actions.unmuting(silence.run_id, silence.detector)
                 continue
             self.actions.unsilenced(run, finding)
             # Its symptoms are as they would be without the silence: paged beside it (the
@@ -181,6 +183,7 @@ class Oncall:
             for symptom in self.actions.symptoms(run, silence.detector):
                 if not self.actions.silenced_by(run, symptom.detector):
                     self.actions.unsilenced(run, symptom)
+            self.actions.unmuting(silence.run_id, silence.detector)  # after the pages again
         return len(ended)
 
     def _journal(self, silence: Silence, trainer: str, result: str, life: int) -> None:

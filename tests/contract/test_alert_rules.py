@@ -174,7 +174,7 @@ class _Throwaway(SpecDetector):
         fires_when="never in production", cadence="at once",
         thresholds=(Threshold("frozen_steps", "optimizer steps", "borrowed"),),
         evidence=(Evidence("update_norm", 0), Evidence("loss")),
-        inhibited_by=("frozen_weights",),
+        symptom_of=("frozen_weights",),
     )
 
     def evaluate(self, run: Any, settings: DetectorSettings) -> Verdict | None:
@@ -246,8 +246,14 @@ def test_inhibitions_name_existing_detectors() -> None:
     for causes, symptoms in rules.inhibitions().items():
         assert set(causes) <= names and set(symptoms) <= names
         assert not set(causes) & set(symptoms)
-    # The headline page must never be inhibited.
-    assert not BY_ID["frozen_weights"].spec.inhibited_by
+    # A root cause's page is never inhibited; a symptom only by causes as severe as itself,
+    # so an inhibition never turns a page into a ticket.
+    assert not rules.inhibitors(BY_ID["empty_optimizer"].spec)
+    order = {"critical": 0, "warning": 1, "info": 2}
+    for causes, symptoms in rules.inhibitions().items():
+        for symptom in symptoms:
+            assert all(order[BY_ID[c].spec.severity.value]
+                       <= order[BY_ID[symptom].spec.severity.value] for c in causes)
 
 
 def test_custom_job_selector_reaches_the_sidecar_down_rule() -> None:

@@ -22,6 +22,7 @@ from deadweight.sidecar.actions.links import DEFAULT_RUNBOOK_URL_PATTERN
 from tests.support.realprocs import (
     Alertmanager,
     free_port,
+    http_json,
     start_alertmanager,
     wait_for,
 )
@@ -171,3 +172,56 @@ def test_evidence_is_quoted_once() -> None:
     quoted = "Frozen. Evidence: a=1"
     assert format_description(quoted, {"a": "1"}) == quoted
     assert format_description("Frozen.", {}) == "Frozen."
+
+
+def test_a_silence_never_reads_resolved_on_the_pager(tmp_path: Path) -> None:
+    """On-call silences a paged root cause: its alert is taken back on both paths (resolved),
+    but muted first, so the pager never hears "resolved" for a fault that still stands.
+
+    A real registry, store, action sink and on-call handler judge a frozen run (an optimizer
+    built empty) and page through a real pusher to a real Alertmanager running the shipped
+    example config, whose receivers post to a recorder. The control, in the same notification
+    group, is an alert resolved with no silence: its "resolved" notification shows the group
+    was notified after the silenced cause's resolution reached Alertmanager."""
+    from deadweight.sidecar.actions.pagers import PagerSet
+    from tests.e2e.test_e2e_oncall import _alertmanager_config, _Recorder
+    from tests.unit.test_silenced_cause import Run
+
+    receiver = _Recorder()
+    with start_alertmanager(tmp_path / "am", _alertmanager_config(receiver.url)) as am:
+        pusher = AlertmanagerPusher(am.url)
+        try:
+            run = Run()
+            run.actions.pager = PagerSet([pusher])
+
+            def told(detector: str, status: str) -> bool:
+                return any(a["labels"].get("run_id") == "r" and a["status"] == status
+                           and a["labels"]["detector"] == detector
+                           for n in receiver.bodies() for a in n["alerts"])
+
+            def in_alertmanager(detector: str) -> bool:
+                return any(a["labels"]["detector"] == detector for a in am.alerts(run_id="r"))
+
+            run.frozen()
+            pusher.fire("r", "nonfinite_loss", "critical", "control", "a control page")
+            wait_for(lambda: told("empty_optimizer", "firing")
+                     and told("nonfinite_loss", "firing"), 30, what="the pages notified")
+            run.silence("empty_optimizer", 600)
+            wait_for(lambda: not in_alertmanager("empty_optimizer"), 30,
+                     what="the silenced cause's alert taken back")
+            pusher.resolve("r", "nonfinite_loss", "critical")
+            wait_for(lambda: told("nonfinite_loss", "resolved"), 30,
+                     what="the control's resolution notified")
+            assert not told("empty_optimizer", "resolved")
+            # The mute is an Alertmanager silence of the cause and the symptoms it inhibits.
+            [muted] = [s for s in http_json(am.url + "/api/v2/silences")
+                       if s["status"]["state"] == "active"]
+            matchers = {m["name"]: m["value"] for m in muted["matchers"]}
+            assert matchers["run_id"] == "r"
+            assert {"empty_optimizer", "frozen_weights", "checkpoint_unchanged"} <= set(
+                matchers["detector"].split("|"))
+            for symptom in ("frozen_weights", "checkpoint_unchanged"):
+                assert not told(symptom, "resolved") and not told(symptom, "firing")
+        finally:
+            pusher.close()
+            receiver.close()

@@ -6,9 +6,11 @@ scrapes the sidecar every second with the shipped rules and sends to a real Aler
 runs the shipped example config, routed to a webhook receiver inside this test. The sidecar's
 own pushes go through a recording pass-through so the test can show that both paths delivered.
 
-Shown: the frozen_weights page arrives with run_id, evidence, a runbook_url that opens (the
-sidecar serves it) and the run's dashboard_url, once, though both paths sent it with the same
-labels and links; it stays firing after the run ended and resolves when the sidecar forgets
+Shown: both paths send frozen_weights with the same labels and links; on-call is paged by
+its root cause, ``empty_optimizer`` (the causal graph: ``frozen_weights`` and
+``grad_not_in_optimizer`` are its symptoms, inhibited), with run_id, evidence, a runbook_url
+that opens (the sidecar serves it) and the run's dashboard_url, once, though both paths sent
+it; it stays firing after the run ended and resolves when the sidecar forgets
 the ended run (``--run-ttl-seconds``), never at the end itself; a healthy run pages nothing;
 every PromQL expression in alerts/ and dashboards/ runs against this Prometheus and returns
 data.
@@ -58,6 +60,8 @@ HEALTHY_RUN = "oncall-healthy"
 LABELS = {"alertname", "run_id", "detector", "severity"}
 # Alerts whose whole expression must return data while the frozen run is held at step 6.
 FIRING_WHILE_HELD = {"frozen_weights", "empty_optimizer"}
+#: The page on-call gets for the frozen run: the root cause (its symptoms are inhibited).
+PAGED = "empty_optimizer"
 
 
 class _Recorder(http.server.ThreadingHTTPServer):
@@ -92,11 +96,24 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         raw = self.rfile.read(int(self.headers.get("Content-Length", "0")))
         with self.server.lock:
             self.server.posts.append((self.path, json.loads(raw)))
-        status = 200
+        status, answer = 200, b""
         if self.server.forward_to is not None:
             request = urllib.request.Request(
                 self.server.forward_to + self.path, data=raw, method="POST",
                 headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=5) as response:
+                status, answer = response.status, response.read()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(answer)))
+        self.end_headers()
+        self.wfile.write(answer)  # Alertmanager's answer (a silence's id), relayed
+
+    def do_DELETE(self) -> None:
+        """A mute the sidecar ends (an Alertmanager silence), relayed."""
+        status = 200
+        if self.server.forward_to is not None:
+            request = urllib.request.Request(self.server.forward_to + self.path,
+                                             method="DELETE")
             with urllib.request.urlopen(request, timeout=5) as response:
                 status = response.status
         self.send_response(status)
@@ -217,8 +234,7 @@ def test_frozen_run_pages_once_with_evidence_and_resolves(
     def paged_by_both_paths() -> bool:
         from_sidecar = _sent(stack.sidecar_pushes, "frozen_weights")
         from_prometheus = _sent(stack.prometheus_pushes, "frozen_weights")
-        notified = any("firing" in _status(n, "frozen_weights")
-                       for n in stack.pages(FROZEN_RUN))
+        notified = any("firing" in _status(n, PAGED) for n in stack.pages(FROZEN_RUN))
         return bool(from_sidecar) and bool(from_prometheus) and notified
 
     deadline: list[float] = []
@@ -254,14 +270,14 @@ def test_frozen_run_pages_once_with_evidence_and_resolves(
     wait_for(lambda: getattr(stack.sidecar.run_status(FROZEN_RUN), "ended", False), 30,
              what="the sidecar to end the run")
     assert [a for a in stack.alertmanager.alerts(run_id=FROZEN_RUN)
-            if a["labels"]["detector"] == "frozen_weights"]
-    assert not any("resolved" in _status(n, "frozen_weights") for n in stack.pages(FROZEN_RUN))
+            if a["labels"]["detector"] == PAGED]
+    assert not any("resolved" in _status(n, PAGED) for n in stack.pages(FROZEN_RUN))
     # ... and resolves once the sidecar forgot the ended run: a resolved notification.
-    wait_for(lambda: any("resolved" in _status(n, "frozen_weights")
+    wait_for(lambda: any("resolved" in _status(n, PAGED)
                          for n in stack.pages(FROZEN_RUN)), RUN_TTL_SECONDS + 45,
              what="the resolved page")
     wait_for(lambda: not [a for a in stack.alertmanager.alerts(run_id=FROZEN_RUN)
-                          if a["labels"]["detector"] == "frozen_weights"], 30,
+                          if a["labels"]["detector"] == PAGED], 30,
              what="Alertmanager to drop the alert")
 
     pages = [n for n in stack.pages(FROZEN_RUN) if n["receiver"] == "pager"]
@@ -270,7 +286,7 @@ def test_frozen_run_pages_once_with_evidence_and_resolves(
     transitions = 0
     previous = "none"
     for notification in pages:
-        states = _status(notification, "frozen_weights")
+        states = _status(notification, PAGED)
         assert len(states) <= 1, "two copies of one alert: the two paths did not merge"
         state = states[0] if states else "none"
         if state == "firing" and previous != "firing":
@@ -279,23 +295,23 @@ def test_frozen_run_pages_once_with_evidence_and_resolves(
     assert transitions == 1
     assert previous == "resolved"
 
-    first = next(n for n in pages if "firing" in _status(n, "frozen_weights"))
-    [alert] = [a for a in first["alerts"] if a["labels"]["detector"] == "frozen_weights"]
-    assert alert["labels"] == {"alertname": "DeadweightFrozenWeights", "run_id": FROZEN_RUN,
-                               "detector": "frozen_weights", "severity": "critical"}
+    first = next(n for n in pages if "firing" in _status(n, PAGED))
+    [alert] = [a for a in first["alerts"] if a["labels"]["detector"] == PAGED]
+    assert alert["labels"] == {"alertname": "DeadweightEmptyOptimizer", "run_id": FROZEN_RUN,
+                               "detector": PAGED, "severity": "critical"}
     notes = alert["annotations"]
-    assert notes["runbook_url"] == runbook_url(stack.patterns.runbook, "frozen_weights")
+    assert notes["runbook_url"] == runbook_url(stack.patterns.runbook, PAGED)
     assert notes["dashboard_url"] == dashboard_url(stack.patterns.dashboard, FROZEN_RUN)
     # The delivered link opens: the sidecar renders the runbook.
     with urllib.request.urlopen(notes["runbook_url"], timeout=10) as response:
         assert response.status == 200
         assert response.headers["Content-Type"].startswith("text/html")
-        assert "<h1>DeadweightFrozenWeights</h1>" in response.read().decode()
+        assert "<h1>DeadweightEmptyOptimizer</h1>" in response.read().decode()
     assert FROZEN_RUN in notes["summary"] + notes["description"]
-    assert "update_norm=0" in notes["description"], notes["description"]
-    assert "grad_norm=" in notes["description"]
-    # The symptom is inhibited by the root cause: no page for it in this run.
-    assert all(a["labels"]["detector"] != "grad_not_in_optimizer"
+    assert "optimizer_params=0" in notes["description"], notes["description"]
+    assert "trainable_params=0" in notes["description"]
+    # Its symptoms are inhibited by the root cause: no page for them in this run.
+    assert all(a["labels"]["detector"] not in ("grad_not_in_optimizer", "frozen_weights")
                for n in pages for a in n["alerts"] if a["status"] == "firing")
 
 

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 
 from deadweight.demo import runs
+from deadweight.sidecar.detectors.spec import HEALTHY_MATRIX
 from deadweight.sidecar.model.run_state import RunState
 from tests.support.inprocess_sidecar import TEST_SETTINGS, InProcessSidecar
 
@@ -125,6 +126,12 @@ def assert_silent(live: InProcessSidecar, run_id: str, allowed: set[str]) -> Non
              if k not in allowed}
     assert fired == {}
     assert not [k for k, f in live.findings(run_id).items() if f.firing and k not in allowed]
+
+
+def test_the_specs_name_this_matrix() -> None:
+    """Every spec's ``checked_against`` names this matrix (``spec.MATRIX``): its recipes are
+    the ones the specs list."""
+    assert tuple(MATRIX) == HEALTHY_MATRIX
 
 
 @pytest.mark.parametrize("name", list(MATRIX))

@@ -114,6 +114,21 @@ def test_a_frozen_run_prints_each_verdict_once_and_its_healthy_twin_none(
 
 
 @pytest.mark.slow
+def test_a_script_that_quiets_transformers_still_sees_every_console_line(
+    sidecar: SidecarProcess, tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """``transformers.logging.set_verbosity_error()`` leaves transformers' own loggers at
+    ERROR: deadweight's lines ride on a logger of their own, so its WARNING lines (the run's
+    begin line) and every verdict of a real sidecar still reach the console."""
+    lines, _ = _train(tiny, tmp_path / "quiet", "frozen-quiet", sidecar.address, "console-q")
+    assert any("deadweight: run console-q reports to the sidecar at" in line for line in lines)
+    verdicts = [_detector(line) for line in _verdict_lines(lines)]
+    assert {"empty_optimizer", "frozen_weights"} <= set(verdicts)
+    assert len(verdicts) == len(set(verdicts))  # one line each, not one per handler
+    assert any(line.startswith("deadweight: run console-q ended") for line in lines)
+
+
+@pytest.mark.slow
 def test_without_a_sidecar_the_run_says_at_once_it_is_not_monitored(
     tiny: tuple[Path, Path], tmp_path: Path
 ) -> None:
@@ -494,3 +509,25 @@ def test_the_report_command_on_the_console_opens_the_report(
     assert done.returncode == 0, done.stderr
     assert "root cause empty_optimizer" in page.read_text()
 
+
+
+def test_a_note_is_never_named_the_root_cause_nor_leads_the_summary() -> None:
+    """A GRPO run with beta 0 carries ``no_kl_anchor`` (information) from step 0, read early in
+    the cause order: a STOP for a constant reward still names the reward, and the summary at
+    train end leads with what is wrong."""
+    out = io.StringIO()
+    logger = logging.getLogger("deadweight.test-note")
+    logger.addHandler(logging.StreamHandler(out))
+    logger.propagate = False
+    console = Console(logger, "r", "unix:///s")
+    console.begin(True, 1.0)
+    note = pb.VerdictNotice(detector="no_kl_anchor", severity="info", incident=1, step=0,
+                            cause="No anchor", fix="set beta", cause_rank=15)
+    console.notices([note, _notice("zero_reward_variance", rank=23),
+                     _notice("zero_gradient", rank=24)])
+    firing = ["no_kl_anchor", "zero_reward_variance", "zero_gradient"]
+    assert console.root_cause("zero_gradient", firing) == "zero_reward_variance"
+    console.end(5, "completed", firing)
+    summary = out.getvalue().splitlines()[-1]
+    assert summary.split("root cause first: ")[1].startswith("zero_reward_variance ("), summary
+    assert summary.index("zero_gradient (") < summary.index("no_kl_anchor (")

@@ -32,14 +32,26 @@ SILENCE_SECONDS = 3.0
 
 
 class Receiver(http.server.BaseHTTPRequestHandler):
-    """Stands in for Alertmanager's API v2: keeps every alert posted, with its arrival."""
+    """Stands in for Alertmanager's API v2: keeps every alert posted, with its arrival (a
+    silence the sidecar posts to mute a page it takes back is answered, not kept)."""
 
     alerts: list[tuple[float, dict[str, Any]]] = []
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))))
         now = time.time()
+        if self.path.endswith("/silences"):
+            answer = json.dumps({"silenceID": "s1"}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+            return
         type(self).alerts.extend((now, alert) for alert in body)
+        self.send_response(200)
+        self.end_headers()
+
+    def do_DELETE(self) -> None:
         self.send_response(200)
         self.end_headers()
 

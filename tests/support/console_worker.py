@@ -2,8 +2,10 @@
 
 Usage: ``python tests/support/console_worker.py MODEL_DIR ADAPTER_DIR OUT_DIR MODE ADDRESS RUN_ID
 STEPS`` where MODE is ``frozen`` (the adapter loaded without ``is_trainable``) or
-``healthy``. stderr carries what the trainer's console shows (with a ``worker: step N`` line
-at each step end, to place the console lines in time); the last stdout line is JSON: the
+``healthy``, either with ``-quiet`` (the script first calls
+``transformers.logging.set_verbosity_error()``, as many training scripts do). stderr carries
+what the trainer's console shows (with a ``worker: step N`` line at each step end, to place
+the console lines in time); the last stdout line is JSON: the
 callback's ``stopped_by_deadweight``, the steps run, the ``deadweight/*`` keys the trainer's
 loggers saw and the ``deadweight/*`` entries of ``trainer.state.log_history``.
 """
@@ -26,6 +28,11 @@ def main(model_dir: str, adapter_dir: str, out: str, mode: str, address: str, ru
     from deadweight.callbacks import DeadweightCallback
     from deadweight.demo import runs
 
+    if mode.endswith("-quiet"):
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        mode = mode.removesuffix("-quiet")
     seen: dict[str, list[Any]] = {}
 
     class Logger(TrainerCallback):  # type: ignore[misc]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,7 +22,8 @@ import pytest
 from deadweight.proto import pb
 from deadweight.sidecar.baseline import fingerprint as prints
 from deadweight.sidecar.baseline.model import BINS, Band, Baseline, ModuleFacts
-from deadweight.sidecar.detectors import BY_ID
+from deadweight.sidecar.detectors import ALL, BY_ID
+from deadweight.sidecar.detectors.spec import CONFORMANCE_TWIN, MATRIX
 from deadweight.sidecar.model.inspection import CheckpointInspection
 from deadweight.sidecar.model.nonces import Attestor
 from deadweight.sidecar.model.process import ProcessIdentity, boot_id, start_time
@@ -477,3 +479,18 @@ def test_the_healthy_twin_stays_silent(row: Row) -> None:
     """Not only the row's detector: no detector at all fires on a healthy twin."""
     fired = _play(row, row.silent)
     assert not fired, f"the healthy twin of {row.detector} fired {sorted(fired)}"
+
+
+def test_every_spec_says_what_healthy_runs_it_checked_and_where_it_misfires() -> None:
+    """Severity discipline, written in each spec: the healthy recipes the detector stayed
+    silent on (at least the healthy matrix, which runs every detector, and its twin in this
+    table) and its known false-positive conditions, or why none is known."""
+    for detector in ALL:
+        spec = detector.spec
+        assert MATRIX in spec.checked_against, spec.id
+        assert CONFORMANCE_TWIN in spec.checked_against, spec.id
+        assert len(set(spec.checked_against)) == len(spec.checked_against), spec.id
+        for name in spec.checked_against:
+            assert re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", name), (spec.id, name)
+        assert len(spec.false_positives.split()) >= 4, spec.id
+        assert not spec.false_positives.endswith("."), spec.id

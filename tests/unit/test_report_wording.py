@@ -30,7 +30,7 @@ def test_root_causes_first() -> None:
     # A cause reached only through the table's closure still leads; unrelated ids keep
     # their order; duplicates appear once.
     assert root_causes_first(["kl_stuck_zero", "stalled", "zero_reward_variance",
-                              "stalled"]) == ["stalled", "zero_reward_variance", "kl_stuck_zero"]
+                              "stalled"]) == ["zero_reward_variance", "stalled", "kl_stuck_zero"]
     assert root_causes_first([]) == []
     assert root_causes_first(["nonfinite_loss", "stalled"]) == ["nonfinite_loss", "stalled"]
 

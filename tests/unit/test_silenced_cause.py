@@ -125,3 +125,20 @@ def test_silencing_the_causes_resolves_the_symptom_page_already_out() -> None:
     run.oncall.expire(now=time.time() + 1)
     assert [r for r, _ in run.pages(SYMPTOM)] == ["queued", "reasserted"]
     assert [r for r, _ in run.pages("frozen_weights")] == ["queued", "reasserted"]
+
+
+def test_silencing_the_first_cause_alone_quiets_the_frozen_weights_it_causes() -> None:
+    # empty_optimizer -> frozen_weights -> checkpoint_unchanged (``symptom_of``): on-call
+    # silenced the cause alone, and nothing of the chain pages while it fires.
+    run = Run()
+    run.silence("empty_optimizer", 600)
+    run.frozen()
+    assert run.paged() == []
+    for symptom in ("frozen_weights", SYMPTOM):
+        [(result, detail)] = run.pages(symptom)
+        assert result == "silenced" and detail["by"] == "empty_optimizer", symptom
+    # The control: nothing silenced, the same run pages all three (Alertmanager inhibits
+    # the symptoms behind the cause; the sidecar's own page path sends each once).
+    control = Run()
+    control.frozen()
+    assert sorted(control.paged()) == sorted([*CAUSES, SYMPTOM])

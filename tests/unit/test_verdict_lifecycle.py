@@ -200,11 +200,12 @@ def test_a_run_restarted_still_frozen_keeps_its_one_page(tmp_path: Path) -> None
 
 
 def test_root_causes_come_before_their_symptoms() -> None:
-    # One total order for every list (spec.CAUSES_FIRST; tests/unit/test_cause_order.py pins it):
-    # what was set up wrong, then what the steps show, the frozen weights, what the run wrote.
+    # One order for every list (the causal graph; tests/unit/test_cause_order.py pins it):
+    # what was set up wrong, then what the steps show, the frozen weights, what the run wrote;
+    # information that causes none of them (no_kl_anchor) after what is wrong.
     ids = ["checkpoint_unchanged", "no_kl_anchor", "frozen_weights", "empty_optimizer"]
     assert root_causes_first(ids) == [
-        "empty_optimizer", "no_kl_anchor", "frozen_weights", "checkpoint_unchanged"]
+        "empty_optimizer", "frozen_weights", "checkpoint_unchanged", "no_kl_anchor"]
     # A cause leads even when the link between them (frozen_weights) is not in the list.
     assert root_causes_first(["adapter_never_trained", "empty_optimizer"]) == [
         "empty_optimizer", "adapter_never_trained"]

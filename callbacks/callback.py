@@ -39,11 +39,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.utils import logging as hf_logging
 
 from . import digest, layout, trainer_logs
 from . import summary_writer as promotion
+from .deferred import DeferredScalar
 from .directives import Directives
 from .facts import dataset_rows, heads, membership, preflight, resume, stop_token
 from .run_probe import (
@@ -79,22 +81,36 @@ def _optional_fact(gather: Callable[..., T], *args: Any) -> T | None:
         return None
 
 
-def _loss_scale(optimizer: Any) -> float | None:
-    """The fp16 loss scale of the optimizer's GradScaler, None without one."""
+def _loss_scale(optimizer: Any) -> torch.Tensor | float | None:
+    """The fp16 loss scale of the optimizer's GradScaler, None without one, or where the
+    optimizer says itself whether it skipped a step (``step_was_skipped``). A copy of the
+    scale tensor, left on the device: reading it (``get_scale()``) would wait for it."""
+    if isinstance(getattr(optimizer, "step_was_skipped", None), bool):
+        return None  # the wrapper compares the scales itself
     scaler = getattr(optimizer, "scaler", None)
-    get_scale = getattr(scaler, "get_scale", None)
-    if not callable(get_scale) or not getattr(scaler, "is_enabled", lambda: False)():
+    if scaler is None or not getattr(scaler, "is_enabled", lambda: False)():
         return None
-    return float(get_scale())
+    scale = getattr(scaler, "_scale", None)
+    if isinstance(scale, torch.Tensor):
+        return scale.detach().clone()  # the scaler updates it in place after the step
+    get_scale = getattr(scaler, "get_scale", None)
+    return float(get_scale()) if callable(get_scale) else None
 
 
-def _step_skipped(optimizer: Any, scale_before: float | None) -> bool:
+def _step_skipped(optimizer: Any, scale_before: torch.Tensor | float | None
+                  ) -> bool | DeferredScalar:
     """Whether the optimizer skipped this step: the wrapper says so, or the loss scale backed
-    off (a GradScaler lowers it exactly when it finds inf/NaN gradients and skips)."""
-    if getattr(optimizer, "step_was_skipped", False) is True:
-        return True
+    off (a GradScaler lowers it exactly when it finds inf/NaN gradients and skips). Compared
+    on the device and read later by the sender thread: no host sync on the training thread."""
+    said = getattr(optimizer, "step_was_skipped", None)
+    if isinstance(said, bool):
+        return said
     after = _loss_scale(optimizer)
-    return scale_before is not None and after is not None and after < scale_before
+    if scale_before is None or after is None:
+        return False
+    if isinstance(after, torch.Tensor) and isinstance(scale_before, torch.Tensor):
+        return DeferredScalar(after < scale_before)
+    return float(after) < float(scale_before)
 
 
 __all__ = ["DEFAULT_ADDRESS", "DeadweightAbort", "DeadweightCallback", "SidecarRequired",
@@ -135,7 +151,7 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
         self._disabled = False
         self._model: Any = None
         self._adalora = False
-        self._loss_scale: float | None = None
+        self._loss_scale: torch.Tensor | float | None = None
         self._trainer_logs = False
         self._last_checkpoint: tuple[Path, digest.AdapterDigest] | None = None
         #: The trainer's latest global step (written into summaries of later saves).

@@ -303,7 +303,7 @@ class RunProbe:
         """Measure and report the update of the step that just ran."""
         if self.update is None or self.client is None or self.membership is None:
             return
-        local_seconds = self.progress.step_done() if self.progress is not None else None
+        local_seconds = self.progress.step_done(step) if self.progress is not None else None
         stats = self.update.after_step_deferred()  # read later, by the sender thread
         if stats is None:
             return

@@ -16,14 +16,7 @@ from ..model.run_state import RankState, ReplicaSample, RunState
 from ..model.settings import DetectorSettings
 from .base import SpecDetector, Verdict, fmt
 from .spec import DetectorSpec, Evidence, Policy, Severity, Threshold
-
-#: What a rank's heartbeat says when its training thread waits in a collective (the client's
-#: ``callbacks.where.COLLECTIVE``; the sidecar imports nothing from the callback).
-COLLECTIVE = "collective"
-
-
-def _ranks(ranks: list[RankState]) -> str:
-    return ",".join(str(r.rank) for r in ranks)
+from .stopped_first import evidence, since, stopped_first, why
 
 
 class RankStalled(SpecDetector):
@@ -68,39 +61,22 @@ class RankStalled(SpecDetector):
         newest_step = max(r.last_step_time or r.first_seen for r in heard)
         if now - newest_step <= limit:
             return Verdict(False, step=run.step)
-        furthest = max(r.progress for r in heard)
-        behind = {r.rank for r in heard if r.progress < furthest
-                  and now - (r.progress_time or r.first_seen) > limit}
-        silent = {r.rank for r in heard if now - r.last_seen > limit}
-        busy = set()
-        if not behind and not silent and any(r.where == COLLECTIVE for r in heard):
-            # Every rank at the same step: the ones waiting in a collective wait for the
-            # ones that are not (the trainer gathers before a step begins, too).
-            busy = {r.rank for r in heard if r.where not in ("", COLLECTIVE)}
-        stuck = [r for r in heard if r.rank in behind | silent | busy]
-        waiting = [r for r in heard if r.rank not in behind | silent | busy]
-        if not stuck or not any(now - r.last_seen <= limit for r in waiting):
+        found = stopped_first(heard, now, limit)
+        if found is None or not any(now - r.last_seen <= limit for r in found.waiting):
             return Verdict(False, step=run.step)  # nobody waits: the whole run is stalled
-        first = stuck[0]
-        seconds = now - (first.progress_time or first.first_seen)
-        if first.rank in behind:
-            why = (f"it never began step {furthest}, which rank(s) {_ranks(waiting)} began "
-                   f"and wait in")
-        elif first.rank in busy:
-            why = (f"it is in its own code ({first.where}) while rank(s) {_ranks(waiting)} "
-                   f"wait for it in a collective")
-        else:
-            why = (f"it sent nothing for {now - first.last_seen:.0f} s while rank(s) "
-                   f"{_ranks(waiting)} still report")
+        first = found.first
+        seconds = now - since(first)
+        mark = first.position
+        at = "" if mark.phase == "optimizer_step" else f", at {mark.words()}"
         return Verdict(
             True,
             step=first.step,
-            summary=(f"rank {first.rank} stopped after step {first.step}, {seconds:.0f} s ago "
-                     f"(limit {limit:g} s): {why}"),
-            evidence={"rank": str(first.rank), "stuck_ranks": _ranks(stuck),
+            summary=(f"rank {first.rank} stopped after step {first.step}{at}, {seconds:.0f} s "
+                     f"ago (limit {limit:g} s): {why(found, now)}"),
+            evidence={**evidence(found, now),
                       "last_step": fmt(first.step), "began_step": fmt(first.began_step),
-                      "seconds": fmt(round(seconds, 1)), "waiting_ranks": _ranks(waiting),
-                      "waiting_in_step": fmt(furthest), "where": first.where or "n/a",
+                      "seconds": fmt(round(seconds, 1)),
+                      "waiting_in_step": fmt(found.furthest.step), "where": first.where or "n/a",
                       "seconds_since_last_message": fmt(round(now - first.last_seen, 1))},
         )
 

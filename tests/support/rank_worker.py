@@ -6,9 +6,10 @@ Usage: ``torchrun --nproc-per-node 2 tests/support/rank_worker.py MODES OUT_DIR 
 other in one launch (STEPS then lists each one's steps). A mode:
 
 - ``healthy``: DDP, every rank at full speed (the twin of the three below).
-- ``stall``: DDP; after optimizer step ``STALL_AFTER`` rank 1 stays in its own loop (as a
-  rank stuck on its data or in user code would) until the file OUT_DIR/release appears, while
-  rank 0 goes on into the next step and blocks in its gradient all-reduce.
+- ``stall``: DDP; after optimizer step ``STALL_AFTER`` the stuck rank (rank 1, or
+  ``DEADWEIGHT_TEST_STUCK_RANK``) stays in its own loop (as a rank stuck on its data or in
+  user code would) until the file OUT_DIR/release appears, while the other ranks go on into
+  the next step and block in its gradient all-reduce.
 - ``straggler``: DDP; rank 1 spends ``STRAGGLE_SECONDS`` of its own before every forward pass
   (a slow data loader), so rank 0 waits for it at every all-reduce.
 - ``unwrapped``: the model is never wrapped in DDP; each rank trains on its own data, so the
@@ -20,6 +21,9 @@ other in one launch (STEPS then lists each one's steps). A mode:
 The replica modes wait after each step until the sidecar acknowledged what the rank sent, as a
 step of a real model gives it time to (a loop of six 1 ms steps ends before the first batch
 leaves); the timing modes do not, so nothing but the loop itself is timed.
+
+A rank reports to ``DEADWEIGHT_ADDRESS_RANK<N>`` where it is set (each node's sidecar serves
+only its own ranks), else to ``DEADWEIGHT_ADDRESS``.
 
 Each rank writes ``rank<N>.json``: run id, steps, and the wall time of each optimizer step.
 """
@@ -90,6 +94,10 @@ def run(mode: str, out: Path, steps: int) -> None:
     from deadweight.callbacks.stream_client import ClientSettings
 
     rank = dist.get_rank()
+    node_address = os.environ.get(f"DEADWEIGHT_ADDRESS_RANK{rank}")
+    if node_address:
+        os.environ["DEADWEIGHT_ADDRESS"] = node_address
+    stuck_rank = int(os.environ.get("DEADWEIGHT_TEST_STUCK_RANK", "1"))
     torch.manual_seed(100 + rank)  # each rank its own shard of the data
     batches = [(torch.randn(4, 8), torch.randn(4, 4)) for _ in range(steps)]
     model: Any = _net(seed=1 if mode == "init" and rank == 1 else 0)
@@ -111,7 +119,7 @@ def run(mode: str, out: Path, steps: int) -> None:
             step_times.append(time.time())
             if mode in ("unwrapped", "init"):
                 _acknowledged(monitor)
-            if mode == "stall" and rank == 1 and step == STALL_AFTER:
+            if mode == "stall" and rank == stuck_rank and step == STALL_AFTER:
                 release = out / "release"
                 deadline = time.monotonic() + STALL_LIMIT_SECONDS
                 while not release.exists() and time.monotonic() < deadline:

@@ -340,18 +340,38 @@ class CheckpointReport(_message.Message):
     def __init__(self, step: _Optional[int] = ..., path: _Optional[str] = ..., adapter: _Optional[_Union[AdapterDigest, _Mapping]] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("step", "dropped_events", "queued_events", "began_step", "where")
+    __slots__ = ("step", "dropped_events", "queued_events", "began_step", "where", "phase", "phase_step", "phase_pass", "phase_seconds_ago")
+    class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        PHASE_UNSPECIFIED: _ClassVar[Heartbeat.Phase]
+        PHASE_FORWARD: _ClassVar[Heartbeat.Phase]
+        PHASE_BACKWARD: _ClassVar[Heartbeat.Phase]
+        PHASE_BACKWARD_DONE: _ClassVar[Heartbeat.Phase]
+        PHASE_OPTIMIZER_STEP: _ClassVar[Heartbeat.Phase]
+    PHASE_UNSPECIFIED: Heartbeat.Phase
+    PHASE_FORWARD: Heartbeat.Phase
+    PHASE_BACKWARD: Heartbeat.Phase
+    PHASE_BACKWARD_DONE: Heartbeat.Phase
+    PHASE_OPTIMIZER_STEP: Heartbeat.Phase
     STEP_FIELD_NUMBER: _ClassVar[int]
     DROPPED_EVENTS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_EVENTS_FIELD_NUMBER: _ClassVar[int]
     BEGAN_STEP_FIELD_NUMBER: _ClassVar[int]
     WHERE_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    PHASE_STEP_FIELD_NUMBER: _ClassVar[int]
+    PHASE_PASS_FIELD_NUMBER: _ClassVar[int]
+    PHASE_SECONDS_AGO_FIELD_NUMBER: _ClassVar[int]
     step: int
     dropped_events: int
     queued_events: int
     began_step: int
     where: str
-    def __init__(self, step: _Optional[int] = ..., dropped_events: _Optional[int] = ..., queued_events: _Optional[int] = ..., began_step: _Optional[int] = ..., where: _Optional[str] = ...) -> None: ...
+    phase: Heartbeat.Phase
+    phase_step: int
+    phase_pass: int
+    phase_seconds_ago: float
+    def __init__(self, step: _Optional[int] = ..., dropped_events: _Optional[int] = ..., queued_events: _Optional[int] = ..., began_step: _Optional[int] = ..., where: _Optional[str] = ..., phase: _Optional[_Union[Heartbeat.Phase, str]] = ..., phase_step: _Optional[int] = ..., phase_pass: _Optional[int] = ..., phase_seconds_ago: _Optional[float] = ...) -> None: ...
 
 class ReplicaDigest(_message.Message):
     __slots__ = ("step", "structure", "values", "sizes", "names")

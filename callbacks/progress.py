@@ -107,10 +107,10 @@ class StepProgress:
             client.phase_at = time.monotonic()
             client.phase = BACKWARD_DONE
 
-    def step_done(self, step: int) -> float | None:
+    def step_done(self, step: int) -> tuple[float | None, float]:
         """At optimizer step ``step``'s end: marks the phase, and returns this step's local
-        seconds (None when no forward pass with gradients was seen since the previous step);
-        the clock starts again."""
+        seconds (None when no forward pass with gradients was seen since the previous step)
+        and its seconds since the previous step's end; the clock starts again."""
         client = self._client
         client.phase_step = step
         client.phase_pass = 0
@@ -118,8 +118,9 @@ class StepProgress:
         client.phase = OPTIMIZER_STEP
         now = time.perf_counter()
         local = self._forward_end - self._since if self._forward_end > self._since else None
+        period = now - self._since
         self._since = now
-        return local
+        return local, period
 
     def close(self) -> None:
         for handle in self._handles:

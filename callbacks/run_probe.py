@@ -303,7 +303,8 @@ class RunProbe:
         """Measure and report the update of the step that just ran."""
         if self.update is None or self.client is None or self.membership is None:
             return
-        local_seconds = self.progress.step_done(step) if self.progress is not None else None
+        local_seconds, step_seconds = (self.progress.step_done(step) if self.progress is not None
+                                       else (None, None))
         stats = self.update.after_step_deferred()  # read later, by the sender thread
         if stats is None:
             return
@@ -325,6 +326,7 @@ class RunProbe:
                 declared_frozen=(len(self._frozen.tensors), self._frozen.moved())
                 if self._frozen is not None else None,
                 local_seconds=local_seconds,
+                step_seconds=step_seconds,
             ),
         )
         if self.replicas is not None and replica_due(step):

@@ -69,6 +69,8 @@ class StepRecord:
     declared_frozen: tuple[int, int] | None = None
     #: The rank's own seconds in this step before its last forward ended (``progress``).
     local_seconds: float | None = None
+    #: Seconds since the previous optimizer step ended on this rank (``progress``).
+    step_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -220,6 +222,8 @@ def _step(r: StepRecord) -> pb.StepReport:
         report.declared_frozen_tensors, report.declared_frozen_moved_tensors = r.declared_frozen
     if r.local_seconds is not None:
         report.local_seconds = r.local_seconds
+    if r.step_seconds is not None:
+        report.step_seconds = r.step_seconds
     return report
 
 

@@ -153,6 +153,9 @@ class RankState:
     #: (step, seconds of the rank's own work before its last forward ended), newest last.
     local_seconds: deque[tuple[int, float]] = field(
         default_factory=lambda: deque(maxlen=LOCAL_SECONDS_WINDOW))
+    #: (step, seconds since the rank's previous optimizer step ended), newest last.
+    step_seconds: deque[tuple[int, float]] = field(
+        default_factory=lambda: deque(maxlen=LOCAL_SECONDS_WINDOW))
     #: The rank's newest replica samples, newest last.
     replicas: deque[ReplicaSample] = field(default_factory=lambda: deque(maxlen=REPLICA_WINDOW))
 

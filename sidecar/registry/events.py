@@ -148,6 +148,8 @@ class EventApplier:
                     run.stepped()
                     if report.HasField("local_seconds"):
                         rank.local_seconds.append((step, report.local_seconds))
+                    if report.HasField("step_seconds"):
+                        rank.step_seconds.append((step, report.step_seconds))
                     if newest_is_own:  # the run's newest combined step is this one
                         if step > entry.history_step:
                             entry.history_step = step

@@ -93,9 +93,16 @@ def replica_runs(sidecar: InProcessSidecar, tmp_path_factory: pytest.TempPathFac
     """Per mode of REPLICA_RUNS: (run id, rank reports)."""
     out = tmp_path_factory.mktemp("replicas")
     base = f"ranks-{out.name}"
-    job = _start(sidecar, ",".join(REPLICA_RUNS), out,
-                 ",".join(str(n) for n in REPLICA_RUNS.values()), base)
-    _wait(job)
+    # A CPU hog beside the job (as on a shared machine): the healthy twin must not get a
+    # straggler from a machine that slows its ranks now and then.
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        job = _start(sidecar, ",".join(REPLICA_RUNS), out,
+                     ",".join(str(n) for n in REPLICA_RUNS.values()), base)
+        _wait(job)
+    finally:
+        hog.kill()
+        hog.wait()
     found = {mode: (f"{base}-{mode}", _reports(out / mode)) for mode in REPLICA_RUNS}
     for run_id, reports in found.values():
         assert {r["run_id"] for r in reports} == {run_id}
@@ -272,6 +279,7 @@ def test_replicas_apart_are_critical(
 def test_healthy_ddp_twin_is_silent(
         sidecar: InProcessSidecar,
         replica_runs: dict[str, tuple[str, list[dict[str, Any]]]]) -> None:
+    """The healthy twin ran beside a CPU hog: no verdict, no straggler."""
     run_id, reports = replica_runs["healthy"]
     assert [r["steps"] for r in reports] == [10, 10]
     run = sidecar.seen(run_id)

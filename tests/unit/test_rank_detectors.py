@@ -8,6 +8,8 @@ runs, a run that samples with truncation from its first step.
 
 from __future__ import annotations
 
+import pytest
+
 from deadweight.proto import pb
 from deadweight.sidecar import status
 from deadweight.sidecar.exposition.collector import DeadweightCollector
@@ -327,3 +329,42 @@ def test_rank_stalled_names_the_rank_behind_in_phase() -> None:
     assert finding.firing and finding.evidence["rank"] == "1"
     assert finding.evidence["phase"] == "forward" and finding.evidence["waiting_in_step"] == "4"
     assert "the forward pass of step 4" in finding.summary
+
+
+def _timed(local: list[tuple[float, float]], step_seconds: float | None = None) -> Ranks:
+    """A 2-rank run whose steps carry each rank's local seconds (and the step time)."""
+    feed = Ranks(Registry(settings=DetectorSettings(straggler_steps=8)))
+    for step, pair in enumerate(local, start=1):
+        for rank, seconds in enumerate(pair):
+            report = pb.StepReport(step=step, learning_rate=1e-4, update_sq_sum=1e-6,
+                                   watched_params=8, optimizer_params=8, watched_tensors=2,
+                                   local_seconds=seconds)
+            if step_seconds is not None:
+                report.step_seconds = step_seconds
+            feed.send(rank, step=report)
+    return feed
+
+
+def test_straggler_is_judged_step_by_step_not_by_medians() -> None:
+    """A rank preempted in some steps only (a CPU hog beside the job lands on it now and then):
+    its median is 3.2x the other's and it is the slowest in every step, but it leads by the
+    ratio in 5 of 8 steps: no rank the job waits for step after step."""
+    hog = [(0.05, 0.16), (0.05, 0.16), (0.05, 0.06), (0.05, 0.06), (0.05, 0.06),
+           (0.05, 0.16), (0.05, 0.16), (0.05, 0.16)]
+    feed = _timed(hog)
+    finding = feed.finding("rank_straggler")
+    assert finding is None or not feed.firing("rank_straggler"), finding
+    slow = _timed([(0.05, 0.16)] * 8)  # the same lead in every step: named
+    assert slow.firing("rank_straggler")
+    assert slow.registry.findings("r")["rank_straggler"].evidence["slowest_in_steps"] == "8/8"
+
+
+def test_straggler_is_judged_against_the_job_step_time() -> None:
+    """The same 0.1 s lead is nothing in a 2 s step (5%) and most of a 0.3 s one (33%)."""
+    long_steps = _timed([(0.05, 0.15)] * 8, step_seconds=2.0)
+    assert not long_steps.firing("rank_straggler")
+    short_steps = _timed([(0.05, 0.15)] * 8, step_seconds=0.3)
+    finding = short_steps.registry.findings("r")["rank_straggler"]
+    assert finding.firing and finding.evidence["rank"] == "1"
+    assert float(finding.evidence["share_of_step"]) == pytest.approx(1 / 3)
+    assert "33% of the job's 0.3 s step" in finding.summary

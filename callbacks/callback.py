@@ -82,29 +82,27 @@ def _optional_fact(gather: Callable[..., T], *args: Any) -> T | None:
 
 
 def _loss_scale(optimizer: Any) -> torch.Tensor | float | None:
-    """The fp16 loss scale of the optimizer's GradScaler, None without one, or where the
-    optimizer says itself whether it skipped a step (``step_was_skipped``). A copy of the
-    scale tensor, left on the device: reading it (``get_scale()``) would wait for it."""
-    if isinstance(getattr(optimizer, "step_was_skipped", None), bool):
-        return None  # the wrapper compares the scales itself
+    """The fp16 loss scale of the optimizer's GradScaler, None without one: a copy of the
+    scale tensor left on the device (the scaler updates it in place after the step; reading
+    it, ``get_scale()``, would wait for the device)."""
     scaler = getattr(optimizer, "scaler", None)
     if scaler is None or not getattr(scaler, "is_enabled", lambda: False)():
         return None
     scale = getattr(scaler, "_scale", None)
     if isinstance(scale, torch.Tensor):
-        return scale.detach().clone()  # the scaler updates it in place after the step
+        return scale.detach().clone()
     get_scale = getattr(scaler, "get_scale", None)
-    return float(get_scale()) if callable(get_scale) else None
+    return float(get_scale()) if callable(get_scale) else None  # not yet scaling: no tensor
 
 
 def _step_skipped(optimizer: Any, scale_before: torch.Tensor | float | None
                   ) -> bool | DeferredScalar:
     """Whether the optimizer skipped this step: the wrapper says so, or the loss scale backed
-    off (a GradScaler lowers it exactly when it finds inf/NaN gradients and skips). Compared
-    on the device and read later by the sender thread: no host sync on the training thread."""
-    said = getattr(optimizer, "step_was_skipped", None)
-    if isinstance(said, bool):
-        return said
+    off (a GradScaler lowers it exactly when it finds inf/NaN gradients and skips). The
+    scales are compared on the device and read later by the sender thread: no host sync on
+    the training thread."""
+    if getattr(optimizer, "step_was_skipped", False) is True:
+        return True
     after = _loss_scale(optimizer)
     if scale_before is None or after is None:
         return False

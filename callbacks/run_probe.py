@@ -30,6 +30,7 @@ from ..proto.transport import grpc_target, unix_socket_path
 from . import digest, trainer_logs
 from . import layout as layouts
 from .console import Console
+from .deferred import DeferredScalar
 from .facts import membership, trainable
 from .facts.heads import HeadFacts
 from .facts.preflight import PreflightFacts
@@ -298,7 +299,7 @@ class RunProbe:
                 self._grad_params = None
         self.update.before_step()
 
-    def after_step(self, step: int, optimizer_step_skipped: bool = False,
+    def after_step(self, step: int, optimizer_step_skipped: bool | DeferredScalar = False,
                    adalora_rank_pattern_set: bool | None = None) -> None:
         """Measure and report the update of the step that just ran."""
         if self.update is None or self.client is None or self.membership is None:

@@ -68,3 +68,56 @@ class HostReads(TorchDispatchMode):
     @property
     def total(self) -> int:
         return sum(self.reads.values())
+
+
+class HookMeter:
+    """While entered, named methods of a class are wrapped: the host reads inside each are
+    counted under its name (``reads``, a HostReads the caller enters around the loop), its
+    seconds on the calling thread summed, and on CUDA the syncs the device reports counted
+    (``torch.cuda.set_sync_debug_mode``: process-wide, so a sender thread's designed wait
+    during a hook would count too). The real methods run unchanged; exit restores them."""
+
+    def __init__(self, cls: type, names: tuple[str, ...], reads: HostReads,
+                 cuda: bool = False) -> None:
+        self.cls, self.names, self.reads, self.cuda = cls, names, reads, cuda
+        self.seconds: Counter[str] = Counter()
+        self.device_syncs = 0
+        self._saved: dict[str, Any] = {}
+
+    def __enter__(self) -> HookMeter:
+        for name in self.names:
+            original = self._saved[name] = self.cls.__dict__[name]
+            setattr(self.cls, name, self._wrap(name, original))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name, original in self._saved.items():
+            setattr(self.cls, name, original)
+        self._saved = {}
+
+    def _wrap(self, name: str, fn: Any) -> Any:
+        import time
+        import warnings
+
+        meter = self
+
+        def measured(*args: Any, **kwargs: Any) -> Any:
+            meter.reads.at(name)
+            start = time.perf_counter()
+            try:
+                if not meter.cuda:
+                    return fn(*args, **kwargs)
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    torch.cuda.set_sync_debug_mode("warn")
+                    try:
+                        return fn(*args, **kwargs)
+                    finally:
+                        torch.cuda.set_sync_debug_mode("default")
+                        meter.device_syncs += sum("synchroniz" in str(w.message).lower()
+                                                  for w in caught)
+            finally:
+                meter.seconds[name] += time.perf_counter() - start
+                meter.reads.at("loop")
+
+        return measured

@@ -105,7 +105,9 @@ class Stalled(SpecDetector):
         fix="find the hung rank, generation or data loader worker, then restart from the last good "
         "checkpoint",
         fires_when="a live run sent no message at all (step, log, heartbeat), or its loop made "
-        "no optimizer step while heartbeats still arrive",
+        "no optimizer step while heartbeats still arrive; on a run of several ranks the "
+        "verdict names the rank that stopped first, the phase of the step it stopped in and "
+        "since when",
         thresholds=(Threshold("stalled_seconds", "seconds",
                               "seconds without any message (step, log or heartbeat) from a "
                               "live run"),

@@ -41,7 +41,8 @@ class RankStalled(SpecDetector):
         fix="look at the named rank: a stuck data loader (lower `dataloader_num_workers`, check "
         "its data shard) or control flow that differs between ranks (a save or evaluation on one)",
         fires_when="on a run of several ranks, no optimizer step for `rank_stalled_seconds` "
-        "while a rank never began the step another rank is inside, sits outside any "
+        "while a rank lies behind another (it never began the step another rank is inside, "
+        "or stopped at an earlier phase of it: forward, backward, gradient sync), sits outside any "
         "collective while the others wait in one, or went silent while the others still "
         "report; the verdict names the rank, its last step, the seconds and where it is",
         thresholds=(Threshold("rank_stalled_seconds", "seconds",

@@ -98,7 +98,8 @@ def replica_runs(sidecar: InProcessSidecar, tmp_path_factory: pytest.TempPathFac
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         job = _start(sidecar, ",".join(REPLICA_RUNS), out,
-                     ",".join(str(n) for n in REPLICA_RUNS.values()), base)
+                     ",".join(str(n) for n in REPLICA_RUNS.values()), base,
+                     env_more={"DEADWEIGHT_UPDATE_PATH": "device"})
         _wait(job)
     finally:
         hog.kill()
@@ -279,9 +280,13 @@ def test_replicas_apart_are_critical(
 def test_healthy_ddp_twin_is_silent(
         sidecar: InProcessSidecar,
         replica_runs: dict[str, tuple[str, list[dict[str, Any]]]]) -> None:
-    """The healthy twin ran beside a CPU hog: no verdict, no straggler."""
+    """The healthy twin ran beside a CPU hog: no verdict, no straggler. It ran the GPU's update
+    path and counted the host reads in deadweight's hooks after its first step: none, on
+    either DDP rank."""
     run_id, reports = replica_runs["healthy"]
     assert [r["steps"] for r in reports] == [10, 10]
+    assert [r["host_reads_in_hooks"] for r in reports] == [0, 0]
+    assert all(r["hooks_measured"] == ["_after_step", "_before_step", "log"] for r in reports)
     run = sidecar.seen(run_id)
     for rank in (0, 1):
         assert len(run.ranks[rank].local_seconds) == 10  # timed on both ranks

@@ -30,6 +30,7 @@ Each rank writes ``rank<N>.json``: run id, steps, and the wall time of each opti
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -39,6 +40,8 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+#: The Monitor's methods whose host reads the healthy twin counts.
+HOOKS = ("_before_step", "_after_step", "log")
 STALL_AFTER = 3
 STRAGGLE_SECONDS = 0.15
 #: Longest rank 1 stays stuck when nobody releases it (the test releases it far sooner).
@@ -106,9 +109,20 @@ def run(mode: str, out: Path, steps: int) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     step_times: list[float] = []
     settings = ClientSettings(heartbeat_seconds=0.2)
-    with deadweight.watch(model, optimizer, settings=settings,
-                          start_timeout_seconds=5.0) as monitor:
+    # The healthy twin counts the host reads in deadweight's hooks after its first step
+    # (``bench.host_reads``; the launch forces the device path, DEADWEIGHT_UPDATE_PATH=device).
+    from bench.host_reads import HookMeter, HostReads
+    from deadweight.callbacks.watch import Monitor
+
+    reads = HostReads()
+    counting = mode == "healthy"
+    meter = HookMeter(Monitor, HOOKS, reads)
+    # The meter first: watch binds the step hooks it wraps when it starts.
+    with meter if counting else contextlib.nullcontext(), deadweight.watch(
+            model, optimizer, settings=settings, start_timeout_seconds=5.0) as monitor:
         for step, (x, y) in enumerate(batches, start=1):
+            if counting and step == 2:
+                reads.__enter__()  # from the second step on
             if mode == "straggler" and rank == 1:
                 time.sleep(STRAGGLE_SECONDS)  # the slow rank's own work: not a test wait
             loss = torch.nn.functional.mse_loss(model(x), y)
@@ -124,8 +138,13 @@ def run(mode: str, out: Path, steps: int) -> None:
                 deadline = time.monotonic() + STALL_LIMIT_SECONDS
                 while not release.exists() and time.monotonic() < deadline:
                     time.sleep(0.05)  # the stuck rank: its loop makes no progress
+        if counting:
+            reads.__exit__(None, None, None)
         report = {"rank": rank, "run_id": monitor.run_id, "steps": monitor.step,
                   "step_times": step_times,
+                  "host_reads_in_hooks": sum(n for label, n in reads.where.items()
+                                             if label in HOOKS),
+                  "hooks_measured": sorted(meter.seconds),
                   "dropped": monitor.client.dropped if monitor.client else -1}
     (out / f"rank{rank}.json").write_text(json.dumps(report))
 

@@ -30,6 +30,7 @@ from alerts.rules import (
     DEFAULT_STALE_SECONDS,
     MONITORING,
     PAGER_FAILING,
+    RANK_STOPPED,
     RUN_STALE,
     SIDECAR_DOWN,
     SPECS,
@@ -123,7 +124,12 @@ def runbook_index() -> str:
              PAGER_FAILING: ("when a delivery gets through",
                              "the sidecar's pages to a pager target fail",
                              "make the pager target reachable (URL, network, credentials), "
-                             "then check `deadweight_pager_failures_total` stops rising")}
+                             "then check `deadweight_pager_failures_total` stops rising"),
+             RANK_STOPPED: ("when the rank catches up or the run ends",
+                            "one rank of a multi-node job stopped behind the others, which "
+                            "wait for it",
+                            "look at the named rank's process (data loader, a branch only it "
+                            "takes)")}
     for alert in MONITORING:
         resolves, meaning, fix = about[alert]
         lines.append(f"| {alert.name} | critical | {resolves} | "

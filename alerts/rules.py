@@ -75,7 +75,14 @@ RUN_STALE = MonitoringAlert("DeadweightRunStale", "run_stale",
 PAGER_FAILING = MonitoringAlert(
     "DeadweightPagerFailing", "pager_failing",
     "The deadweight sidecar cannot deliver pages to {{ $labels.target }}", per_run=False)
-MONITORING = (SIDECAR_DOWN, RUN_STALE, PAGER_FAILING)
+RANK_STOPPED = MonitoringAlert(
+    "DeadweightRankStopped", "rank_stopped",
+    "Run {{ $labels.run_id }} waits for rank {{ $labels.rank }}, which stopped behind the "
+    "other ranks", per_run=True)
+MONITORING = (SIDECAR_DOWN, RUN_STALE, PAGER_FAILING, RANK_STOPPED)
+#: Seconds no rank of a run moved before the rank behind the others is named across nodes
+#: (the sidecar's own ``rank_stalled_seconds`` default).
+RANK_STOPPED_SECONDS = 300
 #: A pager target is failing when its deliveries fail and none got through for this long.
 PAGER_SILENT_SECONDS = 300
 
@@ -228,6 +235,27 @@ def run_stale_expr(stale_seconds: int) -> str:
     ) + silenced_cause_clause(STALE_CAUSES)
 
 
+def rank_stopped_expr(seconds: int = RANK_STOPPED_SECONDS) -> str:
+    """Each node's sidecar sees only its own ranks; Prometheus compares them all: a rank whose
+    progress lies behind another rank's of the same run, while no rank of it moved for
+    ``seconds``, is the one the job waits for (one alert per such rank, labelled with it)."""
+    return (
+        "max by (run_id, rank) (deadweight_rank_progress_steps) "
+        "< on (run_id) group_left max by (run_id) (deadweight_rank_progress_steps) "
+        "and on (run_id) time() - max by (run_id) (deadweight_rank_phase_timestamp_seconds) "
+        f"> {seconds} and on (run_id) max by (run_id) (deadweight_run_active == 1)"
+    )
+
+
+def rank_stopped_description(run_id: str, rank: str, got: str, furthest: str,
+                             seconds: int) -> str:
+    return (f"Rank {rank} of run {run_id} got no further than {got} steps while another rank "
+            f"got to {furthest} (the fraction is the next step's phase: .25 forward pass, .5 "
+            f"backward, .75 the gradient sync after it), and no rank of the run moved for over "
+            f"{seconds}s: the job waits for rank {rank}. Look at that rank's process (its "
+            "data loader, a branch only it takes); the other ranks wait in a collective.")
+
+
 def run_stale_description(run_id: str, ago: str, stale_seconds: int, step: str) -> str:
     return (f"Run {run_id} is still registered as active, but its last optimizer step was "
             f"{ago} ago (threshold {stale_seconds}s). Evidence: step={step}.")
@@ -291,6 +319,19 @@ def rules(job_selector: str, stale_seconds: int, patterns: Patterns) -> dict[str
                         RUN_LABEL, "{{ $value | humanizeDuration }}", stale_seconds,
                         evidence_template("max(deadweight_step{run_id=%q})", "%.0f")),
                     **links(patterns, RUN_STALE.runbook, RUN_STALE.per_run),
+                },
+            },
+            {
+                "alert": RANK_STOPPED.name,
+                "expr": rank_stopped_expr(),
+                "labels": {"severity": "critical"},
+                "annotations": {
+                    "summary": RANK_STOPPED.summary,
+                    "description": rank_stopped_description(
+                        RUN_LABEL, "{{ $labels.rank }}", "{{ $value }}",
+                        evidence_template("max(deadweight_rank_progress_steps{run_id=%q})"),
+                        RANK_STOPPED_SECONDS),
+                    **links(patterns, RANK_STOPPED.runbook, RANK_STOPPED.per_run),
                 },
             },
             {
@@ -526,6 +567,7 @@ def monitoring_tests(job_selector: str, stale_seconds: int, patterns: Patterns
             ],
         },
         *pager_tests(patterns),
+        *rank_stopped_tests(patterns),
         {
             "name": f"{stale} stays silent for a stepping run and for a finished run",
             "interval": "1m",
@@ -540,6 +582,66 @@ def monitoring_tests(job_selector: str, stale_seconds: int, patterns: Patterns
                 *_cause_series("run-held", STALE_CAUSES[0], f"1x{n}", f"1x{n}"),
             ],
             "alert_rule_test": [{"eval_time": f"{stale_minutes}m", "alertname": stale,
+                                 "exp_alerts": []}],
+        },
+    ]
+
+
+def rank_stopped_tests(patterns: Patterns) -> list[dict[str, Any]]:
+    """Two nodes' sidecars, one rank each, of one run: rank 1 stopped after optimizer step 5,
+    rank 0 went on into step 6's gradient sync; then the healthy twins: ranks that keep moving,
+    and ranks stopped at the same place (an evaluation, the whole job hung alike)."""
+    name = RANK_STOPPED.name
+    minutes = RANK_STOPPED_SECONDS // 60 + 3
+    n = minutes + 3
+
+    def series(run_id: str, node: str, rank: str, progress: str, stamp: str
+               ) -> list[dict[str, str]]:
+        labels = (f'job="deadweight", instance="{node}:9464", run_id="{run_id}", '
+                  f'trainer="SFTTrainer", rank="{rank}"')
+        return [{"series": f"deadweight_rank_progress_steps{{{labels}}}", "values": progress},
+                {"series": f'deadweight_rank_phase_timestamp_seconds{{{labels}, '
+                           f'phase="optimizer_step"}}', "values": stamp}]
+
+    def active(run_id: str, node: str) -> dict[str, str]:
+        return {"series": f'deadweight_run_active{{job="deadweight", instance="{node}:9464", '
+                          f'run_id="{run_id}", trainer="SFTTrainer"}}', "values": f"1x{n}"}
+
+    hung = [active("run-hung", "a"), active("run-hung", "b"),
+            *series("run-hung", "a", "0", f"5.75x{n}", f"0x{n}"),
+            *series("run-hung", "b", "1", f"5x{n}", f"0x{n}")]
+    return [
+        {
+            "name": f"{name} names the rank behind the others across two nodes",
+            "interval": "1m",
+            "input_series": hung,
+            "alert_rule_test": [
+                {"eval_time": "3m", "alertname": name, "exp_alerts": []},
+                {"eval_time": f"{minutes}m", "alertname": name, "exp_alerts": [{
+                    "exp_labels": {"severity": "critical", "run_id": "run-hung", "rank": "1"},
+                    "exp_annotations": {
+                        "summary": RANK_STOPPED.summary.replace(RUN_LABEL, "run-hung").replace(
+                            "{{ $labels.rank }}", "1"),
+                        "description": rank_stopped_description("run-hung", "1", "5", "5.75",
+                                                                RANK_STOPPED_SECONDS),
+                        **links(patterns, RANK_STOPPED.runbook, RANK_STOPPED.per_run,
+                                "run-hung"),
+                    },
+                }]},
+            ],
+        },
+        {
+            "name": f"{name} stays silent while ranks move, and for ranks stopped alike",
+            "interval": "1m",
+            "input_series": [
+                active("run-moving", "a"), active("run-moving", "b"),
+                *series("run-moving", "a", "0", f"5.75+1x{n}", f"0+60x{n}"),
+                *series("run-moving", "b", "1", f"5+1x{n}", f"0+60x{n}"),
+                active("run-eval", "a"), active("run-eval", "b"),
+                *series("run-eval", "a", "0", f"5x{n}", f"0x{n}"),
+                *series("run-eval", "b", "1", f"5x{n}", f"0x{n}"),
+            ],
+            "alert_rule_test": [{"eval_time": f"{minutes}m", "alertname": name,
                                  "exp_alerts": []}],
         },
     ]

@@ -19,7 +19,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer shapes and repeats")
     parser.add_argument("--only", nargs="*", default=None,
                         help="subset of: update_pass full_ft checkpoint sidecar sidecar_trust "
-                             "sidecar_memory attest_flood stop_agreement train_step")
+                             "sidecar_memory sidecar_ranks attest_flood stop_agreement train_step "
+                             "step_marks")
     parser.add_argument("--device", default="cpu",
                         help="where the weights live: cpu (default) or cuda (the update pass "
                              "and the training step then run there)")
@@ -64,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     if wanted("sidecar_memory"):
         from . import sidecar_memory
         sidecar_memory.run(repeats, args.quick)
+    if wanted("sidecar_ranks"):
+        from . import sidecar_ranks
+        sidecar_ranks.run(repeats, args.quick)
     if wanted("attest_flood"):
         from . import attest_flood
         attest_flood.run(repeats, args.quick)
@@ -76,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     if wanted("train_step"):
         from . import train_step
         train_step.run(repeats, args.quick, args.device)
+    if wanted("step_marks"):
+        from . import step_marks
+        step_marks.run(repeats, args.quick, args.device)
     return 0
 
 

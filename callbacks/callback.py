@@ -40,12 +40,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from . import digest, layout, trainer_logs
 from . import summary_writer as promotion
 from .adapter_home import adapter_home
 from .console import console_logger
+from .deferred import DeferredScalar
 from .directives import Directives
 from .facts import dataset_rows, heads, membership, preflight, resume, stop_token
 from .run_probe import (
@@ -82,22 +84,34 @@ def _optional_fact(gather: Callable[..., T], *args: Any) -> T | None:
         return None
 
 
-def _loss_scale(optimizer: Any) -> float | None:
-    """The fp16 loss scale of the optimizer's GradScaler, None without one."""
+def _loss_scale(optimizer: Any) -> torch.Tensor | float | None:
+    """The fp16 loss scale of the optimizer's GradScaler, None without one: a copy of the
+    scale tensor left on the device (the scaler updates it in place after the step; reading
+    it, ``get_scale()``, would wait for the device)."""
     scaler = getattr(optimizer, "scaler", None)
-    get_scale = getattr(scaler, "get_scale", None)
-    if not callable(get_scale) or not getattr(scaler, "is_enabled", lambda: False)():
+    if scaler is None or not getattr(scaler, "is_enabled", lambda: False)():
         return None
-    return float(get_scale())
+    scale = getattr(scaler, "_scale", None)
+    if isinstance(scale, torch.Tensor):
+        return scale.detach().clone()
+    get_scale = getattr(scaler, "get_scale", None)
+    return float(get_scale()) if callable(get_scale) else None  # not yet scaling: no tensor
 
 
-def _step_skipped(optimizer: Any, scale_before: float | None) -> bool:
+def _step_skipped(optimizer: Any, scale_before: torch.Tensor | float | None
+                  ) -> bool | DeferredScalar:
     """Whether the optimizer skipped this step: the wrapper says so, or the loss scale backed
-    off (a GradScaler lowers it exactly when it finds inf/NaN gradients and skips)."""
+    off (a GradScaler lowers it exactly when it finds inf/NaN gradients and skips). The
+    scales are compared on the device and read later by the sender thread: no host sync on
+    the training thread."""
     if getattr(optimizer, "step_was_skipped", False) is True:
         return True
     after = _loss_scale(optimizer)
-    return scale_before is not None and after is not None and after < scale_before
+    if scale_before is None or after is None:
+        return False
+    if isinstance(after, torch.Tensor) and isinstance(scale_before, torch.Tensor):
+        return DeferredScalar(after < scale_before)
+    return float(after) < float(scale_before)
 
 
 __all__ = ["DEFAULT_ADDRESS", "DeadweightAbort", "DeadweightCallback", "SidecarRequired",
@@ -141,7 +155,7 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
         self._disabled = False
         self._model: Any = None
         self._adalora = False
-        self._loss_scale: float | None = None
+        self._loss_scale: torch.Tensor | float | None = None
         self._trainer_logs = False
         self._last_checkpoint: tuple[Path, digest.AdapterDigest] | None = None
         #: The trainer's latest global step (written into summaries of later saves).

@@ -21,22 +21,25 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback
 
+from .deferred import DeferredScalar
 from .stream_client import ClientSettings
 from .watch import Monitor
 
 
-def _grad_norm(module: torch.nn.Module) -> float:
-    """L2 norm of every gradient present, in one multi-tensor pass."""
+def _grad_norm(module: torch.nn.Module) -> float | DeferredScalar:
+    """L2 norm of every gradient present, in one multi-tensor pass, read later by the sender
+    thread (the training thread never waits for the device)."""
     grads = [p.grad for p in module.parameters() if p.grad is not None]
     if not grads:
         return 0.0
-    return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
+    return DeferredScalar(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
 
 
-def _loss(outputs: Any) -> float | None:
+def _loss(outputs: Any) -> DeferredScalar | None:
+    """The step's loss, read later by the sender thread."""
     loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
     if isinstance(loss, torch.Tensor) and loss.numel() == 1:
-        return float(loss.detach().item())
+        return DeferredScalar(loss)
     return None
 
 
@@ -52,7 +55,7 @@ class DeadweightLightningCallback(Callback):  # type: ignore[misc]
         self.settings = settings
         self.start_timeout_seconds = start_timeout_seconds
         self.monitor: Monitor | None = None
-        self._grad_norm = 0.0
+        self._grad_norm: float | DeferredScalar = 0.0
 
     @property
     def stopped_by_deadweight(self) -> str | None:
@@ -78,7 +81,7 @@ class DeadweightLightningCallback(Callback):  # type: ignore[misc]
         monitor = self.monitor
         if monitor is None:
             return
-        values: dict[str, float] = {"grad_norm": self._grad_norm}
+        values: dict[str, float | DeferredScalar] = {"grad_norm": self._grad_norm}
         loss = _loss(outputs)
         if loss is not None:
             values["loss"] = loss

@@ -30,6 +30,7 @@ from ..proto.transport import grpc_target, unix_socket_path
 from . import baseline_file, digest, trainer_logs
 from . import layout as layouts
 from .console import Console
+from .deferred import DeferredScalar
 from .facts import membership, optimizer_setup, trainable
 from .facts.heads import HeadFacts
 from .facts.preflight import PreflightFacts
@@ -305,12 +306,13 @@ class RunProbe:
                 self._grad_params = None
         self.update.before_step()
 
-    def after_step(self, step: int, optimizer_step_skipped: bool = False,
+    def after_step(self, step: int, optimizer_step_skipped: bool | DeferredScalar = False,
                    adalora_rank_pattern_set: bool | None = None) -> None:
         """Measure and report the update of the step that just ran."""
         if self.update is None or self.client is None or self.membership is None:
             return
-        local_seconds = self.progress.step_done() if self.progress is not None else None
+        local_seconds, step_seconds = (self.progress.step_done(step) if self.progress is not None
+                                       else (None, None))
         stats = self.update.after_step_deferred()  # read later, by the sender thread
         if stats is None:
             return
@@ -332,6 +334,7 @@ class RunProbe:
                 declared_frozen=(len(self._frozen.tensors), self._frozen.moved())
                 if self._frozen is not None else None,
                 local_seconds=local_seconds,
+                step_seconds=step_seconds,
             ),
         )
         if self.replicas is not None and replica_due(step):

@@ -141,8 +141,9 @@ class StreamClient:
         "_marks", "_metadata", "_notices", "_pending_resend", "_queue", "_ready", "_rejections",
         "_reported_dropped", "_run_start", "_seq", "_start_acked", "_stop", "_thread",
         "_tls_root", "_to_event", "_trainer_thread", "_wake", "_warned", "address",
-        "began_step", "connects", "firing", "last_step", "rank", "report_command", "run_id",
-        "sent", "settings", "submitted", "unreachable_told",
+        "began_step", "connects", "firing", "last_step", "phase", "phase_at", "phase_pass",
+        "phase_step", "rank", "report_command", "run_id", "sent", "settings", "submitted",
+        "unreachable_told",
     )
 
     def __init__(
@@ -187,6 +188,13 @@ class StreamClient:
         #: The newest step the loop has begun (written by the training thread, one int; the
         #: heartbeats carry it, so a rank stuck before its next step can be named).
         self.began_step = 0
+        #: The phase of a step the training thread last entered (``progress``: 0 unmeasured),
+        #: the step and micro-batch it belongs to, and when (time.monotonic()); written by
+        #: the training thread's hooks, read by the heartbeats.
+        self.phase = 0
+        self.phase_step = 0
+        self.phase_pass = 0
+        self.phase_at = 0.0
         #: The training thread, whose stack heartbeats describe once ``began_step`` is set.
         self._trainer_thread = threading.get_ident()
         self._seq = 0
@@ -557,11 +565,16 @@ class StreamClient:
         """Heartbeats carry no seq: they are never resent or deduplicated."""
         self._reported_dropped = self.dropped
         place = where(self._trainer_thread) if self.began_step else ""
+        phase, phase_at = self.phase, self.phase_at
         return pb.Event(
             seq=0,
             time_seconds=time.time(),
             heartbeat=pb.Heartbeat(
                 step=self.last_step, dropped_events=self.dropped, queued_events=len(self._queue),
                 began_step=self.began_step, where=place,
+                phase=phase,  # type: ignore[arg-type]
+                phase_step=self.phase_step if phase else 0,
+                phase_pass=self.phase_pass if phase else 0,
+                phase_seconds_ago=max(0.0, time.monotonic() - phase_at) if phase else 0.0,
             ),
         )

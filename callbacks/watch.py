@@ -36,10 +36,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-import torch
-
 from . import digest, layout
 from . import summary_writer as promotion
+from .deferred import defer
 from .directives import Directives
 from .facts import preflight
 from .run_probe import (
@@ -60,10 +59,9 @@ SUMMARY_TIMEOUT_SECONDS = 1.0
 
 
 def _scalar(value: Any) -> Any:
-    """A one-element tensor as a float (the loop's loss usually is one); anything else as is."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return float(value.detach().item())
-    return value
+    """A one-element tensor (the loop's loss usually is one) as a value the sender thread
+    reads: the loop never waits for its device (``deferred``); anything else as is."""
+    return defer(value)
 
 
 class Monitor:

@@ -12,6 +12,7 @@ from typing import Any
 
 from ..proto import pb
 from ..proto.kinds import EventKind
+from .deferred import DeferredScalar
 from .digest import AdapterDigest
 from .facts.heads import HeadFacts
 from .facts.membership import Membership
@@ -60,7 +61,9 @@ class StepRecord:
     optimizer_params: int
     grad_not_in_optimizer_tensors: int
     grad_not_in_optimizer_params: int
-    optimizer_step_skipped: bool = False
+    #: Whether the optimizer skipped the step; a DeferredScalar where it is read off a
+    #: device value (the fp16 loss scale), resolved by the sender thread.
+    optimizer_step_skipped: bool | DeferredScalar = False
     adalora_rank_pattern_set: bool | None = None
     #: The step's gradient squares (a device scalar until the sender reads it), if measured.
     grad_sq_sum: Any = None
@@ -68,12 +71,15 @@ class StepRecord:
     declared_frozen: tuple[int, int] | None = None
     #: The rank's own seconds in this step before its last forward ended (``progress``).
     local_seconds: float | None = None
+    #: Seconds since the previous optimizer step ended on this rank (``progress``).
+    step_seconds: float | None = None
 
 
 @dataclass(frozen=True)
 class LogRecord:
     step: int
-    values: dict[str, float]
+    #: A DeferredScalar for a tensor the loop logged, read by the sender thread.
+    values: dict[str, float | DeferredScalar]
     dropped_keys: int = 0
 
 
@@ -92,19 +98,19 @@ class RunEndRecord:
 
 def numeric_logs(logs: dict[str, Any], step: int) -> LogRecord:
     """Every numeric (or None-for-NaN) log value, bounded in key count and key length."""
-    kept: dict[str, float] = {}
+    kept: dict[str, float | DeferredScalar] = {}
     dropped = 0
     for key, value in logs.items():
         if isinstance(value, bool):
             value = float(value)
         if value is None:
             value = math.nan  # TRL logs a metric that was NaN for a whole window as None
-        if not isinstance(value, int | float):
+        if not isinstance(value, int | float | DeferredScalar):
             continue
         if len(kept) >= MAX_LOG_KEYS or len(key) > MAX_KEY_LENGTH:
             dropped += 1
             continue
-        kept[str(key)] = float(value)
+        kept[str(key)] = value if isinstance(value, DeferredScalar) else float(value)
     return LogRecord(step=step, values=kept, dropped_keys=dropped)
 
 
@@ -210,7 +216,7 @@ def _step(r: StepRecord) -> pb.StepReport:
             )
             for g in s.groups
         ],
-        optimizer_step_skipped=r.optimizer_step_skipped,
+        optimizer_step_skipped=bool(r.optimizer_step_skipped),  # a deferred read, maybe
     )
     if r.adalora_rank_pattern_set is not None:
         report.adalora_rank_pattern_set = r.adalora_rank_pattern_set
@@ -220,6 +226,8 @@ def _step(r: StepRecord) -> pb.StepReport:
         report.declared_frozen_tensors, report.declared_frozen_moved_tensors = r.declared_frozen
     if r.local_seconds is not None:
         report.local_seconds = r.local_seconds
+    if r.step_seconds is not None:
+        report.step_seconds = r.step_seconds
     return report
 
 
@@ -237,7 +245,8 @@ def to_event(kind: str, record: Any) -> pb.Event:
     if kind == EventKind.LOG:
         return pb.Event(
             log=pb.LogReport(
-                step=record.step, values=record.values, dropped_keys=record.dropped_keys
+                step=record.step, values={k: float(v) for k, v in record.values.items()},
+                dropped_keys=record.dropped_keys
             )
         )
     if kind == EventKind.CHECKPOINT:

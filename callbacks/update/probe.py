@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import os
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Literal
@@ -57,6 +58,17 @@ _version = operator.attrgetter("_version")
 #: their local shards, none of which overrides ``data_ptr`` in Python.
 _data_ptr = torch.Tensor.data_ptr
 
+
+
+#: Set to "device" (tests, benchmarks): CPU tensors take the accelerator's path (the device
+#: kernel queued on the training thread, figures copied without blocking and read later by the
+#: sender), so a CPU test runs the code a GPU runs and can count its host reads.
+PATH_ENV = "DEADWEIGHT_UPDATE_PATH"
+
+
+def device_path_forced() -> bool:
+    """Whether ``PATH_ENV`` asks for the device path on CPU tensors."""
+    return os.environ.get(PATH_ENV, "") == "device"
 
 
 def _sample_runs(sample: int) -> int:
@@ -105,7 +117,8 @@ class UpdateProbe:
         self._bind()
         # the CPU torch fallback is several times slower than the installed kernel: say so
         slow = (self.path == "torch" and path == "auto" and bool(self._sources)
-                and all(s.device.type == "cpu" for s in self._sources))
+                and all(s.device.type == "cpu" for s in self._sources)
+                and not device_path_forced())
         log.log(logging.WARNING if slow else logging.INFO,
                 "deadweight: update pass runs the %s kernel on %d tensors", self.describe(),
                 len(self._tensors))
@@ -117,6 +130,8 @@ class UpdateProbe:
         devices = sorted({t.device.type for t in self._sources})
         if devices and devices != ["cpu"]:
             return f"torch (tensors on {','.join(devices)}: device kernel, deferred read)"
+        if isinstance(self._kernel, DeviceKernel):
+            return f"torch (device kernel on the CPU, deferred read: {PATH_ENV}=device)"
         if self._path == "torch":
             return "torch (asked for)"
         return update_native.describe() if update_native.load() is None else (
@@ -134,13 +149,14 @@ class UpdateProbe:
         self._valid_at: list[int] | None = None  # versions at which snapshot == weights
         self._elements = torch.tensor([float(s.numel()) for s in self._sources],
                                       dtype=torch.float64)
-        native = None if self._path == "torch" else native_kernel(self._sources)
+        forced = device_path_forced()
+        native = None if self._path == "torch" or forced else native_kernel(self._sources)
         if self._path == "native" and native is None:
             raise RuntimeError("the native update kernel is unavailable for these tensors")
         kernel: NativeKernel | ChunkedKernel | DeviceKernel
         if native is not None:
             kernel = native
-        elif all(s.device.type == "cpu" for s in self._sources):
+        elif all(s.device.type == "cpu" for s in self._sources) and not forced:
             kernel = ChunkedKernel(self._sources)
         else:
             kernel = DeviceKernel(self._sources)

@@ -185,7 +185,9 @@ class Actions:
         log.warning(
             "action", action=event.action, result=event.result, run_id=event.run_id,
             detector=event.detector, incident=f"{event.detector}#{event.incident}",
-            rank=event.rank, pid=event.pid, evidence=event.evidence, dry_run=self.dry_run,
+            # A page acts on the run; the rank its verdict names (a stalled rank) is told.
+            rank=event.rank if event.rank is not None else event.evidence.get("rank"),
+            pid=event.pid, evidence=event.evidence, dry_run=self.dry_run,
             **event.detail,
         )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import time
 
-from ..model.run_state import RunState
+from ..model.run_state import RankState, RunState
 from ..model.settings import DetectorSettings
 from ..model.step_point import StepPoint
 from .base import SpecDetector, Verdict, fmt, step_at
@@ -16,6 +16,7 @@ from .spec import (
     Severity,
     Threshold,
 )
+from .stopped_first import account, evidence, ranks_text, since, stopped_first
 
 
 class NonfiniteLoss(SpecDetector):
@@ -112,7 +113,9 @@ class Stalled(SpecDetector):
         fix="find the hung rank, generation or data loader worker, then restart from the last good "
         "checkpoint",
         fires_when="a live run sent no message at all (step, log, heartbeat), or its loop made "
-        "no optimizer step while heartbeats still arrive",
+        "no optimizer step while heartbeats still arrive; on a run of several ranks the "
+        "verdict names the rank that stopped first, the phase of the step it stopped in and "
+        "since when",
         thresholds=(Threshold("stalled_seconds", "seconds",
                               "seconds without any message (step, log or heartbeat) from a "
                               "live run"),
@@ -141,14 +144,53 @@ class Stalled(SpecDetector):
                       f"{settings.stalled_step_seconds:g} s) though the process still reports")
         else:
             return Verdict(False, step=run.step)
-        return Verdict(
-            True,
-            step=run.step,
-            summary=f"run stalled at step {run.step}: {reason}",
-            evidence={"seconds_since_last_message": fmt(silent),
-                      "seconds_since_last_step": fmt(since_step),
-                      "step": fmt(run.step)},
-        )
+        evidence = {"seconds_since_last_message": fmt(silent),
+                    "seconds_since_last_step": fmt(since_step), "step": fmt(run.step)}
+        who = _who_stopped(sorted(heard, key=lambda r: r.rank), run.start.world_size, now,
+                           min(settings.stalled_seconds, settings.stalled_step_seconds))
+        if who is not None:
+            words, named = who
+            reason += f"; {words}"
+            evidence.update(named)
+        return Verdict(True, step=run.step, summary=f"run stalled at step {run.step}: {reason}",
+                       evidence=evidence)
+
+
+def _who_stopped(heard: list[RankState], world_size: int, now: float, limit: float
+                 ) -> tuple[str, dict[str, str]] | None:
+    """The words and evidence naming the rank(s) of a stalled run that stopped first, where
+    and since when. A sidecar that serves one rank of a larger job (one node of several)
+    says where its rank is and leaves the naming to the comparison across nodes. None when
+    nothing finer than the step is known."""
+    if len(heard) == 1:
+        rank = heard[0]
+        mark = rank.position
+        if not rank.phase:
+            return None  # one rank, no mark finer than the step: the step says it all
+        seconds = now - since(rank)
+        if world_size > 1:
+            return (f"this sidecar serves rank {rank.rank} only (of {world_size}), which is at "
+                    f"{mark.words()} since {seconds:.0f} s; the rank the job waits for may "
+                    "report to another node's sidecar (DeadweightRankStopped names it)",
+                    {"local_ranks": str(rank.rank), "phase": mark.phase,
+                     "phase_step": str(mark.step), "stopped_seconds": f"{seconds:.1f}"})
+        return (f"rank {rank.rank} stopped at {mark.words()}, {seconds:.0f} s ago",
+                {"rank": str(rank.rank), "phase": mark.phase, "phase_step": str(mark.step),
+                 "stopped_seconds": f"{seconds:.1f}"})
+    # The whole run stopped stepping for the limit, so a mark behind the others' for even a
+    # fraction of it is the one they wait for.
+    found = stopped_first(heard, now, limit / 2)
+    if found is None:
+        mark = max((r.position for r in heard), key=lambda p: p.key)
+        words = (f"every rank here ({ranks_text(heard)}) stopped at {mark.words()}; none is "
+                 "behind the others")
+        if len(heard) < world_size:
+            words += (f" (this sidecar serves {len(heard)} of {world_size} ranks: the rank the "
+                      "job waits for may report to another node's sidecar; "
+                      "DeadweightRankStopped names it)")
+        return words, {"phase": mark.phase, "phase_step": str(mark.step),
+                       "local_ranks": ranks_text(heard)}
+    return account(found, now), evidence(found, now)
 
 
 class DecayOnlyUpdate(SpecDetector):

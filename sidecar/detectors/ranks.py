@@ -16,14 +16,7 @@ from ..model.run_state import RankState, ReplicaSample, RunState
 from ..model.settings import DetectorSettings
 from .base import SpecDetector, Verdict, fmt
 from .spec import DetectorSpec, Evidence, Policy, Severity, Threshold
-
-#: What a rank's heartbeat says when its training thread waits in a collective (the client's
-#: ``callbacks.where.COLLECTIVE``; the sidecar imports nothing from the callback).
-COLLECTIVE = "collective"
-
-
-def _ranks(ranks: list[RankState]) -> str:
-    return ",".join(str(r.rank) for r in ranks)
+from .stopped_first import evidence, since, stopped_first, why
 
 
 class RankStalled(SpecDetector):
@@ -52,7 +45,8 @@ class RankStalled(SpecDetector):
         fix="look at the named rank: a stuck data loader (lower `dataloader_num_workers`, check "
         "its data shard) or control flow that differs between ranks (a save or evaluation on one)",
         fires_when="on a run of several ranks, no optimizer step for `rank_stalled_seconds` "
-        "while a rank never began the step another rank is inside, sits outside any "
+        "while a rank lies behind another (it never began the step another rank is inside, "
+        "or stopped at an earlier phase of it: forward, backward, gradient sync), sits outside any "
         "collective while the others wait in one, or went silent while the others still "
         "report; the verdict names the rank, its last step, the seconds and where it is",
         thresholds=(Threshold("rank_stalled_seconds", "seconds",
@@ -72,49 +66,38 @@ class RankStalled(SpecDetector):
         newest_step = max(r.last_step_time or r.first_seen for r in heard)
         if now - newest_step <= limit:
             return Verdict(False, step=run.step)
-        furthest = max(r.progress for r in heard)
-        behind = {r.rank for r in heard if r.progress < furthest
-                  and now - (r.progress_time or r.first_seen) > limit}
-        silent = {r.rank for r in heard if now - r.last_seen > limit}
-        busy = set()
-        if not behind and not silent and any(r.where == COLLECTIVE for r in heard):
-            # Every rank at the same step: the ones waiting in a collective wait for the
-            # ones that are not (the trainer gathers before a step begins, too).
-            busy = {r.rank for r in heard if r.where not in ("", COLLECTIVE)}
-        stuck = [r for r in heard if r.rank in behind | silent | busy]
-        waiting = [r for r in heard if r.rank not in behind | silent | busy]
-        if not stuck or not any(now - r.last_seen <= limit for r in waiting):
+        found = stopped_first(heard, now, limit)
+        if found is None or not any(now - r.last_seen <= limit for r in found.waiting):
             return Verdict(False, step=run.step)  # nobody waits: the whole run is stalled
-        first = stuck[0]
-        seconds = now - (first.progress_time or first.first_seen)
-        if first.rank in behind:
-            why = (f"it never began step {furthest}, which rank(s) {_ranks(waiting)} began "
-                   f"and wait in")
-        elif first.rank in busy:
-            why = (f"it is in its own code ({first.where}) while rank(s) {_ranks(waiting)} "
-                   f"wait for it in a collective")
-        else:
-            why = (f"it sent nothing for {now - first.last_seen:.0f} s while rank(s) "
-                   f"{_ranks(waiting)} still report")
+        first = found.first
+        seconds = now - since(first)
+        mark = first.position
+        at = "" if mark.phase == "optimizer_step" else f", at {mark.words()}"
         return Verdict(
             True,
             step=first.step,
-            summary=(f"rank {first.rank} stopped after step {first.step}, {seconds:.0f} s ago "
-                     f"(limit {limit:g} s): {why}"),
-            evidence={"rank": str(first.rank), "stuck_ranks": _ranks(stuck),
+            summary=(f"rank {first.rank} stopped after step {first.step}{at}, {seconds:.0f} s "
+                     f"ago (limit {limit:g} s): {why(found, now)}"),
+            evidence={**evidence(found, now),
                       "last_step": fmt(first.step), "began_step": fmt(first.began_step),
-                      "seconds": fmt(round(seconds, 1)), "waiting_ranks": _ranks(waiting),
-                      "waiting_in_step": fmt(furthest), "where": first.where or "n/a",
+                      "seconds": fmt(round(seconds, 1)),
+                      "waiting_in_step": fmt(found.furthest.step), "where": first.where or "n/a",
                       "seconds_since_last_message": fmt(round(now - first.last_seen, 1))},
         )
 
 
 class RankStraggler(SpecDetector):
-    """A rank the others consistently wait for: its own work per step takes longest.
+    """A rank the others consistently wait for: its own work per step takes longest, step
+    after step, by a share of the job's step time that matters.
 
     Each rank times its own part of a step (from the previous optimizer step's end to its last
     forward pass's end: data loading and forward, before the gradient all-reduce where the
-    ranks meet). A rank much slower than the others in most recent steps slows every rank.
+    ranks meet) and the whole step. A rank is judged against its peers on the same work and
+    against the job: it must be slower than the next rank by the ratio and the margin in most
+    steps of the window (a machine slowed for everyone, a CPU hog that preempts one rank now
+    and another then, lands on no rank step after step), and what the others wait for it must
+    be a material share of the job's step time (a rank a few milliseconds slower in a step of
+    seconds costs nothing).
     """
 
     spec = DetectorSpec(
@@ -125,19 +108,24 @@ class RankStraggler(SpecDetector):
         severity=Severity.WARNING,
         summary="Run {run_id} has a rank that every other rank waits for",
         meaning="one rank's own work per step (data loading and forward passes) is "
-        "consistently longer than the other ranks': every step waits for it",
+        "consistently longer than the other ranks', by a material share of the step: every "
+        "step waits for it",
         fix="give the slow rank's data loading what the others have (workers, a local copy of "
         "the data) and balance the shards, or move the job off a throttled device",
-        fires_when="over the last `straggler_steps` steps every rank timed, one rank's median "
-        "local seconds is at least `straggler_ratio` times the next rank's (and "
-        "`straggler_min_seconds` more), and it was the slowest in 3 of 4 of those steps",
+        fires_when="over the last `straggler_steps` steps every rank timed, one rank's local "
+        "seconds are at least `straggler_ratio` times the next rank's and "
+        "`straggler_min_seconds` more in 3 of 4 of those steps, and the median difference "
+        "is at least `straggler_step_share` of the job's median step time",
         policy=Policy.OBSERVE,
         thresholds=(Threshold("straggler_steps", "optimizer steps",
                               "recent steps timed on every rank that the verdict reads"),
                     Threshold("straggler_ratio", "ratio",
-                              "the slowest rank's median against the next slowest rank's"),
+                              "the slowest rank's local seconds against the next slowest "
+                              "rank's, in a step"),
                     Threshold("straggler_min_seconds", "seconds",
-                              "least difference of the medians that counts")),
+                              "least difference in a step that counts"),
+                    Threshold("straggler_step_share", "fraction of a step",
+                              "least share of the job's step time the others wait for it")),
         evidence=(Evidence("step"),),
     )
 
@@ -154,24 +142,36 @@ class RankStraggler(SpecDetector):
                    for rank, times in per_rank.items()}
         slowest = max(medians, key=lambda rank: medians[rank])
         others = max(m for rank, m in medians.items() if rank != slowest)
-        slowest_in = sum(1 for s in window
-                         if max(per_rank, key=lambda rank: per_rank[rank][s]) == slowest)
+
+        def lead(step: int) -> bool:
+            mine = per_rank[slowest][step]
+            next_one = max(t[step] for rank, t in per_rank.items() if rank != slowest)
+            return (mine >= settings.straggler_ratio * next_one
+                    and mine - next_one >= settings.straggler_min_seconds)
+
+        led = sum(1 for s in window if lead(s))
         slow = medians[slowest]
-        if not (slow >= settings.straggler_ratio * others
-                and slow - others >= settings.straggler_min_seconds
-                and 4 * slowest_in >= 3 * len(window)):
+        periods = [seconds for r in timed for step, seconds in r.step_seconds
+                   if step in window]
+        step_time = statistics.median(periods) if periods else None
+        share = (slow - others) / step_time if step_time else None
+        if not (4 * led >= 3 * len(window)
+                and (share is None or share >= settings.straggler_step_share)):
             return Verdict(False, step=window[-1])
         ratio = slow / others if others > 0 else math.inf
+        of_step = (f", {share:.0%} of the job's {step_time:.3g} s step"
+                   if share is not None and step_time is not None else "")
         return Verdict(
             True,
             step=window[-1],
             summary=(f"rank {slowest} takes {slow:.3g} s of its own per step against "
-                     f"{others:.3g} s on the next rank ({ratio:.3g}x, the slowest in "
-                     f"{slowest_in} of {len(window)} steps): every step waits about "
-                     f"{slow - others:.3g} s for it"),
+                     f"{others:.3g} s on the next rank ({ratio:.3g}x, ahead by the ratio in "
+                     f"{led} of {len(window)} steps): every step waits about "
+                     f"{slow - others:.3g} s for it{of_step}"),
             evidence={"rank": str(slowest), "local_seconds": fmt(slow),
                       "next_rank_seconds": fmt(others), "ratio": fmt(ratio),
-                      "slowest_in_steps": f"{slowest_in}/{len(window)}",
+                      "slowest_in_steps": f"{led}/{len(window)}",
+                      "step_seconds": fmt(step_time), "share_of_step": fmt(share),
                       "steps": f"{window[0]}-{window[-1]}", "step": fmt(window[-1])},
         )
 

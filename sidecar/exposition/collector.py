@@ -69,7 +69,7 @@ class RunFamily(NamedTuple):
     name: str
     documentation: str
     type: str  # "gauge" or "counter"
-    extra_label: str  # "rank", "digest" or "" (none)
+    extra_label: str  # "rank", "digest", "rank,phase" (values joined by ",") or "" (none)
 
 
 #: The per-run families after the detector-firing one, in page order.
@@ -101,10 +101,21 @@ RUN_FAMILIES = (
     RunFamily("deadweight_checkpoint_info",
               "Digest of the latest checkpoint's adapter (value 1).", "gauge", "digest"),
     *(RunFamily(name, doc, "gauge", "") for name, (_, doc) in LOG_GAUGES.items()),
+    RunFamily("deadweight_rank_phase_timestamp_seconds",
+              "Unix time the rank last entered the phase of a step (forward, backward, "
+              "backward_done, optimizer_step; the first three on runs of several ranks).",
+              "gauge",
+              "rank,phase"),
+    RunFamily("deadweight_rank_progress_steps",
+              "How far the rank got: its last optimizer step, plus .25 in the next step's "
+              "forward pass, .5 in its backward, .75 after it (the gradient sync).", "gauge",
+              "rank"),
 )
 (ACTIVE, STEP, LAST_STEP, UPDATE_NORM, UPDATE_RATIO, FROZEN, OPTIMIZER, TRAINABLE, OUTSIDE,
  DROPPED, CHECKPOINTS, UNCHANGED, CHECKPOINT_BYTES, CHECKPOINT_INFO) = range(14)
 FIRST_LOG = CHECKPOINT_INFO + 1
+PHASE_TIME = FIRST_LOG + len(LOG_GAUGES)
+PROGRESS = PHASE_TIME + 1
 
 
 class RankFigures(NamedTuple):
@@ -117,6 +128,17 @@ class RankFigures(NamedTuple):
     trainable_params: float
     grad_not_in_optimizer_params: float
     dropped_events: float
+    #: (phase, Unix time) of the phases the rank reported (its optimizer steps at least),
+    #: and its progress in steps.
+    phase_times: tuple[tuple[str, float], ...] = ()
+    progress: float | None = None
+
+
+def extra_labels(family: RunFamily, extra: str) -> dict[str, str]:
+    """The family's labels beyond run_id and trainer, from a sample's extra value."""
+    if not family.extra_label:
+        return {}
+    return dict(zip(family.extra_label.split(","), extra.split(","), strict=True))
 
 
 class RunFigures(NamedTuple):
@@ -157,6 +179,10 @@ def run_samples(figures: RunFigures) -> list[RunSample]:
         out += ((UPDATE_NORM, "", norm), (UPDATE_RATIO, "", ratio), (FROZEN, "", frozen))
     out += [(FIRST_LOG + i, "", value) for i, value in enumerate(figures.logs)
             if value is not None]
+    for rank in figures.ranks:
+        out += [(PHASE_TIME, f"{rank.rank},{phase}", at) for phase, at in rank.phase_times]
+    out += [(PROGRESS, rank.rank, rank.progress) for rank in figures.ranks
+            if rank.progress is not None]
     out += ((CHECKPOINTS, "", figures.checkpoints), (UNCHANGED, "", figures.unchanged))
     if figures.checkpoint is not None:
         size, digest = figures.checkpoint
@@ -246,11 +272,17 @@ class DeadweightCollector(Collector):
         for rank in run.ranks.values():
             latest = rank.steps[-1] if rank.steps else None
             membership = rank.membership
+            # Phases inside a step where the client marks them (runs of several ranks);
+            # every rank has its optimizer steps.
+            times = {**rank.phase_times}
+            times["optimizer_step"] = max(times.get("optimizer_step", 0.0), rank.last_step_time)
+            phases = tuple((p, t) for p, t in sorted(times.items()) if t)
+            progress = rank.position.progress_steps
             ranks.append(RankFigures(
                 str(rank.rank), float(rank.step), rank.last_step_time,
                 float(membership.optimizer_params), float(membership.trainable_params),
                 float(latest.grad_not_in_optimizer_params if latest else 0),
-                float(rank.dropped_events)))
+                float(rank.dropped_events), phases, progress))
         newest = run.newest_combined_step()
         update = None
         if newest is not None:
@@ -294,9 +326,8 @@ class DeadweightCollector(Collector):
         for f in figures:
             base = {"run_id": f.run_id, "trainer": f.trainer}
             for index, extra, value in run_samples(f):
-                extra_label = RUN_FAMILIES[index].extra_label
                 families[index].samples.append(Sample(
-                    names[index], {**base, extra_label: extra} if extra_label else base, value))
+                    names[index], {**base, **extra_labels(RUN_FAMILIES[index], extra)}, value))
         return families
 
     # -- the /metrics text -----------------------------------------------------------------
@@ -335,9 +366,8 @@ class DeadweightCollector(Collector):
                     prefix = prefixes.get((index, extra))
                     if prefix is None:
                         family = RUN_FAMILIES[index]
-                        labels = {"run_id": f.run_id, "trainer": f.trainer}
-                        if family.extra_label:
-                            labels[family.extra_label] = extra
+                        labels = {"run_id": f.run_id, "trainer": f.trainer,
+                                  **extra_labels(family, extra)}
                         prefix = prefixes[index, extra] = sample_prefix(_sample_name(family),
                                                                         labels)
                     spelled = repr(value) if -inf < value < 1e6 else number(value)

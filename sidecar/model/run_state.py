@@ -81,6 +81,47 @@ class CheckpointPoint:
         return self.combined_digest
 
 
+#: The phases of a step a rank reports (``Heartbeat.Phase`` numbers), in the order it goes
+#: through them, by the names verdicts and metrics use.
+PHASES = {1: "forward", 2: "backward", 3: "backward_done", 4: "optimizer_step"}
+OPTIMIZER_PHASE = 4
+#: The micro-batch of an optimizer step's own mark: after every pass of its step.
+AFTER_ALL_PASSES = 1 << 30
+#: Where a position comes from when no phase was reported: the step begun.
+BEGAN = "began"
+
+
+@dataclass(frozen=True)
+class Position:
+    """How far one rank got, comparable between the ranks of a run: ``key`` orders (step,
+    micro-batch, phase); ``phase`` names it, ``time`` is when the rank got there (0: never)."""
+
+    key: tuple[int, int, int]
+    step: int
+    phase: str
+    time: float
+
+    @property
+    def progress_steps(self) -> float:
+        """The position as one number: the last optimizer step, plus .1 once the next step
+        began, .25 in its forward pass, .5 in its backward, .75 after it (micro-batches not
+        told apart)."""
+        fraction = {BEGAN: 0.1, "forward": 0.25, "backward": 0.5, "backward_done": 0.75,
+                    "optimizer_step": 1.0}[self.phase]
+        return self.step - 1 + fraction
+
+    def words(self) -> str:
+        """"the backward pass of step 6", "optimizer step 5", "step 6 (begun)"."""
+        if self.phase == "optimizer_step":
+            return f"optimizer step {self.step}"
+        if self.phase == BEGAN:
+            return f"the start of step {self.step}"
+        what = {"forward": "forward pass", "backward": "backward pass",
+                "backward_done": "gradient sync after the backward pass"}[self.phase]
+        micro = f" (micro-batch {self.key[1] + 1})" if self.key[1] else ""
+        return f"the {what} of step {self.step}{micro}"
+
+
 @dataclass
 class RankState:
     """One rank of a run."""
@@ -101,8 +142,19 @@ class RankState:
     began_time: float = 0.0
     #: Where the rank's training thread was at its last heartbeat ("collective": waiting).
     where: str = ""
+    #: The phase of a step the rank last entered (heartbeats; 0: not reported), the step and
+    #: micro-batch it belongs to, and when the rank entered it (the sidecar's clock).
+    phase: int = 0
+    phase_step: int = 0
+    phase_pass: int = 0
+    phase_time: float = 0.0
+    #: Per phase name: when the rank last entered it, as far as the sidecar heard.
+    phase_times: dict[str, float] = field(default_factory=dict)
     #: (step, seconds of the rank's own work before its last forward ended), newest last.
     local_seconds: deque[tuple[int, float]] = field(
+        default_factory=lambda: deque(maxlen=LOCAL_SECONDS_WINDOW))
+    #: (step, seconds since the rank's previous optimizer step ended), newest last.
+    step_seconds: deque[tuple[int, float]] = field(
         default_factory=lambda: deque(maxlen=LOCAL_SECONDS_WINDOW))
     #: The rank's newest replica samples, newest last.
     replicas: deque[ReplicaSample] = field(default_factory=lambda: deque(maxlen=REPLICA_WINDOW))
@@ -121,6 +173,23 @@ class RankState:
         learnt of a step begun past it (a heartbeat's news of a step already done is older
         than that step's own report)."""
         return self.began_time if self.began_step > self.step else self.last_step_time
+
+    @property
+    def position(self) -> Position:
+        """The furthest mark the rank reported: a phase inside a step (heartbeats), the step
+        it began, or its last optimizer step; on a tie the phase's own time wins (it says
+        when the rank got there, not when the sidecar heard of it)."""
+        found: list[Position] = []
+        if self.phase in PHASES:
+            micro = AFTER_ALL_PASSES if self.phase == OPTIMIZER_PHASE else self.phase_pass
+            found.append(Position((self.phase_step, micro, self.phase), self.phase_step,
+                                  PHASES[self.phase], self.phase_time))
+        found.append(Position((self.step, AFTER_ALL_PASSES, OPTIMIZER_PHASE), self.step,
+                              "optimizer_step", self.last_step_time))
+        if self.began_step > self.step:
+            found.append(Position((self.began_step, 0, 0), self.began_step, BEGAN,
+                                  self.began_time))
+        return max(found, key=lambda p: p.key)  # the first of equal keys
 
 
 @dataclass

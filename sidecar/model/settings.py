@@ -57,6 +57,7 @@ class DetectorSettings:
     straggler_steps: int = 8
     straggler_ratio: float = 1.5
     straggler_min_seconds: float = 0.05
+    straggler_step_share: float = 0.2
     replica_tolerance: float = 1e-5
     rollout_stale_logs: int = 3
     rollout_logp_difference: float = 0.1

@@ -9,6 +9,7 @@ Called under the registry lock; store writes go to the run's outbox.
 from __future__ import annotations
 
 import functools
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -20,7 +21,7 @@ from ...proto import pb
 from ...proto.kinds import EventKind
 from ..detectors import checkpoints
 from ..model import limits
-from ..model.run_state import CheckpointPoint, RankState, ReplicaSample, RunState
+from ..model.run_state import PHASES, CheckpointPoint, RankState, ReplicaSample, RunState
 from ..model.step_point import StepPoint
 from ..store import history
 from ..store.journal import Store
@@ -170,6 +171,8 @@ class EventApplier:
         entry.state.stepped()
         if report.HasField("local_seconds"):
             rank.local_seconds.append((step, report.local_seconds))
+        if report.HasField("step_seconds"):
+            rank.step_seconds.append((step, report.step_seconds))
         if newest_is_own:  # the run's newest combined step is this one
             if step > entry.history_step:
                 entry.history_step = step
@@ -299,6 +302,13 @@ class EventApplier:
             rank.began_step = beat.began_step
             rank.began_time = now
         rank.where = beat.where
+        if beat.phase in PHASES and math.isfinite(beat.phase_seconds_ago):
+            rank.phase = beat.phase
+            rank.phase_step = max(0, beat.phase_step)
+            rank.phase_pass = max(0, beat.phase_pass)
+            # Entered before the heartbeat was made; never before the sidecar heard the rank.
+            rank.phase_time = max(now - max(0.0, beat.phase_seconds_ago), rank.first_seen)
+            rank.phase_times[PHASES[beat.phase]] = rank.phase_time
 
     def _on_replica(self, entry: RunEntry, rank_id: int, event: pb.Event, now: float) -> None:
         digest = event.replica

@@ -199,6 +199,13 @@ def _exporter_registry() -> CollectorRegistry:
     Gauge("deadweight_last_step_timestamp_seconds", "t", ranked, registry=reg).labels(
         RUN, "GRPOTrainer", "0").set(now - 3600)
     Gauge("deadweight_run_active", "a", run, registry=reg).labels(RUN, "GRPOTrainer").set(1)
+    # Two ranks an hour after the last move: rank 1 behind rank 0 (DeadweightRankStopped).
+    progress = Gauge("deadweight_rank_progress_steps", "p", ranked, registry=reg)
+    phases = Gauge("deadweight_rank_phase_timestamp_seconds", "t", [*ranked, "phase"],
+                   registry=reg)
+    for rank, at, phase in (("0", 39.75, "backward_done"), ("1", 39.0, "optimizer_step")):
+        progress.labels(RUN, "GRPOTrainer", rank).set(at)
+        phases.labels(RUN, "GRPOTrainer", rank, phase).set(now - 3600)
     firing = Gauge("deadweight_detector_firing", "f", [*run, "detector", "severity"],
                    registry=reg)
     for d in SPECS:

@@ -19,14 +19,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
+from alerts.rules import RANK_STOPPED, rank_stopped_expr
 from deadweight.demo.sidecar_process import free_port
 from deadweight.sidecar.detectors import Verdict
 from deadweight.sidecar.detectors.ranks import RankStraggler, ReplicasDiverged
 from deadweight.sidecar.model.settings import DetectorSettings
 from tests.support import ddp_worker, rank_worker
 from tests.support.inprocess_sidecar import InProcessSidecar
-from tests.support.realprocs import wait_for
+from tests.support.realprocs import start_prometheus, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -44,13 +46,13 @@ def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSidec
     process.stop()
 
 
-def _start(sidecar: InProcessSidecar, mode: str, out: Path, steps: int | str, run_id: str
-           ) -> subprocess.Popen[str]:
+def _start(sidecar: InProcessSidecar, mode: str, out: Path, steps: int | str, run_id: str,
+           ranks: int = 2, env_more: dict[str, str] | None = None) -> subprocess.Popen[str]:
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "DEADWEIGHT_ADDRESS": sidecar.address, "DEADWEIGHT_RUN_ID": run_id,
            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": str(WORKER.parents[2])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "PYTHONPATH": str(WORKER.parents[2]), **(env_more or {})}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            str(WORKER), mode, str(out), str(steps)]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -91,9 +93,17 @@ def replica_runs(sidecar: InProcessSidecar, tmp_path_factory: pytest.TempPathFac
     """Per mode of REPLICA_RUNS: (run id, rank reports)."""
     out = tmp_path_factory.mktemp("replicas")
     base = f"ranks-{out.name}"
-    job = _start(sidecar, ",".join(REPLICA_RUNS), out,
-                 ",".join(str(n) for n in REPLICA_RUNS.values()), base)
-    _wait(job)
+    # A CPU hog beside the job (as on a shared machine): the healthy twin must not get a
+    # straggler from a machine that slows its ranks now and then.
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        job = _start(sidecar, ",".join(REPLICA_RUNS), out,
+                     ",".join(str(n) for n in REPLICA_RUNS.values()), base,
+                     env_more={"DEADWEIGHT_UPDATE_PATH": "device"})
+        _wait(job)
+    finally:
+        hog.kill()
+        hog.wait()
     found = {mode: (f"{base}-{mode}", _reports(out / mode)) for mode in REPLICA_RUNS}
     for run_id, reports in found.values():
         assert {r["run_id"] for r in reports} == {run_id}
@@ -131,6 +141,77 @@ def test_stuck_rank_is_named_while_rank_0_waits(sidecar: InProcessSidecar,
     final = sidecar.findings(run_id)
     assert not final["rank_stalled"].firing  # released: the run went on and ended
     assert "stalled" not in final or final["stalled"].incidents == 0
+
+
+#: The run's stall limit on each node's sidecar (the per-rank verdict keeps its 300 s default),
+#: and the cross-node rule's: what the issue's job was watched with, shortened.
+NODE_STALL_SECONDS = 3.0
+NODE_SETTINGS = DetectorSettings(stalled_step_seconds=NODE_STALL_SECONDS)
+
+
+def test_stuck_rank_is_named_on_its_node_and_across_nodes(tmp_path: Path) -> None:
+    """A 3-rank DDP job over two nodes' sidecars: node a serves rank 0, node b ranks 1 and 2;
+    rank 2 stops stepping after step 3 (alive) while ranks 0 and 1 go on into step 4 and wait
+    in its gradient all-reduce. Node b's ``stalled`` names rank 2, its phase and since when;
+    node a's says its rank waits and the culprit is elsewhere; a real Prometheus scraping both
+    sidecars fires the shipped cross-node rule for rank 2."""
+    nodes = [InProcessSidecar(tmp_path / f"node-{n}" / "dw.sock", settings=NODE_SETTINGS).start()
+             for n in "ab"]
+    run_id = f"ranks-nodes-{tmp_path.name}"
+    rule = {"groups": [{"name": "ranks", "rules": [{
+        "alert": RANK_STOPPED.name, "expr": rank_stopped_expr(int(NODE_STALL_SECONDS)),
+        "labels": {"severity": "critical"}}]}]}
+    targets = ", ".join(f"'127.0.0.1:{n.server.metrics_port}'" for n in nodes
+                        if n.server is not None)
+    config = ("global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+              "rule_files: [ranks.rules.yml]\nscrape_configs:\n"
+              f"  - job_name: deadweight\n    static_configs: [{{targets: [{targets}]}}]\n")
+    out = tmp_path / "job"
+    try:
+        with start_prometheus(tmp_path / "prom", config,
+                              {"ranks.rules.yml": yaml.safe_dump(rule)}) as prom:
+            job = _start(nodes[0], "stall", out, 6, run_id, ranks=3, env_more={
+                "DEADWEIGHT_ADDRESS_RANK0": nodes[0].address,
+                "DEADWEIGHT_ADDRESS_RANK1": nodes[1].address,
+                "DEADWEIGHT_ADDRESS_RANK2": nodes[1].address,
+                "DEADWEIGHT_TEST_STUCK_RANK": "2"})
+            try:
+                def stalled(node: InProcessSidecar) -> Any:
+                    finding = node.findings(run_id).get("stalled")
+                    return finding if finding is not None and finding.firing else None
+
+                on_b = wait_for(lambda: stalled(nodes[1]), 120, what="node b's stalled")
+                named_at = time.time()
+                on_a = wait_for(lambda: stalled(nodes[0]), 30, what="node a's stalled")
+
+                def rank_alert() -> Any:
+                    return [a for a in prom.alerts() if a["labels"].get("run_id") == run_id
+                            and a["state"] == "firing"] or None
+
+                alerts = wait_for(rank_alert, 60, what="the cross-node rule firing")
+                progress = {r["metric"]["rank"]: float(r["value"][1]) for r in prom.query(
+                    f'deadweight_rank_progress_steps{{run_id="{run_id}"}}')}
+            finally:
+                (out / "release").touch()
+            _wait(job)
+    finally:
+        for node in nodes:
+            node.stop()
+    evidence = on_b.fired_evidence
+    assert evidence["rank"] == "2" and evidence["stuck_ranks"] == "2", evidence
+    assert evidence["phase"] == "optimizer_step" and evidence["phase_step"] == "3"
+    assert evidence["waiting_ranks"] == "1"
+    assert evidence["waiting_phase_step"] == "4"
+    assert evidence["waiting_phase"] in ("backward", "backward_done"), evidence
+    assert "rank 2 stopped first, at optimizer step 3" in on_b.summary
+    assert "rank" not in on_a.fired_evidence and on_a.fired_evidence["local_ranks"] == "0"
+    assert "serves rank 0 only (of 3)" in on_a.summary
+    assert [a["labels"]["rank"] for a in alerts] == ["2"]
+    assert progress["2"] == 3 and progress["0"] > 3 and progress["1"] > 3, progress
+    stuck_since = json.loads((out / "rank2.json").read_text())["step_times"][
+        rank_worker.STALL_AFTER - 1]
+    print(f"stalled: rank 2 named on its node {named_at - stuck_since:.1f} s after its last "
+          f"step (limit {NODE_STALL_SECONDS} s); across nodes: {alerts[0]['labels']}")
 
 
 def test_stuck_rank_is_named_under_the_trainer(sidecar: InProcessSidecar,
@@ -199,8 +280,13 @@ def test_replicas_apart_are_critical(
 def test_healthy_ddp_twin_is_silent(
         sidecar: InProcessSidecar,
         replica_runs: dict[str, tuple[str, list[dict[str, Any]]]]) -> None:
+    """The healthy twin ran beside a CPU hog: no verdict, no straggler. It ran the GPU's update
+    path and counted the host reads in deadweight's hooks after its first step: none, on
+    either DDP rank."""
     run_id, reports = replica_runs["healthy"]
     assert [r["steps"] for r in reports] == [10, 10]
+    assert [r["host_reads_in_hooks"] for r in reports] == [0, 0]
+    assert all(r["hooks_measured"] == ["_after_step", "_before_step", "log"] for r in reports)
     run = sidecar.seen(run_id)
     for rank in (0, 1):
         assert len(run.ranks[rank].local_seconds) == 10  # timed on both ranks

@@ -46,6 +46,8 @@ def _run_loops(sidecar: SidecarProcess, loops: tuple[str, ...], modes: tuple[str
            "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(WORKER.parents[2]),
            "DEADWEIGHT_TEST_METRICS": f"http://127.0.0.1:{sidecar.metrics_port}/metrics"}
     env.pop("DEADWEIGHT_RUN_ID", None)
+    if loops == ("fsdp2",):  # the GPU's update path, its host reads counted (raw_loop_worker)
+        env["DEADWEIGHT_UPDATE_PATH"] = "device"
     ranks = 2 if loops[0] in DISTRIBUTED else 1
     if ranks == 2:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
@@ -148,6 +150,11 @@ def test_fsdp2_loop(mode: str, sidecar: SidecarProcess, pair_run: PairRun) -> No
     assert "scale" in reports[0]["watched_names"]
     assert "scale" not in reports[1]["watched_names"]
     _check(sidecar, "fsdp2", mode, reports)
+    if mode == "healthy":  # the GPU's update path under FSDP2: no host read in any hook
+        assert [r["host_reads_in_hooks"] for r in reports] == [0, 0]
+        assert all("device kernel on the CPU" in r["update_path"] for r in reports), reports
+        assert all(r["hooks_measured"] == ["_after_step", "_before_step", "log"]
+                   for r in reports)
     if mode == "healthy":
         assert reports[0]["optimizer_params"] + reports[1]["optimizer_params"] == 8 * 32 + 32 \
             + 32 * 4 + 4 + 1  # the shards add up to the whole model

@@ -26,6 +26,7 @@ master partitions' elements each step left unchanged).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -36,6 +37,8 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 STEPS = 6
+#: The Monitor's methods whose host reads a run that counts them counts.
+HOOKS = ("_before_step", "_after_step", "log")
 LR = 1e-2
 #: Small enough that most bf16 elements of the model copy keep their value in one step (the
 #: update is below half a bf16 ULP) while the fp32 master partitions move every element.
@@ -245,8 +248,21 @@ def run(loop: str, mode: str, out: Path) -> None:
     master_unchanged: list[float] = []
     metrics_url = os.environ["DEADWEIGHT_TEST_METRICS"]
     firing: dict[str, float] = {}
-    with deadweight.watch(model, optimizer) as monitor:
+    # Where the launch forces the GPU's update path (DEADWEIGHT_UPDATE_PATH=device: FSDP2), the
+    # healthy run counts the host reads in deadweight's hooks from its second step on (the
+    # meter wraps the Monitor's methods before watch binds them).
+    from bench.host_reads import HookMeter, HostReads
+    from deadweight.callbacks.update.probe import device_path_forced
+    from deadweight.callbacks.watch import Monitor
+
+    reads = HostReads()
+    counting = mode == "healthy" and device_path_forced()
+    meter = HookMeter(Monitor, HOOKS, reads)
+    with meter if counting else contextlib.nullcontext(), \
+            deadweight.watch(model, optimizer) as monitor:
         for step, (x, y) in enumerate(batches, start=1):
+            if counting and step >= 2:
+                reads.__enter__()  # exited before the test's wait on /metrics below
             loss = torch.nn.functional.mse_loss(model(x.to(dtype)), y.to(dtype))
             if engine is not None:
                 engine.backward(loss)
@@ -271,11 +287,16 @@ def run(loop: str, mode: str, out: Path) -> None:
                 reference.append(math.sqrt(sum(float((a - b).pow(2).sum())
                                                for a, b in zip(after, before, strict=True))))
             monitor.log(step, loss=loss, grad_norm=grad_norm)
+            if counting and step >= 2:
+                reads.__exit__(None, None, None)
             _seen(metrics_url, monitor.run_id, rank, step, firing)
         membership = monitor._run.membership
         layout = monitor._run.layout
         report = {
             "rank": rank,
+            "host_reads_in_hooks": sum(n for label, n in reads.where.items() if label in HOOKS),
+            "hooks_measured": sorted(meter.seconds),
+            "update_path": monitor._run.update.describe() if monitor._run.update else "",
             "run_id": monitor.run_id,
             "steps": monitor.step,
             "reference_update_norms": reference,

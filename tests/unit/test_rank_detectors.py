@@ -8,7 +8,12 @@ runs, a run that samples with truncation from its first step.
 
 from __future__ import annotations
 
+import pytest
+
 from deadweight.proto import pb
+from deadweight.sidecar import status
+from deadweight.sidecar.exposition.collector import DeadweightCollector
+from deadweight.sidecar.exposition.http import render
 from deadweight.sidecar.model.settings import DetectorSettings
 from deadweight.sidecar.registry import Registry
 
@@ -202,3 +207,164 @@ def test_rollout_stale_against_the_run_s_own_start() -> None:
     rising.send(0, log=pb.LogReport(step=6, values={
         "sampling/sampling_logp_difference/mean": 0.2}))
     assert rising.registry.findings("r")["rollout_stale"].step == 6
+
+
+PHASE = pb.Heartbeat.Phase
+#: The issue's configuration: the run's stall after 10 s, the per-rank verdict at its default.
+STALL_10 = DetectorSettings(stalled_step_seconds=10)
+
+
+def _phase(feed: Ranks, rank: int, step: int, phase: int, ago: float = 0.0,
+           where: str = "") -> None:
+    feed.send(rank, heartbeat=pb.Heartbeat(step=step - (phase != PHASE.PHASE_OPTIMIZER_STEP),
+                                           phase=phase, phase_step=step,  # type: ignore[arg-type]
+                                           phase_seconds_ago=ago, where=where))
+
+
+def _age_all(feed: Ranks, seconds: float) -> None:
+    """Move every clock of the run back by seconds (the ranks still send heartbeats)."""
+    run = feed.registry.run("r")
+    assert run is not None
+    for rank in run.ranks.values():
+        rank.last_step_time -= seconds
+        rank.began_time -= seconds
+        rank.first_seen -= seconds
+        rank.phase_time -= seconds
+        rank.phase_times = {p: t - seconds for p, t in rank.phase_times.items()}
+
+
+def _hung(first: tuple[int, int], second: tuple[int, int]) -> Ranks:
+    """Both ranks made optimizer steps 1-5; then rank 0 got to ``first`` (step, phase) and
+    rank 1 to ``second``, and nothing moved for 12 s."""
+    feed = Ranks(Registry(settings=STALL_10))
+    for step in range(1, 6):
+        for rank in (0, 1):
+            feed.step(rank, step)
+    _phase(feed, 0, *first, where="collective")
+    _phase(feed, 1, *second, where="rank_worker.py:120 run")
+    _age_all(feed, 12)
+    places = ("collective", "rank_worker.py:120 run")
+    for rank, (step, phase) in enumerate((first, second)):  # heartbeats go on
+        _phase(feed, rank, step, phase, ago=12, where=places[rank])
+    feed.registry.tick()
+    return feed
+
+
+def test_stalled_names_the_rank_that_stopped_first_with_its_phase() -> None:
+    """The issue's job: both ranks' last optimizer step is 5; rank 0 began step 6 and waits in
+    its gradient sync, rank 1 never began it. The run's stall names rank 1, where and since
+    when (the per-rank verdict, at its 300 s default, has not spoken yet)."""
+    feed = _hung((6, PHASE.PHASE_BACKWARD_DONE), (5, PHASE.PHASE_OPTIMIZER_STEP))
+    finding = feed.registry.findings("r")["stalled"]
+    assert finding.firing
+    assert finding.evidence["rank"] == "1" and finding.evidence["stuck_ranks"] == "1"
+    assert finding.evidence["phase"] == "optimizer_step"
+    assert finding.evidence["phase_step"] == "5"
+    assert float(finding.evidence["stopped_seconds"]) >= 12
+    assert finding.evidence["waiting_ranks"] == "0"
+    assert finding.evidence["waiting_phase"] == "backward_done"
+    assert finding.evidence["waiting_phase_step"] == "6"
+    assert "rank 1 stopped first, at optimizer step 5, 12 s ago" in finding.summary
+    assert "never began step 6" in finding.summary
+    assert not feed.firing("rank_stalled")
+    # What on-call reads: the status line and the /metrics page (which nodes' Prometheus
+    # compares across sidecars).
+    text = status.render(feed.registry.status())
+    assert "rank = 1" in text and "phase = optimizer_step" in text
+    page = render(DeadweightCollector(feed.registry, None,
+                                      feed.registry.detectors).exposition()).decode()
+    assert 'deadweight_rank_progress_steps{rank="1",run_id="r",trainer="SFTTrainer"} 5.0' \
+        in page
+    assert 'deadweight_rank_progress_steps{rank="0",run_id="r",trainer="SFTTrainer"} 5.75' \
+        in page
+    assert ('deadweight_rank_phase_timestamp_seconds{phase="backward_done",rank="0",'
+            'run_id="r",trainer="SFTTrainer"}') in page
+    feed.step(1, 6)  # rank 1 goes on: the run moves, the stall clears
+    feed.step(0, 6)
+    feed.registry.tick()
+    assert not feed.firing("stalled")
+
+
+def test_stalled_orders_phases_inside_one_step() -> None:
+    """Rank 0 still in step 6's forward pass while rank 1 waits after its backward: rank 0."""
+    feed = _hung((6, PHASE.PHASE_FORWARD), (6, PHASE.PHASE_BACKWARD_DONE))
+    finding = feed.registry.findings("r")["stalled"]
+    assert finding.firing and finding.evidence["rank"] == "0"
+    assert finding.evidence["phase"] == "forward"
+    assert "the forward pass of step 6" in finding.summary
+
+
+def test_stalled_names_no_rank_when_every_rank_stopped_alike() -> None:
+    """Every rank at the same mark, none in a collective (an evaluation, a hang they share):
+    the run's stall is reported without blaming a rank."""
+    feed = Ranks(Registry(settings=STALL_10))
+    for step in range(1, 6):
+        for rank in (0, 1):
+            feed.step(rank, step)
+    for rank in (0, 1):
+        _phase(feed, rank, 5, PHASE.PHASE_OPTIMIZER_STEP, where="trainer.py:10 evaluate")
+    _age_all(feed, 12)
+    for rank in (0, 1):
+        _phase(feed, rank, 5, PHASE.PHASE_OPTIMIZER_STEP, ago=12, where="trainer.py:10 evaluate")
+    feed.registry.tick()
+    finding = feed.registry.findings("r")["stalled"]
+    assert finding.firing and "rank" not in finding.evidence
+    assert "every rank here (0,1) stopped at optimizer step 5" in finding.summary
+
+
+def test_rank_stalled_names_the_rank_behind_in_phase() -> None:
+    """The per-rank verdict reads the phases too: rank 1 stopped in step 6's forward pass
+    while rank 0 waits after its backward, past rank_stalled_seconds."""
+    feed = Ranks(Registry(settings=STALL))
+    for step in (1, 2, 3):
+        for rank in (0, 1):
+            feed.step(rank, step)
+    _phase(feed, 0, 4, PHASE.PHASE_BACKWARD_DONE, where="collective")
+    _phase(feed, 1, 4, PHASE.PHASE_FORWARD, where="model.py:5 forward")
+    _age_all(feed, 61)
+    _phase(feed, 0, 4, PHASE.PHASE_BACKWARD_DONE, ago=61, where="collective")
+    _phase(feed, 1, 4, PHASE.PHASE_FORWARD, ago=61, where="model.py:5 forward")
+    feed.registry.tick()
+    finding = feed.registry.findings("r")["rank_stalled"]
+    assert finding.firing and finding.evidence["rank"] == "1"
+    assert finding.evidence["phase"] == "forward" and finding.evidence["waiting_in_step"] == "4"
+    assert "the forward pass of step 4" in finding.summary
+
+
+def _timed(local: list[tuple[float, float]], step_seconds: float | None = None) -> Ranks:
+    """A 2-rank run whose steps carry each rank's local seconds (and the step time)."""
+    feed = Ranks(Registry(settings=DetectorSettings(straggler_steps=8)))
+    for step, pair in enumerate(local, start=1):
+        for rank, seconds in enumerate(pair):
+            report = pb.StepReport(step=step, learning_rate=1e-4, update_sq_sum=1e-6,
+                                   watched_params=8, optimizer_params=8, watched_tensors=2,
+                                   local_seconds=seconds)
+            if step_seconds is not None:
+                report.step_seconds = step_seconds
+            feed.send(rank, step=report)
+    return feed
+
+
+def test_straggler_is_judged_step_by_step_not_by_medians() -> None:
+    """A rank preempted in some steps only (a CPU hog beside the job lands on it now and then):
+    its median is 3.2x the other's and it is the slowest in every step, but it leads by the
+    ratio in 5 of 8 steps: no rank the job waits for step after step."""
+    hog = [(0.05, 0.16), (0.05, 0.16), (0.05, 0.06), (0.05, 0.06), (0.05, 0.06),
+           (0.05, 0.16), (0.05, 0.16), (0.05, 0.16)]
+    feed = _timed(hog)
+    finding = feed.finding("rank_straggler")
+    assert finding is None or not feed.firing("rank_straggler"), finding
+    slow = _timed([(0.05, 0.16)] * 8)  # the same lead in every step: named
+    assert slow.firing("rank_straggler")
+    assert slow.registry.findings("r")["rank_straggler"].evidence["slowest_in_steps"] == "8/8"
+
+
+def test_straggler_is_judged_against_the_job_step_time() -> None:
+    """The same 0.1 s lead is nothing in a 2 s step (5%) and most of a 0.3 s one (33%)."""
+    long_steps = _timed([(0.05, 0.15)] * 8, step_seconds=2.0)
+    assert not long_steps.firing("rank_straggler")
+    short_steps = _timed([(0.05, 0.15)] * 8, step_seconds=0.3)
+    finding = short_steps.registry.findings("r")["rank_straggler"]
+    assert finding.firing and finding.evidence["rank"] == "1"
+    assert float(finding.evidence["share_of_step"]) == pytest.approx(1 / 3)
+    assert "33% of the job's 0.3 s step" in finding.summary

@@ -251,7 +251,7 @@ class AdapterDigest(_message.Message):
     def __init__(self, combined: _Optional[str] = ..., tensors: _Optional[_Mapping[str, str]] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class StepReport(_message.Message):
-    __slots__ = ("step", "learning_rate", "update_sq_sum", "param_sq_sum", "watched_tensors", "watched_params", "optimizer_params", "unchanged_tensors", "grad_not_in_optimizer_tensors", "nonfinite_update_tensors", "grad_sq_sum", "groups", "sampled", "grad_not_in_optimizer_params", "unchanged_elements", "optimizer_step_skipped", "adalora_rank_pattern_set", "grad_measured", "declared_frozen_tensors", "declared_frozen_moved_tensors", "local_seconds")
+    __slots__ = ("step", "learning_rate", "update_sq_sum", "param_sq_sum", "watched_tensors", "watched_params", "optimizer_params", "unchanged_tensors", "grad_not_in_optimizer_tensors", "nonfinite_update_tensors", "grad_sq_sum", "groups", "sampled", "grad_not_in_optimizer_params", "unchanged_elements", "optimizer_step_skipped", "adalora_rank_pattern_set", "grad_measured", "declared_frozen_tensors", "declared_frozen_moved_tensors", "local_seconds", "step_seconds")
     STEP_FIELD_NUMBER: _ClassVar[int]
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     UPDATE_SQ_SUM_FIELD_NUMBER: _ClassVar[int]
@@ -273,6 +273,7 @@ class StepReport(_message.Message):
     DECLARED_FROZEN_TENSORS_FIELD_NUMBER: _ClassVar[int]
     DECLARED_FROZEN_MOVED_TENSORS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     step: int
     learning_rate: float
     update_sq_sum: float
@@ -294,7 +295,8 @@ class StepReport(_message.Message):
     declared_frozen_tensors: int
     declared_frozen_moved_tensors: int
     local_seconds: float
-    def __init__(self, step: _Optional[int] = ..., learning_rate: _Optional[float] = ..., update_sq_sum: _Optional[float] = ..., param_sq_sum: _Optional[float] = ..., watched_tensors: _Optional[int] = ..., watched_params: _Optional[int] = ..., optimizer_params: _Optional[int] = ..., unchanged_tensors: _Optional[int] = ..., grad_not_in_optimizer_tensors: _Optional[int] = ..., nonfinite_update_tensors: _Optional[int] = ..., grad_sq_sum: _Optional[float] = ..., groups: _Optional[_Iterable[_Union[GroupUpdate, _Mapping]]] = ..., sampled: _Optional[bool] = ..., grad_not_in_optimizer_params: _Optional[int] = ..., unchanged_elements: _Optional[int] = ..., optimizer_step_skipped: _Optional[bool] = ..., adalora_rank_pattern_set: _Optional[bool] = ..., grad_measured: _Optional[bool] = ..., declared_frozen_tensors: _Optional[int] = ..., declared_frozen_moved_tensors: _Optional[int] = ..., local_seconds: _Optional[float] = ...) -> None: ...
+    step_seconds: float
+    def __init__(self, step: _Optional[int] = ..., learning_rate: _Optional[float] = ..., update_sq_sum: _Optional[float] = ..., param_sq_sum: _Optional[float] = ..., watched_tensors: _Optional[int] = ..., watched_params: _Optional[int] = ..., optimizer_params: _Optional[int] = ..., unchanged_tensors: _Optional[int] = ..., grad_not_in_optimizer_tensors: _Optional[int] = ..., nonfinite_update_tensors: _Optional[int] = ..., grad_sq_sum: _Optional[float] = ..., groups: _Optional[_Iterable[_Union[GroupUpdate, _Mapping]]] = ..., sampled: _Optional[bool] = ..., grad_not_in_optimizer_params: _Optional[int] = ..., unchanged_elements: _Optional[int] = ..., optimizer_step_skipped: _Optional[bool] = ..., adalora_rank_pattern_set: _Optional[bool] = ..., grad_measured: _Optional[bool] = ..., declared_frozen_tensors: _Optional[int] = ..., declared_frozen_moved_tensors: _Optional[int] = ..., local_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ...) -> None: ...
 
 class GroupUpdate(_message.Message):
     __slots__ = ("name", "kind", "update_sq_sum", "tensors", "unchanged_tensors", "optimizer_tensors", "elements", "unchanged_elements", "dtype")
@@ -346,18 +348,38 @@ class CheckpointReport(_message.Message):
     def __init__(self, step: _Optional[int] = ..., path: _Optional[str] = ..., adapter: _Optional[_Union[AdapterDigest, _Mapping]] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("step", "dropped_events", "queued_events", "began_step", "where")
+    __slots__ = ("step", "dropped_events", "queued_events", "began_step", "where", "phase", "phase_step", "phase_pass", "phase_seconds_ago")
+    class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        PHASE_UNSPECIFIED: _ClassVar[Heartbeat.Phase]
+        PHASE_FORWARD: _ClassVar[Heartbeat.Phase]
+        PHASE_BACKWARD: _ClassVar[Heartbeat.Phase]
+        PHASE_BACKWARD_DONE: _ClassVar[Heartbeat.Phase]
+        PHASE_OPTIMIZER_STEP: _ClassVar[Heartbeat.Phase]
+    PHASE_UNSPECIFIED: Heartbeat.Phase
+    PHASE_FORWARD: Heartbeat.Phase
+    PHASE_BACKWARD: Heartbeat.Phase
+    PHASE_BACKWARD_DONE: Heartbeat.Phase
+    PHASE_OPTIMIZER_STEP: Heartbeat.Phase
     STEP_FIELD_NUMBER: _ClassVar[int]
     DROPPED_EVENTS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_EVENTS_FIELD_NUMBER: _ClassVar[int]
     BEGAN_STEP_FIELD_NUMBER: _ClassVar[int]
     WHERE_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    PHASE_STEP_FIELD_NUMBER: _ClassVar[int]
+    PHASE_PASS_FIELD_NUMBER: _ClassVar[int]
+    PHASE_SECONDS_AGO_FIELD_NUMBER: _ClassVar[int]
     step: int
     dropped_events: int
     queued_events: int
     began_step: int
     where: str
-    def __init__(self, step: _Optional[int] = ..., dropped_events: _Optional[int] = ..., queued_events: _Optional[int] = ..., began_step: _Optional[int] = ..., where: _Optional[str] = ...) -> None: ...
+    phase: Heartbeat.Phase
+    phase_step: int
+    phase_pass: int
+    phase_seconds_ago: float
+    def __init__(self, step: _Optional[int] = ..., dropped_events: _Optional[int] = ..., queued_events: _Optional[int] = ..., began_step: _Optional[int] = ..., where: _Optional[str] = ..., phase: _Optional[_Union[Heartbeat.Phase, str]] = ..., phase_step: _Optional[int] = ..., phase_pass: _Optional[int] = ..., phase_seconds_ago: _Optional[float] = ...) -> None: ...
 
 class ReplicaDigest(_message.Message):
     __slots__ = ("step", "structure", "values", "sizes", "names")

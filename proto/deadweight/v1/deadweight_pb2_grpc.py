@@ -91,7 +91,8 @@ class MonitorServiceServicer:
 
     def Stop(self, request, context):
         """Stop sends STOP to a run by hand, journaled once like a verdict's (`deadweight stop`).
-        Only the sidecar's own uid or root, attested over the unix socket, may call it.
+        Only an operator uid (root, serve --operator-uid, the sidecar's own uid when it is no
+        trainer uid), attested over the unix socket, may call it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

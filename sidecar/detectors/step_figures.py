@@ -94,8 +94,9 @@ class OptimizerStepsSkipped(SpecDetector):
 
     spec = DetectorSpec(
         checked_against=("healthy-matrix", "conformance-twin"),
-        false_positives=("an fp16 GradScaler calibrating its scale at the start of training skips "
-                         "a few steps in a row on a healthy run"),
+        false_positives=("none known past the loss scale's calibration: a GradScaler starting "
+                         "at 2^16 skips up to 16 steps in a row at the start of a healthy fp16 "
+                         "run, and a streak from the run's first step is given that many more"),
         id="optimizer_steps_skipped",
         severity=Severity.CRITICAL,
         summary="Run {run_id} skips every optimizer step",
@@ -104,9 +105,13 @@ class OptimizerStepsSkipped(SpecDetector):
         fix="train with `bf16=True` where the hardware has it, or lower the learning rate and clip "
         "gradients under fp16",
         fires_when="the last optimizer steps were all skipped (the optimizer says so, or its "
-        "GradScaler backed off)",
+        "GradScaler backed off); a streak from the run's first step, while the loss scale "
+        "calibrates, needs `scale_calibration_skips` more",
         thresholds=(Threshold("skipped_steps", "optimizer steps",
-                              "consecutive skipped optimizer steps"),),
+                              "consecutive skipped optimizer steps"),
+                    Threshold("scale_calibration_skips", "optimizer steps",
+                              "more skips allowed from the run's first step: a GradScaler "
+                              "halves its scale at each, from 2^16 down to 1")),
         evidence=(Evidence("update_norm", 0), Evidence("grad_norm"), Evidence("step")),
     )
 
@@ -115,7 +120,11 @@ class OptimizerStepsSkipped(SpecDetector):
         if not steps:
             return None
         streak = trailing_streak(steps, lambda p: p.skipped)
-        reached = streak.reached(settings.skipped_steps)
+        # From the run's first step, every step skipped: the loss scale may still be coming
+        # down from its initial value (one halving per skip), which a healthy run does too.
+        calibrating = len(streak) == len(steps) and steps[0].step <= 1
+        reached = streak.reached(settings.skipped_steps
+                                 + (settings.scale_calibration_skips if calibrating else 0))
         if reached is None:
             return Verdict(False, step=steps[-1].step)
         skipped = sum(p.skipped for p in steps)

@@ -32,6 +32,7 @@ class DetectorSettings:
     adapter_bloat_ratio: float = 1.0
     zero_gradient_logs: int = 3
     skipped_steps: int = 3
+    scale_calibration_skips: int = 16
     truncated_logs: int = 4
     dataset_drop_fraction: float = 0.05
     low_precision_fraction: float = 0.25

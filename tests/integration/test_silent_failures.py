@@ -581,7 +581,8 @@ def test_fp16_steps_all_skipped(live: InProcessSidecar, tiny: tuple[Path, Path],
 
     On a CPU the Trainer builds no GradScaler for fp16; one is set on the accelerator as a
     GPU run has it (a scale that only backs off by a hair stands for a loss that overflows
-    fp16 at any scale).
+    fp16 at any scale). Every step from the first is skipped: past the allowance for a loss
+    scale that calibrates (16 more skips), it fires.
     """
     import torch
 
@@ -590,12 +591,12 @@ def test_fp16_steps_all_skipped(live: InProcessSidecar, tiny: tuple[Path, Path],
     for name, scaler in (("skipped", dict(init_scale=2.0 ** 127, backoff_factor=0.999999)),
                          ("scaled", dict(init_scale=2.0 ** 10))):
         trainer = runs.sft_trainer(_base(model_dir), model_dir, tmp_path / name,
-                                   [live.callback(f"fp16-{name}")], steps=4, save_steps=10,
+                                   [live.callback(f"fp16-{name}")], steps=20, save_steps=40,
                                    peft_config=runs.lora_config(), fp16=True)
         trainer.accelerator.scaler = torch.amp.GradScaler("cpu", **scaler)
         results[name] = train(trainer)
     skipped = detected(live, "fp16-skipped", "optimizer_steps_skipped", results["skipped"])
-    assert skipped.evidence["all_skipped"] == "true" and skipped.step == 3
+    assert skipped.evidence["all_skipped"] == "true" and skipped.step == 19
     assert "frozen_weights" not in live.fired("fp16-skipped")  # skipped is not frozen
     silent(live, "fp16-scaled", "optimizer_steps_skipped", "frozen_weights")
     assert not any(p.skipped for p in live.seen("fp16-scaled").combined_steps())

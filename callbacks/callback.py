@@ -258,6 +258,12 @@ class DeadweightCallback(TrainerCallback):  # type: ignore[misc]
         self._run.began(step)  # the rank's data is loaded and it begins the step
 
     @shielded
+    def on_prediction_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        self._run.evaluated()  # an evaluation batch done: progress, though no optimizer step
+
+    @shielded
     def on_pre_optimizer_step(
         self,
         args: TrainingArguments,

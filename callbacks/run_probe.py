@@ -293,6 +293,11 @@ class RunProbe:
         if self.progress is not None and self.client is not None:
             self.client.began_step = max(self.client.began_step, step)
 
+    def evaluated(self) -> None:
+        """The loop finished one evaluation batch (a driver's prediction-step hook)."""
+        if self.client is not None:
+            self.client.evaluated_batches += 1
+
     def before_step(self, learning_rate: float) -> None:
         """Snapshot the watched tensors (at the optimizer's pre-step)."""
         if self.update is None:

@@ -141,7 +141,8 @@ class StreamClient:
         "_marks", "_metadata", "_notices", "_pending_resend", "_queue", "_ready", "_rejections",
         "_reported_dropped", "_run_start", "_seq", "_start_acked", "_stop", "_thread",
         "_tls_root", "_to_event", "_trainer_thread", "_wake", "_warned", "address",
-        "began_step", "connects", "firing", "last_step", "phase", "phase_at", "phase_pass",
+        "began_step", "connects", "evaluated_batches", "firing", "last_step", "phase",
+        "phase_at", "phase_pass",
         "phase_step", "rank", "report_command", "run_id", "sent", "settings", "submitted",
         "unreachable_told",
     )
@@ -188,6 +189,9 @@ class StreamClient:
         #: The newest step the loop has begun (written by the training thread, one int; the
         #: heartbeats carry it, so a rank stuck before its next step can be named).
         self.began_step = 0
+        #: Evaluation batches the loop has finished (written by the training thread, one int;
+        #: the heartbeats carry it, so a long evaluation is progress, not a stall).
+        self.evaluated_batches = 0
         #: The phase of a step the training thread last entered (``progress``: 0 unmeasured),
         #: the step and micro-batch it belongs to, and when (time.monotonic()); written by
         #: the training thread's hooks, read by the heartbeats.
@@ -576,5 +580,6 @@ class StreamClient:
                 phase_step=self.phase_step if phase else 0,
                 phase_pass=self.phase_pass if phase else 0,
                 phase_seconds_ago=max(0.0, time.monotonic() - phase_at) if phase else 0.0,
+                evaluated_batches=self.evaluated_batches,
             ),
         )

@@ -101,8 +101,9 @@ class Stalled(SpecDetector):
 
     spec = DetectorSpec(
         checked_against=("healthy-matrix", "conformance-twin", "stall-clock-starts-when-heard"),
-        false_positives=("a step longer than the window (a long evaluation, a huge generation, a "
-                         "checkpoint upload) with heartbeats still arriving"),
+        false_positives=("a step longer than the window (a huge generation, a checkpoint "
+                         "upload) with heartbeats still arriving; an evaluation that goes on "
+                         "finishing batches is progress, not a stall"),
         symptom_of=("rank_stalled",),
         id="stalled",
         severity=Severity.CRITICAL,
@@ -113,16 +114,17 @@ class Stalled(SpecDetector):
         fix="find the hung rank, generation or data loader worker, then restart from the last good "
         "checkpoint",
         fires_when="a live run sent no message at all (step, log, heartbeat), or its loop made "
-        "no optimizer step while heartbeats still arrive; on a run of several ranks the "
+        "no optimizer step and finished no evaluation batch while heartbeats still arrive; on a "
+        "run of several ranks the "
         "verdict names the rank that stopped first, the phase of the step it stopped in and "
         "since when",
         thresholds=(Threshold("stalled_seconds", "seconds",
                               "seconds without any message (step, log or heartbeat) from a "
                               "live run"),
                     Threshold("stalled_step_seconds", "seconds",
-                              "seconds without an optimizer step while heartbeats still arrive "
-                              "(a hung loop whose sender thread is alive); long enough for slow "
-                              "steps and evaluations")),
+                              "seconds without an optimizer step or an evaluation batch while "
+                              "heartbeats still arrive (a hung loop whose sender thread is "
+                              "alive); long enough for slow steps")),
         evidence=(Evidence("seconds_since_last_step"), Evidence("step")),
         # The rank that stopped, named, is the root cause of a stall of the whole run.
     )
@@ -135,13 +137,15 @@ class Stalled(SpecDetector):
             return None  # restored after a sidecar restart: nothing heard yet, no clock
         now = run.evaluated_at or time.time()
         silent = now - max(r.last_seen for r in heard)
-        last_step = max(r.last_step_time for r in heard)
+        # An evaluation that goes on finishing batches is progress too.
+        last_step = max(max(r.last_step_time, r.evaluated_time) for r in heard)
         since_step = now - (last_step or min(r.first_seen for r in heard))
         if silent > settings.stalled_seconds:
             reason = f"no message for {silent:.0f} s (limit {settings.stalled_seconds:g} s)"
         elif since_step > settings.stalled_step_seconds:
-            reason = (f"no optimizer step for {since_step:.0f} s (limit "
-                      f"{settings.stalled_step_seconds:g} s) though the process still reports")
+            reason = (f"no optimizer step (nor evaluation batch) for {since_step:.0f} s "
+                      f"(limit {settings.stalled_step_seconds:g} s) though the process still "
+                      "reports")
         else:
             return Verdict(False, step=run.step)
         evidence = {"seconds_since_last_message": fmt(silent),

@@ -142,6 +142,9 @@ class RankState:
     began_time: float = 0.0
     #: Where the rank's training thread was at its last heartbeat ("collective": waiting).
     where: str = ""
+    #: Evaluation batches the rank has finished (heartbeats), and when the count last grew.
+    evaluated_batches: int = 0
+    evaluated_time: float = 0.0
     #: The phase of a step the rank last entered (heartbeats; 0: not reported), the step and
     #: micro-batch it belongs to, and when the rank entered it (the sidecar's clock).
     phase: int = 0

@@ -301,6 +301,9 @@ class EventApplier:
         if beat.began_step > rank.began_step:
             rank.began_step = beat.began_step
             rank.began_time = now
+        if beat.evaluated_batches > rank.evaluated_batches:
+            rank.evaluated_batches = beat.evaluated_batches
+            rank.evaluated_time = now
         rank.where = beat.where
         if beat.phase in PHASES and math.isfinite(beat.phase_seconds_ago):
             rank.phase = beat.phase

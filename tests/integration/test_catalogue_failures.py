@@ -9,6 +9,7 @@ the control for every detector here.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -429,6 +430,50 @@ def test_f11_stalled(tmp_path: Path, qwen: tuple[Path, Path], mode: str) -> None
         else:
             assert float(stalled.evidence["seconds_since_last_message"]) >= 1.0
         assert not stalled.firing  # steps resumed, then the run ended
+    finally:
+        sidecar.stop()
+
+
+def test_f11_a_long_evaluation_is_no_stall(tmp_path: Path, qwen: tuple[Path, Path]) -> None:
+    """The healthy twin of the hung loop: at step 2 the Trainer evaluates for several stall
+    windows, each batch slow but finished (a large eval set, a slow metric). Heartbeats carry
+    the evaluation batches done, so the loop is making progress: no stalled verdict, where
+    one used to fire after the window with no optimizer step."""
+    from transformers import TrainerCallback
+
+    from deadweight.callbacks.stream_client import ClientSettings
+    from deadweight.sidecar.model.settings import DetectorSettings
+
+    sidecar = InProcessSidecar.live(tmp_path / "sidecar",
+                                    DetectorSettings(stalled_step_seconds=1.0))
+    run_id = "f11-long-evaluation"
+
+    class SlowBatches(TrainerCallback):  # type: ignore[misc]
+        """Each evaluation batch takes a third of the stall window: the scenario itself."""
+
+        batches = 0
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if state.global_step == 2:
+                control.should_evaluate = True  # as eval_steps=2 would
+
+        def on_prediction_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            type(self).batches += 1
+            time.sleep(0.35)
+
+    callback = sidecar.callback(run_id, settings=ClientSettings(heartbeat_seconds=0.2))
+    model_dir, adapter_dir = qwen
+    try:
+        model = runs.load_adapter(model_dir, adapter_dir, trainable=True)
+        trainer = runs.sft_trainer(model, model_dir, tmp_path / "out", [callback, SlowBatches()],
+                                   steps=3, save_steps=100, per_device_eval_batch_size=4)
+        trainer.eval_dataset = trainer.train_dataset.select(range(32))  # 8 batches, ~3 s
+        _train(trainer)
+        assert SlowBatches.batches >= 8  # the evaluation outlasted the window twice over
+        seen = sidecar.seen(run_id)
+        assert max(r.evaluated_batches for r in seen.ranks.values()) >= 8
+        assert "stalled" not in {f.detector for f in sidecar.registry.findings(run_id).values()
+                                 if f.firing or f.incidents}
     finally:
         sidecar.stop()
 

@@ -25,6 +25,7 @@ from deadweight.demo.sidecar_process import SidecarProcess, free_port
 from deadweight.proto import monitor_stub, pb
 from deadweight.proto.transport import bearer_metadata
 from tests.support.realprocs import wait_for
+from tests.support.tls import self_signed
 
 pytestmark = pytest.mark.slow
 
@@ -38,12 +39,7 @@ REFILL = 5.0
 @pytest.fixture(scope="module")
 def cert(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("tls")
-    cert, key = folder / "cert.pem", folder / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-         "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "2", "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
-        check=True, capture_output=True)
+    self_signed(folder)
     return folder
 
 

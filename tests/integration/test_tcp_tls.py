@@ -22,6 +22,7 @@ from deadweight.proto import monitor_stub, pb
 from deadweight.proto.transport import AUTHORIZATION_KEY, bearer_metadata
 from deadweight.sidecar.store.journal import Store
 from tests.support.realprocs import wait_for
+from tests.support.tls import self_signed
 
 TOKEN = "s3cret-token-for-tests"
 
@@ -34,15 +35,7 @@ def _serve(*args: str) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 def cert(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(certificate, key): self-signed for localhost and 127.0.0.1."""
-    folder = tmp_path_factory.mktemp("tls")
-    cert, key = folder / "cert.pem", folder / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-         "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "2", "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
-        check=True, capture_output=True,
-    )
-    return cert, key
+    return self_signed(tmp_path_factory.mktemp("tls"))
 
 
 @pytest.mark.parametrize("given", ["nothing", "tls_only", "token_only"])

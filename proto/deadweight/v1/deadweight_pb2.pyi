@@ -348,7 +348,7 @@ class CheckpointReport(_message.Message):
     def __init__(self, step: _Optional[int] = ..., path: _Optional[str] = ..., adapter: _Optional[_Union[AdapterDigest, _Mapping]] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("step", "dropped_events", "queued_events", "began_step", "where", "phase", "phase_step", "phase_pass", "phase_seconds_ago")
+    __slots__ = ("step", "dropped_events", "queued_events", "began_step", "where", "phase", "phase_step", "phase_pass", "phase_seconds_ago", "evaluated_batches")
     class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         PHASE_UNSPECIFIED: _ClassVar[Heartbeat.Phase]
@@ -370,6 +370,7 @@ class Heartbeat(_message.Message):
     PHASE_STEP_FIELD_NUMBER: _ClassVar[int]
     PHASE_PASS_FIELD_NUMBER: _ClassVar[int]
     PHASE_SECONDS_AGO_FIELD_NUMBER: _ClassVar[int]
+    EVALUATED_BATCHES_FIELD_NUMBER: _ClassVar[int]
     step: int
     dropped_events: int
     queued_events: int
@@ -379,7 +380,8 @@ class Heartbeat(_message.Message):
     phase_step: int
     phase_pass: int
     phase_seconds_ago: float
-    def __init__(self, step: _Optional[int] = ..., dropped_events: _Optional[int] = ..., queued_events: _Optional[int] = ..., began_step: _Optional[int] = ..., where: _Optional[str] = ..., phase: _Optional[_Union[Heartbeat.Phase, str]] = ..., phase_step: _Optional[int] = ..., phase_pass: _Optional[int] = ..., phase_seconds_ago: _Optional[float] = ...) -> None: ...
+    evaluated_batches: int
+    def __init__(self, step: _Optional[int] = ..., dropped_events: _Optional[int] = ..., queued_events: _Optional[int] = ..., began_step: _Optional[int] = ..., where: _Optional[str] = ..., phase: _Optional[_Union[Heartbeat.Phase, str]] = ..., phase_step: _Optional[int] = ..., phase_pass: _Optional[int] = ..., phase_seconds_ago: _Optional[float] = ..., evaluated_batches: _Optional[int] = ...) -> None: ...
 
 class ReplicaDigest(_message.Message):
     __slots__ = ("step", "structure", "values", "sizes", "names")

@@ -18,7 +18,7 @@ from .. import __version__
 from . import cli_runs, cli_token, oncall_cli, serve_cli
 from .actions import links as alert_links
 from .baseline import cli as baseline_cli
-from .cli_args import setting, settings, url_pattern
+from .cli_args import setting, settings, state_store, url_pattern
 
 if TYPE_CHECKING:
     from typing import TypeAlias
@@ -94,14 +94,10 @@ def _inspect(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     from . import report
     from .model.settings import DetectorSettings
-    from .store.files import DB_NAME
-    from .store.journal import Store
 
-    if not (Path(args.state_dir) / DB_NAME).is_file():
-        print(f"deadweight report: no state database in {args.state_dir} (the sidecar's "
-              "--state-dir)", file=sys.stderr)
+    store = state_store("report", args.state_dir)
+    if store is None:
         return 2
-    store = Store(args.state_dir)
     try:
         page = report.render(report.load(store, args.run_id, args.incarnation),
                              frozen_ratio_floor=DetectorSettings().frozen_ratio_floor,

@@ -1,4 +1,5 @@
-"""Argument types the sidecar's commands share (a detector threshold, a link pattern)."""
+"""Argument types the sidecar's commands share (a detector threshold, a link pattern), and
+the read-only commands' way into a state dir's journal."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from .actions import links as alert_links
 
 if TYPE_CHECKING:
     from .model.settings import DetectorSettings
+    from .store.journal import Store
 
 
 def did_you_mean(name: str, known: Iterable[str]) -> str:
@@ -57,3 +59,23 @@ def settings(pairs: list[tuple[str, float]] | None) -> DetectorSettings:
     defaults = DetectorSettings()
     values = {name: type(getattr(defaults, name))(value) for name, value in pairs or []}
     return dataclasses.replace(defaults, **values)
+
+
+def state_store(command: str, state_dir: str) -> Store | None:
+    """The journal in a sidecar's state dir (or a folder holding a copy of its database),
+    for a command that only reads it; None after saying on stderr why not (exit 2)."""
+    import sys
+    from pathlib import Path
+
+    from .store.files import DB_NAME, StateDirUnsafe
+    from .store.journal import Store
+
+    if not (Path(state_dir) / DB_NAME).is_file():
+        print(f"deadweight {command}: no state database in {state_dir} (the sidecar's "
+              f"--state-dir, or a folder holding a copy of its {DB_NAME})", file=sys.stderr)
+        return None
+    try:
+        return Store(state_dir)
+    except (StateDirUnsafe, OSError) as err:
+        print(f"deadweight {command}: {err}", file=sys.stderr)
+        return None

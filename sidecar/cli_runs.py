@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .cli_args import state_store
 from .cli_token import add_token_args, token_from
 
 if TYPE_CHECKING:
@@ -21,17 +22,8 @@ def _runs(args: argparse.Namespace) -> int:
     from . import runs_listing
 
     if args.state_dir is not None:
-        from .store.files import DB_NAME, StateDirUnsafe
-        from .store.journal import Store
-
-        if not (Path(args.state_dir) / DB_NAME).is_file():
-            print(f"deadweight runs: no state database in {args.state_dir} (the sidecar's "
-                  f"--state-dir, or a folder holding a copy of its {DB_NAME})", file=sys.stderr)
-            return 2
-        try:
-            store = Store(args.state_dir)
-        except (StateDirUnsafe, OSError) as err:
-            print(f"deadweight runs: {err}", file=sys.stderr)
+        store = state_store("runs", args.state_dir)
+        if store is None:
             return 2
         try:
             lines, source = runs_listing.from_store(store), "state_dir"

@@ -17,15 +17,12 @@ if TYPE_CHECKING:
 
 
 def _save(args: argparse.Namespace) -> int:
-    from ..store.files import DB_NAME
-    from ..store.journal import Store
+    from ..cli_args import state_store
     from .build import build
 
-    if not (Path(args.state_dir) / DB_NAME).is_file():
-        print(f"deadweight baseline: no state database in {args.state_dir} (the sidecar's "
-              "--state-dir)", file=sys.stderr)
+    store = state_store("baseline", args.state_dir)
+    if store is None:
         return 2
-    store = Store(args.state_dir)
     try:
         baseline = build(store, args.run_ids)
     except BaselineError as err:

@@ -73,13 +73,19 @@ def _verdict(run: RunState, found: tuple[Baseline, Deviation | None] | None, fix
                    evidence={**dev.evidence(), "baseline": baseline.name})
 
 
+#: The healthy runs every baseline detector stayed silent on: the healthy matrix (no
+#: baseline named), its conformance twin, and test_baseline's other seeds and data orders,
+#: with and without a CPU hog beside them.
+CHECKED_ON = ("healthy-matrix", "conformance-twin", "baseline-healthy-seeds",
+              "baseline-busy-machine")
+
+
 class BaselineRecipeChanged(SpecDetector):
     """The run's recipe differs from its baseline's: what differs, once."""
 
     spec = DetectorSpec(
         id="baseline_recipe_changed",
-        checked_against=("healthy-matrix", "conformance-twin", "baseline-healthy-seeds",
-                         "baseline-busy-machine"),
+        checked_against=CHECKED_ON,
         false_positives=("fires on any recipe field that differs from the baseline's, a "
                          "deliberate change too (another learning rate, another dataset "
                          "size); it is information and pages nobody"),
@@ -124,8 +130,7 @@ class BaselineModulesChanged(SpecDetector):
 
     spec = DetectorSpec(
         id="baseline_modules_changed",
-        checked_against=("healthy-matrix", "conformance-twin", "baseline-healthy-seeds",
-                         "baseline-busy-machine"),
+        checked_against=CHECKED_ON,
         false_positives=("a run that unfreezes a module kind on purpose, a deliberate change"
                          " of recipe the baseline does not know; its evidence names the "
                          "module kind"),
@@ -209,8 +214,7 @@ class BaselineGradNorm(SpecDetector):
 
     spec = DetectorSpec(
         id="baseline_grad_norm",
-        checked_against=("healthy-matrix", "conformance-twin", "baseline-healthy-seeds",
-                         "baseline-busy-machine"),
+        checked_against=CHECKED_ON,
         false_positives=("a run on other data than the baseline's (the same recipe on "
                          "another dataset) can leave the grad-norm band for the five points "
                          "in a row it needs"),
@@ -241,8 +245,7 @@ class BaselineLoss(SpecDetector):
 
     spec = DetectorSpec(
         id="baseline_loss",
-        checked_against=("healthy-matrix", "conformance-twin", "baseline-healthy-seeds",
-                         "baseline-busy-machine"),
+        checked_against=CHECKED_ON,
         false_positives=("a run on other data or another tokenizer than the baseline's "
                          "shifts its loss out of the band while it learns"),
         severity=Severity.WARNING,
@@ -267,8 +270,7 @@ class BaselineLearningRate(SpecDetector):
 
     spec = DetectorSpec(
         id="baseline_learning_rate",
-        checked_against=("healthy-matrix", "conformance-twin", "baseline-healthy-seeds",
-                         "baseline-busy-machine"),
+        checked_against=CHECKED_ON,
         false_positives=("a schedule or learning rate changed on purpose leaves the band; "
                          "the recipe line says what changed"),
         severity=Severity.WARNING,
@@ -293,8 +295,7 @@ class BaselineUpdateSize(SpecDetector):
 
     spec = DetectorSpec(
         id="baseline_update_size",
-        checked_against=("healthy-matrix", "conformance-twin", "baseline-healthy-seeds",
-                         "baseline-busy-machine"),
+        checked_against=CHECKED_ON,
         false_positives=("a learning rate or optimizer changed on purpose moves the update "
                          "size out of the band; the recipe line says what changed"),
         severity=Severity.WARNING,
@@ -366,8 +367,7 @@ class BaselineRlSignals(SpecDetector):
 
     spec = DetectorSpec(
         id="baseline_rl_signals",
-        checked_against=("healthy-matrix", "conformance-twin", "baseline-healthy-seeds",
-                         "baseline-busy-machine", "baseline-grpo-seeds"),
+        checked_against=(*CHECKED_ON, "baseline-grpo-seeds"),
         false_positives=("a reward function or KL coefficient changed on purpose moves "
                          "reward, reward_std or kl out of the band"),
         severity=Severity.WARNING,

@@ -24,6 +24,7 @@ from deadweight.proto import pb
 from deadweight.sidecar.registry import Peer, Registry
 from tests.support.faults import Pipe, metric_value
 from tests.support.raw_client import frozen_events
+from tests.support.realprocs import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 #: A second process of the same uid that registers runs prefix-0..N-1 over its own stream.
@@ -166,14 +167,18 @@ def test_one_run_processes_that_never_step_do_not_lock_a_full_table(tmp_path: Pa
             started = min(r.started_at for r in process.status().runs)
             pipe = Pipe(process.address)
             try:
-                deadline = time.monotonic() + 30
-                while True:  # the squatters' runs grow older than the reclaim age
+                refusals: list[str] = []
+
+                def admitted() -> bool:
                     error = pipe.send(_start("real-job")).error
-                    if not error or time.monotonic() > deadline:
-                        break
-                    assert "tracks 8 live runs" in error
-                    time.sleep(0.1)
-                assert not error and time.time() - started >= 1.0
+                    if error:
+                        refusals.append(error)
+                    return not error
+
+                # Refused until the squatters' runs grow older than the reclaim age.
+                wait_for(admitted, 30, interval=0.1, what="the real job admitted")
+                assert all("tracks 8 live runs" in error for error in refusals), refusals
+                assert time.time() - started >= 1.0
                 seq = 1
                 for step in range(1, 8):
                     pipe.send(pb.StreamRequest(run_id="real-job",

@@ -36,12 +36,8 @@ from .exposition.collector import DeadweightCollector
 from .exposition.http import MetricsServer
 from .ingest.attestation import AttestationServer
 from .ingest.oncall import Oncall, SilenceClock, operator_uids
-from .ingest.server import (
-    ServerConfig,
-    SidecarServer,
-    check_transport,
-    refuse_if_listening,
-)
+from .ingest.server import ServerConfig, SidecarServer, check_transport
+from .ingest.socket_claim import refuse_if_listening
 from .model.finding import Finding, RunSnapshot
 from .model.nonces import Attestor
 from .model.settings import DetectorSettings

@@ -28,9 +28,9 @@ ROOT = Path(__file__).resolve().parents[2]
 PREPARE = """
 import stat, sys
 from pathlib import Path
-from deadweight.sidecar.ingest.server import _prepare_socket
+from deadweight.sidecar.ingest.socket_claim import prepare_socket
 path = Path(sys.argv[1])
-_prepare_socket(path)
+prepare_socket(path)
 print("mode", oct(stat.S_IMODE(path.parent.stat().st_mode)), flush=True)
 """
 

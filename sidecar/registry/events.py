@@ -103,7 +103,8 @@ class EventApplier:
         event); returns the rank's highest sequence number (the ack).
 
         Step reports, nearly every event of a busy run, are applied here without a handler
-        call each; the other kinds go to their handler."""
+        lookup each (``_accept``, shared with re-anchoring, is one call: about 0.1 us of the
+        10 us a report costs); the other kinds go to their handler."""
         run = entry.state
         if request.rank not in run.ranks:
             if len(run.ranks) >= limits.MAX_RANKS_PER_RUN:

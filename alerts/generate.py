@@ -112,7 +112,7 @@ def runbook_index() -> str:
     for d in SPECS:
         resolves = ("when the live run recovers, or the run restarts healthy or expires"
                     if d.scope == "run" else "when the run restarts healthy or expires")
-        lines.append(f"| {alert_name(d.id)} | {d.severity.value} | {resolves} | "
+        lines.append(f"| {alert_name(d.id)} | {d.severity_words} | {resolves} | "
                      f"[{d.runbook}]({d.runbook}) | {d.meaning} | {d.fix} | "
                      f"{d.false_positives} |")
     about = {SIDECAR_DOWN: ("when scraped again",
@@ -152,7 +152,7 @@ def detector_table() -> str:
     for d in SPECS:
         threshold = ", ".join(f"`{t.name}={_default(t.name)}` ({t.unit})"
                               for t in d.thresholds) or d.cadence
-        lines.append(f"| `{d.id}` | {d.severity.value} | {d.policy.value} | {d.fires_when} | "
+        lines.append(f"| `{d.id}` | {d.severity_words} | {d.policy.value} | {d.fires_when} | "
                      f"{threshold} | [{d.runbook}]({RUNBOOKS}/{d.runbook}) |")
     lines.append(TABLE_END)
     return "\n".join(lines)

@@ -39,6 +39,11 @@ class Verdict(NamedTuple):
     step: int = 0
     summary: str = ""
     evidence: Mapping[str, str] = NO_EVIDENCE
+    #: The severity this verdict carries when it is not the spec's (None: the spec's). A
+    #: detector whose evidence is certain in one case and only likely in another gives the
+    #: lower one where a healthy run could produce it, or steps up as a deviation persists;
+    #: an incident only ever steps up (``incidents.FindingLifecycle``).
+    severity: Severity | None = None
 
 
 class Detector(Protocol):

@@ -114,6 +114,20 @@ class DetectorSpec:
     #: Where it could still misfire on a healthy run, in a sentence or two (a detector with
     #: none says "none known" and why). A detector with a known misfire is not ``critical``.
     false_positives: str = ""
+    #: The lower severity some of its verdicts carry (``Verdict.severity``) and when, for a
+    #: detector whose evidence is certain in one case and not in another (a healthy run can
+    #: produce the other: it fires lower there), or that steps up as a deviation persists.
+    #: ``severity`` is the highest it gives.
+    lower_severity: Severity | None = None
+    lower_when: str = ""
+
+    @property
+    def severity_words(self) -> str:
+        """The severity as the generated tables write it: "critical", or "critical (warning
+        when ...)" for a detector whose verdicts may carry the lower one."""
+        if self.lower_severity is None:
+            return self.severity.value
+        return f"{self.severity.value} ({self.lower_severity.value} when {self.lower_when})"
 
     @property
     def runbook(self) -> str:

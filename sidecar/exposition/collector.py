@@ -156,6 +156,9 @@ class RunFigures(NamedTuple):
     checkpoints: float
     unchanged: float
     checkpoint: tuple[float, str] | None  # latest checkpoint's adapter bytes and digest label
+    #: (detector, severity) of the firing verdicts whose severity is not their spec's (a
+    #: verdict that stepped up or fired lower: ``Verdict.severity``).
+    stepped: tuple[tuple[str, str], ...] = ()
 
 
 #: (family index in RUN_FAMILIES, its extra label's value or "", value).
@@ -226,7 +229,9 @@ class DeadweightCollector(Collector):
         self.attestation = attestation
         #: (detector, severity) label values, read once: every run has a sample per detector.
         self._detector_labels = [(d.id, d.severity.value) for d in detectors]
-        self._firing_blocks: dict[tuple[str, str, frozenset[str]], str] = {}
+        self._spec_severity = dict(self._detector_labels)
+        self._firing_blocks: dict[
+            tuple[str, str, frozenset[str], tuple[tuple[str, str], ...]], str] = {}
         #: run_id -> the run's lines on the last page written (see ``_run_text``).
         self._texts: dict[str, _RunText] = {}
 
@@ -247,7 +252,7 @@ class DeadweightCollector(Collector):
         info, figures, actions, guards = self._snapshot()
         yield info
         yield TextFamily(FIRING, FIRING_HELP, "gauge", "".join([
-            self._firing_block(f.run_id, f.trainer, f.firing) for f in figures]))
+            self._firing_block(f.run_id, f.trainer, f.firing, f.stepped) for f in figures]))
         yield from self._run_text(figures)
         yield actions
         yield from guards
@@ -300,17 +305,21 @@ class DeadweightCollector(Collector):
             run.ended, tuple(ranks), update,
             tuple([None if (value := logs.get(key)) is None else value or 0.0
                    for key in _LOG_KEYS]),
-            float(run.checkpoints_total), float(run.checkpoints_unchanged), checkpoint)
+            float(run.checkpoints_total), float(run.checkpoints_unchanged), checkpoint,
+            tuple(sorted((f.detector, f.severity) for f in findings
+                         if f.firing and f.severity != self._spec_severity.get(f.detector))))
 
     # -- the client library's families -----------------------------------------------------
 
     def _firing_family(self, figures: list[RunFigures]) -> Metric:
         firing = _gauge(FIRING, FIRING_HELP, [*RUN, "detector", "severity"])
         for f in figures:
+            stepped = dict(f.stepped)
             for detector, severity in self._detector_labels:
                 firing.samples.append(Sample(FIRING, {
                     "run_id": f.run_id, "trainer": f.trainer, "detector": detector,
-                    "severity": severity}, 1.0 if detector in f.firing else 0.0))
+                    "severity": stepped.get(detector, severity)},
+                    1.0 if detector in f.firing else 0.0))
         return firing
 
     @staticmethod
@@ -332,16 +341,20 @@ class DeadweightCollector(Collector):
 
     # -- the /metrics text -----------------------------------------------------------------
 
-    def _firing_block(self, run_id: str, trainer: str, firing: frozenset[str]) -> str:
-        """A run's deadweight_detector_firing lines (cached: they change with a verdict)."""
-        key = (run_id, trainer, firing)
+    def _firing_block(self, run_id: str, trainer: str, firing: frozenset[str],
+                      stepped: tuple[tuple[str, str], ...] = ()) -> str:
+        """A run's deadweight_detector_firing lines (cached: they change with a verdict); a
+        verdict firing at another severity than its spec's carries that one."""
+        key = (run_id, trainer, firing, stepped)
         block = self._firing_blocks.get(key)
         if block is None:
             if len(self._firing_blocks) >= MAX_FIRING_BLOCKS:
                 self._firing_blocks.clear()
+            severities = dict(stepped)
             block = self._firing_blocks[key] = "".join([
                 sample_line(FIRING, {"run_id": run_id, "trainer": trainer, "detector": detector,
-                                     "severity": severity}, 1.0 if detector in firing else 0.0)
+                                     "severity": severities.get(detector, severity)},
+                            1.0 if detector in firing else 0.0)
                 for detector, severity in self._detector_labels])
         return block
 

@@ -25,7 +25,7 @@ import structlog
 from ...proto import pb
 from .. import detectors
 from ..detectors.base import Detector, Policy, Verdict
-from ..model.finding import ActionSink, Finding, RunSnapshot
+from ..model.finding import SEVERITY_ORDER, ActionSink, Finding, RunSnapshot
 from ..model.settings import DetectorSettings
 from ..store.journal import Store, StoredIncident, StoreWriteFailed
 from .run_table import RunEntry
@@ -36,6 +36,12 @@ log = structlog.get_logger("deadweight.registry")
 #: confirms it or the run has reported this many optimizer steps since (windows restart empty);
 #: likewise a firing finding when another rank joins the run (``RunEntry.hold_firing``).
 RESUME_HOLD_STEPS = 8
+
+
+def stepped_up(finding: Finding, verdict: Verdict) -> bool:
+    """Whether a firing verdict now carries a higher severity than its standing incident."""
+    return (verdict.severity is not None
+            and SEVERITY_ORDER[verdict.severity.value] < SEVERITY_ORDER.get(finding.severity, 3))
 
 
 class FindingLifecycle:
@@ -76,6 +82,11 @@ class FindingLifecycle:
                 continue
             if verdict.firing and (finding is None or not finding.firing):
                 self.fire(entry, detector, verdict)
+            elif verdict.firing and finding is not None and stepped_up(finding, verdict):
+                # A new incident at the higher severity: its page goes to that severity's
+                # receiver; the lower one resolves, its page with it.
+                self.resolve(entry, finding, f"stepped up to {verdict.severity}")
+                self.fire(entry, detector, verdict)
             elif verdict.firing and finding is not None:
                 finding.evidence = dict(verdict.evidence)  # the step it fired at stays
                 finding.summary = verdict.summary
@@ -111,6 +122,7 @@ class FindingLifecycle:
             severity=detector.severity.value,
             policy=self.policies[detector.id].value,
         )
+        finding.severity = (verdict.severity or detector.severity).value
         finding.firing = True
         finding.step = verdict.step
         finding.summary = verdict.summary

@@ -494,3 +494,16 @@ def test_every_spec_says_what_healthy_runs_it_checked_and_where_it_misfires() ->
             assert re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", name), (spec.id, name)
         assert len(spec.false_positives.split()) >= 4, spec.id
         assert not spec.false_positives.endswith("."), spec.id
+
+
+def test_a_lower_severity_is_declared_with_when_and_is_lower() -> None:
+    """A detector whose verdicts may carry a lower severity names it and says when (the
+    generated tables print it), and it is lower than the spec's."""
+    order = ["critical", "warning", "info"]
+    for detector in ALL:
+        spec = detector.spec
+        if spec.lower_severity is None:
+            assert not spec.lower_when, spec.id
+            continue
+        assert order.index(spec.lower_severity.value) > order.index(spec.severity.value), spec.id
+        assert len(spec.lower_when.split()) >= 4, spec.id

@@ -7,6 +7,7 @@ verdict; its expiry from memory resolves the page, and the journal keeps "firing
 
 from __future__ import annotations
 
+import dataclasses
 import sqlite3
 import time
 from pathlib import Path
@@ -14,10 +15,12 @@ from pathlib import Path
 from deadweight.proto import pb
 from deadweight.sidecar import report, status
 from deadweight.sidecar.actions.policy import Actions
-from deadweight.sidecar.detectors import ALL
-from deadweight.sidecar.detectors.base import Policy
+from deadweight.sidecar.detectors import ALL, BY_ID
+from deadweight.sidecar.detectors.base import Detector, Policy, Severity, SpecDetector, Verdict
 from deadweight.sidecar.detectors.spec import root_causes_first
 from deadweight.sidecar.exposition.collector import DeadweightCollector
+from deadweight.sidecar.model.run_state import RunState
+from deadweight.sidecar.model.settings import DetectorSettings
 from deadweight.sidecar.registry import Registry
 from deadweight.sidecar.store.files import DB_NAME
 from deadweight.sidecar.store.journal import Store
@@ -250,3 +253,54 @@ def test_a_journal_from_before_the_latest_evidence_column_opens(tmp_path: Path) 
     store.note_evidence("old", "frozen_weights", 1, {"frozen_steps": "9"})
     [incident] = store.incidents("old")
     assert incident.latest_evidence == {"frozen_steps": "9"}
+
+
+class _SteppingDetector(SpecDetector):
+    """Fires from step 2 at warning and steps up to critical from step 5: the shape of a
+    deviation that persists (``Verdict.severity``)."""
+
+    spec = dataclasses.replace(BY_ID["frozen_weights"].spec, id="stepping_probe")
+
+    def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
+        if run.step < 2:
+            return Verdict(False, step=run.step)
+        return Verdict(True, step=run.step, summary=f"probe at {run.step}",
+                       severity=Severity.WARNING if run.step < 5 else Severity.CRITICAL)
+
+
+def _severities(registry: Registry, actions: Actions, detectors: tuple[Detector, ...]
+                ) -> dict[str, float]:
+    return {sample.labels["severity"]: sample.value
+            for family in DeadweightCollector(registry, actions, detectors).collect()
+            for sample in family.samples
+            if sample.name == "deadweight_detector_firing"
+            and sample.labels["detector"] == "stepping_probe"}
+
+
+def test_a_verdict_that_steps_up_opens_a_new_incident_at_the_higher_severity(
+        tmp_path: Path) -> None:
+    """The lower incident resolves (its page with it) and a new one pages at the higher
+    severity; /metrics carries the verdict's severity, not the spec's; it never steps down."""
+    pager = RecordingPager()
+    store = Store(tmp_path)
+    actions = Actions(pager=pager, store=store)
+    probe = (_SteppingDetector(),)
+    registry = Registry(actions, store=store, active_detectors=probe,
+                        policies={"stepping_probe": Policy.PAGE})
+    _feed(registry, [pb.Event(seq=0, run_start=run_start())])
+    for step in range(1, 4):
+        _feed(registry, frozen_events(step, 2 * step - 1))
+    assert _finding(registry, "stepping_probe").severity == "warning"
+    assert _severities(registry, actions, probe) == {"warning": 1.0}
+    assert [d for _, d, _ in pager.fired] == ["stepping_probe"] and not pager.resolved
+    for step in range(4, 7):
+        _feed(registry, frozen_events(step, 2 * step - 1))
+    stepped = _finding(registry, "stepping_probe")
+    assert (stepped.severity, stepped.step) == ("critical", 5)
+    assert _severities(registry, actions, probe) == {"critical": 1.0}
+    assert [d for _, d, _ in pager.fired] == ["stepping_probe"] * 2
+    assert pager.resolved == [("r", "stepping_probe")]
+    rows = sqlite3.connect(tmp_path / DB_NAME).execute(
+        "SELECT incident, severity, resolved_at IS NULL FROM incidents "
+        "WHERE detector='stepping_probe' ORDER BY incident").fetchall()
+    assert rows == [(1, "warning", 0), (2, "critical", 1)]

@@ -12,17 +12,16 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from deadweight.demo.sidecar_process import SidecarProcess, free_port
+from deadweight.demo.sidecar_process import SidecarProcess
 from deadweight.proto import pb
 from deadweight.sidecar.registry import Registry
+from tests.support import torchrun
 from tests.support.faults import Pipe, metric_value
 from tests.support.inprocess_sidecar import InProcessSidecar
 from tests.support.realprocs import start_prometheus, wait_for
@@ -50,10 +49,8 @@ def _torchrun(sidecar: InProcessSidecar | SidecarProcess, tiny: tuple[Path, Path
     env = {**os.environ, "DEADWEIGHT_ADDRESS": sidecar.address, "OMP_NUM_THREADS": "1",
            "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(WORKER.parents[2])}
     env.pop("DEADWEIGHT_RUN_ID", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           str(WORKER), str(model_dir), str(adapter_dir), str(out), mode, str(steps), overrides]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    done = torchrun.run([str(WORKER), str(model_dir), str(adapter_dir), str(out), mode,
+                         str(steps), overrides], env, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)] if read else []
 

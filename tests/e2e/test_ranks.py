@@ -22,11 +22,10 @@ import pytest
 import yaml
 
 from alerts.rules import RANK_STOPPED, rank_stopped_expr
-from deadweight.demo.sidecar_process import free_port
 from deadweight.sidecar.detectors import Verdict
 from deadweight.sidecar.detectors.ranks import RankStraggler, ReplicasDiverged
 from deadweight.sidecar.model.settings import DetectorSettings
-from tests.support import ddp_worker, rank_worker
+from tests.support import ddp_worker, rank_worker, torchrun
 from tests.support.inprocess_sidecar import InProcessSidecar
 from tests.support.realprocs import start_prometheus, wait_for
 
@@ -52,9 +51,7 @@ def _start(sidecar: InProcessSidecar, mode: str, out: Path, steps: int | str, ru
     env = {**os.environ, "DEADWEIGHT_ADDRESS": sidecar.address, "DEADWEIGHT_RUN_ID": run_id,
            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": str(WORKER.parents[2]), **(env_more or {})}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           str(WORKER), mode, str(out), str(steps)]
+    cmd = torchrun.command([str(WORKER), mode, str(out), str(steps)], ranks)
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
 
@@ -223,10 +220,8 @@ def test_stuck_rank_is_named_under_the_trainer(sidecar: InProcessSidecar,
     env = {**os.environ, "DEADWEIGHT_ADDRESS": sidecar.address, "DEADWEIGHT_RUN_ID": run_id,
            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": str(WORKER.parents[2])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           str(WORKER.with_name("ddp_worker.py")), str(model_dir), str(adapter_dir),
-           str(tmp_path), "stall", "4"]
+    cmd = torchrun.command([str(WORKER.with_name("ddp_worker.py")), str(model_dir),
+                            str(adapter_dir), str(tmp_path), "stall", "4"])
     job = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            text=True)
     try:

@@ -22,9 +22,9 @@ from typing import Any
 import pytest
 import torch
 
-from deadweight.demo.sidecar_process import SidecarProcess, free_port
+from deadweight.demo.sidecar_process import SidecarProcess
 from deadweight.proto import pb
-from tests.support import raw_loop_worker
+from tests.support import raw_loop_worker, torchrun
 from tests.support.faults import metric_value
 
 # torchrun ranks take both cores: these files run one after another, never beside each other
@@ -49,13 +49,10 @@ def _run_loops(sidecar: SidecarProcess, loops: tuple[str, ...], modes: tuple[str
     if loops == ("fsdp2",):  # the GPU's update path, its host reads counted (raw_loop_worker)
         env["DEADWEIGHT_UPDATE_PATH"] = "device"
     ranks = 2 if loops[0] in DISTRIBUTED else 1
-    if ranks == 2:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
-    else:
-        cmd = [sys.executable]
-    done = subprocess.run([*cmd, str(WORKER), ",".join(loops), ",".join(modes), str(out)],
-                          env=env, capture_output=True, text=True, timeout=600)
+    script = [str(WORKER), ",".join(loops), ",".join(modes), str(out)]
+    done = (torchrun.run(script, env, timeout=600) if ranks == 2 else
+            subprocess.run([sys.executable, *script], env=env, capture_output=True, text=True,
+                           timeout=600))
     assert done.returncode == 0, done.stderr[-4000:]
     found = {}
     for loop in loops:

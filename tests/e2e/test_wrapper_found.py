@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from deadweight.demo.sidecar_process import free_port
+from tests.support import torchrun
 from tests.support.inprocess_sidecar import InProcessSidecar
 from tests.support.realprocs import wait_for
 
@@ -32,10 +32,7 @@ def both_modes(live: InProcessSidecar) -> dict[str, str]:
     env = {**os.environ, "DEADWEIGHT_ADDRESS": live.address, "DEADWEIGHT_RUN_ID": "two-ranks",
            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": str(WORKER.parents[2])}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                           "2", "--master-addr", "127.0.0.1", "--master-port",
-                           str(free_port()), str(WORKER), ",".join(MODES)],
-                          env=env, capture_output=True, text=True, timeout=300)
+    done = torchrun.run([str(WORKER), ",".join(MODES)], env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     for mode in MODES:
         run_id = f"two-ranks-{mode}"

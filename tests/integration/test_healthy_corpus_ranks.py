@@ -20,8 +20,7 @@ from typing import Any
 
 import pytest
 
-from deadweight.demo.sidecar_process import free_port
-from tests.support import healthy_ranks_worker
+from tests.support import healthy_ranks_worker, torchrun
 from tests.support.healthy_recipes import (
     BEGIN,
     Kit,
@@ -55,10 +54,8 @@ def launch(live: InProcessSidecar, tiny: tuple[Path, Path],
     env = {**os.environ, "DEADWEIGHT_ADDRESS": live.address, "OMP_NUM_THREADS": "1",
            "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(WORKER.parents[2])}
     env.pop("DEADWEIGHT_RUN_ID", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(WORKER),
-           str(model_dir), str(out), ",".join(healthy_ranks_worker.LOOPS)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    done = torchrun.run([str(WORKER), str(model_dir), str(out),
+                         ",".join(healthy_ranks_worker.LOOPS)], env, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     reports = {loop: [json.loads((out / loop / f"rank{r}.json").read_text()) for r in (0, 1)]
                for loop in healthy_ranks_worker.LOOPS}

@@ -97,6 +97,29 @@ def webhook_urls_from(files: list[str] | None) -> tuple[str, ...]:
     return tuple(urls)
 
 
+def alertmanager_url_from(given: str | None, file: str | None) -> str | None:
+    """The Alertmanager URL, from --alertmanager-url or the file --alertmanager-url-file
+    names (its first line that is not blank or a # comment), so a ``user:password@`` it
+    carries stays out of the process list. Raises OSError or ValueError."""
+    from .actions.webhook import check_url
+
+    if file is None:
+        return given
+    if given is not None:
+        raise ValueError("give --alertmanager-url or --alertmanager-url-file, not both")
+    for line in Path(file).read_text().splitlines():
+        text = line.strip()
+        if text and not text.startswith("#"):
+            return check_url(text)
+    raise ValueError(f"{file} holds no Alertmanager URL (one line: http(s)://host:port)")
+
+
+def _credentials_in(url: str | None) -> bool:
+    from urllib.parse import urlsplit
+
+    return url is not None and urlsplit(url).password is not None
+
+
 def _serve(args: argparse.Namespace) -> int:
     import structlog
 
@@ -124,6 +147,11 @@ def _serve(args: argparse.Namespace) -> int:
             "webhook_url_in_argv", urls=len(args.webhook_url),
             note="every user of this machine can read --webhook-url in the process list, "
             "with the secret its path or user:password@ carries; use --webhook-url-file")
+    if _credentials_in(args.alertmanager_url):
+        structlog.get_logger("deadweight.sidecar").warning(
+            "alertmanager_url_in_argv",
+            note="every user of this machine can read --alertmanager-url in the process "
+            "list, with the user:password@ it carries; use --alertmanager-url-file")
     try:
         config = sidecar_config(args)
         check_transport(config.server)
@@ -176,7 +204,7 @@ def sidecar_config(args: argparse.Namespace) -> SidecarConfig:
 
     return SidecarConfig(
         server=_server_config(args), state_dir=args.state_dir,
-        alertmanager_url=args.alertmanager_url,
+        alertmanager_url=alertmanager_url_from(args.alertmanager_url, args.alertmanager_url_file),
         webhook_urls=tuple(args.webhook_url or ()) + webhook_urls_from(args.webhook_url_file),
         pager_deadline=args.pager_deadline, pager_backoff=args.pager_backoff,
         pager_backoff_max=args.pager_backoff_max,
@@ -239,7 +267,12 @@ def add_serve(commands: Commands, default_socket: str) -> None:
     serve.add_argument("--policy", action="append", type=policy_arg, metavar="DETECTOR=ACTION",
                        help="observe|page|stop|kill for one detector (repeatable)")
     serve.add_argument("--alertmanager-url", default=None, metavar="URL",
-                       help="page through this Alertmanager's API v2 (e.g. http://host:9093)")
+                       help="page through this Alertmanager's API v2 (e.g. http://host:9093; "
+                       "user:password@ is sent as Basic auth but shows in the process list: "
+                       "prefer --alertmanager-url-file)")
+    serve.add_argument("--alertmanager-url-file", default=None, metavar="FILE",
+                       help="page through the Alertmanager whose URL this file holds (its "
+                       "first line; keeps the URL's user:password@ out of the process list)")
     serve.add_argument("--webhook-url", action="append", type=webhook_url_arg, default=None,
                        metavar="URL", help="also page this chat or incident webhook directly: "
                        "one JSON message per incident with a Slack-compatible text field "

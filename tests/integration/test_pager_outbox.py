@@ -10,6 +10,7 @@ made short by its flags (deadline, backoff, re-assertion interval), never by sle
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import time
@@ -271,3 +272,64 @@ def test_the_webhook_url_file_must_hold_a_url(tmp_path: Path) -> None:
         assert "deadweight serve:" in result.stderr
         assert ("http:// or https://" in result.stderr if given == bad
                 else "No such file" in result.stderr)
+
+
+def test_alertmanager_credentials_come_from_a_file_out_of_the_process_list(
+        tmp_path: Path) -> None:
+    """Item 6 for Alertmanager: its URL's user:password@ read from --alertmanager-url-file
+    reaches the receiver as Basic auth and never shows in /proc/<pid>/cmdline, /metrics or
+    the log; the same URL given in argv still pages but warns."""
+    am = Receiver(OK)
+    with_secret = am.url.replace("http://", "http://oncall:s3cret-pass@")
+    url_file = tmp_path / "alertmanager.url"
+    url_file.write_text(f"# the team's Alertmanager\n{with_secret}\n")
+    url_file.chmod(0o600)
+    expected = "Basic " + base64.b64encode(b"oncall:s3cret-pass").decode()
+    try:
+        for args, run_id in ((["--alertmanager-url-file", str(url_file)], "run-file"),
+                             (["--alertmanager-url", with_secret], "run-argv")):
+            log = tmp_path / f"{run_id}.log"
+            state = tmp_path / f"state-{run_id}"
+            with SidecarProcess(tmp_path / run_id, extra_args=[*args, "--state-dir",
+                                                               str(state), *FAST],
+                                log_path=log) as sidecar:
+                assert sidecar.process is not None
+                cmdline = Path(f"/proc/{sidecar.process.pid}/cmdline").read_bytes()
+                client = start_raw_client(sidecar.socket_path, run_id, tmp_path / "c.log",
+                                          attest=True)
+                try:
+                    wait_for(lambda r=run_id: [  # type: ignore[misc]
+                        q for q in am.requests("POST", "/api/v2/alerts")
+                        if r in json.dumps(q.body)], 30, what=f"{run_id}'s page")
+                    metrics = sidecar.metrics()
+                finally:
+                    stop_all(client)
+            posts = [q for q in am.requests("POST", "/api/v2/alerts")
+                     if run_id in json.dumps(q.body)]
+            assert posts and all(q.headers.get("Authorization") == expected for q in posts)
+            assert "s3cret-pass" not in metrics and "s3cret-pass" not in log.read_text()
+            warned = log_events(log, "alertmanager_url_in_argv")
+            if run_id == "run-file":
+                assert b"s3cret-pass" not in cmdline and not warned
+            else:
+                assert warned and "--alertmanager-url-file" in str(warned[0]["note"])
+    finally:
+        am.close()
+
+
+def test_alertmanager_url_file_and_flag_are_one_or_the_other(tmp_path: Path) -> None:
+    """Both given, an empty file or a file without a URL stop the start with the reason."""
+    import subprocess
+    import sys
+
+    empty = tmp_path / "empty.url"
+    empty.write_text("# nothing yet\n")
+    for args, words in ((["--alertmanager-url", "http://127.0.0.1:9093",
+                          "--alertmanager-url-file", str(empty)], "not both"),
+                        (["--alertmanager-url-file", str(empty)], "holds no Alertmanager URL")):
+        result = subprocess.run(
+            [sys.executable, "-m", "deadweight.sidecar.cli", "serve", "--socket",
+             str(tmp_path / "s.sock"), "--metrics-address", f"127.0.0.1:{free_port()}",
+             *args], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2, result.stderr
+        assert "deadweight serve:" in result.stderr and words in result.stderr

@@ -42,8 +42,8 @@ import yaml
 
 from deadweight.demo.sidecar_process import SidecarProcess
 from deadweight.proto import MAX_MESSAGE_BYTES, monitor_stub, pb
-from deadweight.sidecar import status
 from deadweight.sidecar.checkpoints.inspector import MAX_HEADER_BYTES, MAX_TENSORS
+from deadweight.sidecar.commands import status
 from deadweight.sidecar.model import limits, step_point
 from deadweight.sidecar.model import run_state as state
 

@@ -1,6 +1,6 @@
 """The ``deadweight`` command: the sidecar's commands plus ``deadweight demo``.
 
-The sidecar (``deadweight.sidecar.cli``) never imports the demo; this entry point adds the
+The sidecar (``deadweight.sidecar.commands.cli``) never imports the demo; this entry point adds the
 ``demo`` command and imports the demo only when it runs. An install without the demo or without
 the training extra (the sidecar image) keeps every other command and says what the demo needs.
 """
@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .sidecar import cli as sidecar_cli
+from .sidecar.commands import cli as sidecar_cli
 
 if TYPE_CHECKING:
-    from .sidecar.cli import Commands
+    from .sidecar.commands.cli import Commands
 
 #: What the demo trains with: the ``train`` extra.
 TRAINING_MODULES = ("torch", "transformers", "trl", "peft")

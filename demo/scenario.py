@@ -63,7 +63,7 @@ def _adapter_changed(initial: Path, checkpoint_root: Path) -> tuple[str, bool] |
 def _write_reports(state_dir: Path, workdir: Path) -> None:
     """One HTML report per run, from the sidecar's state dir (needs the report extra)."""
     try:
-        from ..sidecar import report
+        from ..sidecar.commands import report
     except ImportError:
         return
     from ..sidecar.store.journal import Store
@@ -94,7 +94,7 @@ def main(workdir: Path | None = None, steps: int = 12) -> int:
 
     torch.set_num_threads(1)
     from ..callbacks import DeadweightCallback
-    from ..sidecar import status
+    from ..sidecar.commands import status
     from . import runs
     from .sidecar_process import SidecarProcess
 

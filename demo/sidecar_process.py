@@ -19,7 +19,7 @@ from types import TracebackType
 import grpc
 
 from ..proto import pb
-from ..sidecar import status
+from ..sidecar.commands import status
 
 
 def free_port() -> int:
@@ -54,7 +54,7 @@ class SidecarProcess:
 
     def command(self) -> list[str]:
         cmd = [
-            sys.executable, "-m", "deadweight.sidecar.cli", "serve",
+            sys.executable, "-m", "deadweight.sidecar.commands.cli", "serve",
             "--socket", str(self.socket_path),
             "--metrics-address", f"127.0.0.1:{self.metrics_port}",
         ]

@@ -59,6 +59,6 @@ echo "torch==$installed_torch" >"$held"
 say "installing deadweight[$EXTRAS] and its dependencies (first run: under a minute)"
 uv_install --constraint "$held" -e ".[$EXTRAS]"
 rm -f "$held"
-.venv/bin/python -c "import deadweight.callbacks, deadweight.sidecar.cli, torch, trl, peft" \
+.venv/bin/python -c "import deadweight.callbacks, deadweight.sidecar.commands.cli, torch, trl, peft" \
   || { echo "bootstrap: the environment is incomplete" >&2; exit 1; }
 say "ready: .venv"

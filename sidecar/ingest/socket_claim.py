@@ -63,7 +63,7 @@ def refuse_if_listening(path: Path) -> None:
               action="removed its name; listening there again")
 
 
-#: Words a sidecar's command line holds (``deadweight serve``, ``-m deadweight.sidecar.cli
+#: Words a sidecar's command line holds (``deadweight serve``, ``-m deadweight.sidecar.commands.cli
 #: serve``, ``-m deadweight.cli serve``).
 _SIDECAR_WORDS = ("deadweight", "serve")
 

@@ -27,7 +27,7 @@ import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 import yaml
 
-from deadweight.sidecar.cli import build_parser
+from deadweight.sidecar.commands.cli import build_parser
 from deploy.kubernetes import prometheusrule
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -34,7 +34,7 @@ from alerts.rules import Patterns
 from deadweight.callbacks import DeadweightCallback
 from deadweight.demo import runs
 from deadweight.demo.sidecar_process import SidecarProcess
-from deadweight.sidecar import report
+from deadweight.sidecar.commands import report
 from deadweight.sidecar.store.journal import Store
 from tests.e2e.test_e2e_oncall import _prometheus_config, _Recorder, _spread_reward, _status
 from tests.support.realprocs import (

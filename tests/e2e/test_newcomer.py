@@ -166,7 +166,7 @@ def test_inspect_labels_checkpoints_with_their_own_steps(tiny: tuple[Path, Path]
                                                          tmp_path: Path) -> None:
     import shutil
 
-    from deadweight.sidecar.inspect import audit, render
+    from deadweight.sidecar.commands.inspect import audit, render
 
     _, adapter = tiny
     for step in (2, 10):  # 10 sorts after 2 although "checkpoint-10" < "checkpoint-2"
@@ -189,7 +189,7 @@ def test_status_says_which_verdict_stopped_a_run(stopping_sidecar: SidecarProces
                                                 tmp_path: Path) -> None:
     from deadweight.callbacks import DeadweightCallback
     from deadweight.demo import runs
-    from deadweight.sidecar import status
+    from deadweight.sidecar.commands import status
 
     model_dir, adapter_dir = tiny
     model = runs.load_adapter(model_dir, adapter_dir, trainable=False)

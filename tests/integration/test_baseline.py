@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from deadweight.sidecar import cli
 from deadweight.sidecar.baseline.model import Baseline
+from deadweight.sidecar.commands import cli
 from deadweight.sidecar.model.finding import Finding
 from deadweight.sidecar.model.settings import DetectorSettings
 from deadweight.sidecar.registry import Registry
@@ -161,7 +161,7 @@ def test_the_frozen_stage_names_the_module_and_its_update_ratio(results: Results
 
 
 def test_status_names_the_baseline(results: Results) -> None:
-    from deadweight.sidecar import status
+    from deadweight.sidecar.commands import status
 
     for run_id in ("seed-1", "seeds-2-3"):  # named by baseline=, and by DEADWEIGHT_BASELINE
         text = status.render(results.sidecar.registry.status(run_id))
@@ -226,7 +226,7 @@ def test_grpo_beta_changed_to_zero_is_caught(results: Results, tiny: tuple[Path,
 
 
 def test_the_report_draws_the_baseline_behind_the_run(results: Results) -> None:
-    from deadweight.sidecar import report
+    from deadweight.sidecar.commands import report
 
     store = Store(results.state_dir)
     try:

@@ -22,7 +22,7 @@ def _run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
 
 def test_status_shows_runs_and_verdicts(sidecar: SidecarProcess) -> None:
     from deadweight.proto import pb
-    from deadweight.sidecar.status import render
+    from deadweight.sidecar.commands.status import render
     from tests.support.faults import Pipe
 
     pipe = Pipe(sidecar.address)  # a live run at step 3 that the command must list
@@ -165,7 +165,7 @@ def test_demo_without_its_code_or_the_training_stack_says_what_it_needs(
 
 
 def test_the_sidecar_commands_alone_have_no_demo() -> None:
-    result = subprocess.run([sys.executable, "-m", "deadweight.sidecar.cli", "demo"],
+    result = subprocess.run([sys.executable, "-m", "deadweight.sidecar.commands.cli", "demo"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "invalid choice: 'demo'" in result.stderr
     assert "demo" in _run("--help").stdout

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from deadweight.demo import runs
-from deadweight.sidecar import report, status, status_json
+from deadweight.sidecar.commands import report, status, status_json
 from deadweight.sidecar.detectors import GRAPH, fix_sentence
 from deadweight.sidecar.registry import Registry
 from deadweight.sidecar.store.journal import Store

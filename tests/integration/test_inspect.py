@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from deadweight.demo import runs
-from deadweight.sidecar.cli import main
+from deadweight.sidecar.commands.cli import main
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +162,8 @@ def test_a_run_no_sidecar_judged_is_told_apart_from_a_judged_healthy_one(
 def test_a_path_that_is_not_a_checkpoint_exits_2_with_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     result = subprocess.run(
-        [sys.executable, "-m", "deadweight.sidecar.cli", "inspect", str(tmp_path / "empty")],
+        [sys.executable, "-m", "deadweight.sidecar.commands.cli", "inspect",
+         str(tmp_path / "empty")],
         capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 2

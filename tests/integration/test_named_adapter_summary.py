@@ -19,7 +19,7 @@ import pytest
 
 from deadweight.demo import runs
 from deadweight.proto import run_summary
-from deadweight.sidecar.cli import main
+from deadweight.sidecar.commands.cli import main
 from tests.support.healthy_recipes import console, corpus_sidecar
 
 pytestmark = pytest.mark.slow

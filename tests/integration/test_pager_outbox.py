@@ -265,7 +265,7 @@ def test_the_webhook_url_file_must_hold_a_url(tmp_path: Path) -> None:
     bad.write_text("ftp://example.invalid/hook\n")
     for given in (bad, tmp_path / "missing.url"):
         result = subprocess.run(
-            [sys.executable, "-m", "deadweight.sidecar.cli", "serve", "--socket",
+            [sys.executable, "-m", "deadweight.sidecar.commands.cli", "serve", "--socket",
              str(tmp_path / "s.sock"), "--metrics-address", f"127.0.0.1:{free_port()}",
              "--webhook-url-file", str(given)], capture_output=True, text=True, timeout=60)
         assert result.returncode == 2, result.stderr
@@ -328,7 +328,7 @@ def test_alertmanager_url_file_and_flag_are_one_or_the_other(tmp_path: Path) -> 
                           "--alertmanager-url-file", str(empty)], "not both"),
                         (["--alertmanager-url-file", str(empty)], "holds no Alertmanager URL")):
         result = subprocess.run(
-            [sys.executable, "-m", "deadweight.sidecar.cli", "serve", "--socket",
+            [sys.executable, "-m", "deadweight.sidecar.commands.cli", "serve", "--socket",
              str(tmp_path / "s.sock"), "--metrics-address", f"127.0.0.1:{free_port()}",
              *args], capture_output=True, text=True, timeout=60)
         assert result.returncode == 2, result.stderr

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from deadweight.demo import runs
-from deadweight.sidecar.cli import main
+from deadweight.sidecar.commands.cli import main
 from tests.support.inprocess_sidecar import InProcessSidecar
 
 pytestmark = pytest.mark.slow

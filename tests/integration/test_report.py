@@ -57,7 +57,7 @@ def _train(tiny: tuple[Path, Path], sidecar: SidecarProcess, run_id: str, out: P
 
 def _report(state: Path, run_id: str, out: Path, pattern: str) -> str:
     done = subprocess.run(
-        [sys.executable, "-m", "deadweight.sidecar.cli", "report", run_id, "--state-dir",
+        [sys.executable, "-m", "deadweight.sidecar.commands.cli", "report", run_id, "--state-dir",
          str(state), "--out", str(out), "--runbook-url-pattern", pattern],
         capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -156,7 +156,7 @@ def test_report_pages_for_frozen_and_healthy_runs(tiny: tuple[Path, Path],
 
     # The per-module figures: the frozen adapter never moved, element for element; the
     # healthy one moved everywhere (GRPO's frozen "ref" copy of the adapter is not counted).
-    from deadweight.sidecar import report
+    from deadweight.sidecar.commands import report
     from deadweight.sidecar.store.journal import Store
 
     store = Store(state)

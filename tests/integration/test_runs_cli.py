@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from deadweight.demo.sidecar_process import SidecarProcess
-from deadweight.sidecar import runs_listing, status_json
+from deadweight.sidecar.commands import runs_listing, status_json
 
 FROZEN, HEALTHY = "runs-frozen", "runs-healthy"
 

@@ -382,7 +382,7 @@ class PartitionedSave:
 
 def test_partitioned_save_writes_an_empty_adapter(live: InProcessSidecar, tiny: tuple[Path, Path],
                                                   tmp_path: Path) -> None:
-    from deadweight.sidecar.cli import main
+    from deadweight.sidecar.commands.cli import main
 
     model_dir, _ = tiny
     started = train(runs.sft_trainer(_base(model_dir), model_dir, tmp_path / "bad",

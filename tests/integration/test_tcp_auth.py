@@ -59,7 +59,7 @@ def sidecar(cert: Path, tmp_path_factory: pytest.TempPathFactory
 def _command(cert: Path, port: int, *args: str, env: dict[str, str] | None = None
              ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "deadweight.sidecar.cli", *args, "--address",
+        [sys.executable, "-m", "deadweight.sidecar.commands.cli", *args, "--address",
          f"127.0.0.1:{port}", "--tls-ca", str(cert / "cert.pem")],
         capture_output=True, text=True, timeout=60,
         env={**{k: v for k, v in os.environ.items() if k != "DEADWEIGHT_TOKEN"},

@@ -28,7 +28,7 @@ TOKEN = "s3cret-token-for-tests"
 
 
 def _serve(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "deadweight.sidecar.cli", "serve", *args],
+    return subprocess.run([sys.executable, "-m", "deadweight.sidecar.commands.cli", "serve", *args],
                           capture_output=True, text=True, timeout=60)
 
 
@@ -153,7 +153,7 @@ def test_status_command_reaches_a_tls_sidecar_with_ca_and_token(
     from tests.support.faults import Pipe
 
     sidecar, port, _ = tls_sidecar
-    command = [sys.executable, "-m", "deadweight.sidecar.cli", "status",
+    command = [sys.executable, "-m", "deadweight.sidecar.commands.cli", "status",
                "--address", f"127.0.0.1:{port}", "--tls-ca", str(cert[0])]
     pipe = Pipe(sidecar.address)  # a run on the unix socket, listed over TLS
     try:

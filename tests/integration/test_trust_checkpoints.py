@@ -127,7 +127,7 @@ def test_a_78_mb_header_is_refused_before_parsing_within_a_small_memory(
     peak = tmp_path / "peak_kb"
     result = subprocess.run(  # GNU time reports the peak RSS of the command after its exec
         ["/usr/bin/time", "-f", "%M", "-o", str(peak), sys.executable, "-m",
-         "deadweight.sidecar.cli", "inspect", str(big)],
+         "deadweight.sidecar.commands.cli", "inspect", str(big)],
         capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 2, result.stderr
@@ -292,7 +292,7 @@ def test_inspect_exits_2_with_a_clear_message_on_hostile_headers(
 ) -> None:
     path = header_file(tmp_path / "adapter_model.safetensors", header)
     result = subprocess.run(
-        [sys.executable, "-m", "deadweight.sidecar.cli", "inspect", str(path)],
+        [sys.executable, "-m", "deadweight.sidecar.commands.cli", "inspect", str(path)],
         capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 2, (result.stdout, result.stderr)

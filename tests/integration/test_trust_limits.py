@@ -84,7 +84,7 @@ def test_status_over_4_mb_still_answers(sidecar: tuple[SidecarProcess, Pipe]) ->
         assert not pipe.send(pb.StreamRequest(run_id=f"big-status-{i}", events=[pb.Event(
             run_start=pb.RunStart(trainer=trainer))])).error
     result = subprocess.run(
-        [sys.executable, "-m", "deadweight.sidecar.cli", "status", "--address",
+        [sys.executable, "-m", "deadweight.sidecar.commands.cli", "status", "--address",
          process.address], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "big-status-1099" in result.stdout or "(omitted)" in result.stdout

@@ -19,7 +19,7 @@ from deadweight.demo.sidecar_process import SidecarProcess, free_port
 def _serve(folder: Path, state: Path) -> subprocess.CompletedProcess[str]:
     folder.mkdir(parents=True, exist_ok=True)
     return subprocess.run(
-        [sys.executable, "-m", "deadweight.sidecar.cli", "serve",
+        [sys.executable, "-m", "deadweight.sidecar.commands.cli", "serve",
          "--socket", str(folder / "sock" / "deadweight.sock"),
          "--metrics-address", f"127.0.0.1:{free_port()}", "--state-dir", str(state)],
         capture_output=True, text=True, timeout=60, cwd=folder)

@@ -103,7 +103,7 @@ def test_a_state_dir_of_another_uid_is_refused(tmp_path: Path) -> None:
     with pytest.raises(StateDirUnsafe):
         Store(state)
     result = subprocess.run(
-        [sys.executable, "-m", "deadweight.sidecar.cli", "serve", "--socket",
+        [sys.executable, "-m", "deadweight.sidecar.commands.cli", "serve", "--socket",
          str(tmp_path / "s.sock"), "--metrics-address", "127.0.0.1:0", "--state-dir",
          str(state)],
         capture_output=True, text=True, timeout=60)

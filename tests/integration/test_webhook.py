@@ -191,8 +191,8 @@ def test_link_patterns_follow_the_metrics_address() -> None:
 
 
 def test_grafana_url_sets_the_dashboard_links() -> None:
-    from deadweight.sidecar.cli import build_parser
-    from deadweight.sidecar.serve_cli import sidecar_config
+    from deadweight.sidecar.commands.cli import build_parser
+    from deadweight.sidecar.commands.serve_cli import sidecar_config
 
     args = build_parser().parse_args(["serve", "--metrics-address", "127.0.0.1:9555",
                                       "--grafana-url", "https://grafana.example.com/"])

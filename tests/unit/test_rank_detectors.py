@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from deadweight.proto import pb
-from deadweight.sidecar import status
+from deadweight.sidecar.commands import status
 from deadweight.sidecar.exposition.collector import DeadweightCollector
 from deadweight.sidecar.exposition.http import render
 from deadweight.sidecar.model.settings import DetectorSettings

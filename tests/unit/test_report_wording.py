@@ -53,7 +53,7 @@ def test_a_verdict_closed_by_the_run_end_reads_firing_at_end() -> None:
 
 
 def test_a_run_without_a_step_is_not_called_healthy() -> None:
-    from deadweight.sidecar import report
+    from deadweight.sidecar.commands import report
     from deadweight.sidecar.store.journal import StoredRun
 
     run = StoredRun("r", "SFTTrainer", None, 90.0, True, "completed", 95.0)

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 from deadweight.proto import pb
-from deadweight.sidecar import report, status
 from deadweight.sidecar.actions.policy import Actions
+from deadweight.sidecar.commands import report, status
 from deadweight.sidecar.detectors import ALL, BY_ID
 from deadweight.sidecar.detectors.base import Detector, Policy, Severity, SpecDetector, Verdict
 from deadweight.sidecar.detectors.spec import root_causes_first

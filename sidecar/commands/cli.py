@@ -14,16 +14,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .. import __version__
-from . import cli_runs, cli_token, oncall_cli, serve_cli
-from .actions import links as alert_links
-from .baseline import cli as baseline_cli
+from ... import __version__
+from ..actions import links as alert_links
+from . import baseline_cli, cli_runs, cli_token, oncall_cli, serve_cli
 from .cli_args import setting, settings, state_store, url_pattern
 
 if TYPE_CHECKING:
     from typing import TypeAlias
 
-    from .checkpoints.summary_gate import GateOptions
+    from ..checkpoints.summary_gate import GateOptions
 
     Commands: TypeAlias = argparse._SubParsersAction[argparse.ArgumentParser]
 
@@ -58,12 +57,12 @@ def _status(args: argparse.Namespace) -> int:
 
 def _gate_options(args: argparse.Namespace) -> GateOptions:
     """The gate's trust and strictness from the inspect flags (raises BadKey, OSError)."""
-    from .checkpoints.summary_gate import GateOptions
+    from ..checkpoints.summary_gate import GateOptions
 
     keys = []
     if args.trust_key:
         try:
-            from .store.signing_key import key_id, load_public
+            from ..store.signing_key import key_id, load_public
         except ImportError as err:
             raise ValueError(f"--trust-key needs the cryptography package ({err})") from err
         keys = [load_public(Path(p)) for p in args.trust_key]
@@ -76,7 +75,7 @@ def _gate_options(args: argparse.Namespace) -> GateOptions:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from .checkpoints.inspector import NotACheckpoint
+    from ..checkpoints.inspector import NotACheckpoint
     from .inspect import audit, exit_status, render
 
     try:
@@ -92,8 +91,8 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
+    from ..model.settings import DetectorSettings
     from . import report
-    from .model.settings import DetectorSettings
 
     store = state_store("report", args.state_dir)
     if store is None:

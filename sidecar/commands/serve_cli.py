@@ -9,15 +9,15 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .actions import links as alert_links
+from ..actions import links as alert_links
+from ..detectors import BY_ID
+from ..detectors.base import Policy
 from .cli_args import did_you_mean, setting, settings, url_pattern
-from .detectors import BY_ID
-from .detectors.base import Policy
 
 if TYPE_CHECKING:
+    from ..ingest.server import ServerConfig
+    from ..serve import Sidecar, SidecarConfig
     from .cli import Commands
-    from .ingest.server import ServerConfig
-    from .serve import Sidecar, SidecarConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -33,7 +33,7 @@ def host_port(text: str) -> str:
 
 def cpu(text: str) -> str:
     """An argparse type: none, auto or a CPU number (``cpu_pin``)."""
-    from .tuning import cpu_pin
+    from ..tuning import cpu_pin
 
     try:
         return cpu_pin.spec(text)
@@ -75,7 +75,7 @@ def state_dir_arg(text: str) -> str:
 
 def webhook_url_arg(text: str) -> str:
     """An argparse type: an http(s) URL with a host."""
-    from .actions.webhook import BadWebhookUrl, check_url
+    from ..actions.webhook import BadWebhookUrl, check_url
 
     try:
         return check_url(text)
@@ -86,7 +86,7 @@ def webhook_url_arg(text: str) -> str:
 def webhook_urls_from(files: list[str] | None) -> tuple[str, ...]:
     """The webhook URLs kept in files (one a line; blank lines and # comments skipped), so
     no secret in a URL shows in the process list. Raises OSError or ValueError."""
-    from .actions.webhook import check_url
+    from ..actions.webhook import check_url
 
     urls = []
     for name in files or ():
@@ -101,7 +101,7 @@ def alertmanager_url_from(given: str | None, file: str | None) -> str | None:
     """The Alertmanager URL, from --alertmanager-url or the file --alertmanager-url-file
     names (its first line that is not blank or a # comment), so a ``user:password@`` it
     carries stays out of the process list. Raises OSError or ValueError."""
-    from .actions.webhook import check_url
+    from ..actions.webhook import check_url
 
     if file is None:
         return given
@@ -123,13 +123,13 @@ def _credentials_in(url: str | None) -> bool:
 def _serve(args: argparse.Namespace) -> int:
     import structlog
 
-    from . import logs
-    from . import serve as app
-    from .actions import signal_capability
-    from .ingest.server import InsecureTransport, check_transport
-    from .store.files import StateDirUnsafe
-    from .tuning import cpu_pin
-    from .tuning import gc_settings as gc_tuning
+    from .. import logs
+    from .. import serve as app
+    from ..actions import signal_capability
+    from ..ingest.server import InsecureTransport, check_transport
+    from ..store.files import StateDirUnsafe
+    from ..tuning import cpu_pin
+    from ..tuning import gc_settings as gc_tuning
 
     logs.configure(args.log_level)
     # Before any thread exists: capabilities and CPU affinity are per thread, later threads
@@ -200,7 +200,7 @@ def log_stopping(sidecar: Sidecar, why: str) -> None:
 
 def sidecar_config(args: argparse.Namespace) -> SidecarConfig:
     """The whole sidecar's configuration from the serve flags."""
-    from .serve import SidecarConfig
+    from ..serve import SidecarConfig
 
     return SidecarConfig(
         server=_server_config(args), state_dir=args.state_dir,
@@ -235,7 +235,7 @@ def default_trainer_uids() -> tuple[int, ...]:
 
 def _server_config(args: argparse.Namespace) -> ServerConfig:
     """Transport settings from the serve flags (files are read here, once)."""
-    from .ingest.server import ServerConfig
+    from ..ingest.server import ServerConfig
 
     token = None
     if args.token_file:

@@ -18,10 +18,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..proto import pb
-from .detectors.spec import root_causes_first
-from .model.finding import verdict_state
-from .registry.status_report import OMITTED_PREFIX
+from ...proto import pb
+from ..detectors.spec import root_causes_first
+from ..model.finding import verdict_state
+from ..registry.status_report import OMITTED_PREFIX
 from .status import run_state
 
 SCHEMA = "deadweight.status/v1"

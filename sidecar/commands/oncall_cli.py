@@ -21,7 +21,7 @@ DEFAULT_SILENCE = "1h"
 
 
 def _duration(text: str) -> float:
-    from .actions.silences import BadDuration, parse_duration
+    from ..actions.silences import BadDuration, parse_duration
 
     try:
         return parse_duration(text)
@@ -30,7 +30,7 @@ def _duration(text: str) -> float:
 
 
 def _socket_of(address: str) -> str | None:
-    from ..proto.transport import grpc_target, unix_socket_path
+    from ...proto.transport import grpc_target, unix_socket_path
 
     return unix_socket_path(grpc_target(address))
 
@@ -41,7 +41,7 @@ def _nonce(socket_path: str, timeout: float = 5.0) -> str:
     the kernel when it connects."""
     import socket
 
-    from ..proto.transport import attest_path
+    from ...proto.transport import attest_path
 
     data = b""
     try:
@@ -63,8 +63,8 @@ def _call(args: argparse.Namespace, method: str, request: object) -> object | No
     """The sidecar's answer to one attested call; None (after printing why) when refused."""
     import grpc
 
-    from ..proto import monitor_stub
-    from ..proto.transport import grpc_target, open_channel
+    from ...proto import monitor_stub
+    from ...proto.transport import grpc_target, open_channel
 
     command = args.command
     socket_path = _socket_of(args.address)
@@ -84,7 +84,7 @@ def _call(args: argparse.Namespace, method: str, request: object) -> object | No
 
 
 def _stop(args: argparse.Namespace) -> int:
-    from ..proto import pb
+    from ...proto import pb
 
     answer = _call(args, "Stop", pb.StopRequest(run_id=args.run_id, reason=args.reason or ""))
     if answer is None:
@@ -95,7 +95,7 @@ def _stop(args: argparse.Namespace) -> int:
 
 
 def _silence(args: argparse.Namespace) -> int:
-    from ..proto import pb
+    from ...proto import pb
 
     answer = _call(args, "Silence", pb.SilenceRequest(
         run_id=args.run_id, detector=args.detector, seconds=args.duration,

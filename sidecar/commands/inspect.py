@@ -16,18 +16,18 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..proto import pb
-from .checkpoints import summary_gate as promotion
-from .checkpoints.adapter_methods import CONFIG_FILE
-from .checkpoints.inspector import holds_weights, inspect_path
-from .checkpoints.watcher import CHECKPOINT_DIR
-from .detectors import ALL, ARTIFACT_IDS, fix_sentence
-from .detectors.base import Verdict
-from .detectors.checkpoints import judge
-from .model.inspection import CheckpointInspection
-from .model.run_state import CheckpointPoint, RunState
-from .model.settings import DetectorSettings
-from .verdicts import causes_first
+from ...proto import pb
+from ..checkpoints import summary_gate as promotion
+from ..checkpoints.adapter_methods import CONFIG_FILE
+from ..checkpoints.inspector import holds_weights, inspect_path
+from ..checkpoints.watcher import CHECKPOINT_DIR
+from ..detectors import ALL, ARTIFACT_IDS, fix_sentence
+from ..detectors.base import Verdict
+from ..detectors.checkpoints import judge
+from ..model.inspection import CheckpointInspection
+from ..model.run_state import CheckpointPoint, RunState
+from ..model.settings import DetectorSettings
+from ..verdicts import causes_first
 
 
 @dataclass(frozen=True)

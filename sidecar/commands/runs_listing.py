@@ -20,11 +20,11 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..proto import pb
+from ...proto import pb
+from .. import verdicts as verdict_order
+from ..registry.status_report import OMITTED_PREFIX
+from ..store.journal import Store
 from . import status_json
-from . import verdicts as verdict_order
-from .registry.status_report import OMITTED_PREFIX
-from .store.journal import Store
 
 SCHEMA = "deadweight.runs/v1"
 

@@ -22,15 +22,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from . import verdicts as verdict_order
-from .actions.links import DEFAULT_RUNBOOK_URL_PATTERN, runbook_url
-from .detectors import BY_ID, fix_sentence
-from .exposition import report_plots, runbook_pages
-from .model.finding import RESULT_WORDS, evidence_pairs
-from .store.journal import ActionRow, Store, StoredIncident, StoredRun
+from .. import verdicts as verdict_order
+from ..actions.links import DEFAULT_RUNBOOK_URL_PATTERN, runbook_url
+from ..detectors import BY_ID, fix_sentence
+from ..exposition import report_plots, runbook_pages
+from ..model.finding import RESULT_WORDS, evidence_pairs
+from ..store.journal import ActionRow, Store, StoredIncident, StoredRun
 
 if TYPE_CHECKING:
-    from .model.run_state import CheckpointPoint
+    from ..model.run_state import CheckpointPoint
 
 
 class ReportUnavailable(RuntimeError):
@@ -315,9 +315,9 @@ def render(record: RunRecord, frozen_ratio_floor: float = 0.01,
 
 def _baseline_section(record: RunRecord) -> list[str]:
     """The run's figures over the bands of the baseline it was judged against (none: [])."""
-    from .baseline.live import label, parsed
-    from .baseline.model import Baseline
-    from .baseline.plots import overlay
+    from ..baseline.live import label, parsed
+    from ..baseline.model import Baseline
+    from ..baseline.plots import overlay
 
     start = record.run.start
     baseline = parsed(start)

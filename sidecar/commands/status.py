@@ -6,10 +6,10 @@ The sidecar bounds its answer (``registry.status_report.bounded``); this client 
 
 from __future__ import annotations
 
-from ..proto import monitor_stub, pb
-from ..proto.transport import bearer_metadata, grpc_target, open_channel
-from .detectors.spec import root_causes_first
-from .model.finding import (
+from ...proto import monitor_stub, pb
+from ...proto.transport import bearer_metadata, grpc_target, open_channel
+from ..detectors.spec import root_causes_first
+from ..model.finding import (
     FIRING,
     FIRING_AT_END,
     OPERATOR,
@@ -18,7 +18,7 @@ from .model.finding import (
     fired_and_latest,
     verdict_state,
 )
-from .registry.status_report import STATUS_MAX_BYTES
+from ..registry.status_report import STATUS_MAX_BYTES
 
 
 def fetch(

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .model import MAX_BASELINE_BYTES, Band, Baseline, BaselineError
+from ..baseline.model import MAX_BASELINE_BYTES, Band, Baseline, BaselineError
 
 if TYPE_CHECKING:
     from typing import TypeAlias
@@ -17,8 +17,8 @@ if TYPE_CHECKING:
 
 
 def _save(args: argparse.Namespace) -> int:
-    from ..cli_args import state_store
-    from .build import build
+    from ..baseline.build import build
+    from .cli_args import state_store
 
     store = state_store("baseline", args.state_dir)
     if store is None:

@@ -8,11 +8,11 @@ import difflib
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from .actions import links as alert_links
+from ..actions import links as alert_links
 
 if TYPE_CHECKING:
-    from .model.settings import DetectorSettings
-    from .store.journal import Store
+    from ..model.settings import DetectorSettings
+    from ..store.journal import Store
 
 
 def did_you_mean(name: str, known: Iterable[str]) -> str:
@@ -37,7 +37,7 @@ def setting(text: str) -> tuple[str, float]:
     """NAME=VALUE for one DetectorSettings field (thresholds, windows, seconds)."""
     import dataclasses
 
-    from .model.settings import DetectorSettings
+    from ..model.settings import DetectorSettings
 
     name, sep, value = text.partition("=")
     fields = {f.name: f for f in dataclasses.fields(DetectorSettings)}
@@ -54,7 +54,7 @@ def setting(text: str) -> tuple[str, float]:
 def settings(pairs: list[tuple[str, float]] | None) -> DetectorSettings:
     import dataclasses
 
-    from .model.settings import DetectorSettings
+    from ..model.settings import DetectorSettings
 
     defaults = DetectorSettings()
     values = {name: type(getattr(defaults, name))(value) for name, value in pairs or []}
@@ -67,8 +67,8 @@ def state_store(command: str, state_dir: str) -> Store | None:
     import sys
     from pathlib import Path
 
-    from .store.files import DB_NAME, StateDirUnsafe
-    from .store.journal import Store
+    from ..store.files import DB_NAME, StateDirUnsafe
+    from ..store.journal import Store
 
     if not (Path(state_dir) / DB_NAME).is_file():
         print(f"deadweight {command}: no state database in {state_dir} (the sidecar's "

@@ -179,11 +179,15 @@ class ResumeLostAdapter(SpecDetector):
 
     spec = DetectorSpec(
         checked_against=("healthy-matrix", "conformance-twin", "day2-resume-healthy-twin"),
-        false_positives=("the first-loss rule is a heuristic: a resume onto a new data order or a "
-                         "harder shard can raise the first loss without any adapter being lost "
-                         "(the digest rule has no known false positive)"),
+        false_positives=("none known at critical: the digest rule compares the adapter in "
+                         "memory with the checkpoint's file; the first-loss rule is a heuristic "
+                         "(a resume onto a new data order or a harder shard can raise the first "
+                         "loss without any adapter being lost), so it fires as a warning"),
         id="resume_lost_adapter",
         severity=Severity.CRITICAL,
+        lower_severity=Severity.WARNING,
+        lower_when="only the first loss after the resume shows it (no adapter digest to "
+        "compare): a new data order can raise that loss too",
         latching=True,
         summary="Run {run_id} resumed without the adapter it resumed from",
         meaning="after resume_from_checkpoint the adapter in memory is not the checkpoint's "
@@ -250,6 +254,7 @@ class ResumeLostAdapter(SpecDetector):
         return Verdict(
             True,
             step=step,
+            severity=Severity.WARNING,  # a heuristic: a healthy resume onto new data can do it
             summary=(f"resumed at step {resume.step} from {resume.checkpoint}: the first loss "
                      f"after the resume ({fmt(loss)}, step {step}) is back near that run's first "
                      f"loss ({fmt(first)}; it had reached {fmt(last)}): training restarted"),

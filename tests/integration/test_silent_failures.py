@@ -493,7 +493,7 @@ def test_resume_loads_a_full_model_file_and_restarts_the_adapter(
         if extra:
             lost = detected(live, "resume-bad", "resume_lost_adapter", started)
             assert lost.step == 2 and lost.evidence["differing_tensors"] != "0"
-            assert lost.evidence["sign"] == "digest"
+            assert lost.evidence["sign"] == "digest" and lost.severity == "critical"
         else:
             silent(live, "resume-good", "resume_lost_adapter")
             resume = live.seen("resume-good").start.resume
@@ -540,7 +540,7 @@ def test_resume_under_another_adapter_name_restarts_the_loss(
         assert resume.last_loss < 0.8 * resume.first_loss  # the first run had learned
         if name == "fresh":
             lost = detected(live, "resume-fresh", "resume_lost_adapter", started)
-    assert lost.evidence["sign"] == "loss" and lost.step == 9
+    assert lost.evidence["sign"] == "loss" and lost.step == 9 and lost.severity == "warning"
     assert float(lost.evidence["regained"]) > 0.5
     silent(live, "resume-named", "resume_lost_adapter")
     after = dict(live.seen("resume-named").history("loss"))[9]

@@ -127,11 +127,16 @@ class ZeroRewardVariance(SpecDetector):
     spec = DetectorSpec(
         checked_against=("healthy-matrix", "conformance-twin",
                          "reward-std-alone", "single-flat-reward-step"),
-        false_positives=("a task so easy or so hard that every completion of every group scores "
-                         "the same for a window (binary rewards late in training) is healthy for a"
-                         " while"),
+        false_positives=("none known at critical: a reward that never spread any group since "
+                         "the run's first report cannot rank completions; a task so easy or so "
+                         "hard that every group scores the same for a window after spreading "
+                         "earlier (binary rewards late in training) is healthy for a while, so "
+                         "it fires as a warning"),
         id="zero_reward_variance",
         severity=Severity.CRITICAL,
+        lower_severity=Severity.WARNING,
+        lower_when="the combined reward did spread its groups earlier in the run and then "
+        "went flat (a task solved or saturated, or a reward broken mid-run)",
         summary="Run {run_id} gets the same reward for every completion of a prompt",
         meaning="every GRPO group has zero spread in its combined reward, so advantages and "
         "gradients are zero",
@@ -160,19 +165,30 @@ class ZeroRewardVariance(SpecDetector):
             window = frac[-n:]
             flat = len(window) == n and all(v >= 1.0 for _, v in window)
             last_step = window[-1][0]
+            spread = [step for step, v in frac if v < 1.0]
         else:  # without it: flat only when every function is (the combined one is then too)
             flat = bool(per_function) and len(constant) == len(per_function)
             last_step = max((per_function[key][-1][0] for key in constant), default=0)
+            spread = [step for key in per_function for step, v in finite_history(run, key)
+                      if v > 0]
         if not flat:
             return Verdict(False) if frac or per_function or run.history("reward") else None
         names = ", ".join(key.removeprefix("rewards/").removesuffix("/std") for key in constant)
+        # Spread seen earlier: the reward can rank completions, the groups went flat since (a
+        # healthy saturated task can do that for a while): likely wrong, not certainly.
+        spread_until = max(spread, default=None)
         return Verdict(
             True,
             step=last_step,
+            severity=None if spread_until is None else Severity.WARNING,
             summary=(f"no spread in the combined reward within groups for {n} log reports"
                      + (f" (constant reward functions: {names})" if names else "")
+                     + ("" if spread_until is None else
+                        f" after spreading until step {spread_until} (a task solved or "
+                        "saturated, or a reward broken mid-run)")
                      + f"; grad_norm={fmt(run.log_value('grad_norm'))}"),
             evidence={**({"frac_reward_zero_std": fmt(frac[-1][1])} if frac else {}),
+                      **({} if spread_until is None else {"spread_until_step": fmt(spread_until)}),
                       **{key: "0" for key in constant},
                       "window_logs": fmt(n),
                       "reward": fmt(run.log_value("reward")),

@@ -25,6 +25,29 @@ def test_a_single_flat_reward_step_is_healthy_a_window_is_not() -> None:
     finding = feed.registry.findings("r")["zero_reward_variance"]
     assert finding.firing and finding.evidence["frac_reward_zero_std"] == "1"
     assert finding.evidence["reward_std"] == "0.3"
+    # The groups spread until step 5: a saturated task can go flat healthily for a while.
+    assert finding.severity == "warning" and finding.evidence["spread_until_step"] == "5"
+
+
+def test_a_reward_that_never_spread_is_critical_one_that_went_flat_is_a_warning() -> None:
+    """Flat from the first report: the reward cannot rank completions (critical). Flat after
+    spreading (a task solved, binary rewards late in training): warning, by either measure
+    (the trainer's frac_reward_zero_std, or every function's std without it)."""
+    severity = {}
+    for name, fracs in (("never", [1, 1, 1]), ("went_flat", [0.5, 0.25, 1, 1, 1])):
+        feed = Feed(Registry(settings=DetectorSettings(zero_reward_logs=3)), config=GRPO,
+                    run_id=name)
+        for step, frac in enumerate(fracs, start=1):
+            feed.log(step, frac_reward_zero_std=float(frac), reward_std=0.3, kl=0.01)
+        severity[name] = feed.registry.findings(name)["zero_reward_variance"].severity
+    for name, stds in (("fn_never", [0, 0, 0]), ("fn_went_flat", [0.4, 0, 0, 0])):
+        feed = Feed(Registry(settings=DetectorSettings(zero_reward_logs=3)), config=GRPO,
+                    run_id=name)
+        for step, std in enumerate(stds, start=1):
+            feed.log(step, **{"rewards/accuracy/std": float(std)}, kl=0.01)
+        severity[name] = feed.registry.findings(name)["zero_reward_variance"].severity
+    assert severity == {"never": "critical", "went_flat": "warning",
+                        "fn_never": "critical", "fn_went_flat": "warning"}
 
 
 def test_reward_std_alone_never_trips_zero_reward_variance() -> None:

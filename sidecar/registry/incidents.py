@@ -38,10 +38,11 @@ log = structlog.get_logger("deadweight.registry")
 RESUME_HOLD_STEPS = 8
 
 
-def stepped_up(finding: Finding, verdict: Verdict) -> bool:
-    """Whether a firing verdict now carries a higher severity than its standing incident."""
-    return (verdict.severity is not None
-            and SEVERITY_ORDER[verdict.severity.value] < SEVERITY_ORDER.get(finding.severity, 3))
+def stepped_up(detector: Detector, finding: Finding, verdict: Verdict) -> bool:
+    """Whether a firing verdict now carries a higher severity than its standing incident (its
+    own, or its spec's when it names none)."""
+    severity = verdict.severity or detector.severity
+    return SEVERITY_ORDER[severity.value] < SEVERITY_ORDER.get(finding.severity, 3)
 
 
 class FindingLifecycle:
@@ -82,10 +83,11 @@ class FindingLifecycle:
                 continue
             if verdict.firing and (finding is None or not finding.firing):
                 self.fire(entry, detector, verdict)
-            elif verdict.firing and finding is not None and stepped_up(finding, verdict):
+            elif verdict.firing and finding is not None and stepped_up(detector, finding, verdict):
                 # A new incident at the higher severity: its page goes to that severity's
                 # receiver; the lower one resolves, its page with it.
-                self.resolve(entry, finding, f"stepped up to {verdict.severity}")
+                self.resolve(entry, finding, "stepped up to "
+                             f"{(verdict.severity or detector.severity).value}")
                 self.fire(entry, detector, verdict)
             elif verdict.firing and finding is not None:
                 finding.evidence = dict(verdict.evidence)  # the step it fired at stays

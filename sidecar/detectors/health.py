@@ -24,11 +24,19 @@ class NonfiniteLoss(SpecDetector):
 
     spec = DetectorSpec(
         checked_against=("healthy-matrix", "conformance-twin"),
-        false_positives=("an inf grad norm on a step the fp16 scaler skipped is left out; one "
-                         "bad batch whose NaN loss the next logs recover from fires until a "
-                         "finite log clears it"),
+        false_positives=("none known at critical: non-finite weights, or a loss or grad norm "
+                         "non-finite for `nonfinite_logs` reports in a row, leave the run "
+                         "useless; an inf grad norm on a step the fp16 scaler skipped is left "
+                         "out; one bad batch whose NaN loss the next logs recover from fires "
+                         "as a warning until a finite log clears it"),
         id="nonfinite_loss",
         severity=Severity.CRITICAL,
+        lower_severity=Severity.WARNING,
+        lower_when="the loss or grad norm was non-finite for fewer than `nonfinite_logs` "
+        "reports in a row and the weights are still finite (one bad batch can do that)",
+        thresholds=(Threshold("nonfinite_logs", "log reports",
+                              "consecutive non-finite loss or grad-norm reports (weights still "
+                              "finite) before the verdict is critical"),),
         summary="Run {run_id} reports a NaN or infinite loss or grad norm",
         meaning="the loss or the gradient norm is not finite; every later update is garbage",
         fix="resume from the last finite checkpoint with a lower learning rate and gradient "
@@ -56,15 +64,30 @@ class NonfiniteLoss(SpecDetector):
         if not bad:
             return Verdict(False)
         step = _first_bad_step(run, bad, steps)
+        streak = max(_nonfinite_streak(run, key) for key in ("loss", "grad_norm"))
+        certain = "weights" in bad or streak >= settings.nonfinite_logs
         return Verdict(
             True,
             step=step,
+            severity=None if certain else Severity.WARNING,
             summary=f"non-finite {', '.join(bad)} at step {step}: loss={fmt(loss)} "
-                    f"grad_norm={fmt(grad_norm)}",
+                    f"grad_norm={fmt(grad_norm)}"
+                    + ("" if certain else f" ({streak} report(s) so far, weights still finite: "
+                       "one bad batch, or the start of a divergence)"),
             evidence={"loss": fmt(loss), "grad_norm": fmt(grad_norm), "step": fmt(step),
                       "nonfinite_update_tensors": fmt(
                           latest.nonfinite_update_tensors if latest else 0)},
         )
+
+
+def _nonfinite_streak(run: RunState, key: str) -> int:
+    """How many of key's latest reports in a row are non-finite."""
+    count = 0
+    for _, value in reversed(run.history(key)):
+        if math.isfinite(value):
+            break
+        count += 1
+    return count
 
 
 def _first_bad_step(run: RunState, bad: list[str], steps: list[StepPoint]) -> int:

@@ -25,6 +25,7 @@ class DetectorSettings:
     kl_missing_logs: int = 2
     kl_zero_logs: int = 3
     zero_reward_logs: int = 4
+    nonfinite_logs: int = 3
     trend_logs: int = 3
     entropy_drop: float = 0.4
     length_drop: float = 0.4

@@ -466,3 +466,36 @@ def test_lora_lr_is_the_rate_the_optimizer_really_uses() -> None:
     assert not fired({"learning_rate": 2e-5, "optimizer_lr": 2e-4})
     # Adafactor's relative_step ignores the configured rate
     assert not fired({"learning_rate": 2e-5, "optimizer_relative_step": 1.0})
+
+
+def test_one_nan_batch_is_a_warning_that_clears_a_nan_streak_is_critical() -> None:
+    """One bad batch whose NaN the next log recovers from: a warning, resolved by the finite
+    log. NaN for nonfinite_logs reports in a row: the incident steps up to critical."""
+    nan = float("nan")
+    feed = Feed(Registry(settings=DetectorSettings(nonfinite_logs=3)), trainer="SFTTrainer",
+                run_id="r")
+    feed.step(1)
+    feed.log(1, loss=2.0, grad_norm=0.5)
+    feed.step(2)
+    feed.log(2, loss=nan, grad_norm=0.5)
+    blip = feed.registry.findings("r")["nonfinite_loss"]
+    assert blip.firing and blip.severity == "warning" and blip.step == 2
+    feed.step(3)
+    feed.log(3, loss=1.9, grad_norm=0.5)
+    assert not feed.registry.findings("r")["nonfinite_loss"].firing  # the batch recovered
+    for step in (4, 5, 6):
+        feed.step(step)
+        feed.log(step, loss=nan, grad_norm=nan)
+        finding = feed.registry.findings("r")["nonfinite_loss"]
+        assert finding.firing and finding.step == 4
+        assert finding.severity == ("critical" if step == 6 else "warning"), step
+
+
+def test_nonfinite_weights_are_critical_at_once() -> None:
+    feed = Feed(Registry(settings=DetectorSettings(nonfinite_logs=3)), trainer="SFTTrainer",
+                run_id="w")
+    feed.step(1)
+    feed.log(1, loss=2.0, grad_norm=0.5)
+    feed.step(2, nonfinite_update_tensors=2)
+    finding = feed.registry.findings("w")["nonfinite_loss"]
+    assert finding.firing and finding.severity == "critical"

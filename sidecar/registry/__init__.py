@@ -10,8 +10,10 @@ after the lock is released. The jobs live in the modules beside this one:
 
 - ``validation``: what a batch must satisfy before it touches state;
 - ``batch``: one batch checked, applied in memory, then answered;
-- ``identity``: which process may report for which rank;
-- ``run_table``: the runs by id, admission, eviction and expiry;
+- ``admission``: what a batch's arrival means for its run id (join, register, a new
+  incarnation, or a refusal), decided in one pass;
+- ``identity``: attestations redeemed and ranks bound to processes;
+- ``run_table``: the runs by id, how one enters and leaves;
 - ``events``: applying a batch (and the one place a run ends);
 - ``incidents``: the findings lifecycle (fire, resolve, restore);
 - ``pending``: the outbox of writes and action calls done after the lock;
@@ -49,12 +51,13 @@ from ..model.run_state import RunState
 from ..model.settings import DetectorSettings
 from ..store.journal import Store
 from . import restart
+from .admission import Decision, Refuse, Register, Rules, closes, decide, owner_of
 from .batch import AppliedBatch, CheckedBatch
 from .events import CheckpointSink, EventApplier, end_run
 from .identity import IdentityGate, Peer, note_collision
 from .incidents import RESUME_HOLD_STEPS, FindingLifecycle
 from .notices import VerdictNotices
-from .run_table import Owner, RunEntry, RunTable
+from .run_table import RunEntry, RunTable
 from .status_report import status_response
 from .validation import (
     MAX_RUN_ID_LENGTH,
@@ -117,10 +120,11 @@ class Registry:
         self.policies = {d.id: d.default_policy for d in self.detectors}
         self.policies.update(policies or {})
         self._lock = threading.RLock()
-        self._table = RunTable(self.store, self.actions.forget, max_runs, ended_ttl_seconds,
-                               max_ranks, max_runs_per_process, max_runs_per_uid,
-                               reclaim_unstepped_seconds)
-        self._gate = IdentityGate(self.store, attestor, allow_unattested, trainer_uids)
+        self._rules = Rules(attestor is not None, allow_unattested, frozenset(trainer_uids),
+                            max_runs, max_ranks, max_runs_per_process, max_runs_per_uid,
+                            reclaim_unstepped_seconds)
+        self._table = RunTable(self.store, self.actions.forget, max_runs, ended_ttl_seconds)
+        self._gate = IdentityGate(self.store, attestor)
         self._events = EventApplier(self.store, history_queue)
         self.notices = VerdictNotices(self.detectors, runbook_url_pattern)
         self._lifecycle = FindingLifecycle(self.detectors, self.settings, self.policies,
@@ -144,7 +148,7 @@ class Registry:
 
     @property
     def allow_unattested(self) -> bool:
-        return self._gate.allow_unattested
+        return self._rules.allow_unattested
 
     @property
     def pending_verdicts(self) -> int:
@@ -159,11 +163,11 @@ class Registry:
     @property
     def trainer_uids(self) -> frozenset[int]:
         """Uids whose attested processes may report (empty: any)."""
-        return self._gate.trainer_uids
+        return self._rules.trainer_uids
 
     @property
     def max_ranks(self) -> int:
-        return self._table.max_ranks
+        return self._rules.max_ranks
 
     @property
     def ended_ttl_seconds(self) -> float:
@@ -241,29 +245,13 @@ class Registry:
             if not self._lock.acquire(blocking=wait):
                 return None
             try:
-                current = self._table.get(request.run_id)
-                why = (self._gate.starts_incarnation(current, request, peer)
-                       if current is not None else "")
-                if current is not None and why:
-                    closed = current
-                    held = self._close_incarnation(current)
-                    successor = self._table.succeed(current, request.rank)
-                    successor.inherited_pages = held
-                    if why == "unattested":
-                        note_collision(successor, request.rank, "unattested streams (TCP, or "
-                                       "the unix socket unattested) reported this rank "
-                                       "before this attested process; what they sent was "
-                                       "dropped with their incarnation")
-                self._table.make_room_for_rank(request.run_id, request.rank)
-                owner = self._table.get(request.run_id)
-                collisions = owner.state.collisions if owner is not None else 0
-                try:
-                    entry = self._admit(request, peer, numbering)
-                except IdentityRejected:
-                    if owner is not None and owner.state.collisions != collisions:
-                        self._lifecycle.evaluate(owner)  # run_id_in_use, on the owner's run
-                        entry = owner  # its outbox is done with the refusal's answer
-                    raise
+                self._gate.redeem(request, peer)
+                decision = decide(request, peer, self._table, self._rules, time.time())
+                closed, entry = self._admit(request, peer, decision, numbering)
+                if isinstance(decision, Refuse):
+                    return AppliedBatch(self, request, peer, (closed, entry),
+                                        error=decision.error)
+                assert entry is not None
                 if run_start_of(request) is not None or request.run_id not in peer.incarnations:
                     peer.incarnations[request.run_id] = entry.incarnation
                 ack = self._events.apply(entry, request, scanned)
@@ -278,6 +266,43 @@ class Registry:
             return AppliedBatch(self, request, peer, (closed, entry), error=err)
         finally:
             forget_run_start_scan()
+
+    def _admit(self, request: pb.StreamRequest, peer: Peer, decision: Decision,
+               numbering: Numbering | None) -> tuple[RunEntry | None, RunEntry | None]:
+        """Carry out admission's decision, under the lock: (the incarnation it closed, if
+        any; the batch's run, or for a refusal the run it collided with, if any)."""
+        run_id, rank = request.run_id, request.rank
+        why = closes(decision)
+        closed = self._table.get(run_id) if why else None
+        if closed is not None:
+            held = self._close_incarnation(closed)
+            successor = self._table.succeed(closed, rank)
+            successor.inherited_pages = held
+            if why == "unattested":
+                note_collision(successor, rank, "unattested streams (TCP, or the unix socket "
+                               "unattested) reported this rank before this attested "
+                               "process; what they sent was dropped with their incarnation")
+        for eviction in decision.evict:
+            self._table.evict(eviction, owner_of(peer) if eviction.live else None)
+        entry = self._table.get(run_id)
+        if isinstance(decision, Refuse):
+            if decision.counted:
+                self._table.count_refusal(decision.owner, decision.reason)
+            if decision.collision and entry is not None:
+                note_collision(entry, rank, decision.collision)
+                self._lifecycle.evaluate(entry)  # run_id_in_use, on the owner's run
+                return closed, entry  # its outbox is done with the refusal's answer
+            return closed, None
+        if isinstance(decision, Register):
+            if numbering is None:  # the run expired since the unlocked look: read it now
+                numbering = self._numbering(run_id)
+            journaled = next((e for e in decision.evict if e.journal), None)
+            entry = self._table.register(run_id, rank, *numbering, owner=decision.owner,
+                                         evicted=journaled)
+        assert entry is not None
+        if decision.bind is not None:
+            self._gate.bind(entry, rank, decision.bind)
+        return closed, entry
 
     def _close_incarnation(self, old: RunEntry) -> dict[str, Finding]:
         """End old (superseded), resolve its firing findings and end its escalations; all
@@ -309,22 +334,6 @@ class Registry:
 
     def _numbering(self, run_id: str) -> Numbering:
         return self.store.last_incidents(run_id), self.store.last_incarnation(run_id)
-
-    def _admit(self, request: pb.StreamRequest, peer: Peer,
-               numbering: Numbering | None) -> RunEntry:
-        """The batch's run (registered now if it starts here), its rank bound if it may be."""
-        entry = self._table.get(request.run_id)
-        binding = self._gate.admit(entry, request, peer)
-        if entry is None:
-            if run_start_of(request) is None:
-                raise IngestError(f"unknown run_id {request.run_id!r}: send run_start first")
-            if numbering is None:  # the run expired since the unlocked look: read it now
-                numbering = self._numbering(request.run_id)
-            entry = self._table.admit(request.run_id, request.rank, *numbering,
-                                      owner=owner_of(peer))
-        if binding is not None:
-            self._gate.bind(entry, request.rank, binding)
-        return entry
 
     def _flush(self, *entries: RunEntry) -> None:
         """Do the writes and action calls the entries' changes queued (outside the lock)."""
@@ -541,21 +550,6 @@ class Registry:
             run_id=run.run_id, incarnation=run.incarnation)[-MAX_STATUS_ACTIONS:]
                    for run, _ in runs}
         return status_response(runs, actions, time.time())
-
-
-def owner_of(peer: Peer) -> Owner | None:
-    """Who registers a run, for the capacity caps: the attested process (pid and start time,
-    so a reused pid is another owner), else the unix peer's pid, else the TCP host (a new
-    connection does not make a new owner); None when the transport named nobody (a caller
-    in this process)."""
-    if not peer.address and not peer.pid and peer.identity is None:
-        return None
-    if peer.identity is not None:
-        return Owner(f"pid {peer.identity.pid} start {peer.identity.start_time}",
-                     peer.identity.uid)
-    if peer.pid:
-        return Owner(f"pid {peer.pid}", peer.uid)
-    return Owner(f"host {peer.address.rsplit(':', 1)[0]}", peer.uid)
 
 
 __all__ = [

@@ -1,15 +1,9 @@
-"""The run table: every run the sidecar tracks, how one is admitted, and when one leaves.
+"""The run table: every run the sidecar tracks, how one enters, and when one leaves.
 
-A run enters with its first RunStart (``admit``), or from the store after a restart
-(``restore``); it leaves when it ended longer than the TTL ago (``expire_ended``), or to make
-room when the table is full: the run that ended first goes, else the least recently heard
-live run of the process that holds the most live runs, when it holds more than the newcomer's
-process would after admission (never the newcomer's own, never a one-run job's).
-Capacity cannot be hoarded: each process (``max_runs_per_process``) and each uid
-(``max_runs_per_uid``) may hold only so many live runs; every refusal is counted by uid. Nor
-can it be held by runs that never step: before a newcomer is refused for a full uid cap or a
-full table, the oldest live run that registered over ``reclaim_unstepped_seconds`` ago and
-never reported an optimizer step (of that uid, or of anyone for the table) gives up its slot.
+A run enters with its first RunStart (``register``) or as a new incarnation of its run id
+(``succeed``), as ``admission`` decided, or from the store after a restart (``restore``); it
+leaves when it ended longer than the TTL ago (``expire_ended``), or when admission made room
+with it (``evict``). Refused registrations are counted by uid.
 All methods are called under the registry lock; store writes go to the run's outbox.
 """
 
@@ -20,6 +14,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -29,7 +24,9 @@ from ..model.process import ProcessIdentity
 from ..model.run_state import RunState
 from ..store.journal import Store
 from .pending import Outbox
-from .validation import CapacityError
+
+if TYPE_CHECKING:
+    from .admission import Eviction
 
 log = structlog.get_logger("deadweight.registry")
 
@@ -114,23 +111,14 @@ class RunTable:
     """Live and recently ended runs by id, bounded by ``max_runs``."""
 
     def __init__(self, store: Store, forget: Callable[[str], None], max_runs: int,
-                 ended_ttl_seconds: float, max_ranks: int = 4096,
-                 max_runs_per_process: int = 64, max_runs_per_uid: int = 256,
-                 reclaim_unstepped_seconds: float = 600.0) -> None:
+                 ended_ttl_seconds: float) -> None:
         self.store = store
         self.forget = forget
         self.max_runs = max_runs
-        self.max_runs_per_process = max_runs_per_process
-        self.max_runs_per_uid = max_runs_per_uid
-        #: A live run that never stepped this long after it registered may give up its slot.
-        self.reclaim_unstepped_seconds = reclaim_unstepped_seconds
         #: (uid, reason) -> refused registrations (reason: process, uid, table).
         self.refused: Counter[tuple[str, str]] = Counter()
         #: Live runs evicted to let another process in.
         self.evicted_live = 0
-        #: Ranks held across every run (ended ones too, until they expire): with max_runs,
-        #: what bounds the sidecar's memory (each rank keeps a window of steps).
-        self.max_ranks = max_ranks
         self.ended_ttl_seconds = ended_ttl_seconds
         self._runs: dict[str, RunEntry] = {}
 
@@ -143,104 +131,37 @@ class RunTable:
     def __len__(self) -> int:
         return len(self._runs)
 
-    def admit(self, run_id: str, rank: int, last_incident: dict[str, int],
-              last_incarnation: int = 0, owner: Owner | None = None) -> RunEntry:
+    def register(self, run_id: str, rank: int, last_incident: dict[str, int],
+                 last_incarnation: int = 0, owner: Owner | None = None,
+                 evicted: Eviction | None = None) -> RunEntry:
         """A new run; last_incident and last_incarnation (read from the store) continue its
-        incident and incarnation numbers, so no journal row of an earlier life is shared."""
-        evicted = self._make_room(owner)
+        incident and incarnation numbers, so no journal row of an earlier life is shared.
+        evicted: the live run that gave up its slot for it, whose end its batch journals."""
         entry = RunEntry(RunState(run_id), last_incident=dict(last_incident), leader=rank,
                          incarnation=last_incarnation + 1, owner=owner)
         if evicted is not None:  # journaled with the newcomer's batch (its outbox is done)
-            entry.outbox.add(functools.partial(self.store.end_run, evicted.state.run_id,
+            entry.outbox.add(functools.partial(self.store.end_run, evicted.run_id,
                                                "evicted", time.time(), evicted.incarnation))
         self._runs[run_id] = entry
         log.info("run_registered", run_id=run_id, rank=rank)
         return entry
 
-    def _make_room(self, owner: Owner | None) -> RunEntry | None:
-        """Check the newcomer's caps and make room; the live run evicted for it, if any."""
-        if owner is not None:
-            live = [e.owner for e in self._runs.values() if not e.state.ended]
-            if sum(o is not None and o.process == owner.process for o in live) >= (
-                    self.max_runs_per_process):
-                self._refuse(owner, "process")
-                raise CapacityError(
-                    f"this process already holds {self.max_runs_per_process} live runs "
-                    "(--max-runs-per-process): end some (RunEnd) before starting more")
-            uid = owner.uid
-            if uid >= 0 and sum(o is not None and o.uid == uid for o in live) >= (
-                    self.max_runs_per_uid) and self._reclaim_unstepped(
-                        owner, lambda e: e.owner is not None and e.owner.uid == uid) is None:
-                self._refuse(owner, "uid")
-                raise CapacityError(
-                    f"uid {owner.uid} already holds {self.max_runs_per_uid} live runs "
-                    "(--max-runs-per-uid)")
-        if len(self._runs) < self.max_runs or self._evict_oldest_ended():
-            return None
-        reclaimed = self._reclaim_unstepped(owner, lambda e: True)
-        if reclaimed is not None:
-            return reclaimed
-        held = self._held()
-        hoarder, most = held.most_common(1)[0] if held else (None, 0)
-        mine = held.get(owner.process, 0) if owner is not None else 0
-        # Only a process holding more than the newcomer would after admission gives one up:
-        # runs balance out across processes and a one-run job is never evicted for another.
-        if hoarder is None or most <= mine + 1:
-            self._refuse(owner, "table")
-            raise CapacityError(f"sidecar already tracks {self.max_runs} live runs")
-        victim = min((e for e in self._runs.values()
-                      if not e.state.ended and e.owner is not None
-                      and e.owner.process == hoarder), key=lambda e: e.state.last_seen)
-        self.evicted_live += 1
-        log.warning("run_evicted", run_id=victim.state.run_id, owner=hoarder,
-                    newcomer=owner.process if owner is not None else "unknown",
-                    reason="the table is full and this process holds the most live runs")
-        self._expire(victim.state.run_id, "evicted")
-        return victim
+    def evict(self, eviction: Eviction, newcomer: Owner | None) -> None:
+        """Forget a run to make room for newcomer's batch (``admission`` chose it)."""
+        if eviction.live:
+            self.evicted_live += 1
+            log.warning("run_evicted", run_id=eviction.run_id, owner=eviction.owner,
+                        newcomer=newcomer.process if newcomer is not None else "unknown",
+                        reason=eviction.why)
+        self._expire(eviction.run_id, eviction.reason)
 
-    def _reclaim_unstepped(self, owner: Owner | None,
-                           among: Callable[[RunEntry], bool]) -> RunEntry | None:
-        """Forget the oldest live run (among those ``among`` accepts) that registered over
-        ``reclaim_unstepped_seconds`` ago and never reported an optimizer step; None when
-        there is none. Such a run holds a slot and tells nobody anything: a real job that
-        would be refused for it matters more."""
-        cutoff = time.time() - self.reclaim_unstepped_seconds
-        idle = [e for e in self._runs.values()
-                if not e.state.ended and e.state.created < cutoff and among(e)
-                and not any(rank.steps or rank.step for rank in e.state.ranks.values())]
-        if not idle:
-            return None
-        victim = min(idle, key=lambda e: e.state.created)
-        self.evicted_live += 1
-        log.warning("run_evicted", run_id=victim.state.run_id,
-                    owner=victim.owner.process if victim.owner is not None else "unknown",
-                    newcomer=owner.process if owner is not None else "unknown",
-                    reason=f"no optimizer step in the {self.reclaim_unstepped_seconds:g} s "
-                    "since it registered, and a newcomer needed its slot")
-        self._expire(victim.state.run_id, "evicted")
-        return victim
-
-    def _held(self) -> Counter[str]:
-        """Live runs by the process that registered them (runs of unknown owner: none)."""
-        return Counter(e.owner.process for e in self._runs.values()
-                       if not e.state.ended and e.owner is not None)
-
-    def _refuse(self, owner: Owner | None, reason: str) -> None:
+    def count_refusal(self, owner: Owner | None, reason: str) -> None:
+        """A registration a cap refused, by owner's uid (the first MAX_REFUSAL_UIDS by name)."""
         uid = "unknown" if owner is None or owner.uid < 0 else str(owner.uid)
         if (uid, reason) not in self.refused and len({u for u, _ in self.refused}) >= (
                 MAX_REFUSAL_UIDS):
             uid = "other"
         self.refused[(uid, reason)] += 1
-
-    def make_room_for_rank(self, run_id: str, rank: int) -> None:
-        """Raise CapacityError when a rank new to the run would exceed max_ranks, after
-        forgetting ended runs (oldest first, never this one) to make room."""
-        entry = self._runs.get(run_id)
-        if entry is not None and rank in entry.state.ranks:
-            return
-        while sum(len(e.state.ranks) for e in self._runs.values()) >= self.max_ranks:
-            if not self._evict_oldest_ended(keep=entry):
-                raise CapacityError(f"sidecar already holds {self.max_ranks} ranks")
 
     def succeed(self, old: RunEntry, rank: int) -> RunEntry:
         """A new incarnation of old's run id, started by rank; incident numbers continue."""
@@ -266,16 +187,6 @@ class RunTable:
             run = entry.state
             if run.ended and now - run.ended_at > self.ended_ttl_seconds:
                 self._expire(run.run_id, "ttl")
-
-    def _evict_oldest_ended(self, keep: RunEntry | None = None) -> bool:
-        """Make room by forgetting the run that ended first (never keep), if any ended."""
-        ended = [(e.state.ended_at, run_id) for run_id, e in self._runs.items()
-                 if e.state.ended and e is not keep]
-        if not ended:
-            return False
-        _, run_id = min(ended)
-        self._expire(run_id, "max_runs")
-        return True
 
     def _expire(self, run_id: str, reason: str) -> None:
         del self._runs[run_id]

@@ -127,6 +127,9 @@ CASES: dict[str, Case] = {
     "another process of the same uid, bound process gone: new incarnation": Case(
         lambda t: run(t, ranks={0: DEAD}), start(), attested(B),
         Supersede("gone", B)),
+    "another uid, bound process gone: new incarnation all the same": Case(
+        lambda t: run(t, ranks={0: DEAD}), start(), attested(OTHER_UID),
+        Supersede("gone", OTHER_UID)),
     "another uid, bound rank": Case(
         lambda t: run(t, ranks={0: A}), start(), attested(OTHER_UID),
         Refuse("other_process", IngestError(), collision=OTHER_UID.describe()),
@@ -233,6 +236,11 @@ CASES: dict[str, Case] = {
         lambda t: (run(t, "old", ended_at=NOW - 50), run(t, "new", ended_at=NOW - 5),
                    run(t, "live")), start(), attested(A),
         Register(owned(10), A, (Eviction("old", 1, "max_runs"),)), rules=Rules(max_ranks=3)),
+    "no room for another rank, refused: the ended runs are forgotten all the same": Case(
+        lambda t: (run(t, "old", ended_at=NOW - 50), run(t, "live", ranks={0: A, 1: B})),
+        start(rank=0), attested(OTHER_UID),
+        Refuse("ranks", IngestError(), evict=(Eviction("old", 1, "max_runs"),)),
+        rules=Rules(max_ranks=2), error=(CapacityError, "sidecar already holds 2 ranks")),
     "a known rank needs no room": Case(
         lambda t: run(t, ranks={0: A, 1: B}), steps(), attested(A, run=1),
         JOIN, rules=Rules(max_ranks=2)),

@@ -120,7 +120,9 @@ def start_facts(model: Any, optimizer: Any, layout: layouts.Layout,
         seen.add(id(param))
         total += param.numel()
         name = layouts.clean_name(wrapped, outer)
-        trains = id(param) in in_optimizer
+        # a frozen parameter an optimizer holds (built over model.parameters()) gets no
+        # gradient and is never updated: it does not train
+        trains = id(param) in in_optimizer and param.requires_grad
         # an adapter's own tensor is saved even when PEFT saves a value computed from it
         # (prompt learning saves the prompt encoder's output, not its weights)
         if saved is not None and trains and param.data_ptr() not in saved \

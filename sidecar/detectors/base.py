@@ -154,6 +154,13 @@ def start_facts_or_silent(run: RunState, fact: str = "") -> pb.RunStart | Verdic
     return run.start
 
 
+def saves_through_adapter(run: RunState) -> bool:
+    """Whether every checkpoint of the run is saved through the PEFT adapter: a Trainer's is
+    (it calls the PEFT model's ``save_pretrained``); a raw loop (``deadweight.watch``) may
+    save the rest of the model itself, so what the adapter leaves out is not certainly lost."""
+    return run.start is not None and run.start.config_text.get("loop") == "trainer"
+
+
 def _step_of(point: StepPoint) -> int:
     return point.step
 

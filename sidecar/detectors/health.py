@@ -124,12 +124,19 @@ class Stalled(SpecDetector):
 
     spec = DetectorSpec(
         checked_against=("healthy-matrix", "conformance-twin", "stall-clock-starts-when-heard"),
-        false_positives=("a step longer than the window (a huge generation, a checkpoint "
-                         "upload) with heartbeats still arriving; an evaluation that goes on "
-                         "finishing batches is progress, not a stall"),
+        false_positives=("none known at critical: the callback's sender thread beats every few "
+                         "seconds whatever the loop does, so a run silent for `stalled_seconds` "
+                         "is gone, frozen or suspended; a step longer than "
+                         "`stalled_step_seconds` with heartbeats still arriving (a huge "
+                         "generation, a checkpoint upload) can be healthy, so it fires as a "
+                         "warning; an evaluation that goes on finishing batches is progress, "
+                         "not a stall"),
         symptom_of=("rank_stalled",),
         id="stalled",
         severity=Severity.CRITICAL,
+        lower_severity=Severity.WARNING,
+        lower_when="heartbeats still arrive (the loop made no step for the window, but its "
+        "process is alive: a very long step can be healthy)",
         summary="Run {run_id} stopped making progress",
         meaning="no message at all arrived within the stall window (the process is gone or "
         "frozen), or heartbeats still arrive but no optimizer step did (the training loop is "
@@ -163,12 +170,14 @@ class Stalled(SpecDetector):
         # An evaluation that goes on finishing batches is progress too.
         last_step = max(max(r.last_step_time, r.evaluated_time) for r in heard)
         since_step = now - (last_step or min(r.first_seen for r in heard))
+        severity: Severity | None = None  # silence: the spec's own, critical
         if silent > settings.stalled_seconds:
             reason = f"no message for {silent:.0f} s (limit {settings.stalled_seconds:g} s)"
         elif since_step > settings.stalled_step_seconds:
             reason = (f"no optimizer step (nor evaluation batch) for {since_step:.0f} s "
                       f"(limit {settings.stalled_step_seconds:g} s) though the process still "
                       "reports")
+            severity = Severity.WARNING  # alive: a very long step can be healthy
         else:
             return Verdict(False, step=run.step)
         evidence = {"seconds_since_last_message": fmt(silent),
@@ -180,7 +189,7 @@ class Stalled(SpecDetector):
             reason += f"; {words}"
             evidence.update(named)
         return Verdict(True, step=run.step, summary=f"run stalled at step {run.step}: {reason}",
-                       evidence=evidence)
+                       evidence=evidence, severity=severity)
 
 
 def _who_stopped(heard: list[RankState], world_size: int, now: float, limit: float

@@ -40,9 +40,12 @@ class NoOptimizerStep(SpecDetector):
     spec = DetectorSpec(
         checked_against=("healthy-matrix", "conformance-twin", "optimizer-family-loops"),
         false_positives=("a loop that logs far more often than it steps, beyond twice its own "
-                         "largest accumulation window seen so far"),
+                         "largest accumulation window seen so far (an accumulation it counts "
+                         "itself, before its first step; an evaluation phase that logs every "
+                         "batch); under a Trainer, an optimizer the probe watches that is not "
+                         "the one that steps. A count, not proof: a warning"),
         id="no_optimizer_step",
-        severity=Severity.CRITICAL,
+        severity=Severity.WARNING,
         summary="Run {run_id} runs and logs but makes no optimizer step",
         meaning="the loop reports losses but no optimizer step happens (optimizer.step() "
         "missing, or called on another optimizer), so nothing trains",

@@ -95,10 +95,11 @@ class GradNotInOptimizer(SpecDetector):
     spec = DetectorSpec(
         checked_against=("healthy-matrix", "conformance-twin"),
         false_positives=("parameters left with requires_grad on purpose but trained by a second "
-                         "optimizer the probe does not see"),
+                         "optimizer the probe does not see: a warning (an empty optimizer, "
+                         "the case that is certain, is `empty_optimizer`'s critical)"),
         symptom_of=("empty_optimizer", "inactive_adapter"),
         id="grad_not_in_optimizer",
-        severity=Severity.CRITICAL,
+        severity=Severity.WARNING,
         summary="Run {run_id} computes gradients for parameters its optimizer does not hold",
         meaning="parameters receive gradients (grad_norm looks alive) but are not in the "
         "optimizer, so they are never updated",
@@ -202,10 +203,18 @@ class InactiveAdapter(SpecDetector):
 
     spec = DetectorSpec(
         checked_against=("healthy-matrix", "conformance-twin", "grpo-dpo-ref-adapter"),
-        false_positives=("a second adapter loaded on purpose for inference or comparison and never"
-                         " meant to train (TRL's own `ref` copy is exempt)"),
+        false_positives=("none known at critical: an adapter the optimizer holds that stands "
+                         "still while gradients go elsewhere, or an active adapter none of "
+                         "whose tensors the optimizer holds, never trains. An inactive adapter "
+                         "kept out of the optimizer can be one loaded on purpose for inference "
+                         "or comparison and never meant to train: a warning (TRL's own `ref` "
+                         "copy, and an earlier adapter kept while a newer one trains, are "
+                         "exempt)"),
         id="inactive_adapter",
         severity=Severity.CRITICAL,
+        lower_severity=Severity.WARNING,
+        lower_when="the idle adapter is not the active one (at train begin: an adapter loaded "
+        "on purpose for inference or comparison looks the same)",
         summary="Run {run_id} trains an adapter other than the one it saves",
         meaning="an adapter the run was configured to train is not active or not in the "
         "optimizer (never activated, or switched by set_adapter mid-run)",
@@ -238,9 +247,13 @@ class InactiveAdapter(SpecDetector):
         if switched is not None and switched.firing:
             return switched  # the current, more specific verdict
         if trained and idle:
+            # An active adapter the optimizer lacks never trains; an inactive one may be
+            # loaded on purpose (for inference, to compare against).
+            certain = any(a.active for a in idle)
             return Verdict(
                 True,
                 step=0,
+                severity=None if certain else Severity.WARNING,
                 summary=(
                     f"adapter(s) {', '.join(a.name for a in idle)} have "
                     f"{sum(a.params for a in idle)} params and none in the optimizer; only "

@@ -34,10 +34,17 @@ class RankStalled(SpecDetector):
     spec = DetectorSpec(
         checked_against=("healthy-matrix", "conformance-twin",
                          "ddp-gloo-2-ranks", "every-rank-in-a-long-step"),
-        false_positives=("a rank doing legitimate rank-only work (a save or an evaluation on rank "
-                         "0) for longer than the window"),
+        false_positives=("none known at critical: a rank silent for the window while the "
+                         "others report is gone or frozen (its sender thread beats every few "
+                         "seconds), and the others wait on it; a rank that still beats while the "
+                         "others wait may be doing legitimate rank-only work (a save or an "
+                         "evaluation on rank 0) for longer than the window, so it fires as a "
+                         "warning"),
         id="rank_stalled",
         severity=Severity.CRITICAL,
+        lower_severity=Severity.WARNING,
+        lower_when="the stuck rank still sends heartbeats (alive, in its own code or behind: "
+        "rank-only work such as a long save can look the same)",
         summary="Run {run_id} has a rank that stopped while the others wait for it",
         meaning="one rank stopped making progress (it never began the step the other ranks "
         "are inside, sits in its own code while they wait in a collective, or went silent) "
@@ -73,9 +80,13 @@ class RankStalled(SpecDetector):
         seconds = now - since(first)
         mark = first.position
         at = "" if mark.phase == "optimizer_step" else f", at {mark.words()}"
+        # Silent while the others report: gone or frozen. Still beating: it may be busy with
+        # work only it does (a long save on rank 0), which a healthy job can do too.
+        alive = now - first.last_seen <= limit
         return Verdict(
             True,
             step=first.step,
+            severity=Severity.WARNING if alive else None,
             summary=(f"rank {first.rank} stopped after step {first.step}{at}, {seconds:.0f} s "
                      f"ago (limit {limit:g} s): {why(found, now)}"),
             evidence={**evidence(found, now),
@@ -189,10 +200,16 @@ class ReplicasDiverged(SpecDetector):
     spec = DetectorSpec(
         checked_against=("healthy-matrix", "conformance-twin",
                          "ddp-gloo-2-ranks", "replicas-equal-to-rounding"),
-        false_positives=("replicas that differ by more than the tolerance through legitimate "
-                         "non-determinism (different kernels per rank, stochastic rounding)"),
+        false_positives=("none known at critical: replicas apart by at least one whole "
+                         "step's update did not apply the same updates; replicas apart by more "
+                         "than the tolerance but less than a step's update can be legitimate "
+                         "non-determinism (different kernels per rank, stochastic rounding), "
+                         "so that fires as a warning"),
         id="replicas_diverged",
         severity=Severity.CRITICAL,
+        lower_severity=Severity.WARNING,
+        lower_when="the ranks differ by less than one step's relative update (rounding "
+        "between kernels can drift that far; a rank that trains apart soon differs by more)",
         summary="Run {run_id} has ranks whose copies of the same weights disagree",
         meaning="the ranks' copies of the replicated weights differ: each rank trains its own "
         "model (no gradient sync, a rank started from other weights), so the saved model "
@@ -229,13 +246,14 @@ class ReplicasDiverged(SpecDetector):
             verdict = kept[2]  # the same samples: the same verdict, not compared again
             assert isinstance(verdict, Verdict)
             return verdict
-        verdict = self._compare(sampled, samples, step, tolerance)
+        verdict = self._compare(sampled, samples, step, tolerance,
+                                _step_update(sampled[0], step))
         run.replica_comparison = (tolerance, samples, verdict)
         return verdict
 
     @staticmethod
     def _compare(sampled: list[RankState], samples: tuple[ReplicaSample, ...], step: int,
-                 tolerance: float) -> Verdict:
+                 tolerance: float, step_update: float | None) -> Verdict:
         """Every rank's sample against the lowest rank's, at one step."""
         reference = samples[0]
         apart: list[tuple[int, int, float, str]] = []  # rank, tensors apart, largest, a name
@@ -251,17 +269,38 @@ class ReplicasDiverged(SpecDetector):
             return Verdict(False, step=step)
         rank, count, largest, name = apart[0]
         tensors = len(reference.sizes)
+        # Apart by a whole step's update or more: the ranks applied different updates.
+        # Less: kernels that round differently per rank can drift that far.
+        certain = step_update is not None and largest >= step_update
         return Verdict(
             True,
             step=step,
+            severity=None if certain else Severity.WARNING,
             summary=(f"at step {step} rank {rank}'s weights differ from rank "
                      f"{sampled[0].rank}'s in {count} of {tensors} sampled tensors (largest "
                      f"relative difference {largest:.3g}, {name}): the ranks train apart"),
             evidence={"rank": str(rank), "ranks_apart": ",".join(str(a[0]) for a in apart),
                       "reference_rank": str(sampled[0].rank), "step": fmt(step),
                       "tensors_apart": f"{count}/{tensors}",
-                      "largest_relative_difference": fmt(largest), "tensor": name},
+                      "largest_relative_difference": fmt(largest), "tensor": name,
+                      "step_relative_update": fmt(step_update)},
         )
+
+
+def _step_update(rank: RankState, step: int) -> float | None:
+    """The rank's relative update (update L2 over the weights' L2) at step, or at the
+    nearest step it still holds; None when it measured none."""
+    best: tuple[int, float] | None = None
+    for point in rank.steps:
+        if point.skipped or point.param_sq_sum <= 0:
+            continue
+        relative = point.update_norm / math.sqrt(point.param_sq_sum)
+        if not math.isfinite(relative) or relative <= 0:
+            continue
+        distance = abs(point.step - step)
+        if best is None or distance < best[0]:
+            best = (distance, relative)
+    return best[1] if best is not None else None
 
 
 def _differences(a: ReplicaSample, b: ReplicaSample) -> list[tuple[float, str]]:

@@ -34,9 +34,10 @@ class RolloutStale(SpecDetector):
     spec = DetectorSpec(
         checked_against=("healthy-matrix", "conformance-twin", "rollout-healthy-twin"),
         false_positives=("a run whose logp difference rises for a reason other than stale weights "
-                         "(numerics changed mid-run); only on vLLM generation"),
+                         "(numerics changed mid-run: another dtype or kernel on one side); only "
+                         "on vLLM generation. A threshold on a drift, not proof: a warning"),
         id="rollout_stale",
-        severity=Severity.CRITICAL,
+        severity=Severity.WARNING,
         summary="Run {run_id} generates its rollouts with stale weights",
         meaning="the log-probabilities the trainer computes for the sampled tokens differ "
         "from the generation engine's far more than the run's own baseline: the engine "

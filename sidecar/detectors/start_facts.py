@@ -18,6 +18,7 @@ from .base import (
     finite_history,
     fmt,
     is_rl,
+    saves_through_adapter,
     start_facts_or_silent,
 )
 from .spec import DetectorSpec, Evidence, Severity, Threshold
@@ -88,9 +89,15 @@ class UnsavedHead(SpecDetector):
 
     spec = DetectorSpec(
         checked_against=("healthy-matrix", "conformance-twin"),
-        false_positives="a head the script saves itself, apart from the adapter",
+        false_positives=("none known at critical: a Trainer saves a PEFT model through the "
+                         "adapter, so every checkpoint it writes lacks the head; a raw loop may "
+                         "save the head itself, apart from the adapter, so there it fires as a "
+                         "warning"),
         id="unsaved_head",
         severity=Severity.CRITICAL,
+        lower_severity=Severity.WARNING,
+        lower_when="the run is a raw loop (`deadweight.watch`): the script may save the head "
+        "itself",
         latching=True,
         scope="artifact",
         summary="Run {run_id} trains around a random head its adapter does not save",
@@ -115,6 +122,7 @@ class UnsavedHead(SpecDetector):
         return Verdict(
             True,
             step=0,
+            severity=None if saves_through_adapter(run) else Severity.WARNING,
             summary=(f"head {', '.join(lost)} is new (not in the base checkpoint), {how}, and "
                      f"is not in modules_to_save: the saved adapter reloads with a random head"),
             evidence={"heads": ",".join(h.heads), "new_heads": ",".join(h.new_heads),

@@ -11,7 +11,7 @@ from __future__ import annotations
 from ...proto import pb
 from ..model.run_state import RunState
 from ..model.settings import DetectorSettings
-from .base import SpecDetector, Verdict, fmt, start_facts_or_silent
+from .base import SpecDetector, Verdict, fmt, saves_through_adapter, start_facts_or_silent
 from .spec import DetectorSpec, Evidence, Policy, Severity
 
 
@@ -30,12 +30,18 @@ class BaseWeightsTrained(SpecDetector):
     """
 
     spec = DetectorSpec(
-        checked_against=("healthy-matrix", "conformance-twin", "lora-modules-to-save"),
-        false_positives=("none known: weights the adapter save leaves out are lost at save by "
-                         "construction; a run that saves the full model itself (not through the "
-                         "adapter) would be flagged though nothing is lost"),
+        checked_against=("healthy-matrix", "conformance-twin", "lora-modules-to-save",
+                         "optimizer-over-every-parameter"),
+        false_positives=("none known at critical: a Trainer saves a PEFT model through the "
+                         "adapter, so what the base learns is lost from every checkpoint it "
+                         "writes; a raw loop may save the full model itself, so there it fires "
+                         "as a warning. Frozen parameters an optimizer holds (built over "
+                         "`model.parameters()`) get no gradient and do not count"),
         id="base_weights_trained",
         severity=Severity.CRITICAL,
+        lower_severity=Severity.WARNING,
+        lower_when="the run is a raw loop (`deadweight.watch`): the script may save the full "
+        "model itself",
         latching=True,
         summary="Run {run_id} trains base weights that its adapter save throws away",
         meaning="the optimizer trains base-model weights in a PEFT run that saves only the "
@@ -62,6 +68,7 @@ class BaseWeightsTrained(SpecDetector):
         return Verdict(
             True,
             step=0,
+            severity=None if saves_through_adapter(run) else Severity.WARNING,
             summary=(
                 f"the optimizer trains {unsaved} base-model params in "
                 f"{int(run.config.get('unsaved_trainable_tensors', 0))} tensors "

@@ -347,6 +347,7 @@ def test_reward_head_outside_modules_to_save(live: InProcessSidecar, tiny: tuple
                                         peft_config=config))
     head = detected(live, "head-lost", "unsaved_head", started)
     assert head.evidence["new_heads"] == "score" and head.evidence["saved_heads"] == "none"
+    assert head.severity == "critical"  # the Trainer saves through the adapter: lost for sure
     live.wait_inspected("head-lost", 1)
     saved = live.seen("head-lost").checkpoints[-1].inspection
     assert saved is not None and not any("score" in n for n in saved.tensor_digests)

@@ -16,8 +16,10 @@ import torch
 from peft import LoraConfig, get_peft_model
 from safetensors import safe_open
 
+import deadweight
 from deadweight.demo import runs
 from tests.support.inprocess_sidecar import InProcessSidecar
+from tests.support.loops import wait_ended
 
 pytestmark = pytest.mark.slow
 
@@ -93,3 +95,51 @@ def test_trainable_band_fires_outside_the_users_band(
     _train(live, "band-ok", AutoModelForCausalLM.from_pretrained(model_dir), model_dir,
            tmp_path / "b", expected_trainable_pct=(95.0, 100.0))
     assert "trainable_out_of_band" not in live.fired("band-ok")
+
+
+def test_an_optimizer_over_every_parameter_of_a_lora_model_trains_only_the_adapter(
+        live: InProcessSidecar, tiny: tuple[Path, Path], tmp_path: Path) -> None:
+    """``AdamW(model.parameters())`` on a PEFT model, as many scripts build it: the frozen base
+    sits in the optimizer but gets no gradient, so it never moves. Healthy: no verdict at all.
+    Its twin, the base's gradients re-enabled, still fires critical (the test above)."""
+    model_dir, _ = tiny
+    model = _lora(model_dir)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-4)
+    base = model.base_model.model.model.layers[0].mlp.up_proj.weight
+    before = base.detach().clone()
+    trainer = runs.sft_trainer(model, model_dir, tmp_path, [live.callback("all-params")],
+                               steps=4, save_steps=4, optimizers=(optimizer, None))
+    trainer.train()
+    wait_ended(live, "all-params")
+    assert torch.equal(before, base.detach())  # the base did not train
+    run = live.seen("all-params")
+    assert run.start is not None and run.start.membership.optimizer_params == int(
+        run.config["model_params"])  # the whole model is in the optimizer
+    assert run.config["unsaved_trainable_params"] == 0
+    fired = {k: f.summary for k, f in live.fired("all-params").items()
+             if f.severity in ("warning", "critical")}
+    assert fired == {}, fired
+
+
+def test_base_trained_in_a_raw_loop_is_a_warning(live: InProcessSidecar, tiny: tuple[Path, Path],
+                                                 tmp_path: Path) -> None:
+    """In a raw loop the script may save the full model itself (nothing lost): the same
+    unfrozen base is a warning there, critical only where a Trainer saves through the adapter."""
+    model_dir, _ = tiny
+    model = _lora(model_dir)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-4)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator()
+                        .manual_seed(0))
+    with deadweight.watch(model, optimizer, run_id="base-raw", address=live.address) as monitor:
+        for step in range(1, 4):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            monitor.log(step, loss=loss)
+    wait_ended(live, "base-raw")
+    finding = live.fired("base-raw")["base_weights_trained"]
+    assert finding.severity == "warning" and finding.step == 0
+    assert "re-freeze the base" in finding.summary

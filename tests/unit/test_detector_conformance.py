@@ -496,6 +496,17 @@ def test_every_spec_says_what_healthy_runs_it_checked_and_where_it_misfires() ->
         assert not spec.false_positives.endswith("."), spec.id
 
 
+def test_a_critical_detector_knows_no_healthy_misfire_at_critical() -> None:
+    """Critical means evidence a healthy run cannot produce: a critical spec's known false
+    positives begin "none known" (a case a healthy run can produce fires at the spec's
+    ``lower_severity``, and the text says so)."""
+    for detector in ALL:
+        spec = detector.spec
+        if spec.severity.value == "critical":
+            assert spec.false_positives.startswith("none known"), (spec.id,
+                                                                    spec.false_positives)
+
+
 def test_a_lower_severity_is_declared_with_when_and_is_lower() -> None:
     """A detector whose verdicts may carry a lower severity names it and says when (the
     generated tables print it), and it is lower than the spec's."""

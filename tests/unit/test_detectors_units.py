@@ -107,14 +107,18 @@ def test_stalled_follows_the_clock_and_heartbeats() -> None:
     registry.tick(now + 30)
     assert "stalled" not in feed.fired()
     registry.tick(now + 61)
-    assert registry.findings("r")["stalled"].firing  # silence
+    silence = registry.findings("r")["stalled"]
+    assert silence.firing and silence.severity == "critical"  # gone, frozen or suspended
     feed.send(heartbeat=pb.Heartbeat(step=1))
     registry.tick(run.last_seen + 1)
     assert not registry.findings("r")["stalled"].firing  # alive again
     run.ranks[0].last_step_time -= 601  # the last step is 601 s old, the heartbeat fresh
     registry.tick(run.last_seen + 1)  # heartbeats alone do not hide a loop that stopped stepping
-    assert registry.findings("r")["stalled"].firing
-    assert "no optimizer step" in registry.findings("r")["stalled"].summary
+    hung = registry.findings("r")["stalled"]
+    assert hung.firing and "no optimizer step" in hung.summary
+    # The process still beats: a hung loop, or a very long healthy step (a huge generation,
+    # a checkpoint upload): a warning, not a page.
+    assert hung.severity == "warning"
 
 
 def test_lr_zero_after_warmup_flags_but_warmup_does_not() -> None:
@@ -265,6 +269,34 @@ def test_an_earlier_adapter_left_frozen_is_not_idle_a_newer_one_is() -> None:
     never = pb.AdapterCoverage(name="second", tensors=8, params=1024, in_optimizer_tensors=0)
     registry = _adapters_at_start("f6", "SFTTrainer", first_trains, never)
     assert registry.findings("f6")["inactive_adapter"].evidence["idle_adapters"] == "second"
+
+
+def test_an_idle_inactive_adapter_is_a_warning_an_idle_active_one_critical() -> None:
+    """An inactive adapter kept out of the optimizer may be loaded on purpose (to compare
+    against, for inference): a warning. The active adapter out of the optimizer while another
+    trains never trains: critical."""
+    trains = pb.AdapterCoverage(name="default", tensors=8, params=1024, in_optimizer_tensors=8)
+    loaded = pb.AdapterCoverage(name="compare", tensors=8, params=1024, in_optimizer_tensors=0)
+    registry = _adapters_at_start("loaded", "SFTTrainer", trains, loaded)
+    assert registry.findings("loaded")["inactive_adapter"].severity == "warning"
+    active = pb.AdapterCoverage(name="compare", tensors=8, params=1024, in_optimizer_tensors=0,
+                                active=True)
+    registry = _adapters_at_start("active", "SFTTrainer", trains, active)
+    assert registry.findings("active")["inactive_adapter"].severity == "critical"
+
+
+def test_an_unsaved_head_is_critical_under_a_trainer_a_warning_in_a_raw_loop() -> None:
+    """A Trainer saves a PEFT model through the adapter: the head is lost from every
+    checkpoint. A raw loop may save the head itself."""
+    heads = pb.HeadCheck(heads=["score"], new_heads=["score"], trainable_heads=["score"])
+    severity = {}
+    for loop in ("trainer", "watch"):
+        registry = Registry()
+        registry.ingest(pb.StreamRequest(run_id=loop, events=[pb.Event(
+            seq=1, run_start=pb.RunStart(trainer="RewardTrainer", heads=heads,
+                                         config_text={"loop": loop}))]))
+        severity[loop] = registry.findings(loop)["unsaved_head"].severity
+    assert severity == {"trainer": "critical", "watch": "warning"}
 
 
 def test_stall_clock_starts_when_the_rank_is_heard_not_at_run_creation() -> None:

@@ -92,6 +92,8 @@ def test_rank_stalled_names_the_rank_that_never_began_the_step() -> None:
     feed.registry.tick()
     finding = feed.registry.findings("r")["rank_stalled"]
     assert finding.firing and finding.evidence["rank"] == "1"
+    # Rank 1 still beats: alive in its own code, as a long rank-only save would be.
+    assert finding.severity == "warning"
     assert finding.evidence["last_step"] == "3" and finding.evidence["waiting_in_step"] == "4"
     assert "rank 1 stopped after step 3" in finding.summary
     assert float(finding.evidence["seconds"]) >= 61
@@ -119,6 +121,7 @@ def test_rank_stalled_names_a_silent_rank_while_the_other_reports() -> None:
     feed.registry.tick()
     finding = feed.registry.findings("r")["rank_stalled"]
     assert finding.firing and finding.evidence["rank"] == "1"
+    assert finding.severity == "critical"  # silent while rank 0 reports: gone or frozen
     assert "never began step 4" in finding.summary
     feed.began(1, 4)  # rank 1 got to step 4 (it began it), then went silent inside it
     feed.began(0, 4)
@@ -163,6 +166,27 @@ def test_replicas_equal_to_the_bit_or_rounding_are_silent_apart_they_fire() -> N
     finding = feed.registry.findings("r")["replicas_diverged"]
     assert finding.firing and finding.step == 2
     assert finding.evidence["tensors_apart"] == "1/2" and finding.evidence["tensor"] == "b.weight"
+
+
+def test_replicas_apart_by_less_than_a_step_are_a_warning_by_more_critical() -> None:
+    """Each step moves the weights by 1e-3 of their norm. Ranks 1e-4 apart (beyond the
+    tolerance, less than one step: kernels that round differently can drift that far) are a
+    warning; ranks a whole step apart applied different updates: critical."""
+    feed = Ranks(Registry())
+    for rank in (0, 1):
+        feed.send(rank, step=pb.StepReport(step=1, learning_rate=1e-4, update_sq_sum=1e-6,
+                                           param_sq_sum=1.0, watched_params=4,
+                                           optimizer_params=4, watched_tensors=2))
+    base = [0.6, 0.0, 0.8, 0.0]  # each tensor's norm: 0.6 and 0.8
+    feed.replica(0, 1, base)
+    feed.replica(1, 1, [0.6, 0.0, 0.8, 0.8e-4])
+    drift = feed.registry.findings("r")["replicas_diverged"]
+    assert drift.firing and drift.severity == "warning"
+    assert drift.evidence["step_relative_update"] == "0.001"
+    feed.replica(0, 2, base)
+    feed.replica(1, 2, [0.6, 0.0, 0.8, 0.8e-2])
+    apart = feed.registry.findings("r")["replicas_diverged"]
+    assert apart.firing and apart.severity == "critical" and apart.step == 2
 
 
 def test_other_tensors_on_another_rank_and_sharded_runs_are_not_compared() -> None:

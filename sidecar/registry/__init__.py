@@ -296,7 +296,7 @@ class Registry:
         if isinstance(decision, Register):
             if numbering is None:  # the run expired since the unlocked look: read it now
                 numbering = self._numbering(run_id)
-            journaled = next((e for e in decision.evict if e.journal), None)
+            journaled = tuple(e for e in decision.evict if e.journal)
             entry = self._table.register(run_id, rank, *numbering, owner=decision.owner,
                                          evicted=journaled)
         assert entry is not None

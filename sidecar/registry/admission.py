@@ -321,7 +321,7 @@ def _make_room(owner: Owner | None, runs: list[RunEntry], rules: Rules, now: flo
                 return "uid", CapacityError(
                     f"uid {owner.uid} already holds {rules.max_runs_per_uid} live runs "
                     "(--max-runs-per-uid)")
-            evict.append(_reclaimed(idle, owner, rules))
+            evict.append(_reclaimed(idle, owner, rules, journal=True))
             runs = [e for e in runs if e is not idle]
     if len(runs) < rules.max_runs:
         return None

@@ -133,15 +133,16 @@ class RunTable:
 
     def register(self, run_id: str, rank: int, last_incident: dict[str, int],
                  last_incarnation: int = 0, owner: Owner | None = None,
-                 evicted: Eviction | None = None) -> RunEntry:
+                 evicted: tuple[Eviction, ...] = ()) -> RunEntry:
         """A new run; last_incident and last_incarnation (read from the store) continue its
         incident and incarnation numbers, so no journal row of an earlier life is shared.
-        evicted: the live run that gave up its slot for it, whose end its batch journals."""
+        evicted: the live runs that gave up their slots for it, whose ends its batch
+        journals."""
         entry = RunEntry(RunState(run_id), last_incident=dict(last_incident), leader=rank,
                          incarnation=last_incarnation + 1, owner=owner)
-        if evicted is not None:  # journaled with the newcomer's batch (its outbox is done)
-            entry.outbox.add(functools.partial(self.store.end_run, evicted.run_id,
-                                               "evicted", time.time(), evicted.incarnation))
+        for gone in evicted:  # journaled with the newcomer's batch (its outbox is done)
+            entry.outbox.add(functools.partial(self.store.end_run, gone.run_id,
+                                               "evicted", time.time(), gone.incarnation))
         self._runs[run_id] = entry
         log.info("run_registered", run_id=run_id, rank=rank)
         return entry

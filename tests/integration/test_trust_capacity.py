@@ -22,6 +22,7 @@ import pytest
 from deadweight.demo.sidecar_process import SidecarProcess
 from deadweight.proto import pb
 from deadweight.sidecar.registry import Peer, Registry
+from deadweight.sidecar.store.journal import Store
 from tests.support.faults import Pipe, metric_value
 from tests.support.raw_client import frozen_events
 from tests.support.realprocs import wait_for
@@ -120,8 +121,9 @@ def test_runs_that_never_step_give_up_the_uid_cap_to_a_real_job() -> None:
     (frozen) job of that uid was refused: never known, never stopped. Runs that registered
     longer ago than --reclaim-unstepped-seconds without one step now give up their slots,
     oldest first; a run that steps is never reclaimed."""
+    store = Store()
     registry = Registry(max_runs=100, max_runs_per_process=3, max_runs_per_uid=5,
-                        reclaim_unstepped_seconds=0.0)
+                        reclaim_unstepped_seconds=0.0, store=store)
     stepping = Peer(pid=900, uid=7, address="unix:")
     assert not registry.ingest(_start("stepping"), stepping).error
     assert not registry.ingest(pb.StreamRequest(run_id="stepping", events=frozen_events(1, 1)),
@@ -134,6 +136,8 @@ def test_runs_that_never_step_give_up_the_uid_cap_to_a_real_job() -> None:
     live = {run.run_id for run, _ in registry.runs() if not run.ended}
     assert "real-job" in live and "stepping" in live and "idle-0" not in live
     assert registry.evicted_live_runs == 1
+    reclaimed = store.run("idle-0")  # its end is in the journal, as every eviction's is
+    assert reclaimed is not None and reclaimed.ended and reclaimed.end_reason == "evicted"
     for step in range(1, 8):  # the real job is judged: it is frozen
         registry.ingest(pb.StreamRequest(run_id="real-job",
                                          events=frozen_events(step, 2 * step)), job)

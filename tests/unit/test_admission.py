@@ -222,11 +222,12 @@ CASES: dict[str, Case] = {
         lambda t: (run(t, "a", owner=owned(1, uid=7)), run(t, "b", owner=owned(2, uid=7)))
        , start(), attested(A),
         Register(owned(10), A), rules=Rules(max_runs_per_uid=2)),
-    "per-uid cap with an unstepped run of that uid: reclaimed (not journaled), admitted":
+    "per-uid cap with an unstepped run of that uid: reclaimed (journaled), admitted":
     Case(
         lambda t: (run(t, "a", owner=owned(1), stepped=False, age=3600),
                    run(t, "b", owner=owned(2))), start(), attested(A),
-        Register(owned(10), A, (Eviction("a", 1, "evicted", RECLAIMED, "pid 1 start 10"),)),
+        Register(owned(10), A, (Eviction("a", 1, "evicted", RECLAIMED, "pid 1 start 10",
+                                         journal=True),)),
         rules=Rules(max_runs_per_uid=2)),
     "no room for another rank": Case(
         lambda t: run(t, "a", ranks={0: None, 1: None}), start(), attested(A),

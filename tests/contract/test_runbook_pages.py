@@ -85,3 +85,15 @@ def test_the_wheel_ships_the_runbooks_and_the_markdown_renderer(tmp_path: Path) 
     for runbook in [*RUNBOOK_NAMES, "README"]:
         assert f"deadweight/sidecar/runbooks/{runbook}.md" in names, runbook
     assert re.search(r"^Requires-Dist: markdown-it-py", metadata, re.M), metadata
+
+
+def test_every_detector_runbook_states_its_specs_severity() -> None:
+    """On-call reads the severity in the runbook: it is the spec's, with the lower one and
+    when it applies (a detector whose severity changed cannot keep an old runbook line)."""
+    for detector in ALL:
+        spec = detector.spec
+        line = (ROOT / "alerts" / "runbooks" / spec.runbook).read_text().splitlines()[2]
+        if spec.lower_severity is not None:
+            assert line.startswith(f"Severity: {spec.severity_words}."), (spec.id, line)
+        else:
+            assert re.match(rf"Severity: {spec.severity.value}[ .]", line), (spec.id, line)

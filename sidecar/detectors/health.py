@@ -126,9 +126,10 @@ class Stalled(SpecDetector):
         checked_against=("healthy-matrix", "conformance-twin", "stall-clock-starts-when-heard"),
         false_positives=("none known at critical: the callback's sender thread beats every few "
                          "seconds whatever the loop does, so a run silent for `stalled_seconds` "
-                         "is gone, frozen or suspended; a step longer than "
+                         "is gone or frozen; a process stopped on purpose (SIGSTOP by a "
+                         "scheduler, seen in /proc on an attested run) and a step longer than "
                          "`stalled_step_seconds` with heartbeats still arriving (a huge "
-                         "generation, a checkpoint upload) can be healthy, so it fires as a "
+                         "generation, a checkpoint upload) can be healthy, so they fire as a "
                          "warning; an evaluation that goes on finishing batches is progress, "
                          "not a stall"),
         symptom_of=("rank_stalled",),
@@ -136,7 +137,8 @@ class Stalled(SpecDetector):
         severity=Severity.CRITICAL,
         lower_severity=Severity.WARNING,
         lower_when="heartbeats still arrive (the loop made no step for the window, but its "
-        "process is alive: a very long step can be healthy)",
+        "process is alive: a very long step can be healthy), or the silent process is stopped "
+        "(SIGSTOP: suspended by a scheduler)",
         summary="Run {run_id} stopped making progress",
         meaning="no message at all arrived within the stall window (the process is gone or "
         "frozen), or heartbeats still arrive but no optimizer step did (the training loop is "
@@ -173,6 +175,10 @@ class Stalled(SpecDetector):
         severity: Severity | None = None  # silence: the spec's own, critical
         if silent > settings.stalled_seconds:
             reason = f"no message for {silent:.0f} s (limit {settings.stalled_seconds:g} s)"
+            if run.suspended_ranks:  # stopped on purpose (a scheduler), not gone or hung
+                reason += (f"; the process of rank(s) {_ranks(run.suspended_ranks)} is "
+                           "stopped (SIGSTOP: suspended by a scheduler or a debugger)")
+                severity = Severity.WARNING
         elif since_step > settings.stalled_step_seconds:
             reason = (f"no optimizer step (nor evaluation batch) for {since_step:.0f} s "
                       f"(limit {settings.stalled_step_seconds:g} s) though the process still "
@@ -190,6 +196,10 @@ class Stalled(SpecDetector):
             evidence.update(named)
         return Verdict(True, step=run.step, summary=f"run stalled at step {run.step}: {reason}",
                        evidence=evidence, severity=severity)
+
+
+def _ranks(ranks: frozenset[int]) -> str:
+    return ",".join(str(r) for r in sorted(ranks))
 
 
 def _who_stopped(heard: list[RankState], world_size: int, now: float, limit: float

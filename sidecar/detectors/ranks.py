@@ -44,7 +44,8 @@ class RankStalled(SpecDetector):
         severity=Severity.CRITICAL,
         lower_severity=Severity.WARNING,
         lower_when="the stuck rank still sends heartbeats (alive, in its own code or behind: "
-        "rank-only work such as a long save can look the same)",
+        "rank-only work such as a long save can look the same), or its process is stopped "
+        "(SIGSTOP)",
         summary="Run {run_id} has a rank that stopped while the others wait for it",
         meaning="one rank stopped making progress (it never began the step the other ranks "
         "are inside, sits in its own code while they wait in a collective, or went silent) "
@@ -82,7 +83,7 @@ class RankStalled(SpecDetector):
         at = "" if mark.phase == "optimizer_step" else f", at {mark.words()}"
         # Silent while the others report: gone or frozen. Still beating: it may be busy with
         # work only it does (a long save on rank 0), which a healthy job can do too.
-        alive = now - first.last_seen <= limit
+        alive = now - first.last_seen <= limit or first.rank in run.suspended_ranks
         return Verdict(
             True,
             step=first.step,

@@ -66,6 +66,15 @@ def is_alive(identity: ProcessIdentity) -> bool:
     return found is not None and found[1] == identity.start_time and found[0] not in ("Z", "X")
 
 
+def is_suspended(identity: ProcessIdentity) -> bool:
+    """True while identity's process runs but is stopped (SIGSTOP: a scheduler suspended
+    it, or a debugger holds it): silent, yet nothing is wrong with its training."""
+    if identity.boot_id and identity.boot_id != boot_id():
+        return False
+    found = _stat(identity.pid)
+    return found is not None and found[1] == identity.start_time and found[0] in ("T", "t")
+
+
 def reused(identity: ProcessIdentity) -> bool:
     """True when identity's pid now belongs to another process (never signal it)."""
     current = start_time(identity.pid)

@@ -228,6 +228,9 @@ class RunState:
     #: while it was someone else's: how many RunStarts, and who the latest was.
     collisions: int = 0
     collision: str = ""
+    #: Ranks whose registered process is stopped (SIGSTOP), as of the last exit check: a
+    #: suspended job is silent without being gone or hung.
+    suspended_ranks: frozenset[int] = frozenset()
     ended: bool = False
     end_reason: str = ""
     ended_at: float = 0.0

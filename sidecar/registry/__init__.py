@@ -46,7 +46,7 @@ from ..detectors.base import Detector, Policy
 from ..detectors.frozen import FrozenWeights
 from ..model.finding import ActionSink, Finding, LogOnlyActions, RunSnapshot
 from ..model.nonces import Attestor
-from ..model.process import ProcessIdentity
+from ..model.process import ProcessIdentity, is_suspended
 from ..model.run_state import RunState
 from ..model.settings import DetectorSettings
 from ..store.journal import Store
@@ -455,6 +455,9 @@ class Registry:
         entry.exit_checked_at = now
         if IdentityGate.all_gone(entry):
             end_run(entry, self.store, "process_exited", now)
+            return
+        entry.state.suspended_ranks = frozenset(
+            rank for rank, identity in entry.identities.items() if is_suspended(identity))
 
     def mark_ended(self, run_id: str, reason: str, incarnation: int | None = None) -> None:
         """End a run from outside the stream (its processes were killed or are gone); with

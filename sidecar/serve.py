@@ -92,6 +92,24 @@ class SidecarConfig:
     trainer_uids: tuple[int, ...] = ()
 
 
+def key_within_trainers_reach(trainer_uids: frozenset[int]) -> bool:
+    """True when training jobs of the sidecar's own uid may report (no trainer uid named,
+    which admits any, or the sidecar's uid among them): such a job can read the signing key
+    (the state dir's file, or this process's memory) and sign a passing summary itself."""
+    return not trainer_uids or os.geteuid() in trainer_uids
+
+
+def signing_key_warning(signer: SummarySigner, trainer_uids: frozenset[int]) -> str:
+    """The sentence the start log and ``deadweight status`` carry for that set-up."""
+    uid = os.geteuid()
+    named = ", ".join(str(u) for u in sorted(trainer_uids)) or "any"
+    return (f"trainers of this uid can read the signing key: training jobs of uid {uid} "
+            f"(the sidecar's own; trainer uids: {named}) may report here, and any of them can "
+            f"read the key (key id {signer.key_id}) and sign a passing summary for a broken "
+            "run. Run the sidecar as its own user, with --trainer-uid for the trainers' uid and "
+            "--socket-group for a group both share (README: the quick start)")
+
+
 def _host_port(address: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
     return host or "127.0.0.1", int(port)
@@ -253,6 +271,13 @@ class Sidecar:
             raise StartupError(f"cannot load the summary signing key in {folder}: {err}"
                                ) from err
         self.server.signer = self.signer
+        if self.config.socket_path and key_within_trainers_reach(self.registry.trainer_uids):
+            warning = signing_key_warning(self.signer, self.registry.trainer_uids)
+            log.warning("signing_key_readable_by_trainers", uid=os.geteuid(),
+                        trainer_uids=sorted(self.registry.trainer_uids) or "any",
+                        key=str(folder / "summary-signing.key") if persistent
+                        else "this process's memory", note=warning)
+            self.server.warnings.append(warning)
 
     def stop(self) -> None:
         """Stop serving, newest part first (the process state is closed by ``close``)."""

@@ -77,10 +77,13 @@ def evidence_lines(finding: pb.Finding) -> list[str]:
 
 
 def render(status: pb.StatusResponse) -> str:
-    """One block per run: a header line, then one line per detector that has fired."""
+    """What the sidecar warns about its set-up, then one block per run: a header line, then
+    one line per detector that has fired."""
+    warnings = [f"WARNING: {text}" for text in status.warnings]
     if not status.runs:
-        return "no runs"
-    lines = [f"{'RUN':<32} {'TRAINER':<14} {'RANKS':<6} {'STEP':>6} {'SEEN':>7}  STATE"]
+        return "\n".join([*warnings, "no runs"])
+    lines = [*warnings,
+             f"{'RUN':<32} {'TRAINER':<14} {'RANKS':<6} {'STEP':>6} {'SEEN':>7}  STATE"]
     for run in sorted(status.runs, key=lambda r: r.run_id):
         by_id = {f.detector: f for f in run.findings}
         findings = [by_id[d] for d in root_causes_first(list(by_id))]  # causes lead

@@ -4,7 +4,8 @@ For scripts and on-call tooling. The keys below are a contract (the README lists
 key may be added, none is renamed or removed without a new ``schema`` value.
 
 Top level: ``schema`` ("deadweight.status/v1"), ``runs`` (list), ``omitted_runs`` (runs left
-out of a bounded answer, 0 normally). Each run: ``run_id``, ``trainer``, ``ranks``, ``step``,
+out of a bounded answer, 0 normally), ``warnings`` (what the sidecar warns about its own
+set-up, one sentence each; empty normally). Each run: ``run_id``, ``trainer``, ``ranks``, ``step``,
 ``last_seen_seconds``, ``ended``, ``end_reason``, ``started_at`` and ``ended_at`` (unix
 seconds, null while unknown or live), ``state`` (the sentence ``deadweight status``
 prints), ``wrapper``, ``sharded``, ``findings``, ``actions``. Each finding (root causes
@@ -70,7 +71,8 @@ def document(status: pb.StatusResponse) -> dict[str, Any]:
             omitted += _omitted(run)
         else:
             runs.append(_run(run))
-    return {"schema": SCHEMA, "runs": runs, "omitted_runs": omitted}
+    return {"schema": SCHEMA, "runs": runs, "omitted_runs": omitted,
+            "warnings": list(status.warnings)}
 
 
 def dumps(status: pb.StatusResponse) -> str:

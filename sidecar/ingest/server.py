@@ -87,9 +87,12 @@ class MonitorServicer(pb_grpc.MonitorServiceServicer):  # type: ignore[misc]
     def __init__(self, registry: Registry, token: str | None = None,
                  signer: SummarySigner | None = None, oncall: Oncall | None = None,
                  watch_roots: tuple[str, ...] = (),
-                 auth_failures: AuthFailures | None = None) -> None:
+                 auth_failures: AuthFailures | None = None,
+                 warnings: list[str] | None = None) -> None:
         self.registry = registry
         self.token = token
+        #: What the sidecar warns about its own set-up, repeated in every Status answer.
+        self.warnings = warnings if warnings is not None else []
         #: Failed tokens per peer host: throttled, logged, counted.
         self.auth_failures = auth_failures or AuthFailures()
         self.signer = signer
@@ -168,7 +171,9 @@ class MonitorServicer(pb_grpc.MonitorServiceServicer):  # type: ignore[misc]
                 run.silences.extend(pb.SilenceStatus(detector=s.detector, until=s.until,
                                                      reason=s.reason)
                                     for s in self.oncall.silences.of_run(run.run_id))
-        return bounded(response)
+        answer = bounded(response)
+        answer.warnings.extend(self.warnings)
+        return answer
 
     async def Stop(self, request: pb.StopRequest, context: grpc.aio.ServicerContext
                    ) -> pb.StopResponse:
@@ -307,6 +312,8 @@ class SidecarServer:
                                           1.0 / config.auth_failure_refill_seconds)
         self.signer = signer
         self.oncall = oncall
+        #: What the sidecar warns about its own set-up (``deadweight status`` shows it).
+        self.warnings: list[str] = []
         self.grpc_port: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -341,7 +348,7 @@ class SidecarServer:
         server = grpc.aio.server(options=self.config.grpc_options)
         add_monitor_servicer(MonitorServicer(self.registry, self.config.token, self.signer,
                                              self.oncall, self.config.watch_roots,
-                                             self.auth_failures),
+                                             self.auth_failures, self.warnings),
                              server)
         return server
 

@@ -418,9 +418,23 @@ def test_compose_spec_validator_rejects_a_misspelt_key() -> None:
         compose_validator().validate(broken)
 
 
-def interpolate(value: str) -> str:
-    """Compose's ${VAR:-default} with the defaults (no variable is set in tests)."""
-    return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", value)
+#: What a user sets before ``docker compose up`` (the stack's header): the trainer's ids.
+COMPOSE_ENV = {"DEADWEIGHT_TRAINER_UID": "1000", "DEADWEIGHT_TRAINER_GID": "1000"}
+
+
+def interpolate(value: str, env: dict[str, str] | None = None) -> str:
+    """Compose's ${VAR:-default} and ${VAR:?error} with env (COMPOSE_ENV by default): a
+    variable set there wins, else its default; a required one that is not set fails."""
+    given = COMPOSE_ENV if env is None else env
+
+    def one(match: re.Match[str]) -> str:
+        name, kind, rest = match.group(1), match.group(2), match.group(3)
+        if name in given:
+            return given[name]
+        assert kind == ":-", f"${{{name}}} is required ({rest}) and not set"
+        return rest
+
+    return re.sub(r"\$\{([A-Z_]+)(?:(:-|:\?)([^}]*))?\}", one, value)
 
 
 def bind_mounts(service: str) -> dict[str, Path]:
@@ -460,15 +474,42 @@ def test_compose_sidecar_uses_the_image_and_reaches_alertmanager() -> None:
     assert "alertmanager" in services
     targets = bind_mounts("deadweight")
     assert str(Path(image_flag("--socket")).parent) in targets
-    assert image_state_dir() in targets
+    # The state (journal, signing key) is in a named volume at the image's state dir, inside
+    # which the sidecar makes its own folder: no host folder a trainer could read.
+    state = compose_volumes("deadweight")[image_state_dir()]
+    assert state in compose()["volumes"] and image_state_dir() not in targets
+    args = serve_args([interpolate(a) for a in command])
+    assert Path(args.state_dir).parent == Path(image_state_dir())
     port = dockerfile_instruction("EXPOSE")
     assert any(str(p).endswith(f":{port}") for p in sidecar["ports"])
 
 
+def compose_volumes(service: str) -> dict[str, str]:
+    """Container path -> named volume of a service's volume mounts (bind mounts left out)."""
+    found: dict[str, str] = {}
+    for entry in compose()["services"][service].get("volumes", []):
+        source, target = interpolate(entry).split(":")[:2]
+        if not source.startswith((".", "/")):
+            found[target] = source
+    return found
+
+
 def test_compose_sidecar_command_is_accepted_by_the_cli() -> None:
-    args = serve_args(compose()["services"]["deadweight"]["command"])
+    command = compose()["services"]["deadweight"]["command"]
+    args = serve_args([interpolate(a) for a in command])
     assert args.alertmanager_url == "http://alertmanager:9093"
-    assert args.watch_root == ["${DEADWEIGHT_OUTPUT_DIR:-/tmp/deadweight-output}"]
+    assert args.watch_root == ["/tmp/deadweight-output"]
+    # Only the trainer's uid reports; the sockets go to the trainer's group.
+    assert args.trainer_uid == [int(COMPOSE_ENV["DEADWEIGHT_TRAINER_UID"])]
+    assert args.socket_group == int(COMPOSE_ENV["DEADWEIGHT_TRAINER_GID"])
+
+
+def test_compose_needs_the_trainers_ids() -> None:
+    """Without the trainer's ids the stack does not start (no default that would make the
+    trainer's uid the sidecar's)."""
+    command = compose()["services"]["deadweight"]["command"]
+    with pytest.raises(AssertionError, match=r"DEADWEIGHT_TRAINER_UID.*required"):
+        [interpolate(a, {"DEADWEIGHT_TRAINER_GID": "1000"}) for a in command]
 
 
 def test_compose_prometheus_config_loads_the_alert_rules(tmp_path: Path) -> None:

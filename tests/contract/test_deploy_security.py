@@ -1,6 +1,7 @@
-"""The Kubernetes manifests under attack: the security properties the design (the security
-model: a unix socket by default, TCP only with TLS and a token, the peer's uid from the kernel)
-and issue 28 require of ``deploy/kubernetes``, read from the YAML.
+"""The Kubernetes manifests and the compose stack under attack: the security properties the
+design (the security model: a unix socket by default, TCP only with TLS and a token, the peer's
+uid from the kernel) and issues 28 and 36 require of ``deploy/kubernetes`` and
+``deploy/compose``, read from the YAML.
 
 Each property is a function that lists what breaks it in a Job document. The shipped manifest
 (and its kustomize render with the state dir on a claim) must list nothing, and each property is
@@ -24,9 +25,12 @@ import pytest
 
 from deadweight.demo.sidecar_process import SidecarProcess
 from tests.contract.test_deploy_manifests import (
+    COMPOSE_ENV,
+    compose,
     container,
     effective_ids,
     image_flag,
+    interpolate,
     job,
     kustomized,
     mounts,
@@ -350,3 +354,159 @@ def test_a_kept_state_dir_recursively_regrouped_stops_the_sidecar(tmp_path: Path
     refused = SidecarProcess(tmp_path / "three", extra_args=args)
     with pytest.raises(RuntimeError, match="group or others may read the signing key"):
         refused.start()
+
+
+# -- the compose stack: the sidecar is not the trainer -------------------------------------
+#
+# On one machine the trainer runs on the host as the user who started the stack
+# (DEADWEIGHT_TRAINER_UID / _GID, see the stack's header). The sidecar must run as another
+# uid, keep its state (the journal and the summary signing key) where that uid cannot read it,
+# admit only the trainer's uid as a reporter over sockets it hands to the trainer's group, and
+# hold KILL alone, to signal the trainer's uid under a kill policy.
+
+
+def _compose_sidecar(doc: Doc) -> Doc:
+    found: Doc = doc["services"][SIDECAR]
+    return found
+
+
+def _compose_args(doc: Doc) -> Any:
+    return serve_args([interpolate(a) for a in _compose_sidecar(doc)["command"]])
+
+
+def _trainer_ids() -> tuple[int, int]:
+    return (int(COMPOSE_ENV["DEADWEIGHT_TRAINER_UID"]),
+            int(COMPOSE_ENV["DEADWEIGHT_TRAINER_GID"]))
+
+
+def compose_own_uid(doc: Doc) -> list[str]:
+    """The sidecar's user is a fixed, non-root uid that is not the trainer's (whatever the
+    trainer's ids are set to): a job cannot read its key, signal it, or claim its on-call
+    powers."""
+    user = str(_compose_sidecar(doc).get("user", ""))
+    found = []
+    if "$" in user:
+        found.append(f"the sidecar's user {user!r} follows a variable, as the trainer's would")
+    uid = interpolate(user).split(":")[0]
+    if not uid.isdigit() or int(uid) == 0:
+        found.append(f"the sidecar may run as root (user {user!r})")
+    elif int(uid) == _trainer_ids()[0]:
+        found.append("the sidecar runs as the trainer's uid")
+    return found
+
+
+def compose_private_state(doc: Doc) -> list[str]:
+    """--state-dir is a folder inside a named volume: no host folder the trainer could read
+    the journal or the signing key from (a bind mount keeps the host folder's owner and
+    mode, and a later chmod on the host opens it)."""
+    args = _compose_args(doc)
+    for entry in _compose_sidecar(doc).get("volumes", []):
+        source, target = interpolate(entry).split(":")[:2]
+        if Path(args.state_dir).is_relative_to(target):
+            if source.startswith((".", "/", "~")):
+                return [f"the state dir {args.state_dir} is on a bind mount of the host's "
+                        f"{source}"]
+            if source not in doc.get("volumes", {}):
+                return [f"the state volume {source} is not declared"]
+            if Path(args.state_dir) == Path(target):
+                return ["the state dir is the volume's root, not a folder the sidecar makes"]
+            return []
+    return [f"the state dir {args.state_dir} is not on a volume: it goes with the container"]
+
+
+def compose_reporters(doc: Doc) -> list[str]:
+    """Only the trainer's uid reports; the 0660 sockets go to the trainer's group, which the
+    sidecar is a member of (a process may hand a file only to a group it is in); no stream is
+    accepted unattested."""
+    args, sidecar = _compose_args(doc), _compose_sidecar(doc)
+    uid, gid = _trainer_ids()
+    found = []
+    if args.trainer_uid != [uid]:
+        found.append(f"--trainer-uid is {args.trainer_uid}, not the trainer's uid")
+    if args.socket_group != gid:
+        found.append(f"--socket-group is {args.socket_group}, not the trainer's group")
+    if str(gid) not in [interpolate(str(g)) for g in sidecar.get("group_add", [])]:
+        found.append("the sidecar is not in the trainer's group (group_add)")
+    if args.allow_unattested:
+        found.append("--allow-unattested: any process that reaches the socket may report")
+    return found
+
+
+def compose_signals(doc: Doc) -> list[str]:
+    """KILL is the one capability kept (every other dropped), with the host's PIDs, so a
+    stop or kill policy can signal the trainer of another uid and nothing more."""
+    sidecar = _compose_sidecar(doc)
+    found = []
+    if sidecar.get("cap_drop") != ["ALL"] or sidecar.get("cap_add") != ["KILL"]:
+        found.append(f"the sidecar's capabilities are drop {sidecar.get('cap_drop')}, add "
+                     f"{sidecar.get('cap_add')}, not ALL dropped and KILL added")
+    if sidecar.get("privileged"):
+        found.append("the sidecar is privileged")
+    if sidecar.get("pid") != "host":
+        found.append("the sidecar does not see the host's PIDs: no trainer can be signalled")
+    return found
+
+
+COMPOSE_PROPERTIES: dict[str, Callable[[Doc], list[str]]] = {
+    "compose_own_uid": compose_own_uid,
+    "compose_private_state": compose_private_state,
+    "compose_reporters": compose_reporters,
+    "compose_signals": compose_signals,
+}
+
+
+@pytest.mark.parametrize("name", COMPOSE_PROPERTIES)
+def test_the_shipped_compose_stack_holds(name: str) -> None:
+    assert COMPOSE_PROPERTIES[name](compose()) == []
+
+
+def _command(doc: Doc) -> list[str]:
+    found: list[str] = _compose_sidecar(doc)["command"]
+    return found
+
+
+def _drop_compose_flag(doc: Doc, flag: str) -> None:
+    command = _command(doc)
+    at = command.index(flag)
+    del command[at:at + 2]
+
+
+def _state_on(doc: Doc, source: str) -> None:
+    volumes = _compose_sidecar(doc)["volumes"]
+    [at] = [i for i, v in enumerate(volumes) if v.endswith(":/var/lib/deadweight")]
+    volumes[at] = f"{source}:/var/lib/deadweight"
+
+
+COMPOSE_BREAKS: list[tuple[str, str, Callable[[Doc], object]]] = [
+    # The stack as it was: the sidecar as the trainer's uid, its state in a host folder.
+    ("compose_own_uid", "follows a variable",
+     lambda d: _compose_sidecar(d).update(
+         user="${DEADWEIGHT_TRAINER_UID:-10001}:${DEADWEIGHT_TRAINER_GID:-10001}")),
+    ("compose_own_uid", "the trainer's uid",
+     lambda d: _compose_sidecar(d).update(user="1000:1000")),
+    ("compose_own_uid", "as root", lambda d: _compose_sidecar(d).update(user="0:0")),
+    ("compose_private_state", "bind mount", lambda d: _state_on(d, "./state")),
+    ("compose_private_state", "not declared", lambda d: _state_on(d, "elsewhere")),
+    ("compose_private_state", "volume's root",
+     lambda d: _command(d).extend(["--state-dir", "/var/lib/deadweight"])),
+    ("compose_reporters", "--trainer-uid", lambda d: _drop_compose_flag(d, "--trainer-uid")),
+    ("compose_reporters", "--socket-group", lambda d: _drop_compose_flag(d, "--socket-group")),
+    ("compose_reporters", "group_add", lambda d: _compose_sidecar(d).pop("group_add")),
+    ("compose_reporters", "--allow-unattested",
+     lambda d: _command(d).append("--allow-unattested")),
+    ("compose_signals", "KILL added", lambda d: _compose_sidecar(d).pop("cap_add")),
+    ("compose_signals", "KILL added",
+     lambda d: _compose_sidecar(d)["cap_add"].append("SYS_PTRACE")),
+    ("compose_signals", "ALL dropped", lambda d: _compose_sidecar(d).pop("cap_drop")),
+    ("compose_signals", "host's PIDs", lambda d: _compose_sidecar(d).pop("pid")),
+]
+
+
+@pytest.mark.parametrize(("name", "said", "breaking"), COMPOSE_BREAKS,
+                         ids=[f"{n}-{s}" for n, s, _ in COMPOSE_BREAKS])
+def test_each_compose_property_catches_its_break(name: str, said: str,
+                                                 breaking: Callable[[Doc], object]) -> None:
+    broken = copy.deepcopy(compose())
+    breaking(broken)
+    found = COMPOSE_PROPERTIES[name](broken)
+    assert any(said in line for line in found), found

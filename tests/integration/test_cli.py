@@ -34,8 +34,10 @@ def test_status_shows_runs_and_verdicts(sidecar: SidecarProcess) -> None:
     finally:
         pipe.close()
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines()[0].split() == ["RUN", "TRAINER", "RANKS", "STEP", "SEEN",
-                                                     "STATE"]
+    # The session's sidecar runs as this uid, whose jobs may report: it says so first.
+    warning, header = result.stdout.splitlines()[:2]
+    assert warning.startswith("WARNING: trainers of this uid can read the signing key"), warning
+    assert header.split() == ["RUN", "TRAINER", "RANKS", "STEP", "SEEN", "STATE"]
     # A start without optimizer membership reads as an empty optimizer: a live verdict.
     assert re.search(r"^cli-status +SFTTrainer +1 +3 +\d+s  running; FIRING empty_optimizer$",
                      result.stdout, re.MULTILINE), result.stdout

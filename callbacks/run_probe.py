@@ -37,6 +37,7 @@ from .facts.preflight import PreflightFacts
 from .facts.preflight import versions as preflight_versions
 from .facts.resume import ResumeFacts
 from .facts.stop_token import StopTokenFacts
+from .file_access import share_with_group
 from .progress import StepProgress
 from .stream_client import ClientSettings, StreamClient
 from .update.probe import UpdateProbe
@@ -375,6 +376,7 @@ class RunProbe:
 
     def checkpoint(self, step: int, path: str | os.PathLike[str], model: Any) -> None:
         if self.client is not None:
+            share_with_group(path)  # a sidecar of its own uid reads it through the group
             self.client.submit_now(EventKind.CHECKPOINT, CheckpointRecord(
                 step, str(Path(path).resolve()), digest.digest_adapter(model)))
 

@@ -39,6 +39,7 @@ from ..proto.transport import (
     unix_socket_path,
 )
 from .digest import AdapterDigest, EmbeddingLayers
+from .file_access import share_with_group
 from .stream_client import fetch_attestation
 
 log = logging.getLogger("deadweight")
@@ -141,6 +142,7 @@ def write_beside(folder: Path, adapter: AdapterDigest, run_id: str, step: int, a
         return None  # not an adapter run, or the folder is gone
     holds_adapter = any((folder / name).is_file() for name in ADAPTER_FILES)
     if holds_adapter:
+        share_with_group(folder)  # the sidecar reads what it signs, through the group
         body, signature, why = fetch_signed(address, run_id, token, tls_root, adapter, step,
                                             timeout, folder)
     else:  # the run's record in its output folder: the sidecar signs only adapter files

@@ -87,10 +87,15 @@ class SidecarAs(SidecarProcess):
 
 
 def _jobs(shared: Path, name: str, uid: int) -> Path:
-    """The trainer's output folder, its own (the sidecar reads it through others' bits)."""
+    """The trainer's output folder, laid out as a pod's volume under ``fsGroup`` (or a
+    folder of the group the compose sidecar joins): the trainer's, in SHARED_GID, setgid so
+    what it writes stays in that group, closed to others. The sidecar reads it through the
+    group alone, so a weight file the save left 0600 is out of its reach until the
+    callback grants the group read."""
     jobs = shared / name
-    jobs.mkdir(mode=0o755)
-    os.chown(jobs, uid, uid)
+    jobs.mkdir()
+    os.chown(jobs, uid, SHARED_GID)
+    os.chmod(jobs, 0o2750)
     return jobs
 
 

@@ -7,13 +7,13 @@ sidecar for the run's signed summary over it, which it writes there: the sidecar
 Then it forges: a copy of the adapter in FOLDER/forged with that summary's verdicts and
 actions taken out, signed with the sidecar's key at KEY when this process can read it, else
 with a key of its own. It prints one JSON line: what opening KEY gave, whether the sidecar
-signed, and which key signed the forgery. No torch: the job is the wire, as any client's.
+signed, and which key signed the forgery. The job is the wire, as any client's, and the
+callback's own summary writer (which makes the adapter's files group-readable first).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -24,9 +24,9 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from safetensors.numpy import save_file
 
-from deadweight.callbacks.stream_client import fetch_attestation
-from deadweight.proto import monitor_stub, pb, run_summary
-from deadweight.proto.transport import open_channel
+from deadweight.callbacks.digest import AdapterDigest
+from deadweight.callbacks.summary_writer import write_beside
+from deadweight.proto import pb, run_summary
 from deadweight.sidecar.checkpoints.inspector import inspect_path
 from deadweight.sidecar.store.signing_key import key_id
 from tests.support.faults import Pipe
@@ -80,27 +80,23 @@ def save_adapter(folder: Path) -> Path:
               str(folder / "adapter_model.safetensors"))
     (folder / "adapter_config.json").write_text(json.dumps(
         {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}))
-    # safetensors (0.8) creates its file 0600 whatever the umask: a sidecar of another uid
-    # reads (and signs) only what the job leaves readable to the group or others.
-    os.chmod(folder / "adapter_model.safetensors", 0o644)
+    # safetensors (0.8) creates its file 0600 whatever the umask: the callback's summary
+    # writer grants the group read (the sidecar's way in) before it asks for a signature.
     return folder
 
 
 def ask_for_the_signed_summary(socket: str, run_id: str, folder: Path) -> dict[str, Any]:
-    """The sidecar's summary of the run over the adapter in folder, as the callback asks for
-    it after the run's end (this process is the run's, bound by its attestation)."""
+    """The sidecar's summary of the run over the adapter in folder, written there by the
+    callback's own summary writer, as after the run's end (this process is the run's, bound
+    by its attestation)."""
     files = inspect_path(folder)
-    nonce = fetch_attestation(socket)
-    assert nonce, "no attestation"
-    with open_channel(f"unix://{socket}") as channel:
-        signed = monitor_stub(channel).SignSummary(pb.SignSummaryRequest(
-            run_id=run_id, attestation=nonce, step=STEPS, path=str(folder),
-            adapter=pb.AdapterDigest(combined=files.adapter_digest,
-                                     tensors=dict(files.tensor_digests),
-                                     bytes=files.tensor_bytes)), timeout=10)
-    body: dict[str, Any] = json.loads(signed.body)
-    run_summary.write(folder, body, run_summary.Signature(signed.key_id,
-                                                          bytes(signed.signature)))
+    adapter = AdapterDigest(files.adapter_digest, dict(files.tensor_digests), files.tensor_bytes)
+    written = write_beside(folder, adapter, run_id, STEPS, f"unix://{socket}", None, None,
+                           timeout=10)
+    assert written is not None, "no summary written"
+    summary = json.loads(written.read_text())
+    assert summary.get("signature"), summary.get("unsigned_because")
+    body: dict[str, Any] = summary["summary"]
     return body
 
 

@@ -8,7 +8,9 @@ out of a bounded answer, 0 normally), ``warnings`` (what the sidecar warns about
 set-up, one sentence each; empty normally). Each run: ``run_id``, ``trainer``, ``ranks``, ``step``,
 ``last_seen_seconds``, ``ended``, ``end_reason``, ``started_at`` and ``ended_at`` (unix
 seconds, null while unknown or live), ``state`` (the sentence ``deadweight status``
-prints), ``wrapper``, ``sharded``, ``findings``, ``actions``. Each finding (root causes
+prints), ``wrapper``, ``sharded``, ``baseline`` (the baseline the run is judged against, its
+file name and runs as ``deadweight status`` prints them; null when it names none),
+``findings``, ``actions``. Each finding (root causes
 first): ``detector``, ``severity``, ``policy``, ``state`` ("firing", "firing at end" or
 "resolved"), ``firing``, ``step``, ``summary``, ``evidence`` (object of strings). Each action
 (oldest first): ``detector``, ``action``, ``result``, ``time`` (unix seconds), ``step``.
@@ -27,7 +29,8 @@ from .status import run_state
 
 SCHEMA = "deadweight.status/v1"
 RUN_KEYS = ("run_id", "trainer", "ranks", "step", "last_seen_seconds", "ended", "end_reason",
-            "started_at", "ended_at", "state", "wrapper", "sharded", "findings", "actions")
+            "started_at", "ended_at", "state", "wrapper", "sharded", "baseline", "findings",
+            "actions")
 FINDING_KEYS = ("detector", "severity", "policy", "state", "firing", "step", "summary",
                 "evidence")
 ACTION_KEYS = ("detector", "action", "result", "time", "step")
@@ -52,7 +55,7 @@ def _run(run: pb.RunStatus) -> dict[str, Any]:
         "step": run.step, "last_seen_seconds": run.last_seen_seconds, "ended": run.ended,
         "end_reason": run.end_reason, "started_at": run.started_at or None,
         "ended_at": run.ended_at or None, "state": run_state(run), "wrapper": run.wrapper,
-        "sharded": run.sharded,
+        "sharded": run.sharded, "baseline": run.baseline or None,
         "findings": [{
             "detector": f.detector, "severity": f.severity, "policy": f.policy,
             "state": finding_state(f, run), "firing": f.firing, "step": f.step,

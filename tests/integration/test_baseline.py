@@ -169,6 +169,21 @@ def test_status_names_the_baseline(results: Results) -> None:
     assert "judged against" not in status.render(results.sidecar.registry.status("healthy-0"))
 
 
+def test_status_json_names_the_baseline(results: Results) -> None:
+    """``deadweight status --json`` over the sidecar's socket: each run's ``baseline`` key
+    names the file and its runs as the text does, null for a run that names none."""
+    from deadweight.sidecar.commands import status_json
+
+    code, out = _cli("status", "--address", results.sidecar.address, "--json")
+    assert code == 0
+    runs = {r["run_id"]: r for r in json.loads(out)["runs"]}
+    for run_id in ("seed-1", "seeds-2-3", "no_zero_grad"):
+        assert tuple(runs[run_id]) == status_json.RUN_KEYS
+        assert runs[run_id]["baseline"].startswith(
+            f"{results.baseline.name} (runs healthy-0;"), runs[run_id]["baseline"]
+    assert runs["healthy-0"]["baseline"] is None
+
+
 def test_a_baseline_calibrates_negligible_updates(results: Results, tmp_path: Path) -> None:
     """A recipe whose healthy steps move its large weights by ~1e-7 of their norm: without a
     baseline negligible_updates fires on it; with one it stays silent (and so do the

@@ -65,6 +65,7 @@ def test_runs_and_status_json_live_and_from_a_copied_state_db(tiny: tuple[Path, 
             assert tuple(run) == status_json.RUN_KEYS
             assert run["trainer"] == "SFTTrainer" and run["ended"] is True
             assert run["end_reason"] == "completed" and run["ranks"] == [0]
+            assert run["baseline"] is None  # neither names one
             for finding in run["findings"]:
                 assert tuple(finding) == status_json.FINDING_KEYS
                 assert finding["state"] in ("firing", "firing at end", "resolved")

@@ -4,7 +4,9 @@ The baseline arrives as text in the run's RunStart; it is parsed once per RunSta
 the message's identity, like ``RunState.config``) and a damaged one is treated as none (the
 ``baseline_recipe_changed`` verdict says so). ``deviation`` is the one rule every
 ``baseline_*`` detector applies: a value outside the band, widened by a margin, for
-``baseline_steps`` consecutive points; a single noisy step is never one.
+``baseline_steps`` consecutive points; a single noisy step is never one. A deviation that
+lasts ``baseline_escalate_steps`` points is persistent (``Deviation.escalated_step``): a
+healthy run on other data can leave a band for a while, a broken recipe stays out.
 """
 
 from __future__ import annotations
@@ -92,6 +94,8 @@ class Deviation:
     value: float
     band: Band
     points: int
+    #: The step at which the streak reached the escalation length (None while shorter).
+    escalated_step: int | None = None
 
     def factor(self) -> float:
         """How many times above the band's top (or below its bottom) the newest value is."""
@@ -123,11 +127,13 @@ MAX_WALK = 64
 
 
 def deviation(baseline: Baseline, quantity: str, newest_first: Iterable[tuple[int, float]],
-              total: int, needed: int, relative: float) -> Deviation | None:
+              total: int, needed: int, relative: float, escalate: int = 0
+              ) -> Deviation | None:
     """The trailing run of points (step, value), given newest first, outside the band on one
     side, when it is at least ``needed`` long; None otherwise (or when the baseline lacks the
     quantity). The walk stops at the first point inside the band (a healthy run costs one
-    point per evaluation) and after MAX_WALK points."""
+    point per evaluation) and after MAX_WALK points. ``escalate``: the streak length that
+    makes it persistent (0: never; at most MAX_WALK, the longest streak a walk sees)."""
     limits = baseline.limits(quantity, relative)
     if not limits:
         return None
@@ -153,5 +159,7 @@ def deviation(baseline: Baseline, quantity: str, newest_first: Iterable[tuple[in
     step, value = streak[-1]
     band = baseline.band(quantity, step, total)
     assert band is not None  # its limits were there
+    escalate = min(escalate, MAX_WALK)
+    escalated = streak[escalate - 1][0] if 0 < escalate <= len(streak) else None
     return Deviation(quantity, direction, streak[0][0], streak[needed - 1][0], step, value,
-                     band, len(streak))
+                     band, len(streak), escalated)

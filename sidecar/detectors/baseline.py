@@ -3,9 +3,12 @@
 Silent unless the run named a baseline (``baseline=``, ``DEADWEIGHT_BASELINE``). Each detector
 names the quantity, the module kind where there is one, the step, the run's value and the
 baseline's band. A trajectory fires only after ``baseline_steps`` consecutive points outside
-the band widened by ``baseline_margin`` (a single noisy step never does); its evidence keeps
-growing while the deviation lasts. A recipe whose fingerprint differs is still compared on
-what is comparable; one info verdict says what differs.
+the band widened by ``baseline_margin`` (a single noisy step never does), first as info, and
+steps up to warning once the deviation has lasted ``baseline_escalate_steps`` points: a
+healthy run on other data can leave a band for a while, a broken recipe stays out. Never
+critical, for the same reason. Its evidence keeps growing while the deviation lasts. A recipe
+whose fingerprint differs is still compared on what is comparable; one info verdict says
+what differs.
 """
 
 from __future__ import annotations
@@ -26,8 +29,15 @@ STEPS = Threshold("baseline_steps", "points", "consecutive steps (or log reports
                   "baseline's band before a trajectory verdict fires")
 MARGIN = Threshold("baseline_margin", "fraction", "how far outside its band a value may lie: "
                    "the band's width or this fraction of its size, whichever is larger")
-CHECKED = ("checked on plain PyTorch loops (another seed, another data order, a CPU hog "
-           "beside the job) and GRPO runs against baselines of the same recipe")
+ESCALATE = Threshold("baseline_escalate_steps", "points", "consecutive points outside the "
+                     "band (counted as for `baseline_steps`) before an info verdict steps up "
+                     "to warning")
+#: The lower severity of a trajectory verdict, and when (the specs' ``lower_when``).
+LOWER_WHEN = ("the deviation has lasted fewer than `baseline_escalate_steps` points: a healthy "
+              "run on other data can leave a band for a while, a broken recipe stays out")
+CHECKED = ("checked on plain PyTorch loops (another seed, another data order, another draw "
+           "of the data, a CPU hog beside the job) and GRPO runs against baselines of the same "
+           "recipe")
 
 
 def _step_points(run: RunState, quantity: str) -> Iterator[tuple[int, float]]:
@@ -55,29 +65,41 @@ def _trajectory(run: RunState, settings: DetectorSettings, quantities: Sequence[
     for quantity in quantities:
         points = _log_points(run, quantity) if from_logs else _step_points(run, quantity)
         found = deviation(baseline, quantity, points, total, settings.baseline_steps,
-                          settings.baseline_margin * MARGIN_SCALE.get(quantity, 1.0))
+                          settings.baseline_margin * MARGIN_SCALE.get(quantity, 1.0),
+                          settings.baseline_escalate_steps)
         if found is not None:
             return baseline, found
     return baseline, None
 
 
-def _verdict(run: RunState, found: tuple[Baseline, Deviation | None] | None, fix: str
-             ) -> Verdict | None:
+def persistence(points: int, settings: DetectorSettings) -> tuple[Severity | None, str]:
+    """A deviation's severity after points consecutive points out (None: the spec's,
+    warning) and the words saying so: info until it lasts ``baseline_escalate_steps``."""
+    if points >= settings.baseline_escalate_steps:
+        return None, f"; persistent ({points} points)"
+    return Severity.INFO, (f"; info until it lasts {settings.baseline_escalate_steps} points "
+                           "(a run on other data can leave a band for a while)")
+
+
+def _verdict(run: RunState, found: tuple[Baseline, Deviation | None] | None, fix: str,
+             settings: DetectorSettings) -> Verdict | None:
     if found is None:
         return None
     baseline, dev = found
     if dev is None:
         return Verdict(False, step=run.step)
-    return Verdict(True, step=dev.reached_step,
-                   summary=f"{dev.words()} (baseline {baseline.name or 'unnamed'}): {fix}",
-                   evidence={**dev.evidence(), "baseline": baseline.name})
+    severity, words = persistence(dev.points, settings)
+    return Verdict(True, step=dev.escalated_step or dev.reached_step, severity=severity,
+                   summary=f"{dev.words()} (baseline {baseline.name or 'unnamed'}): {fix}"
+                   f"{words}", evidence={**dev.evidence(), "baseline": baseline.name})
 
 
-#: The healthy runs every baseline detector stayed silent on: the healthy matrix (no
-#: baseline named), its conformance twin, and test_baseline's other seeds and data orders,
-#: with and without a CPU hog beside them.
+#: The healthy runs every baseline detector stayed silent on (no info, no warning): the
+#: healthy matrix (no baseline named), its conformance twin, and test_baseline's other seeds,
+#: data orders and draws of the data, with and without a CPU hog beside them
+#: (``bench/baseline_escalation.py`` measures more of them).
 CHECKED_ON = ("healthy-matrix", "conformance-twin", "baseline-healthy-seeds",
-              "baseline-busy-machine")
+              "baseline-other-data", "baseline-busy-machine")
 
 
 class BaselineRecipeChanged(SpecDetector):
@@ -217,8 +239,11 @@ class BaselineGradNorm(SpecDetector):
         checked_against=CHECKED_ON,
         false_positives=("a run on other data than the baseline's (the same recipe on "
                          "another dataset) can leave the grad-norm band for the five points "
-                         "in a row it needs"),
+                         "in a row an info needs; a warning needs it out for "
+                         "`baseline_escalate_steps` points"),
         severity=Severity.WARNING,
+        lower_severity=Severity.INFO,
+        lower_when=LOWER_WHEN,
         summary="Run {run_id}'s gradient norm left its baseline's band",
         meaning="the gradient norm stays above or under the band healthy runs of this recipe "
         "showed at the same point of training (gradients never cleared, another loss scale, "
@@ -226,7 +251,7 @@ class BaselineGradNorm(SpecDetector):
         fix="compare the loop with the baseline's: `optimizer.zero_grad()` every step, the "
         "same loss reduction, batch size and accumulation",
         fires_when=f"`baseline_steps` consecutive points outside the band; {CHECKED}",
-        thresholds=(STEPS, MARGIN),
+        thresholds=(STEPS, ESCALATE, MARGIN),
         evidence=(Evidence("grad_norm"), Evidence("step")),
     )
 
@@ -237,7 +262,7 @@ class BaselineGradNorm(SpecDetector):
         logged = "grad_norm" in baseline.series and run.last_logged("grad_norm") is not None
         found = _trajectory(run, settings, ("grad_norm",) if logged else ("grad_l2",), logged)
         return _verdict(run, found, "are gradients cleared every step (`zero_grad`), and is "
-                        "the loss and batch the baseline's?")
+                        "the loss and batch the baseline's?", settings)
 
 
 class BaselineLoss(SpecDetector):
@@ -249,6 +274,8 @@ class BaselineLoss(SpecDetector):
         false_positives=("a run on other data or another tokenizer than the baseline's "
                          "shifts its loss out of the band while it learns"),
         severity=Severity.WARNING,
+        lower_severity=Severity.INFO,
+        lower_when=LOWER_WHEN,
         summary="Run {run_id}'s loss left its baseline's band",
         meaning="the loss stays above or under the band healthy runs of this recipe showed at "
         "the same point (a loss falling far faster: the same batch every step, a leak; a "
@@ -256,13 +283,14 @@ class BaselineLoss(SpecDetector):
         fix="check the data pipeline feeds new batches (shuffling, the iterator advanced each "
         "step) and that the loss type and reduction are the baseline's",
         fires_when=f"`baseline_steps` consecutive logged losses outside the band; {CHECKED}",
-        thresholds=(STEPS, MARGIN),
+        thresholds=(STEPS, ESCALATE, MARGIN),
         evidence=(Evidence("loss"), Evidence("step")),
     )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
         return _verdict(run, _trajectory(run, settings, ("loss",), True),
-                        "does every step get a new batch, and is the loss the baseline's?")
+                        "does every step get a new batch, and is the loss the baseline's?",
+                        settings)
 
 
 class BaselineLearningRate(SpecDetector):
@@ -274,6 +302,8 @@ class BaselineLearningRate(SpecDetector):
         false_positives=("a schedule or learning rate changed on purpose leaves the band; "
                          "the recipe line says what changed"),
         severity=Severity.WARNING,
+        lower_severity=Severity.INFO,
+        lower_when=LOWER_WHEN,
         summary="Run {run_id}'s learning rate left its baseline's band",
         meaning="the learning rate the optimizer really uses differs from the schedule healthy "
         "runs of this recipe followed (a scheduler never stepped stays at its warmup value; "
@@ -281,13 +311,13 @@ class BaselineLearningRate(SpecDetector):
         fix="call `scheduler.step()` after every optimizer step, and check the peak, warmup "
         "and schedule type against the baseline's",
         fires_when=f"`baseline_steps` consecutive optimizer steps outside the band; {CHECKED}",
-        thresholds=(STEPS, MARGIN),
+        thresholds=(STEPS, ESCALATE, MARGIN),
         evidence=(Evidence("learning_rate"), Evidence("step")),
     )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
         return _verdict(run, _trajectory(run, settings, ("learning_rate",), False),
-                        "is the scheduler stepped after every optimizer step?")
+                        "is the scheduler stepped after every optimizer step?", settings)
 
 
 class BaselineUpdateSize(SpecDetector):
@@ -299,6 +329,8 @@ class BaselineUpdateSize(SpecDetector):
         false_positives=("a learning rate or optimizer changed on purpose moves the update "
                          "size out of the band; the recipe line says what changed"),
         severity=Severity.WARNING,
+        lower_severity=Severity.INFO,
+        lower_when=LOWER_WHEN,
         summary="Run {run_id}'s updates are sized unlike its baseline's",
         meaning="each optimizer step moves the weights (or one module kind's) by far more or "
         "far less per element than healthy runs of this recipe did",
@@ -308,7 +340,7 @@ class BaselineUpdateSize(SpecDetector):
         "kind's update ratio (per-element update over lr) beyond the range the baseline's runs "
         "showed, by a factor of 1 + 4 x `baseline_margin`, at each of the newest "
         f"`baseline_steps` steps; {CHECKED}",
-        thresholds=(STEPS, MARGIN),
+        thresholds=(STEPS, ESCALATE, MARGIN),
         evidence=(Evidence("update_norm"), Evidence("learning_rate")),
     )
 
@@ -316,8 +348,9 @@ class BaselineUpdateSize(SpecDetector):
         fix = "compare the optimizer, its settings and what trains with the baseline's"
         found = _trajectory(run, settings, ("update_rms",), False)
         if found is None or found[1] is not None:
-            return _verdict(run, found, fix)
-        return _module_ratio(run, settings, found[0], fix) or _verdict(run, found, fix)
+            return _verdict(run, found, fix, settings)
+        return _module_ratio(run, settings, found[0], fix) or _verdict(run, found, fix,
+                                                                        settings)
 
 
 def _module_ratio(run: RunState, settings: DetectorSettings, baseline: Baseline, fix: str
@@ -325,16 +358,20 @@ def _module_ratio(run: RunState, settings: DetectorSettings, baseline: Baseline,
     """A module kind whose update ratio (per-element update over lr) lay outside the range
     the baseline's runs showed over their whole length, by more than a factor of 1 + 2 x its
     margin, on one side, at each of the newest ``baseline_steps`` steps (a per-group
-    learning rate or clipping that changed)."""
-    newest = [p for p in run.combined_steps()[-settings.baseline_steps:]
-              if not p.skipped and p.learning_rate > 0]
-    if len(newest) < settings.baseline_steps:
-        return None
+    learning rate or clipping that changed); a warning once it has for
+    ``baseline_escalate_steps``."""
     # a ratio is positive and the band spans the whole run (Adam's early steps are larger):
     # out means beyond it by a factor, not by its width (which would reach below zero)
     factor = 1.0 + 2.0 * settings.baseline_margin * MARGIN_SCALE["update_rms"]
-    sides: dict[str, list[tuple[int, float]]] = {}
-    for point in newest:
+    #: "name+1" / "name-1" -> (step, ratio) of the trailing steps it lay out on that side,
+    #: newest first; a key stays only while every step so far had it out.
+    streaks: dict[str, list[tuple[int, float]]] = {}
+    walked = 0
+    for point in reversed(run.combined_steps()[-max(settings.baseline_steps,
+                                                    settings.baseline_escalate_steps):]):
+        if point.skipped or point.learning_rate <= 0:
+            break
+        out: dict[str, tuple[int, float]] = {}
         for kind, square, elements, _, _ in point.groups.updates:
             name = module_label(kind)
             facts = baseline.modules.get(name)
@@ -344,21 +381,29 @@ def _module_ratio(run: RunState, settings: DetectorSettings, baseline: Baseline,
             band = facts.update_over_lr
             where = 1 if ratio > band.high * factor else -1 if ratio < band.low / factor else 0
             if where:
-                sides.setdefault(f"{name}{where:+d}", []).append((point.step, ratio))
-    for key, points in sorted(sides.items()):
-        if len(points) < len(newest):
+                out[f"{name}{where:+d}"] = (point.step, ratio)
+        streaks = {key: [*streaks.get(key, []), found] for key, found in out.items()
+                   if walked == 0 or key in streaks}
+        walked += 1
+        if not streaks:
+            return None
+    for key, newest_first in sorted(streaks.items()):
+        if len(newest_first) < settings.baseline_steps:
             continue
+        points = newest_first[::-1]
         name, above = key[:-2], key.endswith("+1")
         healthy = baseline.modules[name].update_over_lr
         assert healthy is not None
         step, ratio = points[-1]
-        return Verdict(True, step=step, summary=(
+        severity, words = persistence(len(points), settings)
+        return Verdict(True, step=step, severity=severity, summary=(
             f"{name} update ratio {ratio:.3g} {'above' if above else 'under'} the baseline's band "
             f"{healthy.low:.3g}..{healthy.high:.3g} at steps {points[0][0]}-{step} (baseline "
-            f"{baseline.name or 'unnamed'}): {fix}"),
+            f"{baseline.name or 'unnamed'}): {fix}{words}"),
             evidence={"quantity": "update_over_lr", "module": name, "step": str(step),
                       "value": f"{ratio:.6g}", "band_low": f"{healthy.low:.6g}",
-                      "band_high": f"{healthy.high:.6g}", "baseline": baseline.name})
+                      "band_high": f"{healthy.high:.6g}", "points_outside": str(len(points)),
+                      "baseline": baseline.name})
     return None
 
 
@@ -371,6 +416,8 @@ class BaselineRlSignals(SpecDetector):
         false_positives=("a reward function or KL coefficient changed on purpose moves "
                          "reward, reward_std or kl out of the band"),
         severity=Severity.WARNING,
+        lower_severity=Severity.INFO,
+        lower_when=LOWER_WHEN,
         summary="Run {run_id}'s RL signals left its baseline's band",
         meaning="reward, reward_std, kl or entropy stays outside the band healthy runs of this "
         "recipe showed, or a signal the baseline logged is missing (kl is absent when beta "
@@ -379,7 +426,7 @@ class BaselineRlSignals(SpecDetector):
         "reward functions, loss type) and restore the one that changed",
         fires_when="`baseline_steps` consecutive log reports outside the band, or as many "
         f"without a signal the baseline logged; {CHECKED}",
-        thresholds=(STEPS, MARGIN),
+        thresholds=(STEPS, ESCALATE, MARGIN),
         evidence=(Evidence("reward_std"), Evidence("kl"), Evidence("step")),
     )
 
@@ -394,17 +441,19 @@ class BaselineRlSignals(SpecDetector):
                 continue
             if sum(b is not None for b in bands) >= len(bands) // 2 \
                     and len(logs) >= settings.baseline_steps:
-                first = logs[settings.baseline_steps - 1][0]
-                return Verdict(True, step=first, summary=(
+                severity, words = persistence(len(logs), settings)
+                first = logs[min(len(logs), settings.baseline_escalate_steps
+                                 if severity is None else settings.baseline_steps) - 1][0]
+                return Verdict(True, step=first, severity=severity, summary=(
                     f"{quantity} not logged in {len(logs)} log reports (steps {logs[0][0]}-"
                     f"{logs[-1][0]}) where baseline {baseline.name or 'unnamed'} logged it "
                     f"(band at the start {bands[0].low if bands[0] else 0:.4g}.."
                     f"{bands[0].high if bands[0] else 0:.4g}): "
                     + ("beta is 0, so nothing anchors the policy; set beta > 0 as the "
                        "baseline did" if quantity == "kl" else
-                       "restore the setting that logs it")),
+                       "restore the setting that logs it") + words),
                     evidence={"quantity": quantity, "missing_logs": fmt(len(logs)),
                               "step": fmt(logs[-1][0]), "baseline": baseline.name})
         return _verdict(run, _trajectory(run, settings, RL_QUANTITIES, True),
                         "compare beta, num_generations, temperature and the reward functions "
-                        "with the baseline's")
+                        "with the baseline's", settings)

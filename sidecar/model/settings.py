@@ -66,5 +66,6 @@ class DetectorSettings:
     rollout_rise: float = 3.0
     rollout_logp_ceiling: float = 0.5
     baseline_steps: int = 5
+    baseline_escalate_steps: int = 15
     baseline_margin: float = 0.25
     baseline_module_steps: int = 2

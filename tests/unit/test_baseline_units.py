@@ -20,6 +20,9 @@ from deadweight.sidecar.baseline.model import (
     ModuleFacts,
     bin_of,
 )
+from deadweight.sidecar.model.settings import DetectorSettings
+from deadweight.sidecar.registry import Registry
+from tests.support.detector_feed import MEMBERSHIP, Feed
 
 
 def _baseline(**series: tuple[Band | None, ...]) -> Baseline:
@@ -136,3 +139,76 @@ def test_a_long_deviation_is_walked_back_a_bounded_way() -> None:
     found = deviation(baseline, "loss", far[::-1], 200, 5, 0.25)
     assert found is not None and found.points == MAX_WALK
     assert found.step == 200 and found.first_step == 200 - MAX_WALK + 1
+
+
+def test_a_deviation_knows_when_it_became_persistent() -> None:
+    baseline = _baseline(loss=tuple(Band(1.0, 1.2, 1.4) for _ in range(BINS)))
+    out = [(s, 1.2) for s in range(1, 4)] + [(s, 9.0) for s in range(4, 21)]
+    short = deviation(baseline, "loss", out[:12][::-1], BINS, 5, 0.25, escalate=15)
+    assert short is not None and short.points == 9 and short.escalated_step is None
+    long = deviation(baseline, "loss", out[::-1], BINS, 5, 0.25, escalate=15)
+    assert long is not None and long.points == 17
+    assert (long.reached_step, long.escalated_step) == (8, 18)
+    far = [(s, 9.0) for s in range(1, 201)]  # past the walk's bound it stays persistent
+    found = deviation(baseline, "loss", far[::-1], 200, 5, 0.25, escalate=MAX_WALK + 10)
+    assert found is not None and found.escalated_step == 200
+
+
+def _loss_feed(steps: int) -> tuple[Feed, DetectorSettings]:
+    """A run judged against a baseline whose loss sat at 2.0 at every point of its
+    ``steps`` steps; nothing else in the baseline to compare."""
+    recipe = pb.RunStart(trainer="SFTTrainer", config={"learning_rate": 1e-4},
+                         membership=MEMBERSHIP)
+    baseline = Baseline(runs=("healthy",), steps=steps, fingerprint=prints.fingerprint(recipe),
+                        modules={}, series={"loss": tuple(Band(2.0, 2.0, 2.0)
+                                                          for _ in range(BINS))})
+    settings = DetectorSettings()
+    feed = Feed(Registry(settings=settings), trainer="SFTTrainer",
+                config={"learning_rate": 1e-4}, baseline=baseline.to_json(),
+                baseline_name="recipe.baseline.json")
+    return feed, settings
+
+
+def _loss_verdict(feed: Feed) -> tuple[str, int, int] | None:
+    """(severity, step, incidents) of baseline_loss while it fires, None while it does not."""
+    finding = feed.registry.findings(feed.run_id).get("baseline_loss")
+    if finding is None or not finding.firing:
+        return None
+    return finding.severity, finding.step, finding.incidents
+
+
+def test_a_deviation_shorter_than_the_escalation_stays_info_and_clears() -> None:
+    """Out of the band for fewer than ``baseline_escalate_steps`` points: info from the
+    ``baseline_steps``-th point (one noisy step draws nothing), never warning; back in the
+    band, it resolves."""
+    feed, settings = _loss_feed(60)
+    assert settings.baseline_steps < settings.baseline_escalate_steps
+    seen: list[tuple[str, int, int] | None] = []
+    for step in range(1, 41):
+        out = 3 <= step < 3 + settings.baseline_escalate_steps - 1 or step == 30
+        feed.log(step, loss=9.0 if out else 2.0)
+        seen.append(_loss_verdict(feed))
+    info_from = 3 + settings.baseline_steps - 1
+    assert all(v is None for v in seen[:info_from - 1])
+    last_out = 3 + settings.baseline_escalate_steps - 2
+    assert all(v == ("info", info_from, 1) for v in seen[info_from - 1:last_out]), seen
+    assert all(v is None for v in seen[last_out:])  # cleared, and step 30 alone draws nothing
+    assert feed.registry.findings(feed.run_id)["baseline_loss"].incidents == 1
+
+
+def test_a_deviation_that_persists_steps_up_to_warning_and_never_critical() -> None:
+    """The same deviation, lasting: the info incident resolves and a warning one opens at the
+    point it reached ``baseline_escalate_steps``; it stays a warning however long it lasts."""
+    feed, settings = _loss_feed(60)
+    seen = []
+    for step in range(1, 61):
+        feed.log(step, loss=9.0 if step >= 3 else 2.0)
+        seen.append(_loss_verdict(feed))
+    info_from = 3 + settings.baseline_steps - 1
+    warning_from = 3 + settings.baseline_escalate_steps - 1
+    assert seen[info_from - 2] is None and seen[info_from - 1] == ("info", info_from, 1)
+    assert seen[warning_from - 2] == ("info", info_from, 1)
+    assert seen[warning_from - 1] == ("warning", warning_from, 2)
+    assert seen[-1] == ("warning", warning_from, 2)
+    finding = feed.registry.findings(feed.run_id)["baseline_loss"]
+    assert "persistent" in finding.summary and finding.evidence["points_outside"] == "58"

@@ -1,10 +1,13 @@
 """Baselines on real runs: a healthy run saved as a baseline, then the same recipe compared.
 
 One sidecar (in this process, with a state database) watches every run of the module: the
-baseline's run, healthy twins (another seed, another data order, a CPU hog beside the job)
-that must stay silent, and one run per fault that a ``baseline_*`` verdict must catch within
-50 steps, naming the quantity. Plain PyTorch loops under ``deadweight.watch`` (a few tenths
-of a second each); the RL recipe's ``beta`` change is a real GRPOTrainer run.
+baseline's run, healthy twins (another seed, another data order, another draw of the data, a
+CPU hog beside the job) that must stay silent, and one run per fault that a ``baseline_*``
+verdict must catch within 50 steps, naming the quantity, first as info, then as a warning
+once the deviation has lasted ``baseline_escalate_steps`` points. Plain PyTorch loops under
+``deadweight.watch`` (a few tenths of a second each), sending at most two events a batch so
+the sidecar judges them at every step, as it does a real run whose steps take longer than the
+client's flush; the RL recipe's ``beta`` change is a real GRPOTrainer run.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from deadweight.callbacks.stream_client import ClientSettings
 from deadweight.sidecar.baseline.model import Baseline
 from deadweight.sidecar.commands import cli
 from deadweight.sidecar.model.finding import Finding
@@ -42,7 +46,10 @@ EXPECTED = {
     "head_lr_tiny": ("baseline_update_size", "head update ratio"),
 }
 HEALTHY = {"seed-1": dict(seed=1), "data-order-7": dict(data_seed=7),
-           "seeds-2-3": dict(seed=2, data_seed=3)}
+           "seeds-2-3": dict(seed=2, data_seed=3), "other-data": dict(seed=1, dataset_seed=101)}
+#: At most two events a batch: a step and its log, each batch judged on its own.
+EACH_STEP = ClientSettings(batch_size=2)
+SETTINGS = DetectorSettings()
 
 
 @dataclass
@@ -51,10 +58,17 @@ class Results:
     baseline: Path
     wide: Path
     sidecar: InProcessSidecar
+    store: Store
 
     def baseline_verdicts(self, run_id: str) -> dict[str, Finding]:
         return {k: f for k, f in self.sidecar.fired(run_id).items()
                 if k.startswith("baseline_")}
+
+    def incidents(self, run_id: str, detector: str) -> list[tuple[str, int]]:
+        """(severity, step) of each incident the detector opened on the run, oldest first
+        (from the journal: a resolved info incident stays there)."""
+        return [(i.severity, i.step) for i in self.store.incidents(run_id)
+                if i.detector == detector]
 
 
 def _cli(*argv: str) -> tuple[int, str]:
@@ -71,7 +85,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Results]:
     state.mkdir()
     store = Store(state)
     sidecar = InProcessSidecar(folder / "dw.sock", registry=Registry(
-        settings=DetectorSettings(), store=store)).start()
+        settings=SETTINGS, store=store)).start()
     try:
         loops.run("healthy-0", sidecar.address)
         loops.run("healthy-0b", sidecar.address, seed=5, data_seed=5)
@@ -84,16 +98,19 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Results]:
             if run_id == "seeds-2-3":  # an unedited script: the environment names the baseline
                 os.environ["DEADWEIGHT_BASELINE"] = str(baseline)
                 try:
-                    loops.run(run_id, sidecar.address, **variation)
+                    loops.run(run_id, sidecar.address, settings=EACH_STEP, **variation)
                 finally:
                     del os.environ["DEADWEIGHT_BASELINE"]
             else:
-                loops.run(run_id, sidecar.address, baseline=baseline, **variation)
+                loops.run(run_id, sidecar.address, baseline=baseline, settings=EACH_STEP,
+                          **variation)
         with loops.cpu_hog():
-            loops.run("busy", sidecar.address, seed=4, data_seed=4, baseline=baseline)
+            loops.run("busy", sidecar.address, seed=4, data_seed=4, baseline=baseline,
+                      settings=EACH_STEP)
         for fault in loops.FAULTS:
-            loops.run(fault, sidecar.address, fault=fault, baseline=baseline)
-        yield Results(state, baseline, wide, sidecar)
+            loops.run(fault, sidecar.address, fault=fault, baseline=baseline,
+                      settings=EACH_STEP)
+        yield Results(state, baseline, wide, sidecar, store)
     finally:
         sidecar.stop()
         store.close()
@@ -136,6 +153,7 @@ def test_several_runs_widen_the_bands(results: Results) -> None:
 
 @pytest.mark.parametrize("run_id", [*HEALTHY, "busy"])
 def test_healthy_runs_of_the_recipe_stay_silent(results: Results, run_id: str) -> None:
+    """Judged at every step: no baseline verdict at all, info or warning."""
     assert len(results.sidecar.steps(run_id)) == loops.STEPS
     assert results.baseline_verdicts(run_id) == {}
 
@@ -148,6 +166,29 @@ def test_each_fault_is_caught_naming_the_quantity(results: Results, fault: str) 
     finding = fired[detector]
     assert finding.step <= DETECT_WITHIN
     assert named in finding.summary and "baseline" in finding.summary
+
+
+@pytest.mark.parametrize("fault", [f for f in loops.FAULTS if f != "frozen_stage_trains"])
+def test_each_trajectory_fault_is_info_first_and_a_warning_once_it_persists(
+        results: Results, fault: str) -> None:
+    """The fault's verdict opens as info within 50 steps, resolves as it steps up, and
+    re-opens as a warning at least ``baseline_escalate_steps - baseline_steps`` points
+    later; never critical."""
+    detector, _ = EXPECTED[fault]
+    opened = results.incidents(fault, detector)
+    assert [severity for severity, _ in opened] == ["info", "warning"], opened
+    (_, info_step), (_, warning_step) = opened
+    assert info_step <= DETECT_WITHIN
+    assert warning_step - info_step >= SETTINGS.baseline_escalate_steps - SETTINGS.baseline_steps
+    finding = results.baseline_verdicts(fault)[detector]
+    assert finding.severity == "warning" and "persistent" in finding.summary
+
+
+def test_a_module_the_baseline_never_moved_is_a_warning_at_once(results: Results) -> None:
+    """A frozen stage that trains is no trajectory out of a band that other data could move:
+    its verdict is a warning from its first step."""
+    opened = results.incidents("frozen_stage_trains", "baseline_modules_changed")
+    assert opened and opened[0][0] == "warning" and opened[0][1] <= DETECT_WITHIN
 
 
 def test_the_frozen_stage_names_the_module_and_its_update_ratio(results: Results) -> None:
@@ -212,7 +253,8 @@ def _grpo(results: Results, tiny: tuple[Path, Path], run_id: str, folder: Path, 
 
     model_dir, _ = tiny
     runs.grpo_trainer(AutoModelForCausalLM.from_pretrained(model_dir), model_dir,
-                      folder / run_id, [results.sidecar.callback(run_id, baseline=baseline)],
+                      folder / run_id, [results.sidecar.callback(run_id, baseline=baseline,
+                                                                 settings=EACH_STEP)],
                       beta=beta, steps=GRPO_STEPS, save_steps=GRPO_STEPS, seed=seed,
                       per_device_train_batch_size=4, num_generations=4,
                       max_completion_length=8, peft_config=runs.lora_config()).train()
@@ -233,7 +275,13 @@ def test_grpo_beta_changed_to_zero_is_caught(results: Results, tiny: tuple[Path,
     fired = results.baseline_verdicts("grpo-beta-0")
     assert "baseline_rl_signals" in fired, sorted(fired)
     finding = fired["baseline_rl_signals"]
-    assert finding.step <= DETECT_WITHIN and "kl" in finding.summary
+    assert "kl" in finding.summary
+    # info from the baseline_steps-th log without kl, a warning from the escalate_steps-th
+    opened = results.incidents("grpo-beta-0", "baseline_rl_signals")
+    assert [severity for severity, _ in opened] == ["info", "warning"], opened
+    assert opened[0][1] <= DETECT_WITHIN and finding.severity == "warning"
+    assert opened[1][1] - opened[0][1] >= (SETTINGS.baseline_escalate_steps
+                                           - SETTINGS.baseline_steps)
     assert "config.beta: 0.04 -> 0" in fired["baseline_recipe_changed"].summary
     # the run summary beside its checkpoint says which baseline it was judged against
     _, out = _cli("inspect", str(tmp_path / "grpo-beta-0" / f"checkpoint-{GRPO_STEPS}"))

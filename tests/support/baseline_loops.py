@@ -3,7 +3,8 @@
 The recipe: a small classifier whose stem and first stage are frozen (fine-tuning a head and
 the last stage on a fixed backbone), AdamW with a linear warmup then cosine decay, a shuffled
 DataLoader, ``zero_grad`` every step, under ``deadweight.watch``. Healthy variations change
-the seed, the data order, or run beside a CPU hog; each fault changes one thing a person gets
+the seed, the data order, the data itself (another draw of the same task), or run beside a
+CPU hog; each fault changes one thing a person gets
 wrong without any error:
 
 - ``frozen_stage_trains``: the freeze lives in an overridden ``train()`` that the pipeline
@@ -24,6 +25,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -73,9 +75,14 @@ class FreezeInTrain(Classifier):
         return self
 
 
-def dataset() -> torch.utils.data.TensorDataset:
-    """The same data for every run: inputs and labels from a fixed teacher, with label noise."""
-    generator = torch.Generator().manual_seed(1234)
+#: The data's seed: the same data for every run unless one asks for another draw.
+DATASET_SEED = 1234
+
+
+def dataset(seed: int = DATASET_SEED) -> torch.utils.data.TensorDataset:
+    """The same data for every run (another seed: another draw of the same task, a healthy
+    run on other data): inputs and labels from a fixed teacher, with label noise."""
+    generator = torch.Generator().manual_seed(seed)
     x = torch.randn(ROWS, FEATURES, generator=generator)
     teacher = torch.randn(FEATURES, CLASSES, generator=generator)
     labels = (x @ teacher + 1.5 * torch.randn(ROWS, CLASSES, generator=generator)).argmax(1)
@@ -91,8 +98,10 @@ def schedule(step: int) -> float:
 
 
 def run(run_id: str, address: str, *, seed: int = 0, data_seed: int = 0,
-        fault: str | None = None, baseline: Path | None = None) -> None:
-    """One run of the recipe (with one fault, or none)."""
+        fault: str | None = None, baseline: Path | None = None,
+        dataset_seed: int = DATASET_SEED, **options: Any) -> None:
+    """One run of the recipe (with one fault, or none); options go to ``deadweight.watch``
+    (``settings=ClientSettings(batch_size=2)``: the sidecar judges the run at every step)."""
     torch.manual_seed(seed)
     model: Classifier = FreezeInTrain() if fault == "frozen_stage_trains" else Classifier()
     if fault != "frozen_stage_trains":  # the recipe's freeze, done where it takes effect
@@ -109,11 +118,11 @@ def run(run_id: str, address: str, *, seed: int = 0, data_seed: int = 0,
         optimizer = torch.optim.AdamW(trained, lr=LR)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     loader = torch.utils.data.DataLoader(
-        dataset(), batch_size=BATCH, shuffle=fault != "same_batch", drop_last=True,
+        dataset(dataset_seed), batch_size=BATCH, shuffle=fault != "same_batch", drop_last=True,
         generator=torch.Generator().manual_seed(data_seed))
     batches = _forever(loader)
     with deadweight.watch(model, optimizer, run_id=run_id, address=address,
-                          baseline=baseline) as monitor:
+                          baseline=baseline, **options) as monitor:
         for step in range(1, STEPS + 1):
             x, y = next(iter(loader)) if fault == "same_batch" else next(batches)
             logits = model(x)

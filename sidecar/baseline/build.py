@@ -9,13 +9,14 @@ runs (seeds, data orders) widen the bands; a fact they disagree on leaves the fi
 from __future__ import annotations
 
 import datetime
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..store.journal import Store
 from . import fingerprint as prints
 from .model import BINS, MAX_MODULES, Band, Baseline, BaselineError, ModuleFacts, bin_of
-from .quantities import LOG_QUANTITIES, step_values, update_over_lr
+from .quantities import LOG_QUANTITIES, largest_jump, step_values, update_over_lr
 
 #: Steps a run needs for a baseline (fewer say nothing about a trajectory).
 MIN_STEPS = 5
@@ -40,6 +41,7 @@ class _Collected:
     shares: list[float] = field(default_factory=list)
     step_seconds: list[float] = field(default_factory=list)
     tokens: list[float] = field(default_factory=list)
+    jumps: list[float] = field(default_factory=list)
 
     def add(self, quantity: str, step: int, last: int, value: float) -> None:
         bins = self.bins.setdefault(quantity, [[] for _ in range(BINS)])
@@ -72,6 +74,9 @@ def build(store: Store, run_ids: Sequence[str]) -> Baseline:
                 collected.shares.append(run.start.membership.optimizer_params / model_params)
         _collect_steps(collected, steps, last)
         _collect_logs(collected, logs, last)
+        found = largest_jump(_grad_norms(steps, logs))
+        if found is not None:
+            collected.jumps.append(found)
     return Baseline(
         runs=tuple(run_ids),
         steps=round(sum(lasts) / len(lasts)),
@@ -81,6 +86,7 @@ def build(store: Store, run_ids: Sequence[str]) -> Baseline:
         trainable_share=Band.of(collected.shares),
         step_seconds=Band.of(collected.step_seconds),
         tokens_per_step=Band.of(collected.tokens),
+        grad_norm_jump=max(collected.jumps, default=None),
         created=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     )
 
@@ -121,6 +127,19 @@ def _collect_logs(collected: _Collected, logs: list[tuple[int, float, dict[str, 
             if tokens is not None and step > tokens[0] and seen >= tokens[1]:
                 collected.tokens.append((seen - tokens[1]) / (step - tokens[0]))
             tokens = (step, seen)
+
+
+def _grad_norms(steps: list[tuple[int, float, dict[str, float]]],
+                logs: list[tuple[int, float, dict[str, float]]]) -> list[float]:
+    """A run's gradient norms as ``grad_norm_spike`` reads them live
+    (``divergence.grad_norm_series``): the logged ``grad_norm`` where the run logged a
+    positive one, else each optimizer step's measured gradient."""
+    logged = [v["grad_norm"] for _, _, v in logs
+              if math.isfinite(v.get("grad_norm", math.nan)) and v["grad_norm"] > 0]
+    if logged:
+        return logged
+    return [f["grad_l2"] for _, _, f in steps
+            if math.isfinite(f.get("grad_l2", math.nan)) and f["grad_l2"] > 0]
 
 
 def _bands(bins: list[list[float]]) -> tuple[Band | None, ...]:

@@ -5,7 +5,11 @@ recipe whose healthy behaviour is unusual (a model whose weights are large again
 so each step moves them by less than ``negligible_relative_update`` of their norm) would page
 at every run. Its baseline shows what healthy is for it: the threshold moves below the
 lowest healthy value, by a decade, and never above the fixed one (a baseline can only quiet a
-detector on what healthy runs of the recipe really did).
+detector on what healthy runs of the recipe really did). Likewise a recipe whose healthy
+gradient norm jumps now and then (a periodic hard batch, a shard of another scale) would draw
+``grad_norm_spike`` at every such batch: with a baseline, a spike must also jump further over
+its recent level than healthy runs of the recipe ever did (by ``baseline_margin``, as every
+band of a baseline is widened).
 """
 
 from __future__ import annotations
@@ -16,6 +20,17 @@ from .live import baseline_of
 
 #: How far below the lowest healthy value a calibrated floor lies.
 FLOOR_DECADES = 10.0
+
+
+def spike_jump(run: RunState, settings: DetectorSettings) -> float | None:
+    """The jump over its recent level (``quantities.jump``) a grad norm must exceed for
+    ``grad_norm_spike`` to fire on this run, besides its z-score: the largest healthy jump
+    of the run's baseline, widened by ``baseline_margin``; None without one (the z-score
+    alone decides, as on any run)."""
+    baseline = baseline_of(run)
+    if baseline is None or baseline.grad_norm_jump is None:
+        return None
+    return baseline.grad_norm_jump * (1.0 + settings.baseline_margin)
 
 
 def negligible_floor(run: RunState, settings: DetectorSettings) -> float:

@@ -4,7 +4,10 @@ One or more healthy runs of one recipe give: the recipe's fingerprint (what must
 for the comparison to mean something), which module kinds the optimizer moved and how far
 (per-element update over the learning rate), the share of the model that trained, and, per
 figure (loss, grad norm, learning rate, update size, RL signals), a band per bin of
-normalised steps: the lowest, median and highest value the runs showed there.
+normalised steps: the lowest, median and highest value the runs showed there. Version 2 adds
+the largest jump of the gradient norm over its recent level the runs showed
+(``grad_norm_jump``, which calibrates ``grad_norm_spike``); a version 1 file reads as one
+without it.
 """
 
 from __future__ import annotations
@@ -15,8 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-#: The file format's version; a reader refuses a newer one.
-VERSION = 1
+#: The file format's version; a reader refuses a newer one and reads every older one.
+VERSION = 2
 #: What the file says it is (a stray JSON document is refused).
 KIND = "deadweight.baseline"
 #: Largest baseline a run may send (and the sidecar accepts) in its RunStart.
@@ -81,6 +84,9 @@ class Baseline:
     trainable_share: Band | None = None
     step_seconds: Band | None = None
     tokens_per_step: Band | None = None
+    #: The largest gradient norm over its recent level (``quantities.jump``) the runs showed;
+    #: None when they logged too few norms, or the file predates version 2.
+    grad_norm_jump: float | None = None
     created: str = ""
     version: int = VERSION
     #: The file's name, as the run named it (not part of the content).
@@ -121,6 +127,8 @@ class Baseline:
             "trainable_share": _band(self.trainable_share),
             "step_seconds": _band(self.step_seconds),
             "tokens_per_step": _band(self.tokens_per_step),
+            "grad_norm_jump": None if self.grad_norm_jump is None
+            else _round(self.grad_norm_jump),
             "modules": {name: {"moved_share": round(m.moved_share, 4), "tensors": m.tensors,
                                "update_over_lr": _band(m.update_over_lr)}
                         for name, m in sorted(self.modules.items())},
@@ -163,6 +171,7 @@ class Baseline:
                 trainable_share=Band.from_json(document.get("trainable_share")),
                 step_seconds=Band.from_json(document.get("step_seconds")),
                 tokens_per_step=Band.from_json(document.get("tokens_per_step")),
+                grad_norm_jump=_positive(document.get("grad_norm_jump")),
                 created=str(document.get("created") or ""),
                 version=version,
                 name=name,
@@ -187,6 +196,16 @@ def bin_of(step: int, total: int, bins: int = BINS) -> int:
 
 def _band(band: Band | None) -> list[float] | None:
     return None if band is None else band.to_json()
+
+
+def _positive(value: Any) -> float | None:
+    """An optional positive finite figure (None stays None; anything else is damage)."""
+    if value is None:
+        return None
+    number = float(value)
+    if not math.isfinite(number) or number <= 0:
+        raise ValueError(f"expected a positive figure, got {value!r}")
+    return number
 
 
 def _round(value: float) -> float:

@@ -8,7 +8,7 @@ here, so the two always measure the same thing.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from ..model.step_point import StepPoint
 
@@ -24,6 +24,9 @@ LOG_QUANTITIES = ("loss", "grad_norm", "reward", "reward_std", "kl", "entropy")
 MARGIN_SCALE = {"grad_l2": 2.0, "grad_norm": 2.0, "update_rms": 2.0, "relative_update": 2.0}
 #: The RL signals (their own detector: a missing one is a changed recipe, e.g. beta 0).
 RL_QUANTITIES = ("reward", "reward_std", "kl", "entropy")
+#: Grad norms before one that make its recent level (``grad_norm_spike`` words a spike as
+#: the newest norm over it; its default warmup is as long).
+JUMP_LEVEL = 5
 
 
 def step_values(figures: Mapping[str, float]) -> dict[str, float]:
@@ -65,3 +68,21 @@ def update_over_lr(update_sq_sum: float, elements: float, lr: float) -> float | 
     if lr <= 0 or elements <= 0 or update_sq_sum < 0:
         return None
     return math.sqrt(update_sq_sum / elements) / lr
+
+
+def jump(values: Sequence[float], index: int) -> float | None:
+    """How many times the recent level (the geometric mean of the JUMP_LEVEL values before
+    it) a positive value is: a gradient norm's jump as ``grad_norm_spike`` states it, and
+    what a baseline keeps the largest healthy one of. None without JUMP_LEVEL positive
+    values before it."""
+    before = values[max(0, index - JUMP_LEVEL):index]
+    if len(before) < JUMP_LEVEL or values[index] <= 0 or any(v <= 0 for v in before):
+        return None
+    level = math.exp(sum(math.log(v) for v in before) / JUMP_LEVEL)
+    return values[index] / level
+
+
+def largest_jump(values: Sequence[float]) -> float | None:
+    """The largest ``jump`` of a series (None when it has none)."""
+    jumps = [j for i in range(len(values)) if (j := jump(values, i)) is not None]
+    return max(jumps) if jumps else None

@@ -57,6 +57,8 @@ def render(baseline: Baseline) -> str:
              f"  trainable share: {_band(baseline.trainable_share)}",
              f"  step seconds: {_band(baseline.step_seconds)}",
              f"  tokens per step: {_band(baseline.tokens_per_step)}",
+             "  largest grad-norm jump over its recent level: " + (
+                 "-" if baseline.grad_norm_jump is None else f"{baseline.grad_norm_jump:.3g}x"),
              "  fingerprint:"]
     lines += [f"    {key}: {value}" for key, value in sorted(baseline.fingerprint.items())]
     lines.append("  module kinds (share of steps moved, update per element over lr):")

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 
+from ..baseline.calibrate import spike_jump
+from ..baseline.quantities import jump
 from ..model.run_state import RunState
 from ..model.settings import DetectorSettings
 from ..model.step_point import StepPoint
@@ -186,7 +188,9 @@ class GradNormSpike(SpecDetector):
 
     A z-score of the log grad norm against its exponential moving mean and spread (as ZClip
     does), so it adapts to each run's level; a spread floor keeps a very steady run from
-    calling a small wiggle a spike. It often comes before the loss moves.
+    calling a small wiggle a spike. It often comes before the loss moves. On a run that names
+    a baseline, a jump no larger than the recipe's healthy runs made is no spike
+    (``calibrate.spike_jump``).
     """
 
     spec = DetectorSpec(
@@ -201,7 +205,9 @@ class GradNormSpike(SpecDetector):
         fix="look at the batch of that step and clip gradients (`max_grad_norm`) or skip "
         "outlier batches",
         fires_when="the newest grad norm's z-score (log scale, against an EMA of the run's "
-        "earlier ones, ZClip-style) is above `spike_z`",
+        "earlier ones, ZClip-style) is above `spike_z`; on a run with a baseline, the norm "
+        "must also lie further above its recent level (the geometric mean of the 5 before it) "
+        "than the baseline's healthy runs ever did, by `baseline_margin`",
         thresholds=(
             Threshold("spike_z", "z-score", "how many spreads above its moving mean a log grad "
                       "norm must be"),
@@ -217,11 +223,17 @@ class GradNormSpike(SpecDetector):
         series = grad_norm_series(run)
         if len(series) <= settings.spike_warmup_logs:
             return None
-        scores = spike_scores([v for _, v in series], settings)
+        values = [v for _, v in series]
+        scores = spike_scores(values, settings)
         step, value = series[-1]
         if scores[-1] <= settings.spike_z:
             return Verdict(False, step=step)
-        level = math.exp(sum(math.log(v) for _, v in series[-6:-1]) / 5)
+        over = jump(values, len(values) - 1)
+        level = value / over if over else math.exp(
+            sum(math.log(v) for _, v in series[-6:-1]) / 5)
+        healthy = spike_jump(run, settings)
+        if healthy is not None and over is not None and over <= healthy:
+            return Verdict(False, step=step)  # the recipe's healthy runs jumped as far
         return Verdict(
             True,
             step=step,
@@ -229,5 +241,6 @@ class GradNormSpike(SpecDetector):
                      f"level {fmt(level)} (z={scores[-1]:.2f}); look at this step's batch and "
                      f"learning rate, and clip gradients (max_grad_norm)"),
             evidence={"grad_norm": fmt(value), "recent_grad_norm": fmt(level),
-                      "z_score": fmt(scores[-1]), "step": fmt(step)},
+                      "z_score": fmt(scores[-1]), "step": fmt(step),
+                      **({} if healthy is None else {"baseline_jump": fmt(healthy)})},
         )

@@ -118,7 +118,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Results]:
 
 def test_save_writes_a_small_versioned_readable_file(results: Results) -> None:
     document = json.loads(results.baseline.read_text())
-    assert document["version"] == 1 and document["runs"] == ["healthy-0"]
+    assert document["version"] == 2 and document["runs"] == ["healthy-0"]
     assert results.baseline.stat().st_size < 32 * 1024
     baseline = Baseline.from_json(results.baseline.read_text())
     assert baseline.steps == loops.STEPS
@@ -130,6 +130,8 @@ def test_save_writes_a_small_versioned_readable_file(results: Results) -> None:
             baseline.series[quantity]), quantity
     assert baseline.fingerprint["config.optimizer"] == "AdamW"
     assert baseline.trainable_share is not None and 0 < baseline.trainable_share.high < 1
+    # the largest grad-norm jump over its recent level (version 2): a steady recipe's is small
+    assert baseline.grad_norm_jump is not None and 1 < baseline.grad_norm_jump < 3
 
 
 def test_show_prints_it(results: Results) -> None:
@@ -240,6 +242,30 @@ def test_a_baseline_calibrates_negligible_updates(results: Results, tmp_path: Pa
     loops.large_weights_run("large-tiny-lr", sidecar.address, lr=1e-9, seed=1,
                             baseline=baseline)
     assert "negligible_updates" in sidecar.fired("large-tiny-lr")
+
+
+def test_a_baseline_calibrates_grad_norm_spike(results: Results, tmp_path: Path) -> None:
+    """A recipe whose healthy grad norm jumps ~20x its recent level every tenth batch (a
+    shard of larger inputs): grad_norm_spike fires on it without a baseline; with one saved
+    from a healthy run, another seed stays silent, while a corrupt batch that jumps further
+    than any healthy one still fires, at its step."""
+    sidecar = results.sidecar
+    loops.spiky_run("spiky-0", sidecar.address)
+    assert "grad_norm_spike" in sidecar.fired("spiky-0")  # the fixed bar fires at its batches
+    baseline = tmp_path / "spiky.baseline.json"
+    assert _cli("baseline", "save", "spiky-0", "--state-dir", str(results.state_dir),
+                "--output", str(baseline))[0] == 0
+    saved = Baseline.from_json(baseline.read_text())
+    assert saved.grad_norm_jump is not None and saved.grad_norm_jump > 10
+    loops.spiky_run("spiky-1", sidecar.address, seed=1, baseline=baseline)
+    assert sidecar.fired("spiky-1") == {}
+    loops.spiky_run("spiky-outlier", sidecar.address, seed=1, baseline=baseline,
+                    outlier_step=25, settings=EACH_STEP)
+    spikes = [i for i in results.store.incidents("spiky-outlier")
+              if i.detector == "grad_norm_spike"]
+    assert [i.step for i in spikes] == [25], spikes
+    assert float(spikes[0].evidence["baseline_jump"]) == pytest.approx(
+        saved.grad_norm_jump * (1 + SETTINGS.baseline_margin), rel=1e-4)
 
 
 GRPO_STEPS = 24

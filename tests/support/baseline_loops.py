@@ -176,3 +176,38 @@ def large_weights_run(run_id: str, address: str, *, lr: float, seed: int = 0,
             optimizer.step()
             optimizer.zero_grad()
             monitor.log(step, loss=loss)
+
+
+#: Every this many steps the spiky recipe meets a batch of inputs HARD_SCALE times larger.
+HARD_EVERY, HARD_SCALE = 10, 4.0
+SPIKY_STEPS = 40
+
+
+def spiky_run(run_id: str, address: str, *, seed: int = 0, baseline: Path | None = None,
+              outlier_step: int | None = None, outlier_scale: float = 12.0,
+              **options: Any) -> None:
+    """A recipe whose healthy gradient norm jumps: a linear regression trained by Adam on
+    rows of which every HARD_EVERY-th batch comes from a shard HARD_SCALE times larger (an
+    unnormalised source mixed in on purpose), so at that step the squared loss's gradient is
+    ~16-21x its recent level, far above ``grad_norm_spike``'s fixed bar, in every healthy run.
+    ``outlier_step``: one batch there is ``outlier_scale`` times larger again (a corrupt
+    batch: the jump no healthy run of the recipe made)."""
+    torch.manual_seed(seed)
+    model = nn.Linear(FEATURES, 1)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    rows = dataset().tensors[0]
+    teacher = torch.randn(FEATURES, generator=torch.Generator().manual_seed(7))
+    order = torch.Generator().manual_seed(seed)
+    with deadweight.watch(model, optimizer, run_id=run_id, address=address,
+                          baseline=baseline, **options) as monitor:
+        for step in range(1, SPIKY_STEPS + 1):
+            x = rows[torch.randint(0, ROWS, (BATCH,), generator=order)]
+            if step % HARD_EVERY == 0:
+                x = x * HARD_SCALE
+            if step == outlier_step:
+                x = x * outlier_scale
+            loss = (model(x).squeeze(1) - x @ teacher).pow(2).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            monitor.log(step, loss=loss)

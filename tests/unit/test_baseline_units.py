@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from deadweight.sidecar.baseline.model import (
     ModuleFacts,
     bin_of,
 )
+from deadweight.sidecar.baseline.quantities import jump, largest_jump
 from deadweight.sidecar.model.settings import DetectorSettings
 from deadweight.sidecar.registry import Registry
 from tests.support.detector_feed import MEMBERSHIP, Feed
@@ -35,9 +37,72 @@ def test_the_file_round_trips_and_says_its_version() -> None:
     original = _baseline(loss=tuple(Band(1.0, 1.5, 2.0) for _ in range(BINS)))
     text = original.to_json()
     document = json.loads(text)
-    assert document["version"] == 1 and document["kind"] == "deadweight.baseline"
+    assert document["version"] == 2 and document["kind"] == "deadweight.baseline"
     again = Baseline.from_json(text, name="b.json")
     assert again == original
+    jumpy = dataclasses.replace(original, grad_norm_jump=18.5)
+    assert Baseline.from_json(jumpy.to_json()).grad_norm_jump == 18.5
+
+
+def test_a_version_1_file_still_reads_without_the_figures_version_2_added() -> None:
+    document = json.loads(_baseline(loss=tuple(Band(1.0, 1.5, 2.0) for _ in range(BINS))
+                                    ).to_json())
+    document["version"] = 1
+    del document["grad_norm_jump"]
+    old = Baseline.from_json(json.dumps(document))
+    assert old.version == 1 and old.grad_norm_jump is None and old.series["loss"][0] == Band(
+        1.0, 1.5, 2.0)
+    document["grad_norm_jump"] = -3
+    with pytest.raises(BaselineError, match="damaged"):
+        Baseline.from_json(json.dumps(document))
+
+
+def test_a_jump_is_a_value_over_the_geometric_mean_of_the_five_before() -> None:
+    values = [1.0, 4.0, 1.0, 4.0, 1.0, 8.0, 2.0]
+    assert jump(values, 4) is None  # fewer than five before it
+    assert jump(values, 5) == pytest.approx(8.0 / 2 ** (4 / 5))
+    assert largest_jump(values) == pytest.approx(8.0 / 2 ** (4 / 5))
+    assert largest_jump(values[:5]) is None
+
+
+def _spike_feed(baseline_jump: float | None) -> Feed:
+    """A raw loop's run whose measured gradient sits at 1.0 for ten steps, then jumps to 20
+    (a spike by the fixed bar: z = ln 20 / 0.25 = 12), judged against a baseline whose
+    healthy runs jumped baseline_jump at most (None: no baseline)."""
+    named = {} if baseline_jump is None else {
+        "baseline": Baseline(runs=("healthy",), steps=20, fingerprint={}, modules={},
+                             series={}, grad_norm_jump=baseline_jump).to_json(),
+        "baseline_name": "recipe.baseline.json"}
+    feed = Feed(Registry(settings=DetectorSettings()), trainer="watch", **named)
+    for step in range(1, 12):
+        grad = 20.0 if step == 11 else 1.0
+        feed.step(step, grad_sq_sum=grad * grad, grad_measured=True)
+    return feed
+
+
+@pytest.mark.parametrize(("baseline_jump", "fires"), [
+    (None, True),  # the fixed bar
+    (30.0, False),  # healthy runs of the recipe jumped 30x: 20x is theirs
+    (17.0, False),  # 20x is within a quarter (baseline_margin) beyond their 17x
+    (10.0, True),  # 20x is beyond anything healthy runs did
+    (1.01, True),  # a steady recipe's baseline never makes the detector more sensitive
+])
+def test_a_baseline_quiets_grad_norm_spike_only_where_healthy_runs_jumped_as_far(
+        baseline_jump: float | None, fires: bool) -> None:
+    assert ("grad_norm_spike" in _spike_feed(baseline_jump).fired()) is fires
+
+
+def test_a_baseline_never_makes_grad_norm_spike_fire_where_the_fixed_bar_does_not() -> None:
+    """A 2x jump of a steady norm is under the fixed bar (z = ln 2 / 0.25 = 2.8 < 4): a
+    baseline whose healthy jumps were tiny does not make it a spike."""
+    feed = Feed(Registry(settings=DetectorSettings()), trainer="watch",
+                baseline=Baseline(runs=("h",), steps=20, fingerprint={}, modules={},
+                                  series={}, grad_norm_jump=1.01).to_json(),
+                baseline_name="b.json")
+    for step in range(1, 12):
+        grad = 2.0 if step == 11 else 1.0
+        feed.step(step, grad_sq_sum=grad * grad, grad_measured=True)
+    assert "grad_norm_spike" not in feed.fired()
 
 
 @pytest.mark.parametrize(("text", "words"), [

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import datetime
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..store.journal import Store
+from ..model.settings import DetectorSettings
+from ..store.journal import RANKS, Store
 from . import fingerprint as prints
 from .model import BINS, MAX_MODULES, Band, Baseline, BaselineError, ModuleFacts, bin_of
 from .quantities import LOG_QUANTITIES, largest_jump, step_values, update_over_lr
@@ -42,6 +44,7 @@ class _Collected:
     step_seconds: list[float] = field(default_factory=list)
     tokens: list[float] = field(default_factory=list)
     jumps: list[float] = field(default_factory=list)
+    rank_ratios: list[float] = field(default_factory=list)
 
     def add(self, quantity: str, step: int, last: int, value: float) -> None:
         bins = self.bins.setdefault(quantity, [[] for _ in range(BINS)])
@@ -77,6 +80,9 @@ def build(store: Store, run_ids: Sequence[str]) -> Baseline:
         found = largest_jump(_grad_norms(steps, logs))
         if found is not None:
             collected.jumps.append(found)
+        ratio = _rank_time_ratio(store.history(run_id, RANKS, run.incarnation))
+        if ratio is not None:
+            collected.rank_ratios.append(ratio)
     return Baseline(
         runs=tuple(run_ids),
         steps=round(sum(lasts) / len(lasts)),
@@ -87,6 +93,7 @@ def build(store: Store, run_ids: Sequence[str]) -> Baseline:
         step_seconds=Band.of(collected.step_seconds),
         tokens_per_step=Band.of(collected.tokens),
         grad_norm_jump=max(collected.jumps, default=None),
+        rank_time_ratio=max(collected.rank_ratios, default=None),
         created=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     )
 
@@ -140,6 +147,20 @@ def _grad_norms(steps: list[tuple[int, float, dict[str, float]]],
         return logged
     return [f["grad_l2"] for _, _, f in steps
             if math.isfinite(f.get("grad_l2", math.nan)) and f["grad_l2"] > 0]
+
+
+def _rank_time_ratio(timed: list[tuple[int, float, dict[str, float]]]) -> float | None:
+    """The largest median of the slowest rank's own seconds over the next one's, over
+    windows of ``straggler_steps`` consecutive timed steps (the window ``rank_straggler``
+    judges); None when the run timed fewer steps on every rank (one rank, an older
+    sidecar)."""
+    window = DetectorSettings().straggler_steps
+    ratios = [f["slowest_over_next"] for _, _, f in timed
+              if math.isfinite(f.get("slowest_over_next", math.nan))]
+    if len(ratios) < window:
+        return None
+    return max(statistics.median(ratios[i:i + window])
+               for i in range(len(ratios) - window + 1))
 
 
 def _bands(bins: list[list[float]]) -> tuple[Band | None, ...]:

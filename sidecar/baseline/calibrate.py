@@ -9,7 +9,9 @@ detector on what healthy runs of the recipe really did). Likewise a recipe whose
 gradient norm jumps now and then (a periodic hard batch, a shard of another scale) would draw
 ``grad_norm_spike`` at every such batch: with a baseline, a spike must also jump further over
 its recent level than healthy runs of the recipe ever did (by ``baseline_margin``, as every
-band of a baseline is widened).
+band of a baseline is widened). And a job whose ranks do unequal work by design (rank 0 logs
+and evaluates, a shard larger than the others) would draw ``rank_straggler`` at every run:
+its ratio rises to what the slowest rank of the recipe's healthy runs showed, widened alike.
 """
 
 from __future__ import annotations
@@ -20,6 +22,17 @@ from .live import baseline_of
 
 #: How far below the lowest healthy value a calibrated floor lies.
 FLOOR_DECADES = 10.0
+
+
+def straggler_ratio(run: RunState, settings: DetectorSettings) -> float:
+    """``rank_straggler``'s ratio (slowest rank's own seconds over the next one's) for this
+    run: ``straggler_ratio``, or the baseline's healthy ratio widened by ``baseline_margin``
+    when that is higher."""
+    ratio = settings.straggler_ratio
+    baseline = baseline_of(run)
+    if baseline is None or baseline.rank_time_ratio is None:
+        return ratio
+    return max(ratio, baseline.rank_time_ratio * (1.0 + settings.baseline_margin))
 
 
 def spike_jump(run: RunState, settings: DetectorSettings) -> float | None:

@@ -6,8 +6,9 @@ for the comparison to mean something), which module kinds the optimizer moved an
 figure (loss, grad norm, learning rate, update size, RL signals), a band per bin of
 normalised steps: the lowest, median and highest value the runs showed there. Version 2 adds
 the largest jump of the gradient norm over its recent level the runs showed
-(``grad_norm_jump``, which calibrates ``grad_norm_spike``); a version 1 file reads as one
-without it.
+(``grad_norm_jump``, which calibrates ``grad_norm_spike``) and, for runs of several ranks, how
+far their slowest rank's own step time lay above the next one's (``rank_time_ratio``, which
+calibrates ``rank_straggler``); a version 1 file reads as one without them.
 """
 
 from __future__ import annotations
@@ -87,6 +88,9 @@ class Baseline:
     #: The largest gradient norm over its recent level (``quantities.jump``) the runs showed;
     #: None when they logged too few norms, or the file predates version 2.
     grad_norm_jump: float | None = None
+    #: The largest median, over ``straggler_steps`` consecutive steps every rank timed, of a
+    #: step's slowest rank's own seconds over the next slowest's; None for one-rank runs.
+    rank_time_ratio: float | None = None
     created: str = ""
     version: int = VERSION
     #: The file's name, as the run named it (not part of the content).
@@ -129,6 +133,8 @@ class Baseline:
             "tokens_per_step": _band(self.tokens_per_step),
             "grad_norm_jump": None if self.grad_norm_jump is None
             else _round(self.grad_norm_jump),
+            "rank_time_ratio": None if self.rank_time_ratio is None
+            else _round(self.rank_time_ratio),
             "modules": {name: {"moved_share": round(m.moved_share, 4), "tensors": m.tensors,
                                "update_over_lr": _band(m.update_over_lr)}
                         for name, m in sorted(self.modules.items())},
@@ -172,6 +178,7 @@ class Baseline:
                 step_seconds=Band.from_json(document.get("step_seconds")),
                 tokens_per_step=Band.from_json(document.get("tokens_per_step")),
                 grad_norm_jump=_positive(document.get("grad_norm_jump")),
+                rank_time_ratio=_positive(document.get("rank_time_ratio")),
                 created=str(document.get("created") or ""),
                 version=version,
                 name=name,

@@ -59,6 +59,9 @@ def render(baseline: Baseline) -> str:
              f"  tokens per step: {_band(baseline.tokens_per_step)}",
              "  largest grad-norm jump over its recent level: " + (
                  "-" if baseline.grad_norm_jump is None else f"{baseline.grad_norm_jump:.3g}x"),
+             "  slowest rank's own step time over the next rank's: " + (
+                 "-" if baseline.rank_time_ratio is None
+                 else f"{baseline.rank_time_ratio:.3g}x"),
              "  fingerprint:"]
     lines += [f"    {key}: {value}" for key, value in sorted(baseline.fingerprint.items())]
     lines.append("  module kinds (share of steps moved, update per element over lr):")

@@ -12,6 +12,7 @@ import math
 import statistics
 import time
 
+from ..baseline.calibrate import straggler_ratio
 from ..model.run_state import RankState, ReplicaSample, RunState
 from ..model.settings import DetectorSettings
 from .base import SpecDetector, Verdict, fmt
@@ -114,7 +115,8 @@ class RankStraggler(SpecDetector):
 
     spec = DetectorSpec(
         checked_against=("healthy-matrix", "conformance-twin", "ddp-gloo-2-ranks"),
-        false_positives=("a rank that does more work by design (rank 0 logging or evaluation): "
+        false_positives=("a rank that does more work by design (rank 0 logging or evaluation; a "
+                         "baseline of the job raises the ratio to its healthy runs'): "
                          "information for the job's owner"),
         id="rank_straggler",
         severity=Severity.WARNING,
@@ -127,7 +129,9 @@ class RankStraggler(SpecDetector):
         fires_when="over the last `straggler_steps` steps every rank timed, one rank's local "
         "seconds are at least `straggler_ratio` times the next rank's and "
         "`straggler_min_seconds` more in 3 of 4 of those steps, and the median difference "
-        "is at least `straggler_step_share` of the job's median step time",
+        "is at least `straggler_step_share` of the job's median step time; on a run with a "
+        "baseline, the ratio is at least the one its healthy runs' slowest rank showed, "
+        "widened by `baseline_margin`",
         policy=Policy.OBSERVE,
         thresholds=(Threshold("straggler_steps", "optimizer steps",
                               "recent steps timed on every rank that the verdict reads"),
@@ -154,11 +158,12 @@ class RankStraggler(SpecDetector):
                    for rank, times in per_rank.items()}
         slowest = max(medians, key=lambda rank: medians[rank])
         others = max(m for rank, m in medians.items() if rank != slowest)
+        needed = straggler_ratio(run, settings)  # higher where a baseline's healthy runs were
 
         def lead(step: int) -> bool:
             mine = per_rank[slowest][step]
             next_one = max(t[step] for rank, t in per_rank.items() if rank != slowest)
-            return (mine >= settings.straggler_ratio * next_one
+            return (mine >= needed * next_one
                     and mine - next_one >= settings.straggler_min_seconds)
 
         led = sum(1 for s in window if lead(s))
@@ -184,7 +189,9 @@ class RankStraggler(SpecDetector):
                       "next_rank_seconds": fmt(others), "ratio": fmt(ratio),
                       "slowest_in_steps": f"{led}/{len(window)}",
                       "step_seconds": fmt(step_time), "share_of_step": fmt(share),
-                      "steps": f"{window[0]}-{window[-1]}", "step": fmt(window[-1])},
+                      "steps": f"{window[0]}-{window[-1]}", "step": fmt(window[-1]),
+                      **({} if needed == settings.straggler_ratio
+                         else {"baseline_ratio": fmt(needed)})},
         )
 
 

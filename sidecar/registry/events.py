@@ -34,6 +34,9 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("deadweight.registry")
 
+#: Steps of a multi-rank run held while not every rank has timed them (``_time_rank``).
+RANK_TIMES_HELD = 64
+
 
 class CheckpointSink(Protocol):
     """Told where a run writes checkpoints and which ones it reported (the watcher).
@@ -87,6 +90,8 @@ class EventApplier:
         self._history: list[tuple[int, float, bytes | str]] = []
         #: The batch's log history rows (step, time, figures), written likewise.
         self._logs: list[tuple[int, float, dict[str, float]]] = []
+        #: The batch's rank timings (``journal.RANKS``: step, time, figures), likewise.
+        self._ranks: list[tuple[int, float, dict[str, float]]] = []
         #: Handlers of the kinds other than steps (``apply`` applies those itself).
         self._handlers: dict[EventKind, Callable[[RunEntry, int, pb.Event, float], None]] = {
             EventKind.RUN_START: self._on_run_start,
@@ -172,6 +177,8 @@ class EventApplier:
         entry.state.stepped()
         if report.HasField("local_seconds"):
             rank.local_seconds.append((step, report.local_seconds))
+            if len(entry.state.ranks) > 1:
+                self._time_rank(entry, step, report.local_seconds, now)
         if report.HasField("step_seconds"):
             rank.step_seconds.append((step, report.step_seconds))
         if newest_is_own:  # the run's newest combined step is this one
@@ -183,6 +190,27 @@ class EventApplier:
         else:
             self._keep_step_history(entry, point, report, found, now)
         return step
+
+    def _time_rank(self, entry: RunEntry, step: int, seconds: float, now: float) -> None:
+        """Tally one rank's own seconds of a step (O(1): a count and the two largest); once
+        every rank of the run timed it, the step's slowest over its next slowest goes to
+        the rank history, what a baseline calibrates ``rank_straggler`` with."""
+        tally = entry.rank_times
+        count, top, second = tally.get(step, (0, 0.0, 0.0))
+        if seconds > top:
+            top, second = seconds, top
+        elif seconds > second:
+            second = seconds
+        count += 1
+        if count < len(entry.state.ranks):
+            tally[step] = (count, top, second)
+            if len(tally) > RANK_TIMES_HELD:  # a rank that stopped timing: forget the oldest
+                del tally[next(iter(tally))]
+            return
+        tally.pop(step, None)
+        if second > 0:
+            self._ranks.append((step, now, {"slowest_over_next": top / second,
+                                            "slowest_seconds": top, "next_seconds": second}))
 
     def _reanchor(self, entry: RunEntry, rank: RankState, rank_id: int, point: StepPoint,
                   report: pb.StepReport, found: bytes,
@@ -245,6 +273,13 @@ class EventApplier:
                 entry.outbox.add(functools.partial(self.store.add_logs, run_id, self._logs,
                                                    life))
             self._logs = []
+        if self._ranks:
+            if queue is not None:
+                queue.add_ranks(run_id, self._ranks, life)
+            else:
+                entry.outbox.add(functools.partial(self.store.add_rank_history, run_id,
+                                                   self._ranks, life))
+            self._ranks = []
 
     @staticmethod
     def _newest_is_own(run: RunState, rank: int) -> bool:

@@ -68,6 +68,9 @@ class RunEntry:
     leader: int | None = None
     #: The last optimizer step written to the store's history (for the run report).
     history_step: int = 0
+    #: step -> (ranks that timed it, slowest seconds, next slowest) while not every rank of
+    #: a multi-rank run has (``EventApplier._time_rank``; the oldest go past RANK_TIMES_HELD).
+    rank_times: dict[int, tuple[int, float, float]] = field(default_factory=dict)
     #: rank -> the incidents (``Finding.incident_id``) its stream was sent the words of.
     told: dict[int, set[str]] = field(default_factory=dict)
     #: detector -> the previous incarnation's finding whose page is still held: resolved

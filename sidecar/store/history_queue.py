@@ -30,8 +30,10 @@ INTERVAL_SECONDS = 0.25
 #: Rows (steps and logs) the queue holds at most before dropping its oldest.
 MAX_QUEUED_ROWS = 200_000
 
-#: What is queued, in arrival order: ((run id, incarnation), steps or None, logs or None).
-_Queued = tuple[Life, Sequence[history.StoredStep] | None, Sequence[LoggedFigures] | None]
+#: What is queued, in arrival order: ((run id, incarnation), steps or None, logs or None,
+#: rank timings or None).
+_Queued = tuple[Life, Sequence[history.StoredStep] | None, Sequence[LoggedFigures] | None,
+                Sequence[LoggedFigures] | None]
 
 
 class HistoryQueue:
@@ -56,20 +58,25 @@ class HistoryQueue:
     def add_steps(self, run_id: str, rows: Sequence[history.StoredStep],
                   incarnation: int = 1) -> None:
         """Queue a batch's steps (``history.encode_step`` each); O(1), no I/O."""
-        self._add(((run_id, incarnation), rows, None), len(rows))
+        self._add(((run_id, incarnation), rows, None, None), len(rows))
 
     def add_logs(self, run_id: str, logs: Sequence[LoggedFigures],
                  incarnation: int = 1) -> None:
         """Queue a batch's logs, (step, time, figures) each; O(1), no I/O."""
-        self._add(((run_id, incarnation), None, logs), len(logs))
+        self._add(((run_id, incarnation), None, logs, None), len(logs))
+
+    def add_ranks(self, run_id: str, rows: Sequence[LoggedFigures],
+                  incarnation: int = 1) -> None:
+        """Queue a batch's rank timings (``journal.RANKS``); O(1), no I/O."""
+        self._add(((run_id, incarnation), None, None, rows), len(rows))
 
     def _add(self, item: _Queued, rows: int) -> None:
         with self._lock:
             self._queue.append(item)
             self._rows += rows
             while self._rows > self.max_rows and len(self._queue) > 1:
-                _, steps, logs = self._queue.popleft()
-                lost = len(steps or ()) + len(logs or ())
+                _, steps, logs, ranks = self._queue.popleft()
+                lost = len(steps or ()) + len(logs or ()) + len(ranks or ())
                 self._rows -= lost
                 self.dropped += lost
 
@@ -91,7 +98,7 @@ class HistoryQueue:
                 self.commits += 1
             except StoreWriteFailed:  # counted and logged by the store: these rows are lost
                 log.warning("history_not_written", rows=sum(
-                    len(s or ()) + len(g or ()) for _, s, g in queued))
+                    len(s or ()) + len(g or ()) + len(r or ()) for _, s, g, r in queued))
 
     def start(self) -> None:
         """Commit the queue every interval on a thread of its own."""
@@ -117,15 +124,19 @@ class HistoryQueue:
 
 
 def _merged(queued: Sequence[_Queued]) -> tuple[
-        list[tuple[Life, list[history.StoredStep]]], list[tuple[Life, list[LoggedFigures]]]]:
-    """Each life's steps and logs of the interval, in arrival order: one packed row of steps
-    per (run id, incarnation) (a step sent twice: the later one wins when read, as before;
-    a run id's two lives in one interval stay two)."""
+        list[tuple[Life, list[history.StoredStep]]], list[tuple[Life, list[LoggedFigures]]],
+        list[tuple[Life, list[LoggedFigures]]]]:
+    """Each life's steps, logs and rank timings of the interval, in arrival order: one
+    packed row of steps per (run id, incarnation) (a step sent twice: the later one wins
+    when read, as before; a run id's two lives in one interval stay two)."""
     steps: dict[Life, list[history.StoredStep]] = {}
     logs: dict[Life, list[LoggedFigures]] = {}
-    for life, run_steps, run_logs in queued:
+    ranks: dict[Life, list[LoggedFigures]] = {}
+    for life, run_steps, run_logs, run_ranks in queued:
         if run_steps:
             steps.setdefault(life, []).extend(run_steps)
         if run_logs:
             logs.setdefault(life, []).extend(run_logs)
-    return list(steps.items()), list(logs.items())
+        if run_ranks:
+            ranks.setdefault(life, []).extend(run_ranks)
+    return list(steps.items()), list(logs.items()), list(ranks.items())

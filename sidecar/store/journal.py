@@ -37,6 +37,10 @@ log = structlog.get_logger("deadweight.store")
 
 #: One log kept for the report: (step, time, the figures worth a plot).
 LoggedFigures = tuple[int, float, dict[str, float]]
+#: The history kind of a multi-rank run's step timings: per step every rank timed, its
+#: slowest rank's own seconds over the next slowest's (``slowest_over_next``), what a
+#: baseline calibrates ``rank_straggler`` with.
+RANKS = "ranks"
 #: One life of a run id, the key of its history: (run id, incarnation).
 Life = tuple[str, int]
 
@@ -533,28 +537,36 @@ class Store:
         coarser grain)."""
         self.write_history(steps=[((run_id, incarnation), rows)])
 
+    def add_rank_history(self, run_id: str, rows: Sequence[LoggedFigures],
+                         incarnation: int = 1) -> None:
+        """Keep a batch's rank timings (``RANKS``: step, time, figures), in one transaction."""
+        self.write_history(ranks=[((run_id, incarnation), rows)])
+
     def write_history(self, steps: Sequence[tuple[Life, Sequence[history.StoredStep]]] = (),
-                      logs: Sequence[tuple[Life, Sequence[LoggedFigures]]] = ()) -> None:
-        """Steps and logs of any number of runs in one transaction: a commit per batch cost
-        more than the rest of a small batch's ingest (``HistoryQueue`` gathers them). Each
-        is keyed by (run id, incarnation): a run id used again never writes over, nor
-        reads, the steps of its earlier life."""
-        if not any(rows for _, rows in steps) and not any(rows for _, rows in logs):
+                      logs: Sequence[tuple[Life, Sequence[LoggedFigures]]] = (),
+                      ranks: Sequence[tuple[Life, Sequence[LoggedFigures]]] = ()) -> None:
+        """Steps, logs and rank timings of any number of runs in one transaction: a commit per
+        batch cost more than the rest of a small batch's ingest (``HistoryQueue`` gathers
+        them). Each is keyed by (run id, incarnation): a run id used again never writes over,
+        nor reads, the steps of its earlier life."""
+        if not any(rows for _, rows in steps) and not any(rows for _, rows in logs) \
+                and not any(rows for _, rows in ranks):
             return
         with self._transaction():
             for life, rows in steps:
                 if rows:
                     self._history.insert_steps(life, rows)
-            for life, entries in logs:
-                if entries:
-                    self._history.insert(life, "log", [
-                        (step, at, json.dumps(series, sort_keys=True))
-                        for step, at, series in entries])
+            for kind, lives in (("log", logs), (RANKS, ranks)):
+                for life, entries in lives:
+                    if entries:
+                        self._history.insert(life, kind, [
+                            (step, at, json.dumps(series, sort_keys=True))
+                            for step, at, series in entries])
 
     def history(self, run_id: str, kind: str, incarnation: int | None = None
                 ) -> list[tuple[int, float, dict[str, float]]]:
-        """(step, time, figures) of one incarnation's history of one kind ("step" or "log"),
-        by step (None: the run id's newest incarnation)."""
+        """(step, time, figures) of one incarnation's history of one kind ("step", "log" or
+        ``RANKS``), by step (None: the run id's newest incarnation)."""
         if incarnation is None:
             incarnation = self._current_incarnation(run_id)
         with self._lock:

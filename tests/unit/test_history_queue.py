@@ -16,7 +16,7 @@ from deadweight.proto import pb
 from deadweight.sidecar.model.step_point import StepPoint
 from deadweight.sidecar.store import history
 from deadweight.sidecar.store.history_queue import HistoryQueue
-from deadweight.sidecar.store.journal import Store
+from deadweight.sidecar.store.journal import RANKS, Store
 from tests.support.realprocs import wait_for
 
 
@@ -51,7 +51,8 @@ def test_queued_history_lands_in_one_commit(tmp_path: Path) -> None:
     queue.add_steps("a", _steps(5, 4))
     queue.add_steps("b", _steps(1, 2))
     queue.add_logs("b", [(1, 1.0, {"loss": 2.5}), (2, 2.0, {"loss": 2.25})])
-    assert len(queue) == 13
+    queue.add_ranks("b", [(1, 1.0, {"slowest_over_next": 1.8})])  # a two-rank job's timing
+    assert len(queue) == 14
     assert store.history("a", "step") == [] and store.history("b", "log") == []
     queue.flush()
     assert len(commits) == 1 and queue.commits == 1 and len(queue) == 0
@@ -60,6 +61,8 @@ def test_queued_history_lands_in_one_commit(tmp_path: Path) -> None:
     assert _packed_rows(store, "a") == 1  # the interval's two batches: one packed row
     assert [f["loss"] for _, _, f in store.history("b", "log")] == [2.5, 2.25]
     assert [f["loss"] for _, _, f in store.history("a", "log")] == [1.5]
+    assert store.history("b", RANKS) == [(1, 1.0, {"slowest_over_next": 1.8})]
+    assert store.history("b", "log")[0][2] == {"loss": 2.5}  # a kind of its own: no overwrite
     queue.flush()  # nothing queued: nothing written
     assert len(commits) == 1
 

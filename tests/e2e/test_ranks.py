@@ -22,9 +22,12 @@ import pytest
 import yaml
 
 from alerts.rules import RANK_STOPPED, rank_stopped_expr
+from deadweight.sidecar.baseline.build import build
 from deadweight.sidecar.detectors import Verdict
 from deadweight.sidecar.detectors.ranks import RankStraggler, ReplicasDiverged
 from deadweight.sidecar.model.settings import DetectorSettings
+from deadweight.sidecar.registry import Registry
+from deadweight.sidecar.store.journal import RANKS, Store
 from tests.support import ddp_worker, rank_worker, torchrun
 from tests.support.inprocess_sidecar import InProcessSidecar
 from tests.support.realprocs import start_prometheus, wait_for
@@ -255,6 +258,30 @@ def test_straggler_is_reported(sidecar: InProcessSidecar, tmp_path: Path) -> Non
     assert first <= SETTINGS.straggler_steps + 1
     assert not {k for k, f in sidecar.findings(run_id).items()
                 if f.incidents and k != "rank_straggler"}
+
+
+def test_a_job_s_rank_timings_reach_the_state_database_and_its_baseline(
+        tmp_path: Path) -> None:
+    """A real 2-rank job against a sidecar with a state database: every step both ranks
+    timed is kept as its slowest rank's own seconds over the next one's (from two streams,
+    whichever rank's batch completes the step), and a baseline saved from the job carries
+    the ratio that calibrates rank_straggler (``test_baseline_calibration`` checks what it
+    quiets, on exact timings)."""
+    store = Store(tmp_path / "state")
+    sidecar = InProcessSidecar(tmp_path / "sock" / "dw.sock", registry=Registry(
+        settings=SETTINGS, store=store)).start()
+    try:
+        run_id, _ = _run(sidecar, "straggler", tmp_path / "job", 10)
+    finally:
+        sidecar.stop()
+    try:
+        timed = store.history(run_id, RANKS)
+        assert [step for step, _, _ in timed] == list(range(1, 11))
+        assert all(f["slowest_over_next"] >= 1 and f["slowest_seconds"] >= f["next_seconds"]
+                   for _, _, f in timed)
+        assert build(store, [run_id]).rank_time_ratio is not None
+    finally:
+        store.close()
 
 
 @pytest.mark.parametrize("mode", ["unwrapped", "init"])

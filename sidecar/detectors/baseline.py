@@ -57,19 +57,21 @@ def _log_points(run: RunState, quantity: str) -> Iterator[tuple[int, float]]:
 
 def _trajectory(run: RunState, settings: DetectorSettings, quantities: Sequence[str],
                 from_logs: bool) -> tuple[Baseline, Deviation | None] | None:
-    """The first deviation among quantities (None: the run names no baseline)."""
+    """The longest-lasting deviation among quantities, the first of equals (None: the run
+    names no baseline): a persistent one is not hidden behind a younger one's info."""
     baseline = baseline_of(run)
     if baseline is None:
         return None
     total = total_steps(run, baseline)
+    longest: Deviation | None = None
     for quantity in quantities:
         points = _log_points(run, quantity) if from_logs else _step_points(run, quantity)
         found = deviation(baseline, quantity, points, total, settings.baseline_steps,
                           settings.baseline_margin * MARGIN_SCALE.get(quantity, 1.0),
                           settings.baseline_escalate_steps)
-        if found is not None:
-            return baseline, found
-    return baseline, None
+        if found is not None and (longest is None or found.points > longest.points):
+            longest = found
+    return baseline, longest
 
 
 def persistence(points: int, settings: DetectorSettings) -> tuple[Severity | None, str]:
@@ -347,10 +349,14 @@ class BaselineUpdateSize(SpecDetector):
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
         fix = "compare the optimizer, its settings and what trains with the baseline's"
         found = _trajectory(run, settings, ("update_rms",), False)
-        if found is None or found[1] is not None:
-            return _verdict(run, found, fix, settings)
-        return _module_ratio(run, settings, found[0], fix) or _verdict(run, found, fix,
-                                                                        settings)
+        whole = _verdict(run, found, fix, settings)
+        if found is None or whole is None:
+            return whole
+        module = _module_ratio(run, settings, found[0], fix)
+        if module is None or (whole.firing and (whole.severity is None
+                                                 or module.severity is not None)):
+            return whole  # the whole update's deviation, unless a module's lasts longer
+        return module
 
 
 def _module_ratio(run: RunState, settings: DetectorSettings, baseline: Baseline, fix: str

@@ -277,3 +277,18 @@ def test_a_deviation_that_persists_steps_up_to_warning_and_never_critical() -> N
     assert seen[-1] == ("warning", warning_from, 2)
     finding = feed.registry.findings(feed.run_id)["baseline_loss"]
     assert "persistent" in finding.summary and finding.evidence["points_outside"] == "58"
+
+
+def test_a_persistent_signal_is_not_hidden_behind_a_younger_ones_info() -> None:
+    """kl out of its band from the first log, reward only for the last six: the verdict is
+    kl's warning, not reward's info (the first quantity the detector walks)."""
+    baseline = Baseline(runs=("healthy",), steps=40, fingerprint={}, modules={}, series={
+        "reward": tuple(Band(0.5, 0.5, 0.5) for _ in range(BINS)),
+        "kl": tuple(Band(0.01, 0.01, 0.01) for _ in range(BINS))})
+    feed = Feed(Registry(settings=DetectorSettings()), trainer="GRPOTrainer",
+                baseline=baseline.to_json(), baseline_name="grpo.baseline.json")
+    for step in range(1, 21):
+        feed.log(step, reward=5.0 if step > 14 else 0.5, kl=1.0)
+    finding = feed.registry.findings(feed.run_id)["baseline_rl_signals"]
+    assert finding.firing and finding.severity == "warning"
+    assert finding.evidence["quantity"] == "kl" and finding.evidence["points_outside"] == "20"

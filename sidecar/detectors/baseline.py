@@ -350,11 +350,10 @@ class BaselineUpdateSize(SpecDetector):
         fix = "compare the optimizer, its settings and what trains with the baseline's"
         found = _trajectory(run, settings, ("update_rms",), False)
         whole = _verdict(run, found, fix, settings)
-        if found is None or whole is None:
-            return whole
+        if found is None or whole is None or (whole.firing and whole.severity is None):
+            return whole  # no baseline, or the whole update's deviation is persistent
         module = _module_ratio(run, settings, found[0], fix)
-        if module is None or (whole.firing and (whole.severity is None
-                                                 or module.severity is not None)):
+        if module is None or (whole.firing and module.severity is not None):
             return whole  # the whole update's deviation, unless a module's lasts longer
         return module
 

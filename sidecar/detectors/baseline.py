@@ -31,7 +31,7 @@ MARGIN = Threshold("baseline_margin", "fraction", "how far outside its band a va
                    "the band's width or this fraction of its size, whichever is larger")
 ESCALATE = Threshold("baseline_escalate_steps", "points", "consecutive points outside the "
                      "band (counted as for `baseline_steps`) before an info verdict steps up "
-                     "to warning")
+                     "to warning (at most 64, the longest streak a walk counts)")
 #: The lower severity of a trajectory verdict, and when (the specs' ``lower_when``).
 LOWER_WHEN = ("the deviation has lasted fewer than `baseline_escalate_steps` points: a healthy "
               "run on other data can leave a band for a while, a broken recipe stays out")

@@ -138,6 +138,8 @@ def test_show_prints_it(results: Results) -> None:
     code, out = _cli("baseline", "show", str(results.baseline))
     assert code == 0
     assert "runs: healthy-0" in out and "learning_rate:" in out and "stage1: moved 100%" in out
+    assert "largest grad-norm jump over its recent level: " in out
+    assert "slowest rank's own step time over the next rank's: -" in out  # one rank
 
 
 def test_several_runs_widen_the_bands(results: Results) -> None:

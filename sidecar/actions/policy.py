@@ -32,6 +32,7 @@ import structlog
 from ...proto import pb
 from ..detectors import BY_ID, GRAPH, root_causes_of
 from ..detectors.base import Policy
+from ..detectors.spec import Severity
 from ..model.finding import OPERATOR, Finding, RunFacts, RunSnapshot
 from ..store.journal import ActionRow, Store, StoreWriteFailed
 from .pager_health import PageSettler
@@ -107,6 +108,15 @@ class ActionEvent:
 
 def policy_level(policy: str) -> int:
     return LEVEL[Policy(policy)]
+
+
+def acting_level(finding: Finding) -> int:
+    """How far a verdict acts: its policy's level, but an info verdict (worth knowing,
+    nothing wrong by itself: a baseline deviation's first stage) is shown and never paged
+    or acted on, whatever the policy; it pages if it steps up to a warning."""
+    if finding.severity == Severity.INFO.value:
+        return LEVEL[Policy.OBSERVE]
+    return policy_level(finding.policy)
 
 
 class Actions:
@@ -229,7 +239,7 @@ class Actions:
     # -- verdict transitions ---------------------------------------------------------------
 
     def fired(self, run: RunFacts, finding: Finding) -> list[pb.Directive]:
-        level = policy_level(finding.policy)
+        level = acting_level(finding)
         directives: list[pb.Directive] = []
         if level >= LEVEL[Policy.PAGE] and not self._paged(run, finding):
             cover = self.silenced_by(run, finding.detector)
@@ -256,7 +266,7 @@ class Actions:
         alert, not a new one) and STOP is queued again for ranks that reconnect; both are
         journaled as such, not as new actions. The enforcer resumes escalations itself.
         """
-        level = policy_level(finding.policy)
+        level = acting_level(finding)
         directives: list[pb.Directive] = []
         if (level >= LEVEL[Policy.PAGE] and self.pager is not None and not self.dry_run
                 and not self._silenced(run, finding) and self._paged(run, finding)):
@@ -290,7 +300,7 @@ class Actions:
     def silenced(self, run: RunFacts, finding: Finding) -> None:
         """A silence began on a firing incident: the page already out resolves (on-call's
         pager quiets; the rules leave silenced detectors out too)."""
-        if (policy_level(finding.policy) >= LEVEL[Policy.PAGE] and self.pager is not None
+        if (acting_level(finding) >= LEVEL[Policy.PAGE] and self.pager is not None
                 and not self.dry_run and self._paged(run, finding)):
             self.pager.resolve(run.run_id, finding.detector, finding.severity)
 
@@ -315,7 +325,7 @@ class Actions:
     def unsilenced(self, run: RunFacts, finding: Finding) -> None:
         """A silence ended on a firing incident: page it now (journaled once), or, if it was
         paged before the silence, assert that page again."""
-        if policy_level(finding.policy) < LEVEL[Policy.PAGE]:
+        if acting_level(finding) < LEVEL[Policy.PAGE]:
             return
         if not self._paged(run, finding):
             self._page(run, finding)
@@ -324,7 +334,7 @@ class Actions:
             self.record(self._event(run, finding, "page", "reasserted"))
 
     def resolved(self, run: RunFacts, finding: Finding) -> None:
-        paged = policy_level(finding.policy) >= LEVEL[Policy.PAGE]
+        paged = acting_level(finding) >= LEVEL[Policy.PAGE]
         if paged and self.pager is not None and not self.dry_run:
             with self._lock:
                 self._held_pages.get(run.run_id, {}).pop(finding.detector, None)

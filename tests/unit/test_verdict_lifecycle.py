@@ -304,3 +304,36 @@ def test_a_verdict_that_steps_up_opens_a_new_incident_at_the_higher_severity(
         "SELECT incident, severity, resolved_at IS NULL FROM incidents "
         "WHERE detector='stepping_probe' ORDER BY incident").fetchall()
     assert rows == [(1, "warning", 0), (2, "critical", 1)]
+
+
+class _InfoFirstDetector(SpecDetector):
+    """Info from step 2, a warning from step 5: a baseline deviation that persists."""
+
+    spec = dataclasses.replace(BY_ID["baseline_loss"].spec, id="info_first_probe")
+
+    def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
+        if run.step < 2:
+            return Verdict(False, step=run.step)
+        return Verdict(True, step=run.step, summary=f"probe at {run.step}",
+                       severity=Severity.INFO if run.step < 5 else None)
+
+
+def test_an_info_verdict_is_shown_but_never_paged_its_warning_is(tmp_path: Path) -> None:
+    """Info is worth knowing, nothing wrong by itself: under a page policy it still pages
+    nobody (no page, no resolution sent); once it steps up to a warning it pages, once."""
+    pager = RecordingPager()
+    store = Store(tmp_path)
+    actions = Actions(pager=pager, store=store)
+    registry = Registry(actions, store=store, active_detectors=(_InfoFirstDetector(),),
+                        policies={"info_first_probe": Policy.PAGE})
+    _feed(registry, [pb.Event(seq=0, run_start=run_start())])
+    for step in range(1, 4):
+        _feed(registry, frozen_events(step, 2 * step - 1))
+    info = _finding(registry, "info_first_probe")
+    assert info.firing and info.severity == "info"
+    assert pager.fired == [] and pager.resolved == []
+    for step in range(4, 7):
+        _feed(registry, frozen_events(step, 2 * step - 1))
+    assert _finding(registry, "info_first_probe").severity == "warning"
+    assert [d for _, d, _ in pager.fired] == ["info_first_probe"]
+    assert pager.resolved == []  # the info stage was never paged: nothing to resolve

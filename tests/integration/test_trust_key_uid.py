@@ -29,6 +29,7 @@ import pytest
 from deadweight.demo.sidecar_process import SidecarProcess
 from tests.support.enforcement_support import stop_all
 from tests.support.realprocs import wait_for
+from tests.support.uid_layout import sidecar_folder
 
 pytestmark = pytest.mark.slow
 
@@ -64,14 +65,7 @@ class SidecarAs(SidecarProcess):
     it: its folder and socket folder its own (SHARED_GID may enter), its state dir 0700."""
 
     def __init__(self, folder: Path, jobs: Path, extra_args: list[str]) -> None:
-        folder.mkdir()
-        os.chown(folder, SIDECAR_UID, SHARED_GID)
-        os.chmod(folder, 0o750)
-        (folder / "sock").mkdir(mode=0o750)
-        os.chown(folder / "sock", SIDECAR_UID, SHARED_GID)
-        self.state = folder / "state"
-        self.state.mkdir(mode=0o700)
-        os.chown(self.state, SIDECAR_UID, SIDECAR_UID)
+        self.state = sidecar_folder(folder, SIDECAR_UID, SHARED_GID)
         super().__init__(folder, watch_roots=[jobs],
                          extra_args=["--state-dir", str(self.state), *extra_args])
 

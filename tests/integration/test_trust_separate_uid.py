@@ -34,6 +34,7 @@ from deadweight.sidecar.actions.signal_capability import CAP_KILL, grant_to_inte
 from deadweight.sidecar.store.journal import Store
 from tests.support.enforcement_support import assert_never_signalled, start_job, stop_all
 from tests.support.realprocs import wait_for
+from tests.support.uid_layout import sidecar_folder
 
 pytestmark = pytest.mark.slow
 
@@ -140,16 +141,7 @@ class OtherUidSidecar(SidecarProcess):
     """``deadweight serve`` as SIDECAR_UID, with or without KILL in its bounding set."""
 
     def __init__(self, folder: Path, interpreter: Path, with_kill: bool) -> None:
-        # Laid out as the pod has it: the sidecar owns its folder, socket folder (group
-        # SHARED_GID may enter) and state dir (0700).
-        folder.mkdir()
-        os.chown(folder, SIDECAR_UID, SHARED_GID)
-        os.chmod(folder, 0o750)
-        (folder / "sock").mkdir(mode=0o750)
-        os.chown(folder / "sock", SIDECAR_UID, SHARED_GID)
-        self.state = folder / "state"
-        self.state.mkdir(mode=0o700)
-        os.chown(self.state, SIDECAR_UID, SIDECAR_UID)
+        self.state = sidecar_folder(folder, SIDECAR_UID, SHARED_GID)  # as the pod has it
         super().__init__(folder, policies={"frozen_weights": "kill"}, extra_args=[
             "--state-dir", str(self.state), "--stop-grace-seconds", "1",
             "--kill-grace-seconds", "1", "--trainer-uid", str(TRAINER_UID),

@@ -60,19 +60,28 @@ def is_alive(identity: ProcessIdentity) -> bool:
 
     A zombie (exited, not yet reaped by its parent) counts as gone: it runs nothing.
     """
-    if identity.boot_id and identity.boot_id != boot_id():
-        return False
-    found = _stat(identity.pid)
-    return found is not None and found[1] == identity.start_time and found[0] not in ("Z", "X")
+    return not exited(state(identity))
 
 
-def is_suspended(identity: ProcessIdentity) -> bool:
-    """True while identity's process runs but is stopped (SIGSTOP: a scheduler suspended
-    it, or a debugger holds it): silent, yet nothing is wrong with its training."""
+def state(identity: ProcessIdentity) -> str | None:
+    """The state letter of identity's process (``/proc/<pid>/stat``: "R", "S", "T" when
+    stopped, "Z" a zombie, ...), or None when its pid no longer runs that very process."""
     if identity.boot_id and identity.boot_id != boot_id():
-        return False
+        return None
     found = _stat(identity.pid)
-    return found is not None and found[1] == identity.start_time and found[0] in ("T", "t")
+    return found[0] if found is not None and found[1] == identity.start_time else None
+
+
+def exited(letter: str | None) -> bool:
+    """Whether a process state (``state``) means the process is gone: no such process, or
+    a zombie (exited, not yet reaped by its parent), which runs nothing."""
+    return letter in (None, "Z", "X")
+
+
+def is_suspended(letter: str | None) -> bool:
+    """Whether a process state (``state``) is stopped (SIGSTOP: a scheduler suspended it,
+    or a debugger holds it): silent, yet nothing is wrong with its training."""
+    return letter in ("T", "t")
 
 
 def reused(identity: ProcessIdentity) -> bool:

@@ -46,7 +46,8 @@ from ..detectors.base import Detector, Policy
 from ..detectors.frozen import FrozenWeights
 from ..model.finding import ActionSink, Finding, LogOnlyActions, RunSnapshot
 from ..model.nonces import Attestor
-from ..model.process import ProcessIdentity, is_suspended
+from ..model.process import ProcessIdentity, exited, is_suspended
+from ..model.process import state as process_state
 from ..model.run_state import RunState
 from ..model.settings import DetectorSettings
 from ..store.journal import Store
@@ -447,17 +448,19 @@ class Registry:
         self._flush(*entries)
 
     def _check_exits(self, entry: RunEntry, now: float) -> None:
-        """A run whose every registered process is gone has ended, run end or not."""
+        """A run whose every registered process is gone has ended, run end or not; of the
+        others, which ranks' processes are stopped (one read of each process's state)."""
         if entry.state.ended or now - entry.exit_checked_at < EXIT_CHECK_SECONDS:
             return
         if not entry.identities:
             return
         entry.exit_checked_at = now
-        if IdentityGate.all_gone(entry):
+        states = {rank: process_state(identity) for rank, identity in entry.identities.items()}
+        if all(exited(letter) for letter in states.values()):
             end_run(entry, self.store, "process_exited", now)
             return
         entry.state.suspended_ranks = frozenset(
-            rank for rank, identity in entry.identities.items() if is_suspended(identity))
+            rank for rank, letter in states.items() if is_suspended(letter))
 
     def mark_ended(self, run_id: str, reason: str, incarnation: int | None = None) -> None:
         """End a run from outside the stream (its processes were killed or are gone); with

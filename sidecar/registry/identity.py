@@ -21,7 +21,7 @@ import structlog
 
 from ...proto import pb
 from ..model.nonces import Attestor
-from ..model.process import ProcessIdentity, is_alive
+from ..model.process import ProcessIdentity
 from ..store.journal import Store
 from .run_table import RunEntry
 from .validation import run_start_of
@@ -76,12 +76,6 @@ class IdentityGate:
                                            entry.incarnation))
         log.info("rank_bound", run_id=entry.state.run_id, rank=rank, pid=identity.pid,
                  uid=identity.uid, start_time=identity.start_time)
-
-    @staticmethod
-    def all_gone(entry: RunEntry) -> bool:
-        """Whether every process that registered a rank of the run has exited."""
-        return bool(entry.identities) and not any(
-            is_alive(identity) for identity in entry.identities.values())
 
 
 def note_collision(entry: RunEntry, rank: int, who: str) -> None:

@@ -154,10 +154,11 @@ def start_facts_or_silent(run: RunState, fact: str = "") -> pb.RunStart | Verdic
     return run.start
 
 
-def saves_through_adapter(run: RunState) -> bool:
-    """Whether every checkpoint of the run is saved through the PEFT adapter: a Trainer's is
-    (it calls the PEFT model's ``save_pretrained``); a raw loop (``deadweight.watch``) may
-    save the rest of the model itself, so what the adapter leaves out is not certainly lost."""
+def trainer_loop(run: RunState) -> bool:
+    """Whether a transformers Trainer runs the loop (the callback), not the user's own code
+    (``deadweight.watch``). What the Trainer does is known: it clears the gradients after
+    every step, and it saves a PEFT model through the adapter, so what the adapter leaves
+    out is lost from every checkpoint it writes (a raw loop may save the rest itself)."""
     return run.start is not None and run.start.config_text.get("loop") == "trainer"
 
 

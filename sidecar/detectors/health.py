@@ -8,7 +8,7 @@ import time
 from ..model.run_state import RankState, RunState
 from ..model.settings import DetectorSettings
 from ..model.step_point import StepPoint
-from .base import SpecDetector, Verdict, fmt, step_at
+from .base import SpecDetector, Verdict, fmt, step_at, trailing_streak
 from .spec import (
     ROOT_CAUSES,
     DetectorSpec,
@@ -64,7 +64,8 @@ class NonfiniteLoss(SpecDetector):
         if not bad:
             return Verdict(False)
         step = _first_bad_step(run, bad, steps)
-        streak = max(_nonfinite_streak(run, key) for key in ("loss", "grad_norm"))
+        streak = max(len(trailing_streak(run.history(key), _nonfinite))
+                     for key in ("loss", "grad_norm"))
         certain = "weights" in bad or streak >= settings.nonfinite_logs
         return Verdict(
             True,
@@ -80,14 +81,8 @@ class NonfiniteLoss(SpecDetector):
         )
 
 
-def _nonfinite_streak(run: RunState, key: str) -> int:
-    """How many of key's latest reports in a row are non-finite."""
-    count = 0
-    for _, value in reversed(run.history(key)):
-        if math.isfinite(value):
-            break
-        count += 1
-    return count
+def _nonfinite(entry: tuple[int, float]) -> bool:
+    return not math.isfinite(entry[1])
 
 
 def _first_bad_step(run: RunState, bad: list[str], steps: list[StepPoint]) -> int:

@@ -7,7 +7,7 @@ from itertools import pairwise
 
 from ..model.run_state import RunState
 from ..model.settings import DetectorSettings
-from .base import SpecDetector, Verdict, finite_history, fmt
+from .base import SpecDetector, Verdict, finite_history, fmt, trainer_loop
 from .divergence import grad_norm_series
 from .spec import DetectorSpec, Evidence, Policy, Severity, Threshold
 
@@ -141,7 +141,7 @@ class GradientAccumulating(SpecDetector):
     )
 
     def evaluate(self, run: RunState, settings: DetectorSettings) -> Verdict | None:
-        if run.start is not None and run.start.config_text.get("loop") == "trainer":
+        if trainer_loop(run):
             return Verdict(False)  # the Trainer calls zero_grad after every optimizer step
         series = grad_norm_series(run)
         window = series[-(settings.accumulating_logs + 1):]

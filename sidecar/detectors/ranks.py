@@ -13,6 +13,7 @@ import statistics
 import time
 
 from ..baseline.calibrate import straggler_ratio
+from ..baseline.quantities import point_value
 from ..model.run_state import RankState, ReplicaSample, RunState
 from ..model.settings import DetectorSettings
 from .base import SpecDetector, Verdict, fmt
@@ -300,10 +301,8 @@ def _step_update(rank: RankState, step: int) -> float | None:
     nearest step it still holds; None when it measured none."""
     best: tuple[int, float] | None = None
     for point in rank.steps:
-        if point.skipped or point.param_sq_sum <= 0:
-            continue
-        relative = point.update_norm / math.sqrt(point.param_sq_sum)
-        if not math.isfinite(relative) or relative <= 0:
+        relative = None if point.skipped else point_value(point, "relative_update")
+        if relative is None or relative <= 0:
             continue
         distance = abs(point.step - step)
         if best is None or distance < best[0]:

@@ -18,8 +18,8 @@ from .base import (
     finite_history,
     fmt,
     is_rl,
-    saves_through_adapter,
     start_facts_or_silent,
+    trainer_loop,
 )
 from .spec import DetectorSpec, Evidence, Severity, Threshold
 
@@ -122,7 +122,7 @@ class UnsavedHead(SpecDetector):
         return Verdict(
             True,
             step=0,
-            severity=None if saves_through_adapter(run) else Severity.WARNING,
+            severity=None if trainer_loop(run) else Severity.WARNING,
             summary=(f"head {', '.join(lost)} is new (not in the base checkpoint), {how}, and "
                      f"is not in modules_to_save: the saved adapter reloads with a random head"),
             evidence={"heads": ",".join(h.heads), "new_heads": ",".join(h.new_heads),

@@ -11,7 +11,7 @@ from __future__ import annotations
 from ...proto import pb
 from ..model.run_state import RunState
 from ..model.settings import DetectorSettings
-from .base import SpecDetector, Verdict, fmt, saves_through_adapter, start_facts_or_silent
+from .base import SpecDetector, Verdict, fmt, start_facts_or_silent, trainer_loop
 from .spec import DetectorSpec, Evidence, Policy, Severity
 
 
@@ -68,7 +68,7 @@ class BaseWeightsTrained(SpecDetector):
         return Verdict(
             True,
             step=0,
-            severity=None if saves_through_adapter(run) else Severity.WARNING,
+            severity=None if trainer_loop(run) else Severity.WARNING,
             summary=(
                 f"the optimizer trains {unsaved} base-model params in "
                 f"{int(run.config.get('unsaved_trainable_tensors', 0))} tensors "

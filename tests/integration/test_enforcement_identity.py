@@ -98,6 +98,11 @@ def test_a_pid_whose_start_time_changed_is_never_signalled(tmp_path: Path) -> No
     restarted = None
     try:
         wait_journal(store, "reused", ("stop", "sent"), 120)
+        # The sidecar journals STOP, then begins the escalation and fixes its targets: a
+        # SIGKILL right after the STOP row can land before the targets are written.
+        wait_for(lambda: any(i.targets for i in store.incidents("reused")
+                             if i.detector == "frozen_weights"), 30,
+                 what="the escalation's targets journaled")
         assert sidecar.process is not None
         sidecar.process.send_signal(signal.SIGKILL)
         sidecar.process.wait(10)

@@ -74,6 +74,10 @@ def test_batches_are_answered_and_their_history_committed_behind_them(served: Se
     assert "frozen_weights" in firing  # the verdict came back in the batch's own answer
     wait_for(lambda: len(served.store.history("frozen", "step")) == 8, 20,
              what="the queued steps in the database")
+    # A batch's steps and logs are queued one after the other: the queue's thread can commit
+    # the last steps in one flush and their logs in the next.
+    wait_for(lambda: len(served.store.history("frozen", "log")) >= 8, 20,
+             what="the queued logs in the database")
     assert [s for s, _, _ in served.store.history("frozen", "log")] == list(range(1, 9))
     assert served.queue.commits < 8  # not a commit per batch
 

@@ -102,6 +102,8 @@ def scraped_series(samples: list[dict[tuple[str, str], float]], target: str, ins
 def test_an_unreachable_pager_is_visible_and_alerts(tmp_path: Path) -> None:
     dead_port = free_port()  # nothing listens there
     target = f"alertmanager 127.0.0.1:{dead_port}"
+    counted_failed = ('deadweight_actions_total{action="page",detector="frozen_weights",'
+                      'result="failed",run_id="run-pager-down",trainer="SFTTrainer"}')
     log = tmp_path / "sidecar.log"
     with SidecarProcess(tmp_path / "sc", extra_args=[
             "--alertmanager-url", f"http://127.0.0.1:{dead_port}"], log_path=log) as sidecar:
@@ -116,14 +118,17 @@ def test_an_unreachable_pager_is_visible_and_alerts(tmp_path: Path) -> None:
                 first.get(("deadweight_pager_failures_total", target), 0) + 1, 30,
                 what="failures counted on /metrics")
             second = pager_samples(sidecar.metrics())
+            # The pager's thread journals the page's result, then counts it: the row can
+            # read "failed" before /metrics does.
+            wait_for(lambda: counted_failed in sidecar.metrics(), 30,
+                     what="the failed page counted on /metrics")
             metrics = sidecar.metrics()
         finally:
             stop_all(client)
     assert second["deadweight_pager_last_success_timestamp_seconds", target] == 0
     assert (second["deadweight_pager_attempts_total", target]
             >= second["deadweight_pager_failures_total", target] >= 4)
-    assert ('deadweight_actions_total{action="page",detector="frozen_weights",result="failed",'
-            'run_id="run-pager-down",trainer="SFTTrainer"} 1.0') in metrics
+    assert f"{counted_failed} 1.0" in metrics
     # The failure is a JSON line naming the target and the error.
     lines = [json.loads(line) for line in log.read_text().splitlines()
              if line.startswith("{") and "alertmanager_push_failed" in line]

@@ -102,6 +102,10 @@ def test_webhook_pages_once_per_incident_with_links_that_open(
             good, bad = f"webhook 127.0.0.1:{port}", f"webhook#2 127.0.0.1:{dead}"
             wait_for(lambda: ("page", "failed") in journal(_store(tmp_path), run_id), 30,
                      what="the page failed on the dead webhook")
+            # The sidecar counts a POST once it has read the webhook's answer, which can come
+            # after the webhook already holds the message (and after the dead one's failure).
+            wait_for(lambda: metric(sidecar.metrics(), "deadweight_pager_attempts_total",
+                                    good) >= 4, 30, what="the good webhook's answers counted")
             metrics = sidecar.metrics()
         finally:
             stop_all(client)

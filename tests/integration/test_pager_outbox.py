@@ -71,6 +71,7 @@ def test_a_slow_receiver_fails_at_its_deadline_and_delays_no_other_destination(
     args = ["--alertmanager-url", slow.url, "--webhook-url", f"{slow.url}/hook",
             "--webhook-url-file", str(url_file), "--state-dir", str(state), *FAST]
     slow_am, slow_hook = f"alertmanager 127.0.0.1:{slow.port}", f"webhook 127.0.0.1:{slow.port}"
+    good_target = f"webhook#2 127.0.0.1:{good.port}"
     try:
         with SidecarProcess(tmp_path / "sc", extra_args=args, log_path=log) as sidecar:
             assert sidecar.process is not None
@@ -90,6 +91,11 @@ def test_a_slow_receiver_fails_at_its_deadline_and_delays_no_other_destination(
                 wait_for(failing, 30, what="the dripping targets' failures on /metrics")
                 wait_for(lambda: "failed" in page_results(state, run_id), 30,
                          what="the page journaled failed")
+                # The good webhook holds a message before the sidecar has read its answer
+                # and taken the delivery off its queue.
+                wait_for(lambda: sample(sidecar.metrics(), "deadweight_pager_queued",
+                                        good_target) == 0, 30,
+                         what="the good webhook's deliveries acknowledged")
                 metrics = sidecar.metrics()
             finally:
                 stop_all(client)
@@ -101,7 +107,6 @@ def test_a_slow_receiver_fails_at_its_deadline_and_delays_no_other_destination(
         assert sample(metrics, "deadweight_pager_queued", target) >= 1
         assert sample(metrics,
                       "deadweight_pager_oldest_unacknowledged_age_seconds", target) > 1
-    good_target = f"webhook#2 127.0.0.1:{good.port}"
     assert sample(metrics, "deadweight_pager_failures_total", good_target) == 0
     assert sample(metrics, "deadweight_pager_queued", good_target) == 0
     assert "secret-token" not in metrics

@@ -4,6 +4,10 @@ Not frozen (bytes change, the scale-free ratio can look normal because it divide
 learning rate), yet the adapter a run at lr 1e-9 saves is its initial one for any use. The
 verdict is about what the run produces, so it stands after the run ends and reaches the
 summary beside the adapter as firing, not as a warning at train begin only.
+
+The end of a decaying schedule is no such run: a cosine schedule's last steps of a long run
+run at a millionth of its peak rate and move nothing, by design, after the peak trained the
+weights. A step at a small share of the highest rate the run already reached is left out.
 """
 
 from __future__ import annotations
@@ -25,6 +29,17 @@ def relative_update(point: StepPoint) -> float | None:
     return point.update_norm / math.sqrt(point.param_sq_sum)
 
 
+def decayed_steps(steps: list[StepPoint], share: float) -> set[int]:
+    """Steps whose lr is below ``share`` of the highest lr an earlier step ran at: the tail of
+    a decaying schedule (a warmup's rising lr is never below an earlier one)."""
+    decayed, peak = set(), 0.0
+    for point in steps:
+        if point.learning_rate < share * peak:
+            decayed.add(point.step)
+        peak = max(peak, point.learning_rate)
+    return decayed
+
+
 class NegligibleUpdates(SpecDetector):
     """K consecutive steps at lr > 0 each moved the weights by less than a tiny fraction."""
 
@@ -43,7 +58,9 @@ class NegligibleUpdates(SpecDetector):
         "for any use",
         fix="raise the learning rate (LoRA: 1e-4..2e-4; full fine-tune: 1e-5..5e-5), check the "
         "scheduler's peak and warmup, and retrain before promoting",
-        fires_when="`negligible_update_steps` consecutive steps at lr > 0 each moved the "
+        fires_when="`negligible_update_steps` consecutive steps at lr > 0 (a step at under "
+        "`negligible_decayed_lr_share` of the highest lr the run already reached, a decaying "
+        "schedule's tail, is left out) each moved the "
         "weights by less than `negligible_relative_update` of their norm (healthy tiny runs: "
         "9e-5..5e-3; a run with a baseline: a tenth of its lowest healthy value, when lower); "
         "it stands for the whole run and in its summary",
@@ -52,6 +69,8 @@ class NegligibleUpdates(SpecDetector):
                       "steps before it fires"),
             Threshold("negligible_relative_update", "ratio", "a step moving the weights by "
                       "less than this fraction of their L2 norm is negligible"),
+            Threshold("negligible_decayed_lr_share", "ratio", "a step at an lr below this "
+                      "share of the run's earlier peak lr is a schedule's tail, not judged"),
         ),
         evidence=(Evidence("update_norm", 3e-09), Evidence("learning_rate", 1e-09)),
     )
@@ -66,8 +85,9 @@ class NegligibleUpdates(SpecDetector):
             rel = relative_update(p)
             return p.update_sq_sum > 0 and rel is not None and rel < floor
 
-        streak = trailing_streak(steps, negligible,
-                                 skip=lambda p: p.learning_rate <= 0 or p.skipped)
+        decayed = decayed_steps(steps, settings.negligible_decayed_lr_share)
+        streak = trailing_streak(steps, negligible, skip=lambda p: (
+            p.learning_rate <= 0 or p.skipped or p.step in decayed))
         reached = streak.reached(settings.negligible_update_steps)
         if reached is None:
             return Verdict(False, step=steps[-1].step)

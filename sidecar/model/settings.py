@@ -54,6 +54,7 @@ class DetectorSettings:
     accumulating_loss_drop: float = 0.75
     negligible_update_steps: int = 3
     negligible_relative_update: float = 1e-6
+    negligible_decayed_lr_share: float = 0.1
     out_of_order_steps: int = 3
     rank_stalled_seconds: float = 300.0
     straggler_steps: int = 8

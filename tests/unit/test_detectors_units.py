@@ -531,3 +531,36 @@ def test_nonfinite_weights_are_critical_at_once() -> None:
     feed.step(2, nonfinite_update_tensors=2)
     finding = feed.registry.findings("w")["nonfinite_loss"]
     assert finding.firing and finding.severity == "critical"
+
+
+def _schedule_run(run_id: str, lrs: list[float], moved_per_lr: float,
+                  settings: DetectorSettings | None = None) -> set[str]:
+    """A run whose every step moves the weights (norm 1) by moved_per_lr times its lr."""
+    feed = Feed(Registry(settings=settings), trainer="SFTTrainer", run_id=run_id,
+                config={"learning_rate": max(lrs), "total_steps": len(lrs)})
+    for step, lr in enumerate(lrs, start=1):
+        feed.step(step, lr=lr, update_sq=(moved_per_lr * lr) ** 2, param_sq_sum=1.0)
+    return feed.fired()
+
+
+def test_a_cosine_schedule_s_tail_is_not_negligible_a_tiny_peak_is() -> None:
+    """The last steps of a long cosine schedule run at a millionth of its peak and move
+    nothing, by design: a run that trained at its peak stays silent. A peak of 1e-9, a warmup
+    that never ends at a tiny rate, or a flat tiny rate still fire."""
+    import math
+
+    def cosine(peak: float, steps: int, warmup: int = 10) -> list[float]:
+        return [peak * s / warmup if s < warmup else
+                peak * 0.5 * (1 + math.cos(math.pi * (s - warmup) / (steps - warmup)))
+                for s in range(1, steps + 1)]
+
+    healthy = cosine(1e-3, 300)
+    assert "negligible_updates" not in _schedule_run("cosine", healthy, moved_per_lr=2.0)
+    # the tail's steps move under the floor: judged like any other step, they fire
+    assert all(0 < 2.0 * lr < 1e-6 for lr in healthy[-4:-1])
+    judged = DetectorSettings(negligible_decayed_lr_share=0.0)
+    assert "negligible_updates" in _schedule_run("cosine-judged", healthy, 2.0, judged)
+    assert "negligible_updates" in _schedule_run("cosine-1e-9", cosine(1e-9, 300), 2.0)
+    rising = [1e-9 * s for s in range(1, 40)]  # warmup 100000 steps long: always rising
+    assert "negligible_updates" in _schedule_run("endless-warmup", rising, 2.0)
+    assert "negligible_updates" in _schedule_run("flat", [1e-9] * 20, 2.0)

@@ -133,21 +133,37 @@ class EmbeddingResized(SpecDetector):
         )
 
 
+#: Trainers whose full fine-tune default rate is 5e-7..1e-6 (the DPO family and RL): their
+#: LoRA recipes run at 5e-6..5e-5 (a QLoRA DPO at 5e-6 is a published recipe), far below an
+#: SFT LoRA's, so they have a floor of their own.
+LOW_RATE_TRAINERS = frozenset({
+    "DPOTrainer", "KTOTrainer", "ORPOTrainer", "CPOTrainer", "BCOTrainer", "OnlineDPOTrainer",
+    "NashMDTrainer", "XPOTrainer", "PPOTrainer", "GRPOTrainer", "RLOOTrainer"})
+
+
+def lora_floor(run: RunState, settings: DetectorSettings) -> float:
+    """The LoRA learning-rate floor of this run's kind of training."""
+    if run.trainer in LOW_RATE_TRAINERS or is_rl(run):
+        return settings.lora_lr_floor_preference
+    return settings.lora_lr_floor
+
+
 class LoraLrTooLow(SpecDetector):
     """The learning rate the optimizer really uses cannot train the adapter in this run.
 
     Judged on the optimizer's own rate (reported at train begin), not on an argument it may
     ignore; an optimizer that sets its own step size (Adafactor's ``relative_step``) is never
     judged by a configured rate. Fires for a learning rate of 0, a warmup at least as long as
-    the run (the peak rate is never reached), a PEFT run below the LoRA floor (the full
-    fine-tune defaults: 2e-5 for SFT, 1e-6 for GRPO/DPO), or K optimizer steps at lr 0 after
-    the warmup.
+    the run (the peak rate is never reached), a PEFT run below the LoRA floor of its kind
+    (3e-5 above SFT's full fine-tune default of 2e-5; 3e-6 above DPO's and GRPO's 1e-6), or K
+    optimizer steps at lr 0 after the warmup.
     """
 
     spec = DetectorSpec(
         checked_against=("healthy-matrix", "conformance-twin"),
         false_positives=("a LoRA run that deliberately uses a low rate (a large rank or alpha "
-                         "scaling, rsLoRA, a careful second stage) is flagged though it learns"),
+                         "scaling, rsLoRA, a careful second stage) is flagged though it learns; "
+                         "preference and RL trainers have a floor ten times lower"),
         id="lora_lr_too_low",
         severity=Severity.WARNING,
         summary="Run {run_id} trains a LoRA adapter with a full-fine-tune learning rate",
@@ -157,12 +173,15 @@ class LoraLrTooLow(SpecDetector):
         "check that the warmup ends",
         fires_when="the learning rate the optimizer really uses (its own, not an argument it "
         "ignores; none for Adafactor's `relative_step`) is 0 or, in a PEFT run, below the LoRA "
-        "floor (the full fine-tune defaults 2e-5 / 1e-6); a warmup at least as long as the run; "
+        "floor (`lora_lr_floor` for SFT and other trainers, `lora_lr_floor_preference` for "
+        "DPO-family and RL trainers); a warmup at least as long as the run; "
         "or K steps at lr 0 after the warmup",
         thresholds=(Threshold("lora_lr_floor", "learning rate",
-                              "a PEFT run configured below this learning rate is flagged (full "
-                              "fine-tune defaults are 2e-5 for SFT, 1e-6 for GRPO/DPO; LoRA "
-                              "wants ~1e-4)"),
+                              "a PEFT run configured below this learning rate is flagged (the "
+                              "SFT full fine-tune default is 2e-5; an SFT LoRA wants ~1e-4)"),
+                    Threshold("lora_lr_floor_preference", "learning rate",
+                              "the same for DPO-family and RL trainers (their full fine-tune "
+                              "default is 1e-6; their LoRA recipes run at 5e-6..5e-5)"),
                     FROZEN_STEPS),
         evidence=(Evidence("learning_rate", 1e-06), Evidence("update_ratio"),
                   Evidence("update_norm", 2e-06)),
@@ -186,7 +205,7 @@ class LoraLrTooLow(SpecDetector):
             "warmup_steps": fmt(warmup),
             "total_steps": fmt(total),
             "is_peft": str(is_peft).lower(),
-            "lora_lr_floor": fmt(settings.lora_lr_floor),
+            "lora_lr_floor": fmt(lora_floor(run, settings)),
         }
         if own_step_size:
             return Verdict(False)  # no configured rate or schedule is what it steps with
@@ -195,9 +214,8 @@ class LoraLrTooLow(SpecDetector):
             reason = "learning rate is 0"
         elif total > 0 and warmup >= total:
             reason = f"warmup ({warmup} steps) is not shorter than the run ({total} steps)"
-        elif is_peft and lr is not None and lr < settings.lora_lr_floor:
-            reason = (f"LoRA at lr {lr:.3g}, below {settings.lora_lr_floor:.3g} (a full "
-                      f"fine-tune default)")
+        elif is_peft and lr is not None and lr < (floor := lora_floor(run, settings)):
+            reason = f"LoRA at lr {lr:.3g}, below {floor:.3g} (a full fine-tune default)"
         else:
             window = steps_after(run.combined_steps(), warmup + 1)[-settings.frozen_steps:]
             if len(window) == settings.frozen_steps and all(

@@ -22,6 +22,7 @@ class DetectorSettings:
     inactive_adapter_steps: int = 2
     decay_only_steps: int = 3
     lora_lr_floor: float = 3e-5
+    lora_lr_floor_preference: float = 3e-6
     kl_missing_logs: int = 2
     kl_zero_logs: int = 3
     zero_reward_logs: int = 4

@@ -564,3 +564,19 @@ def test_a_cosine_schedule_s_tail_is_not_negligible_a_tiny_peak_is() -> None:
     rising = [1e-9 * s for s in range(1, 40)]  # warmup 100000 steps long: always rising
     assert "negligible_updates" in _schedule_run("endless-warmup", rising, 2.0)
     assert "negligible_updates" in _schedule_run("flat", [1e-9] * 20, 2.0)
+
+
+def test_the_lora_floor_of_preference_and_rl_trainers_is_their_own() -> None:
+    """A DPO or GRPO LoRA at 5e-6 (the published QLoRA DPO recipe) trains; at their full
+    fine-tune default 1e-6 it does not. An SFT LoRA at 5e-6 is still below its floor."""
+    def fired(trainer: str, lr: float) -> bool:
+        feed = Feed(Registry(), trainer=trainer, run_id=f"{trainer}-{lr}",
+                    config={"learning_rate": lr, "total_steps": 10},
+                    preflight=pb.Preflight(is_peft=True))
+        feed.step(1, lr=lr)
+        return "lora_lr_too_low" in feed.fired()
+
+    for trainer in ("DPOTrainer", "GRPOTrainer", "KTOTrainer"):
+        assert not fired(trainer, 5e-6), trainer
+        assert fired(trainer, 1e-6), trainer
+    assert fired("SFTTrainer", 5e-6) and not fired("SFTTrainer", 1e-4)

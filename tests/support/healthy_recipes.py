@@ -262,6 +262,27 @@ def dpo_lora(kit: Kit) -> list[Ran]:
     return _trained(kit, run_id, trainer, 10)
 
 
+def dpo_full_tiny_lr(kit: Kit) -> list[Ran]:
+    """DPO of the whole model at the learning rate of the published full DPO recipes (5e-7,
+    beta 0.01), a tenth of the steps in warmup, then a cosine decay: each step moves the
+    weights by about a millionth of their size."""
+    run_id = "corpus-dpo-full-lr5e-7"
+    trainer = runs.dpo_trainer(_base(kit), kit.model_dir, kit.folder, [kit.callback(run_id)],
+                               beta=0.01, steps=10, lr=5e-7, warmup=1, save_steps=5,
+                               lr_scheduler_type="cosine")
+    return _trained(kit, run_id, trainer, 10)
+
+
+def dpo_lora_low_lr(kit: Kit) -> list[Ran]:
+    """DPO of a LoRA at the published QLoRA DPO recipe's rate (5e-6, beta 0.01), a tenth of
+    the steps in warmup, then a cosine decay."""
+    run_id = "corpus-dpo-lora-lr5e-6"
+    trainer = runs.dpo_trainer(_base(kit), kit.model_dir, kit.folder, [kit.callback(run_id)],
+                               beta=0.01, steps=10, lr=5e-6, warmup=1, save_steps=5,
+                               lr_scheduler_type="cosine", peft_config=runs.lora_config())
+    return _trained(kit, run_id, trainer, 10)
+
+
 def kto_resumed(kit: Kit) -> list[Ran]:
     """KTO that goes on training a saved adapter (loaded with ``is_trainable=True``)."""
     run_id = "corpus-kto-resumed-adapter"
@@ -333,6 +354,28 @@ def rloo_kl(kit: Kit) -> list[Ran]:
     return _trained(kit, run_id, trainer, 6)
 
 
+def grpo_num_iterations(kit: Kit) -> list[Ran]:
+    """GRPO of a LoRA that takes two optimizer steps per generation batch
+    (``num_iterations=2``: the clipped ratio against the sampling policy), with a KL term."""
+    run_id = "corpus-grpo-num-iterations-2"
+    trainer = runs.grpo_trainer(_base(kit), kit.model_dir, kit.folder, [kit.callback(run_id)],
+                                beta=0.04, steps=6, peft_config=runs.lora_config(),
+                                num_generations=4, per_device_train_batch_size=4,
+                                num_iterations=2)
+    return _trained(kit, run_id, trainer, 6)
+
+
+def grpo_dr_grpo(kit: Kit) -> list[Ran]:
+    """GRPO of a LoRA with the Dr. GRPO loss and unscaled rewards
+    (``loss_type="dr_grpo"``, ``scale_rewards=False``)."""
+    run_id = "corpus-grpo-dr-grpo"
+    trainer = runs.grpo_trainer(_base(kit), kit.model_dir, kit.folder, [kit.callback(run_id)],
+                                beta=0.0, steps=6, peft_config=runs.lora_config(),
+                                num_generations=4, per_device_train_batch_size=4,
+                                loss_type="dr_grpo", scale_rewards=False)
+    return _trained(kit, run_id, trainer, 6)
+
+
 def online_dpo(kit: Kit) -> list[Ran]:
     """Online DPO of a LoRA: pairs sampled from the policy, ranked by a reward function."""
     from datasets import Dataset
@@ -399,6 +442,124 @@ def save_variants(kit: Kit) -> list[Ran]:
     trainer.save_model(str(kit.folder / "final"))
     trainer.model.save_pretrained(kit.folder / "no-embeddings", save_embedding_layers=False)
     return ran
+
+
+# -- Trainer workflows: evaluation, early stopping, resuming ---------------------------------
+
+def sft_eval_best_early_stop(kit: Kit) -> list[Ran]:
+    """SFT of a LoRA evaluated every 2 steps on held-out rows, saving at each evaluation,
+    stopped early once the eval loss stops improving by 0.05, and the best checkpoint loaded
+    back at the end (``load_best_model_at_end``): the weights step back to an earlier state."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer, EarlyStoppingCallback
+    from trl import SFTConfig, SFTTrainer
+
+    run_id = "corpus-sft-eval-best-early-stop"
+    args = SFTConfig(output_dir=str(kit.folder), per_device_train_batch_size=2, max_length=32,
+                     **{**runs.common_args(40, 0, 2e-3, 2), "eval_strategy": "steps",
+                        "eval_steps": 2, "per_device_eval_batch_size": 4,
+                        "load_best_model_at_end": True, "metric_for_best_model": "eval_loss",
+                        "save_total_limit": 2})
+    trainer = SFTTrainer(
+        model=_base(kit), args=args,
+        train_dataset=Dataset.from_dict({"text": sample_lines(4, seed=21) * 40}),
+        eval_dataset=Dataset.from_dict({"text": sample_lines(8, seed=22)}),
+        processing_class=AutoTokenizer.from_pretrained(kit.model_dir),
+        peft_config=runs.lora_config(),
+        callbacks=[kit.callback(run_id), EarlyStoppingCallback(early_stopping_patience=2,
+                                                               early_stopping_threshold=0.05)])
+    trainer.train()
+    steps = trainer.state.global_step
+    assert 0 < steps < 40, f"{run_id} did not stop early (step {steps})"
+    assert trainer.state.best_model_checkpoint is not None
+    return [(run_id, steps)]
+
+
+def sft_resumed_same_run_id(kit: Kit) -> list[Ran]:
+    """SFT of a LoRA interrupted at step 4, then resumed from its last checkpoint by a new
+    trainer (``train(resume_from_checkpoint=True)``) under the same run id, as a job restarted
+    by its scheduler keeps its name."""
+    from transformers import TrainerCallback
+
+    class Interrupt(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+            if state.global_step >= 4:
+                control.should_training_stop = True
+            return control
+
+    run_id = "corpus-sft-resumed-same-run-id"
+
+    def trainer(callbacks: list[Any]) -> Any:
+        return runs.sft_trainer(_base(kit), kit.model_dir, kit.folder, callbacks, steps=8,
+                                save_steps=2, peft_config=runs.lora_config())
+
+    first = trainer([kit.callback(run_id), Interrupt()])
+    first.train()
+    assert first.state.global_step == 4
+    second = trainer([kit.callback(run_id)])
+    second.train(resume_from_checkpoint=True)
+    assert second.state.global_step == 8
+    return [(run_id, 8)]
+
+
+def sft_neftune(kit: Kit) -> list[Ran]:
+    """SFT of a LoRA with NEFTune noise on the input embeddings (``neftune_noise_alpha``)."""
+    run_id = "corpus-sft-neftune"
+    trainer = runs.sft_trainer(_base(kit), kit.model_dir, kit.folder, [kit.callback(run_id)],
+                               steps=6, peft_config=runs.lora_config(),
+                               neftune_noise_alpha=5.0)
+    return _trained(kit, run_id, trainer, 6)
+
+
+def sft_pissa(kit: Kit) -> list[Ran]:
+    """SFT of a LoRA initialised from the base weights' principal components
+    (``init_lora_weights="pissa"``): PEFT moves them out of the base into the adapter before
+    training, so the base differs from its file from the start."""
+    from peft import LoraConfig
+
+    run_id = "corpus-sft-pissa"
+    config = LoraConfig(r=4, lora_alpha=4, target_modules=runs.LORA_TARGETS,
+                        init_lora_weights="pissa", task_type="CAUSAL_LM")
+    trainer = runs.sft_trainer(_base(kit), kit.model_dir, kit.folder, [kit.callback(run_id)],
+                               steps=6, lr=5e-5, peft_config=config)
+    return _trained(kit, run_id, trainer, 6)
+
+
+def sft_lora_some_layers(kit: Kit) -> list[Ran]:
+    """SFT of a LoRA on the last layer only (``layers_to_transform``), on purpose."""
+    from peft import LoraConfig
+
+    run_id = "corpus-sft-lora-some-layers"
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=runs.LORA_TARGETS,
+                        layers_to_transform=[1], task_type="CAUSAL_LM")
+    trainer = runs.sft_trainer(_base(kit), kit.model_dir, kit.folder, [kit.callback(run_id)],
+                               steps=6, peft_config=config)
+    return _trained(kit, run_id, trainer, 6)
+
+
+def sft_lora_all_linear(kit: Kit) -> list[Ran]:
+    """SFT of a LoRA on every linear layer (``"all-linear"``) with dropout and a higher rank
+    for the MLP (``rank_pattern``)."""
+    from peft import LoraConfig
+
+    run_id = "corpus-sft-lora-all-linear"
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.05,
+                        rank_pattern={"mlp.down_proj": 8}, task_type="CAUSAL_LM")
+    trainer = runs.sft_trainer(_base(kit), kit.model_dir, kit.folder, [kit.callback(run_id)],
+                               steps=6, peft_config=config)
+    return _trained(kit, run_id, trainer, 6)
+
+
+def sft_partial_freeze(kit: Kit) -> list[Ran]:
+    """A full fine-tune with the embeddings and the first layer frozen by hand, the top
+    layer and the head trained."""
+    run_id = "corpus-sft-partial-freeze"
+    model = _base(kit)
+    model.model.embed_tokens.requires_grad_(False)
+    model.model.layers[0].requires_grad_(False)
+    trainer = runs.sft_trainer(model, kit.model_dir, kit.folder, [kit.callback(run_id)],
+                               steps=6, lr=5e-5)
+    return _trained(kit, run_id, trainer, 6)
 
 
 # -- plain Trainer: continued pre-training ---------------------------------------------------
@@ -610,6 +771,8 @@ RECIPES: dict[str, Recipe] = {
     "sft-lora-assistant-only-loss": Recipe(sft_assistant_only),
     "sft-full-finetune": Recipe(sft_full_finetune),
     "dpo-lora-beta0.1": Recipe(dpo_lora),
+    "dpo-full-lr5e-7": Recipe(dpo_full_tiny_lr),
+    "dpo-lora-lr5e-6": Recipe(dpo_lora_low_lr),
     "kto-resumed-adapter": Recipe(kto_resumed),
     "orpo-lora": Recipe(orpo_lora),
     "cpo-lora": Recipe(cpo_lora),
@@ -617,10 +780,19 @@ RECIPES: dict[str, Recipe] = {
     # TRL's default beta 0 keeps no reference: no_kl_anchor says so, as information.
     "grpo-lora-main-and-format-reward": Recipe(grpo_format_and_main, ("no_kl_anchor",)),
     "rloo-lora-kl": Recipe(rloo_kl),
+    "grpo-lora-num-iterations-2": Recipe(grpo_num_iterations),
+    "grpo-lora-dr-grpo": Recipe(grpo_dr_grpo, ("no_kl_anchor",)),
     "online-dpo-lora": Recipe(online_dpo),
     "gkd-lora": Recipe(gkd),
     "peft-two-adapters-one-after-another": Recipe(two_adapters),
     "peft-save-variants": Recipe(save_variants),
+    "sft-lora-eval-best-early-stop": Recipe(sft_eval_best_early_stop),
+    "sft-lora-resumed-same-run-id": Recipe(sft_resumed_same_run_id),
+    "sft-lora-neftune": Recipe(sft_neftune),
+    "sft-pissa": Recipe(sft_pissa),
+    "sft-lora-some-layers": Recipe(sft_lora_some_layers),
+    "sft-lora-all-linear": Recipe(sft_lora_all_linear),
+    "sft-partial-freeze": Recipe(sft_partial_freeze),
     "clm-grouped-blocks-full-gradient-checkpointing": Recipe(clm_grouped_blocks),
     "clm-variable-rows-no-eos-lora": Recipe(clm_variable_rows),
     "optim-sgd": Recipe(optim_sgd),

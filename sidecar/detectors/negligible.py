@@ -7,7 +7,8 @@ summary beside the adapter as firing, not as a warning at train begin only.
 
 The end of a decaying schedule is no such run: a cosine schedule's last steps of a long run
 run at a millionth of its peak rate and move nothing, by design, after the peak trained the
-weights. A step at a small share of the highest rate the run already reached is left out.
+weights. A step at a small share of the highest rate the run's steps reached is left out
+(the whole run's peak: the step window forgets it).
 """
 
 from __future__ import annotations
@@ -29,15 +30,17 @@ def relative_update(point: StepPoint) -> float | None:
     return point.update_norm / math.sqrt(point.param_sq_sum)
 
 
-def decayed_steps(steps: list[StepPoint], share: float) -> set[int]:
-    """Steps whose lr is below ``share`` of the highest lr an earlier step ran at: the tail of
-    a decaying schedule (a warmup's rising lr is never below an earlier one)."""
-    decayed, peak = set(), 0.0
-    for point in steps:
-        if point.learning_rate < share * peak:
-            decayed.add(point.step)
-        peak = max(peak, point.learning_rate)
-    return decayed
+def peak_learning_rate(run: RunState) -> float:
+    """The highest lr the run's optimizer steps ran at. A sidecar that did not see the run
+    from its first step (a restart, a resumed Trainer) also counts the optimizer's configured
+    peak, from the RunStart: the steps it missed may have held the peak."""
+    peak = run.peak_learning_rate
+    if run.first_applied_step != 1:
+        config = run.config
+        configured = config.get("optimizer_lr", config.get("learning_rate", 0.0))
+        if math.isfinite(configured):
+            peak = max(peak, configured)
+    return peak
 
 
 class NegligibleUpdates(SpecDetector):
@@ -85,9 +88,9 @@ class NegligibleUpdates(SpecDetector):
             rel = relative_update(p)
             return p.update_sq_sum > 0 and rel is not None and rel < floor
 
-        decayed = decayed_steps(steps, settings.negligible_decayed_lr_share)
+        decayed = settings.negligible_decayed_lr_share * peak_learning_rate(run)
         streak = trailing_streak(steps, negligible, skip=lambda p: (
-            p.learning_rate <= 0 or p.skipped or p.step in decayed))
+            p.learning_rate <= 0 or p.skipped or p.learning_rate < decayed))
         reached = streak.reached(settings.negligible_update_steps)
         if reached is None:
             return Verdict(False, step=steps[-1].step)

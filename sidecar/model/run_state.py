@@ -243,6 +243,11 @@ class RunState:
     #: reports seen between two optimizer steps so far (a loop that logs micro-batches).
     unstepped_logs: deque[int] = field(default_factory=lambda: deque(maxlen=UNSTEPPED_WINDOW))
     most_logs_between_steps: int = 0
+    #: The highest learning rate of any optimizer step applied, and the first step applied (0:
+    #: none yet): the step window forgets a long run's peak, a decaying schedule's tail is
+    #: judged against it.
+    peak_learning_rate: float = 0.0
+    first_applied_step: int = 0
     _config: tuple[pb.RunStart, Mapping[str, float]] | None = field(
         default=None, repr=False, compare=False)
     _sharded: ShardedSteps | None = field(default=None, repr=False, compare=False)
@@ -369,8 +374,12 @@ class RunState:
 
     # -- updates ---------------------------------------------------------------------------
 
-    def stepped(self) -> None:
+    def stepped(self, point: StepPoint) -> None:
         """An optimizer step arrived: the logs before it were not left unstepped."""
+        if math.isfinite(point.learning_rate):
+            self.peak_learning_rate = max(self.peak_learning_rate, point.learning_rate)
+        if not self.first_applied_step:
+            self.first_applied_step = point.step
         unstepped = self.unstepped_logs
         if unstepped:
             self.most_logs_between_steps = max(self.most_logs_between_steps, len(unstepped))

@@ -174,7 +174,7 @@ class EventApplier:
         rank.steps.append(point)
         rank.step = step
         rank.last_step_time = now
-        entry.state.stepped()
+        entry.state.stepped(point)
         if report.HasField("local_seconds"):
             rank.local_seconds.append((step, report.local_seconds))
             if len(entry.state.ranks) > 1:

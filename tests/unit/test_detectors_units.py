@@ -534,12 +534,14 @@ def test_nonfinite_weights_are_critical_at_once() -> None:
 
 
 def _schedule_run(run_id: str, lrs: list[float], moved_per_lr: float,
-                  settings: DetectorSettings | None = None) -> set[str]:
-    """A run whose every step moves the weights (norm 1) by moved_per_lr times its lr."""
+                  settings: DetectorSettings | None = None, first: int = 1) -> set[str]:
+    """A run whose every step moves the weights (norm 1) by moved_per_lr times its lr; the
+    sidecar sees it from step ``first`` on (a resumed run, or a sidecar restarted)."""
     feed = Feed(Registry(settings=settings), trainer="SFTTrainer", run_id=run_id,
                 config={"learning_rate": max(lrs), "total_steps": len(lrs)})
     for step, lr in enumerate(lrs, start=1):
-        feed.step(step, lr=lr, update_sq=(moved_per_lr * lr) ** 2, param_sq_sum=1.0)
+        if step >= first:
+            feed.step(step, lr=lr, update_sq=(moved_per_lr * lr) ** 2, param_sq_sum=1.0)
     return feed.fired()
 
 
@@ -554,12 +556,16 @@ def test_a_cosine_schedule_s_tail_is_not_negligible_a_tiny_peak_is() -> None:
                 peak * 0.5 * (1 + math.cos(math.pi * (s - warmup) / (steps - warmup)))
                 for s in range(1, steps + 1)]
 
-    healthy = cosine(1e-3, 300)
-    assert "negligible_updates" not in _schedule_run("cosine", healthy, moved_per_lr=2.0)
-    # the tail's steps move under the floor: judged like any other step, they fire
-    assert all(0 < 2.0 * lr < 1e-6 for lr in healthy[-4:-1])
+    # A large model: its steps move it by 1e-5 of its norm at the peak, its last hundred by
+    # under 1e-6; the peak is long out of the sidecar's step window (256) by then.
+    healthy, moved = cosine(1e-3, 1000), 0.01
+    assert all(0 < moved * lr < 1e-6 for lr in healthy[-101:-1])
+    assert "negligible_updates" not in _schedule_run("cosine", healthy, moved)
+    # the tail judged like any other step fires
     judged = DetectorSettings(negligible_decayed_lr_share=0.0)
-    assert "negligible_updates" in _schedule_run("cosine-judged", healthy, 2.0, judged)
+    assert "negligible_updates" in _schedule_run("cosine-judged", healthy, moved, judged)
+    # a sidecar that sees only the tail (restarted, or a resumed run) takes the configured peak
+    assert "negligible_updates" not in _schedule_run("tail-only", healthy, moved, first=800)
     assert "negligible_updates" in _schedule_run("cosine-1e-9", cosine(1e-9, 300), 2.0)
     rising = [1e-9 * s for s in range(1, 40)]  # warmup 100000 steps long: always rising
     assert "negligible_updates" in _schedule_run("endless-warmup", rising, 2.0)

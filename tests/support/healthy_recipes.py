@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 import deadweight
+from deadweight.callbacks.console import CONSOLE_LOGGER
 from deadweight.demo import runs
 from deadweight.demo.tiny_models import sample_lines
 from deadweight.sidecar.model.nonces import Attestor
@@ -89,28 +90,35 @@ VERDICT = re.compile(r"^deadweight (?P<severity>[A-Z]+) (?P<detector>\w+) \(step
 
 
 class ConsoleLines(logging.Handler):
-    """Every line the ``deadweight`` logger writes at WARNING or above: what the trainer's
-    console shows of deadweight (the sidecar in this process logs under child loggers, which
-    are not the trainer's console and are left out)."""
+    """Every line deadweight writes at WARNING or above to the trainer's console: its console
+    logger's lines (begin, verdicts, end; that logger does not propagate) and the warnings of
+    the ``deadweight`` logger itself (the sidecar in this process logs under other child
+    loggers, which are not the trainer's console and are left out)."""
 
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
         self.lines: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        if record.name == "deadweight":
+        if record.name in SHOWN_LOGGERS:
             self.lines.append(record.getMessage())
+
+
+#: The loggers whose lines reach the trainer's console.
+SHOWN_LOGGERS = ("deadweight", CONSOLE_LOGGER)
 
 
 @contextmanager
 def console() -> Iterator[ConsoleLines]:
     handler = ConsoleLines()
-    logger = logging.getLogger("deadweight")
-    logger.addHandler(handler)
+    loggers = [logging.getLogger(name) for name in SHOWN_LOGGERS]
+    for logger in loggers:
+        logger.addHandler(handler)
     try:
         yield handler
     finally:
-        logger.removeHandler(handler)
+        for logger in loggers:
+            logger.removeHandler(handler)
 
 
 def noise(lines: list[str], allowed: tuple[str, ...]) -> list[str]:
@@ -171,6 +179,9 @@ def verdicts_and_noise(live: InProcessSidecar, ran: list[Ran], lines: list[str],
             problems.append(f"{run_id}: {detector} [{finding.severity}] at step {finding.step}: "
                             f"{finding.summary} evidence={dict(finding.fired_evidence)}")
     problems += [f"console: {line}" for line in noise(lines, allowed)]
+    problems += [f"console: no begin line for {run_id} (is the console captured?)"
+                 for run_id, _ in ran
+                 if not any(BEGIN.match(line) and f" run {run_id} " in line for line in lines)]
     return problems
 
 

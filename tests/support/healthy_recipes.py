@@ -561,6 +561,18 @@ def sft_lora_all_linear(kit: Kit) -> list[Ran]:
     return _trained(kit, run_id, trainer, 6)
 
 
+def sft_lora_gradient_checkpointing(kit: Kit) -> list[Ran]:
+    """SFT of a LoRA with gradient checkpointing (the QLoRA recipe's memory saver: the
+    Trainer makes the frozen embeddings' output require grad so the adapter still gets one),
+    a constant schedule after a warmup and weight decay."""
+    run_id = "corpus-sft-lora-gradient-checkpointing"
+    trainer = runs.sft_trainer(_base(kit), kit.model_dir, kit.folder, [kit.callback(run_id)],
+                               steps=6, warmup=2, peft_config=runs.lora_config(),
+                               gradient_checkpointing=True,
+                               lr_scheduler_type="constant_with_warmup", weight_decay=0.1)
+    return _trained(kit, run_id, trainer, 6)
+
+
 def sft_partial_freeze(kit: Kit) -> list[Ran]:
     """A full fine-tune with the embeddings and the first layer frozen by hand, the top
     layer and the head trained."""
@@ -804,6 +816,7 @@ RECIPES: dict[str, Recipe] = {
     "sft-lora-some-layers": Recipe(sft_lora_some_layers),
     "sft-lora-all-linear": Recipe(sft_lora_all_linear),
     "sft-partial-freeze": Recipe(sft_partial_freeze),
+    "sft-lora-gradient-checkpointing": Recipe(sft_lora_gradient_checkpointing),
     "clm-grouped-blocks-full-gradient-checkpointing": Recipe(clm_grouped_blocks),
     "clm-variable-rows-no-eos-lora": Recipe(clm_variable_rows),
     "optim-sgd": Recipe(optim_sgd),

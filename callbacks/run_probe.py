@@ -18,6 +18,7 @@ import hashlib
 import logging
 import os
 import socket
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -38,6 +39,7 @@ from .facts.preflight import versions as preflight_versions
 from .facts.resume import ResumeFacts
 from .facts.stop_token import StopTokenFacts
 from .file_access import share_with_group
+from .loop_exit import LoopWatch, enclosing_loop
 from .progress import StepProgress
 from .stream_client import ClientSettings, StreamClient
 from .update.probe import UpdateProbe
@@ -56,6 +58,8 @@ from .wire import (
 log = logging.getLogger("deadweight")
 
 DEFAULT_ADDRESS = "unix:///run/deadweight/deadweight.sock"
+#: The end reason of a run whose loop raised.
+FAILED = "failed"
 
 
 class SidecarRequired(RuntimeError):
@@ -200,6 +204,10 @@ class RunProbe:
         self._grad_params: list[torch.Tensor] | None = None
         self._grad: torch.Tensor | float | None = None
         self._frozen: trainable.FrozenWatch | None = None
+        #: The client whose run end was last submitted, by the loop's end or by the sender
+        #: finding the loop gone, whichever came first (the other then adds nothing).
+        self._ended: StreamClient | None = None
+        self._end_lock = threading.Lock()
 
     def start(
         self,
@@ -224,6 +232,9 @@ class RunProbe:
 
         ``outermost``: model is the object that runs, not a module inside a wrapper the
         driver cannot see (see ``layout.recognise``)."""
+        previous = self.client
+        if previous is not None and previous.running:  # its loop raised: a new train() call
+            self.end(previous.last_step, FAILED)
         run_id = str(self.run_id)
         self.layout = layouts.recognise(model, optimizer, outermost=outermost)
         self.membership = membership.measure(model, optimizer, self.layout)
@@ -266,6 +277,11 @@ class RunProbe:
         self.client = StreamClient(self.address, run_id, rank, to_event, token=self.token,
                                    settings=self.settings, tls_ca=self.tls_ca)
         self.console = Console(self.console_logger, run_id, self.address, speaks=rank == 0)
+        loop = enclosing_loop()
+        if loop is not None:
+            client = self.client
+            watch = LoopWatch(loop, lambda: client.submitted)
+            client.loop_left = functools.partial(self._loop_left, client, watch)
         self.client.start(record)
         if world_size > 1:
             # On the model as given: a wrapper's forward hooks run before its own collectives
@@ -387,13 +403,34 @@ class RunProbe:
         """
         self._release_update()
         client = self.client
-        if client is not None:
+        if client is not None and not self._claim_end(client):
+            client.close(timeout=timeout)  # the sender ended the run already (loop_left)
+        elif client is not None:
             live_firing = client.firing  # run verdicts resolve once the sidecar has the end
             client.submit_now(EventKind.RUN_END, RunEndRecord(step, reason))
             client.close(timeout=timeout)
             self._tell()
             if self.console is not None:
                 self.console.end(step, reason, (*live_firing, *client.firing))
+
+    def _claim_end(self, client: StreamClient) -> bool:
+        """Whether the caller is the first to end client's run."""
+        with self._end_lock:
+            if client is self._ended:
+                return False
+            self._ended = client
+            return True
+
+    def _loop_left(self, client: StreamClient, watch: LoopWatch) -> bool:
+        """On the sender thread, at a heartbeat: once the Trainer's loop is gone without
+        ending the run (it raised), end the run as failed and say so on the console."""
+        if not watch.left() or not self._claim_end(client):
+            return False
+        step = client.last_step
+        client.submit_now(EventKind.RUN_END, RunEndRecord(step, FAILED))
+        if self.console is not None and self.client is client:
+            self.console.end(step, FAILED, client.firing)
+        return True
 
     def _release_update(self) -> None:
         progress, self.progress = self.progress, None

@@ -207,6 +207,10 @@ class StreamClient:
         #: then adds no warning of its own (it still says when the sidecar comes back).
         self.unreachable_told = False
         self._closing = False
+        #: Asked on the sender thread at each heartbeat, when set: True once the run's loop
+        #: has ended without ending the run (it queued the run's end itself); the stream then
+        #: ends once that is delivered.
+        self.loop_left: Callable[[], bool] | None = None
         self._channel: grpc.Channel | None = None
         #: Detectors firing on this run, as of the sidecar's latest answer.
         self.firing: tuple[str, ...] = ()
@@ -268,6 +272,11 @@ class StreamClient:
         while self._notices:
             taken.append(self._notices.popleft())
         return taken
+
+    @property
+    def running(self) -> bool:
+        """Whether the sender still runs (the client was not closed, nor ended itself)."""
+        return self._thread.is_alive()
 
     @property
     def connected(self) -> bool:
@@ -552,6 +561,10 @@ class StreamClient:
                     self._wake.clear()
                     continue
                 events = [self._heartbeat()]
+                left = self.loop_left
+                if left is not None and left():
+                    self.loop_left = None
+                    self._closing = True  # the run's end, queued, goes out next; then done
             elif self.dropped != self._reported_dropped:
                 events.append(self._heartbeat())  # new drops are reported with the next batch
             with self._lock:

@@ -42,6 +42,7 @@ from .deferred import defer
 from .directives import Directives
 from .facts import preflight
 from .run_probe import (
+    FAILED,
     DeadweightAbort,
     RunProbe,
     default_run_id,
@@ -184,7 +185,7 @@ class Monitor:
         if exc_type is None:
             self.close("stopped" if self.should_stop else "completed")
         else:
-            self.close("aborted" if exc_type is DeadweightAbort else "failed")
+            self.close("aborted" if exc_type is DeadweightAbort else FAILED)
 
     # -- hooks -------------------------------------------------------------------------------
 

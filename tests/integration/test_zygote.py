@@ -16,14 +16,19 @@ from pathlib import Path
 import pytest
 
 from tests.support import zygote
+from tests.support.realprocs import wait_for
 
 SCRIPT = """
 import atexit, os, sys, threading, time
 atexit.register(lambda: print("atexit ran", flush=True))
 # a non-daemon thread still at work when the script's last line runs: exit must wait for it
-threading.Thread(target=lambda: (time.sleep(0.2), print("thread joined", flush=True))).start()
+# (it starts its work once the argv line is out: a job slowed down by load keeps the order)
+printed = threading.Event()
+threading.Thread(target=lambda: (printed.wait(), time.sleep(0.2),
+                                 print("thread joined", flush=True))).start()
 print("argv", sys.argv[1:], "env", os.environ.get("ZYGOTE_TEST"), "cwd", os.getcwd(),
       "name", __name__, flush=True)
+printed.set()
 print("deadweight imported before", "deadweight" in sys.modules, file=sys.stderr)
 import deadweight.callbacks
 sys.exit(int(sys.argv[1]))
@@ -50,7 +55,10 @@ def test_a_forked_job_is_signalled_and_waited_for_as_popen(tmp_path: Path) -> No
     assert job.poll() is None
     with pytest.raises(subprocess.TimeoutExpired):
         job.wait(0.2)
-    assert Path(f"/proc/{job.pid}/cwd").resolve() == tmp_path.resolve()
+    # The zygote answers with the pid right after the fork; the child changes to its folder
+    # afterwards, and under load that can take longer than the 0.2 s above.
+    wait_for(lambda: Path(f"/proc/{job.pid}/cwd").resolve() == tmp_path.resolve(), 30,
+             what="the forked job in its folder")
     job.send_signal(signal.SIGUSR1)
     assert job.wait(30) == -signal.SIGUSR1
     job.kill()  # already ended: nothing is sent

@@ -22,6 +22,7 @@ import torch
 from lightning.pytorch import Callback
 
 from .deferred import DeferredScalar
+from .run_probe import FAILED
 from .stream_client import ClientSettings
 from .watch import Monitor
 
@@ -97,3 +98,10 @@ class DeadweightLightningCallback(Callback):  # type: ignore[misc]
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self.monitor is not None:
             self.monitor.close("stopped" if trainer.should_stop else "completed")
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        """Fit raised (Ctrl-C too, which Lightning catches and returns from): no
+        ``on_train_end`` follows, so the run ends here as failed, not left open for the
+        sidecar to find stalled."""
+        if self.monitor is not None:
+            self.monitor.close(FAILED)

@@ -7,6 +7,7 @@ the backbone (the wrong module). A real Lightning ``Trainer`` on CPU, a real sid
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -99,3 +100,34 @@ def test_lightning_stop_names_the_root_cause(stopping_sidecar: SidecarProcess,
     mark = callback.stopped_by_deadweight
     assert mark is not None and mark.startswith("grad_not_in_optimizer: "), mark
     assert mark.endswith("(stop triggered by frozen_weights)")
+
+
+@pytest.mark.slow
+def test_an_interrupted_fit_ends_its_run_as_failed(sidecar: SidecarProcess,
+                                                   tmp_path: Path) -> None:
+    """Ctrl-C in a fit: Lightning catches it and returns, with no on_train_end; the run ends
+    as failed at its last step, with no verdict, instead of staying open."""
+    import lightning.pytorch as pl
+
+    from deadweight.callbacks.lightning import DeadweightLightningCallback
+    from tests.support.realprocs import wait_for
+
+    class Interrupt(pl.Callback):  # type: ignore[misc]
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            if trainer.global_step == 3:
+                raise KeyboardInterrupt
+
+    run_id = "lightning-interrupted"
+    data = torch.utils.data.TensorDataset(torch.randn(4 * STEPS, 8), torch.randn(4 * STEPS, 4))
+    callback = DeadweightLightningCallback(address=sidecar.address, run_id=run_id)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=STEPS, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=str(tmp_path),
+                         callbacks=[callback, Interrupt()])
+    # Lightning shuts down and exits (SystemExit 1; a notebook's kernel lives on)
+    with contextlib.suppress(KeyboardInterrupt, SystemExit):
+        trainer.fit(_module("healthy"), torch.utils.data.DataLoader(data, batch_size=4))
+    status = wait_for(lambda: (s := sidecar.run_status(run_id)) is not None and s.ended and s,
+                      30, what="the interrupted run's end")
+    assert (status.end_reason, status.step) == ("failed", 3)
+    assert _findings(sidecar, run_id, 1, steps=3) == {}

@@ -41,6 +41,20 @@ def _module(mode: str) -> Any:
     return Module()
 
 
+def _fit(module: Any, steps: int, root: Path, callbacks: list[Any]) -> Any:
+    """A CPU Lightning Trainer, quiet, fitted on steps batches of 4; returns it."""
+    import lightning.pytorch as pl
+
+    torch.manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(4 * steps, 8), torch.randn(4 * steps, 4))
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=str(root),
+                         callbacks=callbacks)
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
+    return trainer
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["healthy", "frozen"])
 def test_lightning_run(mode: str, sidecar: SidecarProcess, tmp_path: Path) -> None:
@@ -58,14 +72,8 @@ def test_lightning_run(mode: str, sidecar: SidecarProcess, tmp_path: Path) -> No
         def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
             raw_loop_worker._seen(url, run_id, 0, trainer.global_step, firing)
 
-    torch.manual_seed(1)
-    data = torch.utils.data.TensorDataset(torch.randn(4 * STEPS, 8), torch.randn(4 * STEPS, 4))
     callback = DeadweightLightningCallback(address=sidecar.address, run_id=run_id)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=STEPS, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, default_root_dir=str(tmp_path),
-                         callbacks=[callback, SeenBySidecar()])
-    trainer.fit(_module(mode), torch.utils.data.DataLoader(data, batch_size=4))
+    trainer = _fit(_module(mode), STEPS, tmp_path, [callback, SeenBySidecar()])
     assert trainer.global_step == STEPS
     assert callback.monitor is not None and callback.monitor.step == STEPS
     findings = _findings(sidecar, run_id, 1)
@@ -82,20 +90,13 @@ def test_lightning_stop_names_the_root_cause(stopping_sidecar: SidecarProcess,
                                              tmp_path: Path) -> None:
     """Under a stop policy the frozen Lightning run ends early and the callback says why:
     the gradients its optimizer never applies, the cause of the frozen weights."""
-    import lightning.pytorch as pl
 
     from deadweight.callbacks.lightning import DeadweightLightningCallback
 
     steps = 40
-    torch.manual_seed(1)
-    data = torch.utils.data.TensorDataset(torch.randn(4 * steps, 8), torch.randn(4 * steps, 4))
     callback = DeadweightLightningCallback(address=stopping_sidecar.address,
                                            run_id="lightning-stop")
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, default_root_dir=str(tmp_path),
-                         callbacks=[callback])
-    trainer.fit(_module("frozen"), torch.utils.data.DataLoader(data, batch_size=4))
+    trainer = _fit(_module("frozen"), steps, tmp_path, [callback])
     assert trainer.global_step < steps
     mark = callback.stopped_by_deadweight
     assert mark is not None and mark.startswith("grad_not_in_optimizer: "), mark
@@ -118,15 +119,10 @@ def test_an_interrupted_fit_ends_its_run_as_failed(sidecar: SidecarProcess,
                 raise KeyboardInterrupt
 
     run_id = "lightning-interrupted"
-    data = torch.utils.data.TensorDataset(torch.randn(4 * STEPS, 8), torch.randn(4 * STEPS, 4))
     callback = DeadweightLightningCallback(address=sidecar.address, run_id=run_id)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=STEPS, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, default_root_dir=str(tmp_path),
-                         callbacks=[callback, Interrupt()])
     # Lightning shuts down and exits (SystemExit 1; a notebook's kernel lives on)
     with contextlib.suppress(KeyboardInterrupt, SystemExit):
-        trainer.fit(_module("healthy"), torch.utils.data.DataLoader(data, batch_size=4))
+        _fit(_module("healthy"), STEPS, tmp_path, [callback, Interrupt()])
     status = wait_for(lambda: (s := sidecar.run_status(run_id)) is not None and s.ended and s,
                       30, what="the interrupted run's end")
     assert (status.end_reason, status.step) == ("failed", 3)

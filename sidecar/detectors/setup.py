@@ -133,17 +133,18 @@ class EmbeddingResized(SpecDetector):
         )
 
 
-#: Trainers whose full fine-tune default rate is 5e-7..1e-6 (the DPO family and RL): their
-#: LoRA recipes run at 5e-6..5e-5 (a QLoRA DPO at 5e-6 is a published recipe), far below an
-#: SFT LoRA's, so they have a floor of their own.
-LOW_RATE_TRAINERS = frozenset({
+#: Preference trainers (the DPO family) and PPO, beside the RL trainers ``is_rl`` knows: their
+#: full fine-tune default rate is 5e-7..1e-6 and their LoRA recipes run at 5e-6..5e-5 (a
+#: QLoRA DPO at 5e-6 is a published recipe), far below an SFT LoRA's, so they have a floor
+#: of their own.
+PREFERENCE_TRAINERS = frozenset({
     "DPOTrainer", "KTOTrainer", "ORPOTrainer", "CPOTrainer", "BCOTrainer", "OnlineDPOTrainer",
-    "NashMDTrainer", "XPOTrainer", "PPOTrainer", "GRPOTrainer", "RLOOTrainer"})
+    "NashMDTrainer", "XPOTrainer", "PPOTrainer"})
 
 
 def lora_floor(run: RunState, settings: DetectorSettings) -> float:
     """The LoRA learning-rate floor of this run's kind of training."""
-    if run.trainer in LOW_RATE_TRAINERS or is_rl(run):
+    if run.trainer in PREFERENCE_TRAINERS or is_rl(run):
         return settings.lora_lr_floor_preference
     return settings.lora_lr_floor
 

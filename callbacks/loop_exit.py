@@ -12,10 +12,11 @@ submitted in between. A loop still running always has its frame on the stack, wh
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections.abc import Callable
-from types import CodeType, FrameType
+from types import CodeType
+
+from .where import stack
 
 #: The Trainer's loop function (``Trainer._inner_training_loop``), called under
 #: ``on_train_begin`` and ``on_train_end`` alike.
@@ -29,24 +30,15 @@ MAX_FRAMES = 10_000
 def enclosing_loop(name: str = LOOP_FUNCTION) -> CodeType | None:
     """The code of the loop function the calling thread is inside, None outside one (a raw
     loop under ``deadweight.watch``, whose context manager ends its run itself)."""
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == name:
-            return frame.f_code
-        frame = frame.f_back
-    return None
+    return next((frame.f_code for frame in stack(threading.get_ident(), MAX_FRAMES)
+                 if frame.f_code.co_name == name), None)
 
 
 def inside(thread_id: int, code: CodeType) -> bool:
     """Whether the thread runs code now, at any depth of its stack (False once it is gone)."""
-    frame = sys._current_frames().get(thread_id)
-    for _ in range(MAX_FRAMES):
-        if frame is None:
-            return False
-        if frame.f_code is code:
-            return True
-        frame = frame.f_back
-    return True
+    frames = list(stack(thread_id, MAX_FRAMES))
+    # a stack deeper than looked at counts as inside
+    return any(frame.f_code is code for frame in frames) or len(frames) == MAX_FRAMES
 
 
 class LoopWatch:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from types import FrameType
 
 #: The answer for a thread inside torch.distributed or a backward pass (waiting for peers).
@@ -24,17 +25,25 @@ _WAITING = (f"{os.sep}torch{os.sep}distributed{os.sep}",
             f"{os.sep}torch{os.sep}autograd{os.sep}")
 
 
+def stack(thread_id: int, limit: int) -> Iterator[FrameType]:
+    """The thread's current frames, innermost first, at most limit of them (none when the
+    thread is gone)."""
+    frame: FrameType | None = sys._current_frames().get(thread_id)
+    for _ in range(limit):
+        if frame is None:
+            return
+        yield frame
+        frame = frame.f_back
+
+
 def where(thread_id: int) -> str:
     """"collective" when the thread waits inside torch.distributed or a backward pass, else its
     innermost frame as "file:line function"; "" when the thread is gone."""
-    frame: FrameType | None = sys._current_frames().get(thread_id)
-    innermost = frame
-    for _ in range(MAX_FRAMES):
-        if frame is None:
-            break
+    innermost = None
+    for frame in stack(thread_id, MAX_FRAMES):
+        innermost = innermost or frame
         if any(part in frame.f_code.co_filename for part in _WAITING):
             return COLLECTIVE
-        frame = frame.f_back
     if innermost is None:
         return ""
     code = innermost.f_code

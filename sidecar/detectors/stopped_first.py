@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..model.run_state import Position, RankState
+from ..model.position import Position
+from ..model.run_state import RankState
 
 #: What a rank's heartbeat says when its training thread waits in a collective (the client's
 #: ``callbacks.where.COLLECTIVE``; the sidecar imports nothing from the callback).

@@ -21,7 +21,8 @@ from ...proto import pb
 from ...proto.kinds import EventKind
 from ..detectors import checkpoints
 from ..model import limits
-from ..model.run_state import PHASES, CheckpointPoint, RankState, ReplicaSample, RunState
+from ..model.position import PHASES
+from ..model.run_state import CheckpointPoint, RankState, ReplicaSample, RunState
 from ..model.step_point import StepPoint
 from ..store import history
 from ..store.journal import Store

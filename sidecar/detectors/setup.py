@@ -16,6 +16,7 @@ from .frozen import FROZEN_STEPS
 from .spec import (
     DetectorSpec,
     Evidence,
+    FixCase,
     Policy,
     Severity,
     Threshold,
@@ -142,9 +143,19 @@ PREFERENCE_TRAINERS = frozenset({
     "NashMDTrainer", "XPOTrainer", "PPOTrainer"})
 
 
+#: The evidence key (and ``fix_cases`` key) naming the run's kind of LoRA rates:
+#: "preference" (the DPO family, RL) or "sft" (the rest).
+LORA_LR_KIND = "lora_lr_kind"
+
+
+def lora_lr_kind(run: RunState) -> str:
+    """The run's kind of LoRA learning rates (``LORA_LR_KIND``)."""
+    return "preference" if run.trainer in PREFERENCE_TRAINERS or is_rl(run) else "sft"
+
+
 def lora_floor(run: RunState, settings: DetectorSettings) -> float:
     """The LoRA learning-rate floor of this run's kind of training."""
-    if run.trainer in PREFERENCE_TRAINERS or is_rl(run):
+    if lora_lr_kind(run) == "preference":
         return settings.lora_lr_floor_preference
     return settings.lora_lr_floor
 
@@ -168,10 +179,15 @@ class LoraLrTooLow(SpecDetector):
         id="lora_lr_too_low",
         severity=Severity.WARNING,
         summary="Run {run_id} trains a LoRA adapter with a full-fine-tune learning rate",
-        meaning="the learning rate is far below the LoRA range (1e-4..2e-4), so the adapter "
-        "learns almost nothing",
+        meaning="the learning rate is far below the LoRA range of its trainer (SFT: 1e-4..2e-4; "
+        "DPO family and RL: 5e-6..5e-5), so the adapter learns almost nothing",
         fix="set the LoRA learning rate range explicitly (`learning_rate=1e-4` to `2e-4`) and "
         "check that the warmup ends",
+        fix_cases=(FixCase(
+            LORA_LR_KIND, "preference",
+            "set the LoRA learning rate explicitly: DPO-family and RL LoRA recipes run at "
+            "`5e-6` to `5e-5` (the trainer config's default `1e-6` is a full fine-tune rate), "
+            "and check that the warmup ends"),),
         fires_when="the learning rate the optimizer really uses (its own, not an argument it "
         "ignores; none for Adafactor's `relative_step`) is 0 or, in a PEFT run, below the LoRA "
         "floor (`lora_lr_floor` for SFT and other trainers, `lora_lr_floor_preference` for "
@@ -207,6 +223,7 @@ class LoraLrTooLow(SpecDetector):
             "total_steps": fmt(total),
             "is_peft": str(is_peft).lower(),
             "lora_lr_floor": fmt(lora_floor(run, settings)),
+            LORA_LR_KIND: lora_lr_kind(run),
         }
         if own_step_size:
             return Verdict(False)  # no configured rate or schedule is what it steps with

@@ -586,3 +586,19 @@ def test_the_lora_floor_of_preference_and_rl_trainers_is_their_own() -> None:
         assert not fired(trainer, 5e-6), trainer
         assert fired(trainer, 1e-6), trainer
     assert fired("SFTTrainer", 5e-6) and not fired("SFTTrainer", 1e-4)
+
+
+def test_the_lora_lr_fix_names_the_range_of_the_run_s_kind() -> None:
+    """A DPO LoRA below its floor is told the DPO-family range, not the SFT one."""
+    from deadweight.sidecar import detectors
+
+    fixes = {}
+    for trainer in ("DPOTrainer", "SFTTrainer"):
+        feed = Feed(Registry(), trainer=trainer, run_id=trainer,
+                    config={"learning_rate": 1e-6, "total_steps": 10},
+                    preflight=pb.Preflight(is_peft=True))
+        feed.step(1, lr=1e-6)
+        finding = feed.registry.findings(trainer)["lora_lr_too_low"]
+        fixes[trainer] = detectors.fix_sentence("lora_lr_too_low", finding.evidence)
+    assert "`5e-6` to `5e-5`" in fixes["DPOTrainer"] and "1e-4" not in fixes["DPOTrainer"]
+    assert "`learning_rate=1e-4` to `2e-4`" in fixes["SFTTrainer"]
